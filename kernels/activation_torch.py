@@ -1,0 +1,12 @@
+"""SwiGLU activation: silu(gate) * up on a fused [gate | up] projection, in torch."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up, [..., I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,207 @@
+"""The ops the model calls, one function each; `kernels.backend` picks torch or Triton.
+
+Triton modules are imported lazily, inside the branch that needs them, so a CPU-only install
+never imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels import (
+    activation_torch,
+    attention_torch,
+    kv_cache_torch,
+    norm_torch,
+    quant_gemm_torch,
+    rotary_torch,
+    sampling_torch,
+)
+from kernels.backend import use_triton
+from kernels.kv_cache_torch import dequantize_kv_int8, quantize_kv_int8
+from kernels.quant_gemm_torch import dequantize_int4, quantize_int4, quantize_int8_rows
+
+__all__ = [
+    "apply_rotary",
+    "dequantize_int4",
+    "dequantize_kv_int8",
+    "fused_add_rms_norm",
+    "int4_gemm",
+    "int8_gemm",
+    "paged_decode_attention",
+    "prefill_attention",
+    "quantize_int4",
+    "quantize_int8_rows",
+    "quantize_kv_int8",
+    "rms_norm",
+    "sample_tokens",
+    "silu_and_mul",
+    "write_kv_cache",
+]
+
+
+def write_kv_cache(
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T]; in place."""
+    if use_triton(key):
+        from kernels import triton_kv_cache
+
+        triton_kv_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    kv_cache_torch.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_decode_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> Tensor:
+    """query [B, Hq, D], one token per sequence, over its paged KV -> [B, Hq, D]."""
+    if use_triton(query):
+        from kernels import triton_decode_attention
+
+        return triton_decode_attention.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
+        )
+    return attention_torch.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
+    )
+
+
+def prefill_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens_q: Tensor,
+    prefix_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> Tensor:
+    """Packed varlen causal prefill over cached prefix + new tokens -> [T, Hq, D]."""
+    if use_triton(query):
+        from kernels import triton_prefill_attention
+
+        return triton_prefill_attention.prefill_attention(
+            query,
+            key,
+            value,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            prefix_lens,
+            block_tables,
+            scale,
+            k_scale,
+            v_scale,
+        )
+    return attention_torch.prefill_attention(
+        query,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        prefix_lens,
+        block_tables,
+        scale,
+        k_scale,
+        v_scale,
+    )
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim, fp32 math, output in x.dtype."""
+    if use_triton(x):
+        from kernels import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
+    return norm_torch.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    if use_triton(x):
+        from kernels import triton_norm
+
+        return triton_norm.fused_add_rms_norm(x, residual, weight, eps)
+    return norm_torch.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def apply_rotary(
+    query: Tensor, key: Tensor, positions: Tensor, cos_sin_cache: Tensor
+) -> tuple[Tensor, Tensor]:
+    """NeoX-style rotary on query [T, Hq, D] and key [T, Hkv, D], in place; returns (q, k)."""
+    if use_triton(query):
+        from kernels import triton_rotary
+
+        return triton_rotary.apply_rotary(query, key, positions, cos_sin_cache)
+    return rotary_torch.apply_rotary(query, key, positions, cos_sin_cache)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    if use_triton(x):
+        from kernels import triton_activation
+
+        return triton_activation.silu_and_mul(x)
+    return activation_torch.silu_and_mul(x)
+
+
+def sample_tokens(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    exponentials: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """One token per row of logits [B, V] with per-row temperature/top-k/top-p/min-p -> [B]."""
+    if use_triton(logits):
+        from kernels import triton_sampling
+
+        return triton_sampling.sample_tokens(
+            logits, temperature, top_k, top_p, min_p, exponentials, generator
+        )
+    return sampling_torch.sample_tokens(
+        logits, temperature, top_k, top_p, min_p, exponentials, generator
+    )
+
+
+def int8_gemm(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """W8A8 linear: x [M, K] (quantized per token here) @ w_q [N, K]^T int8 -> [M, N]."""
+    if use_triton(x):
+        from kernels import triton_quant_gemm
+
+        return triton_quant_gemm.int8_gemm(x, w_q, w_scale, bias)
+    return quant_gemm_torch.int8_gemm(x, w_q, w_scale, bias)
+
+
+def int4_gemm(
+    x: Tensor, packed: Tensor, scale: Tensor, low: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """Weight-only int4 linear (grouped scale + min, two codes per byte) -> [M, N]."""
+    if use_triton(x):
+        from kernels import triton_quant_gemm
+
+        return triton_quant_gemm.int4_gemm(x, packed, scale, low, bias)
+    return quant_gemm_torch.int4_gemm(x, packed, scale, low, bias)

@@ -1,0 +1,25 @@
+"""Typed errors. Validation raises them with the field at fault; each shell maps them to a
+status (a gRPC code, a CLI exit) in one place."""
+
+from __future__ import annotations
+
+
+class LLMServeError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class InvalidRequestError(LLMServeError, ValueError):
+    """A request field has a bad value. `field` names it as the public API spells it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class CapacityError(LLMServeError):
+    """The request can never fit (e.g. its prompt needs more KV blocks than exist)."""
+
+
+class ModelLoadError(LLMServeError):
+    """A model file or directory cannot be read or is of an unsupported kind."""

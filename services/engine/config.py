@@ -1,0 +1,59 @@
+"""The in-process engine's configuration: one frozen dataclass, every field with a default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None
+    """A .gguf file or a Hugging Face directory; None = the embedded SmolLM2-135M-Instruct."""
+    dtype: DTypeName = "auto"
+    """Weights and activations. auto: bfloat16 where the CPU has native bf16 (or on CUDA)."""
+    device: str = "cpu"
+    kv_cache_bytes: int = 1 * GiB
+    """Memory for the paged KV cache; the number of blocks follows from it."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None = the model's context length."""
+    max_num_seqs: int = 128
+    """Most sequences in one step."""
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step (prefill chunks + decodes)."""
+    enable_prefix_caching: bool = True
+    allocation_policy: Literal["paged", "max_length"] = "paged"
+    """"max_length" reserves each request's worst case up front (for comparison only)."""
+    max_waiting_requests: int = 1024
+    seed: int | None = None
+    """Seed of the sampler's shared generator (requests without their own seed)."""
+    num_threads: int | None = None
+    """torch intra-op threads on CPU; None = torch's default (one per core)."""
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = cpuinfo.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        if device.startswith("cuda") or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {name!r}")
+    return dtypes[name]

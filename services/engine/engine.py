@@ -1,0 +1,209 @@
+"""The in-process engine: scheduler + model runner in one loop. Tests, benchmarks and offline
+inference use it directly; the scheduler service wraps the same pieces across processes.
+
+    engine = LLMEngine(EngineConfig())
+    rid = engine.add_request(prompt_token_ids, SamplingParams(max_new_tokens=32))
+    while engine.has_unfinished_requests():
+        for event in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import InvalidRequestError
+from services.common.model_source import model_display_name, resolve_model_path
+from services.common.sampling_params import SamplingParams
+from services.engine.config import EngineConfig, resolve_dtype
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.plan import FinishReason, TokenEvent, TokenLogprobs
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler, SchedulerStats
+from services.tokenizer.model_tokenizer import ModelTokenizer
+from services.worker.kv_cache import KVCacheSpec, PagedKVCache
+from services.worker.loader.model_loader import load_model
+from services.worker.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage = field(default_factory=Usage)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.clock = clock
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = resolve_model_path(config.model)
+        self.model_name = model_display_name(self.model_path)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        self.tokenizer = ModelTokenizer.from_path(self.model_path)
+        model_max = None
+        self.model = load_model(self.model_path, dtype=self.dtype, device=config.device)
+        self.model_config = self.model.config
+        model_max = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_max, model_max)
+        self.eos_token_ids = tuple(
+            dict.fromkeys((*self.model_config.eos_token_ids, *self.tokenizer.eos_token_ids))
+        )
+        spec = KVCacheSpec.for_model(self.model_config, config.block_size, self.dtype)
+        self.num_kv_blocks = spec.num_blocks_for_budget(config.kv_cache_bytes)
+        self.kv_cache = PagedKVCache(spec, self.num_kv_blocks, config.device)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, eos_token_ids=self.eos_token_ids, seed=config.seed
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+                allocation_policy=config.allocation_policy,
+                max_waiting_requests=config.max_waiting_requests,
+            ),
+            self.num_kv_blocks,
+        )
+        self._ids = itertools.count()
+        log.info(
+            "engine ready",
+            extra={
+                "model": self.model_name,
+                "dtype": str(self.dtype),
+                "kv_blocks": self.num_kv_blocks,
+                "max_model_len": self.max_model_len,
+            },
+        )
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises InvalidRequestError naming the bad field,
+        CapacityError if it can never fit, QueueFullError if the queue is full."""
+        sampling = sampling or SamplingParams()
+        prompt = self.validate_prompt(prompt_token_ids)
+        sampling.validate(max_new_tokens_limit=self.max_model_len)
+        if deadline_s is not None and not deadline_s > 0:
+            raise InvalidRequestError("deadline_ms", f"must be > 0, got {deadline_s * 1000}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        now = self.clock()
+        self.scheduler.add_request(
+            Request(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=now,
+                deadline=None if deadline_s is None else now + deadline_s,
+            )
+        )
+        return request_id
+
+    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(prompt)} tokens but the context length is "
+                f"{self.max_model_len} (at least one token must be left to generate)",
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        return prompt
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler step and one forward; returns what happened to each request."""
+        plan = self.scheduler.schedule(self.clock())
+        result = self.runner.execute(plan)
+        return self.scheduler.update(plan, result, self.clock())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stream(self) -> Iterator[TokenEvent]:
+        """Step until every queued request has finished, yielding events as they come."""
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    # ---- offline convenience ------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_finish: Callable[[GenerationResult], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Run every prompt to completion with continuous batching; results in input order."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        results: dict[str, GenerationResult] = {}
+        order: list[str] = []
+        for prompt, params in zip(prompts, sampling, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = self.add_request(ids, params)
+            results[request_id] = GenerationResult(request_id, ids)
+            order.append(request_id)
+        for event in self.stream():
+            result = results.get(event.request_id)
+            if result is None:
+                continue
+            result.token_ids.extend(event.new_token_ids)
+            result.logprobs.extend(event.logprobs)
+            result.usage.cached_prompt_tokens = event.num_cached_tokens
+            if event.finish_reason is not None:
+                result.finish_reason = event.finish_reason
+                result.usage.prompt_tokens = len(result.prompt_token_ids)
+                result.usage.completion_tokens = len(result.token_ids)
+                result.text = self.tokenizer.decode(result.token_ids)
+                if on_finish is not None:
+                    on_finish(result)
+        return [results[request_id] for request_id in order]

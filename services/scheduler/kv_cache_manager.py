@@ -1,0 +1,220 @@
+"""Per-request block tables on top of the block pool: prefix hits, growth, copy-on-write, caching.
+
+Two allocation policies share this interface:
+  "paged"      blocks are taken as tokens arrive; full computed blocks join the prefix cache.
+  "max_length" a request reserves one contiguous run for its worst-case length up front and
+               never grows (the pre-PagedAttention baseline; no prefix caching).
+"""
+
+from __future__ import annotations
+
+from services.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens
+from services.scheduler.config import AllocationPolicy
+from services.scheduler.request import Request
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        allocation_policy: AllocationPolicy = "paged",
+        max_model_len: int = 2048,
+        watermark: float = 0.0,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.is_paged = allocation_policy == "paged"
+        self.enable_prefix_caching = enable_prefix_caching and self.is_paged
+        self.pool = BlockPool(num_blocks, enable_caching=self.enable_prefix_caching)
+        # A max-length reservation already covers growth, so it needs no headroom.
+        self.watermark_blocks = int(watermark * num_blocks) if self.is_paged else 0
+        self._block_tables: dict[str, list[int]] = {}
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def reservation_tokens(self, request: Request) -> int:
+        """Worst-case length of a request: what "max_length" reserves at admission."""
+        return min(request.num_prompt_tokens + request.sampling.max_new_tokens, self.max_model_len)
+
+    def can_ever_fit(self, request: Request) -> bool:
+        """False when the request could not be admitted even into an empty pool."""
+        if self.is_paged:
+            return self.num_blocks_for(request.num_tokens + 1) <= self.num_total_blocks
+        return self.num_blocks_for(self.reservation_tokens(request)) <= self.num_total_blocks
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        return self._block_tables[request_id]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached full-block prefix of a request not yet admitted: (blocks, tokens).
+
+        Capped one token short of the request's end: the step that computes the last token is
+        the one that samples, so at least one token must always be computed.
+        """
+        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+            return [], 0
+        blocks: list[int] = []
+        for index in range((request.num_tokens - 1) // self.block_size):
+            block_id = self.pool.get_cached_block(self._block_hash(request, index))
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        *,
+        reserve_watermark: bool = True,
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens of KV. Returns the blocks appended to the
+        request's table (all of them, for a new request), or None when they do not fit.
+
+        Admitting a new request keeps the watermark free unless `reserve_watermark` is False
+        (the scheduler drops it when nothing is running: no decode needs the headroom).
+        """
+        table = self._block_tables.get(request.request_id)
+        if table is None:
+            if not self.is_paged:
+                return self._reserve_max_length(request)
+            headroom = self.watermark_blocks if reserve_watermark else 0
+            return self._admit(request, num_new_tokens, computed_blocks or [], headroom)
+        if not self.is_paged:
+            return []
+        return self._grow(request, table, num_new_tokens)
+
+    def _admit(
+        self, request: Request, num_new_tokens: int, computed: list[int], headroom: int
+    ) -> list[int] | None:
+        num_computed = len(computed) * self.block_size
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(computed)
+        # A hit on a freed cached block takes it out of the free queue, so it costs capacity.
+        num_revived = sum(1 for block_id in computed if self.pool.ref_count(block_id) == 0)
+        if num_needed + num_revived > self.num_free_blocks - headroom:
+            return None
+        self.pool.touch(computed)
+        new_blocks = self.pool.allocate(num_needed)
+        self._block_tables[request.request_id] = computed + new_blocks
+        self._num_cached_blocks[request.request_id] = len(computed)
+        if self.enable_prefix_caching:
+            self.prefix_queried_tokens += request.num_tokens
+            self.prefix_hit_tokens += num_computed
+        return new_blocks
+
+    def _reserve_max_length(self, request: Request) -> list[int] | None:
+        num_blocks = self.num_blocks_for(self.reservation_tokens(request))
+        blocks = self.pool.allocate_contiguous(num_blocks)
+        if blocks is None:
+            return None
+        self._block_tables[request.request_id] = blocks
+        self._num_cached_blocks[request.request_id] = 0
+        return list(blocks)
+
+    def _grow(self, request: Request, table: list[int], num_new_tokens: int) -> list[int] | None:
+        num_blocks_after = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        num_needed = max(0, num_blocks_after - len(table))
+        shared = self._shared_blocks_to_write(request, table, num_blocks_after)
+        if num_needed + len(shared) > self.num_free_blocks:
+            return None
+        for index in shared:
+            self._copy_on_write(table, index)
+        if num_needed == 0:
+            return []  # the common decode step: the token fits the last block
+        new_blocks = self.pool.allocate(num_needed)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def _shared_blocks_to_write(
+        self, request: Request, table: list[int], num_blocks_after: int
+    ) -> list[int]:
+        """Indices of blocks this step writes into that another sequence also references."""
+        first = request.num_computed_tokens // self.block_size
+        if first >= len(table):
+            return []  # writes only into blocks about to be allocated
+        ref_count = self.pool.ref_count
+        last = min(num_blocks_after, len(table))
+        return [i for i in range(first, last) if ref_count(table[i]) > 1]
+
+    def _copy_on_write(self, table: list[int], index: int) -> None:
+        source = table[index]
+        (copy,) = self.pool.allocate(1)
+        self._pending_copies.append((source, copy))
+        self.pool.free([source])
+        table[index] = copy
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies the worker must do before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's blocks that are now full and computed (call after update)."""
+        if not self.enable_prefix_caching:
+            return
+        num_cached = self._num_cached_blocks[request.request_id]
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= num_cached:
+            return  # most steps: no block became full
+        table = self._block_tables[request.request_id]
+        for index in range(num_cached, num_full):
+            self.pool.cache_block(table[index], self._block_hash(request, index))
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def _block_hash(self, request: Request, index: int) -> BlockHash:
+        """Hash of full block `index`, memoized per request (the chain needs all parents)."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        while len(hashes) <= index:
+            start = len(hashes) * self.block_size
+            tokens = request.token_ids_slice(start, start + self.block_size)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens))
+        return hashes[index]
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give `child_id` the parent's blocks, shared (refcount + 1); the first write into a
+        shared block copies it. The caller gives the child the parent's tokens."""
+        table = self._block_tables[parent_id]
+        self.pool.touch(table)
+        self._block_tables[child_id] = list(table)
+        self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+        self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (no-op if it holds none). Cached ones stay findable."""
+        table = self._block_tables.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        self._block_hashes.pop(request.request_id, None)
+        if table:
+            # Tail first: a sequence's last blocks are the least likely to be someone's prefix.
+            self.pool.free(reversed(table))
+
+    def check_integrity(self) -> None:
+        """The pool is consistent and its refcounts are exactly the block-table references."""
+        self.pool.check_integrity()
+        counts = [0] * self.num_total_blocks
+        for table in self._block_tables.values():
+            for block_id in table:
+                counts[block_id] += 1
+        for block_id, count in enumerate(counts):
+            assert count == self.pool.ref_count(block_id), (
+                f"block {block_id}: {count} table references, refcount "
+                f"{self.pool.ref_count(block_id)}"
+            )

@@ -1,0 +1,113 @@
+"""The contract between the scheduler and the worker: a plan per step, a result per step.
+
+A plan is a *delta* against the worker's persistent batch. A sequence is sent whole once
+(`NewSequence`); after that only what changed travels (new blocks, tokens to compute). The
+worker keeps each sequence's token ids and block table and appends the tokens it samples
+itself, so a decode step for a large batch stays a few bytes per sequence.
+
+Token regions of one sequence, as both sides see them:
+
+    token_ids:  [ prompt ............................ | output ......... ]
+                 ^0              ^num_computed_tokens                   ^len(token_ids)
+                 |-- KV in cache--|-- scheduled this step (n) --|
+A step computes tokens [num_computed_tokens, num_computed_tokens + n). When that range reaches
+the end of token_ids the worker samples one token for the sequence and appends it; a partial
+prefill chunk samples nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from services.common.sampling_params import SamplingParams
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS or a stop token id (stop strings are the tokenizer tier's)
+    LENGTH = "length"  # max_new_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the client
+    DEADLINE = "deadline"  # the request's deadline passed (queued or running)
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """A sequence the worker has not seen (or has dropped, after a preemption)."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt plus any output already generated (a resumed, preempted request)."""
+    num_prompt_tokens: int
+    """token_ids[:num_prompt_tokens] is the prompt; the rest is output (for penalties)."""
+    block_ids: list[int]
+    """Block table: block i holds the KV of tokens [i*block_size, (i+1)*block_size)."""
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache (prefix-cache hit)."""
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class SequenceDelta:
+    """Blocks appended to the block table of a sequence the worker already holds."""
+
+    request_id: str
+    new_block_ids: list[int]
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """Everything the worker needs for one forward step."""
+
+    step_id: int
+    new_sequences: list[NewSequence] = field(default_factory=list)
+    block_deltas: list[SequenceDelta] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """request_id -> tokens to compute this step; its order is the batch order."""
+    finished_ids: list[str] = field(default_factory=list)
+    """Sequences to drop from the worker (finished, aborted, expired or preempted). Applied
+    before anything else in the plan, so a preempted id may reappear in new_sequences."""
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) block copies to do before the forward (copy-on-write of a shared block)."""
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and of the top alternatives (raw model output)."""
+
+    token_logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the worker sends back: one sampled token per sequence that reached its end."""
+
+    step_id: int
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """What the scheduler tells the request's owner after a step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

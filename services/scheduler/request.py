@@ -1,0 +1,70 @@
+"""A request as the scheduler tracks it: prompt, outputs so far, and how much KV is computed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from services.common.sampling_params import SamplingParams
+from services.scheduler.plan import FinishReason
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"  # queued, never admitted
+    RUNNING = "running"  # holds KV blocks, scheduled every step
+    PREEMPTED = "preempted"  # blocks taken back; queued again, will recompute
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request.
+
+    tokens:  [ prompt_token_ids ........ | output_token_ids .... ]
+              ^0    ^num_computed_tokens                          ^num_tokens
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    deadline: float | None = None
+    """Absolute time (same clock as `now`) after which the request is dropped."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """A fresh list of prompt + output (O(length): not for per-step hot paths)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) across the prompt/output boundary, without copying both."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]

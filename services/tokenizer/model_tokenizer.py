@@ -1,0 +1,181 @@
+"""The model's tokenizer and chat template, from a HF directory or a GGUF file's metadata."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from services.common.errors import ModelLoadError
+from services.tokenizer.chat_template import ChatMessage, ChatTemplate
+
+# llama.cpp token types (gguf.TokenType): 3 = control (special), 4 = user defined.
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as the original tokenizer.json
+# files define them. Byte-level BPE needs the exact split to reproduce the ids.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> Any:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in (None, "default", "gpt-2", "gpt2"):
+        return byte_level
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        split = _LLAMA3_SPLIT
+    elif pre == "qwen2":
+        split = _QWEN2_SPLIT
+    else:
+        raise ModelLoadError(f"GGUF pre-tokenizer {pre!r} is not supported yet")
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+class ModelTokenizer:
+    """Text ↔ token ids for one model, plus its chat template and special ids."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        chat_template: str | None,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos_token: bool,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.add_bos_token = add_bos_token
+        bos = tokenizer.id_to_token(bos_token_id) if bos_token_id is not None else None
+        eos = tokenizer.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+        self.chat_template = ChatTemplate(chat_template, bos_token=bos or "", eos_token=eos or "")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+        if wants_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return list(ids)
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        # A template that starts with the BOS text already carries it; don't add a second one.
+        return self.encode(text, add_special_tokens=not text.startswith(self._bos_text))
+
+    @property
+    def _bos_text(self) -> str:
+        if self.bos_token_id is None:
+            return "\0"
+        return str(self.tokenizer.id_to_token(self.bos_token_id))
+
+    @classmethod
+    def from_path(cls, path: Path) -> ModelTokenizer:
+        if path.suffix == ".gguf":
+            return cls.from_gguf(path)
+        return cls.from_hf_directory(path)
+
+    @classmethod
+    def from_hf_directory(cls, directory: Path) -> ModelTokenizer:
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"no tokenizer.json in {directory}")
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        config: dict[str, Any] = {}
+        if (directory / "tokenizer_config.json").is_file():
+            config = json.loads((directory / "tokenizer_config.json").read_text())
+        model_config = json.loads((directory / "config.json").read_text())
+        template = config.get("chat_template")
+        if template is None and (directory / "chat_template.jinja").is_file():
+            template = (directory / "chat_template.jinja").read_text()
+
+        def token_id(value: Any) -> int | None:
+            if isinstance(value, dict):
+                value = value.get("content")
+            return tokenizer.token_to_id(value) if isinstance(value, str) else None
+
+        bos_id = token_id(config.get("bos_token"))
+        if bos_id is None:
+            bos_id = model_config.get("bos_token_id")
+        eos = model_config.get("eos_token_id")
+        eos_ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+        config_eos = token_id(config.get("eos_token"))
+        if config_eos is not None and config_eos not in eos_ids:
+            eos_ids.insert(0, config_eos)
+        return cls(
+            tokenizer,
+            chat_template=template if isinstance(template, str) else None,
+            bos_token_id=bos_id,
+            eos_token_ids=eos_ids,
+            add_bos_token=bool(config.get("add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> ModelTokenizer:
+        from services.worker.loader.gguf_loader import field_value, open_gguf
+
+        reader = open_gguf(path)
+        kind = field_value(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(
+                f"GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' is);"
+                " use the model's Hugging Face directory instead"
+            )
+        tokens: list[str] = list(field_value(reader, "tokenizer.ggml.tokens"))
+        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
+        token_types = list(field_value(reader, "tokenizer.ggml.token_type") or [])
+        vocab = {token: index for index, token in enumerate(tokens)}
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+        tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(
+            field_value(reader, "tokenizer.ggml.pre")
+        )
+        tokenizer.decoder = decoders.ByteLevel()
+        special = [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == _CONTROL
+        ]
+        user = [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == _USER_DEFINED
+        ]
+        tokenizer.add_special_tokens(special)
+        tokenizer.add_tokens(user)
+        eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+        eot = field_value(reader, "tokenizer.ggml.eot_token_id")
+        eos_ids = list(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
+        bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+        return cls(
+            tokenizer,
+            chat_template=field_value(reader, "tokenizer.chat_template"),
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=eos_ids,
+            add_bos_token=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+        )

@@ -1,0 +1,148 @@
+"""The worker's persistent batch: every sequence it holds, updated by plan deltas, and turned
+into the tensors of one forward step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.scheduler.plan import BatchPlan
+from services.worker.forward_batch import ForwardBatch
+from services.worker.sampler import SamplerRow
+
+
+@dataclass(slots=True)
+class CachedSequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+
+    def sampler_row(self, eos_token_ids: tuple[int, ...]) -> SamplerRow:
+        # The prompt is only read by penalties; skip copying a long prompt every step.
+        prompt = self.token_ids[: self.num_prompt_tokens] if self.sampling.has_penalties else ()
+        return SamplerRow(
+            sampling=self.sampling,
+            prompt_token_ids=prompt,
+            output_token_ids=self.token_ids[self.num_prompt_tokens :],
+            eos_token_ids=eos_token_ids,
+        )
+
+
+@dataclass(slots=True)
+class StepInputs:
+    forward: ForwardBatch
+    sampled_ids: list[str]
+    """Request ids whose scheduled range reaches their last token: one row of logits each, in
+    the order of forward.logits_indices."""
+
+
+class InputBatch:
+    def __init__(self, block_size: int, device: torch.device | str) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sequences: dict[str, CachedSequence] = {}
+
+    def apply(self, plan: BatchPlan) -> None:
+        """Bring the persistent batch up to date with a plan's deltas."""
+        for request_id in plan.finished_ids:
+            self.sequences.pop(request_id, None)
+        for new in plan.new_sequences:
+            self.sequences[new.request_id] = CachedSequence(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=new.sampling,
+            )
+        for delta in plan.block_deltas:
+            self.sequences[delta.request_id].block_ids.extend(delta.new_block_ids)
+
+    def prepare(self, plan: BatchPlan) -> StepInputs:
+        """Tensors for the scheduled tokens: prefill sequences first, then decodes."""
+        prefills: list[tuple[CachedSequence, int]] = []
+        decodes: list[CachedSequence] = []
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            seq = self.sequences[request_id]
+            if num_tokens == 1 and seq.num_computed_tokens > 0:
+                decodes.append(seq)
+            else:
+                prefills.append((seq, num_tokens))
+
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        logits_rows: list[int] = []
+        sampled_ids: list[str] = []
+        cu_seqlens = [0]
+        prefix_lens: list[int] = []
+        for seq, num_tokens in prefills:
+            start = seq.num_computed_tokens
+            end = start + num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.append(np.arange(start, end, dtype=np.int64))
+            cu_seqlens.append(cu_seqlens[-1] + num_tokens)
+            prefix_lens.append(start)
+            if end == len(seq.token_ids):
+                logits_rows.append(cu_seqlens[-1] - 1)
+                sampled_ids.append(seq.request_id)
+        num_prefill_tokens = cu_seqlens[-1]
+
+        decode_positions = np.fromiter(
+            (seq.num_computed_tokens for seq in decodes), dtype=np.int64, count=len(decodes)
+        )
+        for index, seq in enumerate(decodes):
+            input_ids.append(seq.token_ids[seq.num_computed_tokens])
+            logits_rows.append(num_prefill_tokens + index)
+            sampled_ids.append(seq.request_id)
+        positions.append(decode_positions)
+
+        all_positions = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+        seqs = [seq for seq, _ in prefills] + decodes
+        block_table = _block_table(seqs, int(all_positions.max(initial=0)) // block_size + 1)
+        # Row of the block table that each token belongs to.
+        counts = [n for _, n in prefills] + [1] * len(decodes)
+        token_rows = np.repeat(np.arange(len(seqs)), counts)
+        slot_mapping = (
+            block_table[token_rows, all_positions // block_size].astype(np.int64) * block_size
+            + all_positions % block_size
+        )
+        num_prefills = len(prefills)
+        forward = ForwardBatch(
+            input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64)),
+            positions=self._tensor(all_positions),
+            slot_mapping=self._tensor(slot_mapping),
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_cu_seqlens=self._tensor(np.asarray(cu_seqlens, dtype=np.int32)),
+            prefill_prefix_lens=self._tensor(np.asarray(prefix_lens, dtype=np.int32)),
+            prefill_block_tables=self._tensor(block_table[:num_prefills]),
+            decode_block_tables=self._tensor(block_table[num_prefills:]),
+            decode_context_lens=self._tensor((decode_positions + 1).astype(np.int32)),
+            logits_indices=self._tensor(np.asarray(logits_rows, dtype=np.int64)),
+        )
+        return StepInputs(forward=forward, sampled_ids=sampled_ids)
+
+    def advance(self, plan: BatchPlan, sampled: dict[str, int]) -> None:
+        """After the forward: scheduled tokens are computed; sampled tokens join the sequence."""
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            self.sequences[request_id].num_computed_tokens += num_tokens
+        for request_id, token_id in sampled.items():
+            self.sequences[request_id].token_ids.append(token_id)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _block_table(seqs: list[CachedSequence], width: int) -> np.ndarray:
+    """[len(seqs), width] int32, padded with block 0 (never read past a context length)."""
+    table = np.zeros((len(seqs), width), dtype=np.int32)
+    for row, seq in enumerate(seqs):
+        blocks = seq.block_ids[:width]
+        table[row, : len(blocks)] = blocks
+    return table

@@ -1,0 +1,301 @@
+"""The torch ops (CPU path and oracle) against naive fp64 references written here.
+
+Tolerances: fp32 atol = rtol = 1e-5 (attention: 2e-5); bf16 atol = rtol = 2e-2 (an 8-bit
+mantissa rounds each stored value by up to 2^-9 relative; outputs are O(1)).
+int8 KV: checked against the reference on the *dequantized* cache, with fp32 tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import backend, ops
+from kernels.kv_cache_torch import KV_QUANT_GROUP_SIZE, dequantize_kv_int8, quantize_kv_int8
+from tests.kernels.paged_kv_factory import make_paged_kv, ref_attention
+
+TOLERANCES = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+ATTN_TOLERANCES = {
+    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "torch")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- backend selection ------------------------------------------------------------------------
+
+
+def test_backend_rule_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.zeros(1)
+    monkeypatch.delenv(backend.BACKEND_ENV_VAR)
+    assert backend.backend_for(x) == "torch"
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "TRITON")
+    assert backend.backend_for(x) == "triton"
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=backend.BACKEND_ENV_VAR):
+        backend.backend_for(x)
+
+
+# --- KV cache -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_write_kv_cache(dtype: torch.dtype, num_tokens: int) -> None:
+    g = gen(num_tokens)
+    num_blocks, hkv, d = 5, 2, 64
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=g).to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    key = torch.randn(num_tokens, hkv, d, generator=g).to(dtype)
+    value = torch.randn(num_tokens, hkv, d, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=g)[:num_tokens]
+    ops.write_kv_cache(key, value, k_cache, v_cache, slots)
+    expected_k, expected_v = k_before.flatten(0, 1), v_before.flatten(0, 1)
+    for t, slot in enumerate(slots.tolist()):
+        expected_k[slot] = key[t]
+        expected_v[slot] = value[t]
+    assert torch.equal(k_cache.flatten(0, 1), expected_k)
+    assert torch.equal(v_cache.flatten(0, 1), expected_v)
+
+
+def test_quantize_kv_int8_round_trip() -> None:
+    x = torch.randn(7, 3, 64, generator=gen(1)) * 3
+    x[0, 0, :KV_QUANT_GROUP_SIZE] = 0  # an all-zero group must not divide by zero
+    q, scale = quantize_kv_int8(x)
+    assert q.dtype == torch.int8 and scale.shape == (7, 3, 64 // KV_QUANT_GROUP_SIZE)
+    restored = dequantize_kv_int8(q, scale)
+    assert torch.equal(restored[0, 0, :KV_QUANT_GROUP_SIZE], torch.zeros(KV_QUANT_GROUP_SIZE))
+    # Error is at most half a step, plus fp16 rounding of the scale times the largest code.
+    step = scale.float().repeat_interleave(KV_QUANT_GROUP_SIZE, dim=-1)
+    assert ((restored - x).abs() <= step * 0.5 + step * 127 * 2**-10 + 1e-7).all()
+
+
+def test_write_kv_cache_int8() -> None:
+    g = gen(3)
+    num_blocks, hkv, d, num_tokens = 4, 2, 64, 21
+    k_cache = torch.zeros(num_blocks, BLOCK_SIZE, hkv, d, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale = torch.zeros(num_blocks, BLOCK_SIZE, hkv, d // 8, dtype=torch.float16)
+    v_scale = torch.zeros_like(k_scale)
+    key = torch.randn(num_tokens, hkv, d, generator=g)
+    value = torch.randn(num_tokens, hkv, d, generator=g)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=g)[:num_tokens]
+    ops.write_kv_cache(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    for cache, scale, src in ((k_cache, k_scale, key), (v_cache, v_scale, value)):
+        q_expected, s_expected = quantize_kv_int8(src)
+        assert torch.equal(cache.flatten(0, 1)[slots], q_expected)
+        assert torch.equal(scale.flatten(0, 1)[slots], s_expected)
+
+
+# --- decode attention ---------------------------------------------------------------------------
+
+DECODE_LENS = {
+    "one_token": [1],
+    "one_seq_partial_block": [37],
+    "many_seqs": [1, 16, 17, 50, 3],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("lens_name", list(DECODE_LENS))
+def test_paged_decode_attention(
+    dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int, lens_name: str
+) -> None:
+    lens = DECODE_LENS[lens_name]
+    g = gen(len(lens) * head_dim + num_q_heads)
+    kv = make_paged_kv(lens, num_kv_heads, head_dim, BLOCK_SIZE, dtype, g)
+    query = torch.randn(len(lens), num_q_heads, head_dim, generator=g).to(dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = ops.paged_decode_attention(query, kv.k_cache, kv.v_cache, kv.block_tables, kv.lens, scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    for b, n in enumerate(lens):
+        k, v = kv.dense_kv(b)
+        expected = ref_attention(query[b : b + 1], k, v, scale, q_offset=n - 1)
+        torch.testing.assert_close(out[b : b + 1].double(), expected, **ATTN_TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (6, 2)])
+def test_paged_decode_attention_int8_kv(num_q_heads: int, num_kv_heads: int) -> None:
+    lens = [5, 33, 16]
+    g = gen(11)
+    kv = make_paged_kv(lens, num_kv_heads, 64, BLOCK_SIZE, torch.float32, g, quantized=True)
+    query = torch.randn(len(lens), num_q_heads, 64, generator=g)
+    out = ops.paged_decode_attention(
+        query, kv.k_cache, kv.v_cache, kv.block_tables, kv.lens, 0.125, kv.k_scale, kv.v_scale
+    )
+    for b, n in enumerate(lens):
+        k, v = kv.dense_kv(b)
+        expected = ref_attention(query[b : b + 1], k, v, 0.125, q_offset=n - 1)
+        torch.testing.assert_close(
+            out[b : b + 1].double(), expected, **ATTN_TOLERANCES[torch.float32]
+        )
+
+
+# --- prefill attention --------------------------------------------------------------------------
+
+PREFILL_CASES = {
+    # name: (new tokens per sequence, prefix tokens per sequence)
+    "one_token_no_prefix": ([1], [0]),
+    "one_seq_no_prefix": ([23], [0]),
+    "one_seq_prefix": ([9], [21]),
+    "many_mixed": ([1, 17, 5, 16], [0, 16, 3, 0]),
+    "decode_like_with_prefix": ([1, 1], [40, 7]),
+}
+
+
+def run_prefill_case(
+    new_lens: list[int],
+    prefix_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    quantized: bool = False,
+) -> None:
+    g = gen(seed)
+    kv = make_paged_kv(prefix_lens, num_kv_heads, head_dim, BLOCK_SIZE, dtype, g, quantized)
+    total = sum(new_lens)
+    query = torch.randn(total, num_q_heads, head_dim, generator=g).to(dtype)
+    key = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
+    value = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = 1 / math.sqrt(head_dim)
+    out = ops.prefill_attention(
+        query,
+        key,
+        value,
+        kv.k_cache,
+        kv.v_cache,
+        cu,
+        kv.lens,
+        kv.block_tables,
+        scale,
+        kv.k_scale,
+        kv.v_scale,
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    for s, prefix in enumerate(prefix_lens):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        k_prefix, v_prefix = kv.dense_kv(s)
+        k = torch.cat([k_prefix, key[lo:hi].double()])
+        v = torch.cat([v_prefix, value[lo:hi].double()])
+        expected = ref_attention(query[lo:hi], k, v, scale, q_offset=prefix)
+        torch.testing.assert_close(out[lo:hi].double(), expected, **ATTN_TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(2, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_attention(
+    dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int, case: str
+) -> None:
+    new_lens, prefix_lens = PREFILL_CASES[case]
+    run_prefill_case(
+        new_lens, prefix_lens, num_q_heads, num_kv_heads, head_dim, dtype, seed=head_dim
+    )
+
+
+def test_prefill_attention_int8_kv() -> None:
+    run_prefill_case([4, 9], [19, 0], 6, 2, 64, torch.float32, seed=5, quantized=True)
+
+
+# --- norms, rotary, activation --------------------------------------------------------------------
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 576), (2, 3, 128)])
+def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    g = gen(shape[-1])
+    x = (torch.randn(shape, generator=g) * 4).to(dtype)
+    weight = torch.randn(shape[-1], generator=g).to(dtype)
+    out = ops.rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref_rms_norm(x, weight, 1e-6), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_fused_add_rms_norm(dtype: torch.dtype, num_tokens: int) -> None:
+    g = gen(num_tokens)
+    x = torch.randn(num_tokens, 256, generator=g).to(dtype)
+    residual = torch.randn(num_tokens, 256, generator=g).to(dtype)
+    weight = torch.randn(256, generator=g).to(dtype)
+    normed, summed = ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert normed.dtype == dtype and summed.dtype == dtype
+    expected_sum = x.double() + residual.double()
+    torch.testing.assert_close(summed.double(), expected_sum, **TOLERANCES[dtype])
+    torch.testing.assert_close(
+        normed.double(), ref_rms_norm(expected_sum, weight, 1e-5), **TOLERANCES[dtype]
+    )
+
+
+def rope_cache(max_pos: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def ref_rotary(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's formula: x * cos + rotate_half(x) * sin, cos/sin repeated over halves."""
+    cos, sin = cache[positions].double().chunk(2, dim=-1)
+    cos = torch.cat([cos, cos], -1)[:, None, :]
+    sin = torch.cat([sin, sin], -1)[:, None, :]
+    x64 = x.double()
+    x1, x2 = x64.chunk(2, dim=-1)
+    return x64 * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_tokens", "num_q_heads", "num_kv_heads"), [(1, 3, 1), (13, 8, 2)])
+def test_apply_rotary(
+    dtype: torch.dtype, head_dim: int, num_tokens: int, num_q_heads: int, num_kv_heads: int
+) -> None:
+    g = gen(head_dim + num_tokens)
+    cache = rope_cache(4096, head_dim)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g)
+    # q and k as views of one fused projection output, as the model produces them.
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=g)
+    qkv = qkv.to(dtype)
+    query, key = qkv[:, :num_q_heads], qkv[:, num_q_heads : num_q_heads + num_kv_heads]
+    expected_q, expected_k = ref_rotary(query, positions, cache), ref_rotary(key, positions, cache)
+    value_before = qkv[:, num_q_heads + num_kv_heads :].clone()
+    q_out, k_out = ops.apply_rotary(query, key, positions, cache)
+    torch.testing.assert_close(q_out.double(), expected_q, **TOLERANCES[dtype])
+    torch.testing.assert_close(k_out.double(), expected_k, **TOLERANCES[dtype])
+    assert torch.equal(qkv[:, num_q_heads + num_kv_heads :], value_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 128), (5, 2 * 1536)])
+def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    x = (torch.randn(shape, generator=gen(shape[0])) * 3).to(dtype)
+    out = ops.silu_and_mul(x)
+    gate, up = x.double().chunk(2, dim=-1)
+    expected = gate / (1 + torch.exp(-gate)) * up
+    assert out.shape == (shape[0], shape[1] // 2) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])

@@ -1,0 +1,46 @@
+"""Shared, expensive fixtures for model tests: the embedded model loaded by our engine and by
+Hugging Face transformers (the reference), both in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.model_source import embedded_model_path
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "List three colors:\n1.",
+    "Water boils at a temperature of",
+    "The quick brown fox",
+    "In 1969, the first human landed on the",
+    "Translate to French: 'good morning' ->",
+    "Emoji test 😀 and accents: café, naïve, 東京.",
+]
+
+
+@pytest.fixture(scope="session")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(dtype="float32", kv_cache_bytes=256 << 20, seed=0))
+
+
+@pytest.fixture(scope="session")
+def hf_model():  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip("transformers")
+    path = embedded_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip("transformers")
+    path = embedded_model_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
