@@ -10,7 +10,7 @@ G query *rows* of that KV head, so K/V are never repeated:
     query [B, Hq, D] -> [B, Hkv, G, D]  (rows)   x   K [B, Hkv, L, D]  ->  [B, Hkv, G, L]
 
 Measured on 2 CPU cores (see kernels/README.md) this beats an explicit matmul + softmax and
-SDPA with enable_gqa in almost every cell of B in {1, 32, 64} x context in {128, 1024}.
+SDPA with enable_gqa in every cell of B in {1, 32, 64} x context in {128, 1024}.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ def _dense(k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, lens: Tensor)
     block_size = k_cache.shape[1]
     num_blocks = (int(lens.max()) + block_size - 1) // block_size
     ids = block_tables[:, :num_blocks].long()
-    keys, values = k_cache[ids].flatten(1, 2), v_cache[ids].flatten(1, 2)
+    keys = k_cache.index_select(0, ids.flatten()).view(*ids.shape, *k_cache.shape[1:])
+    values = v_cache.index_select(0, ids.flatten()).view(*ids.shape, *v_cache.shape[1:])
+    keys, values = keys.flatten(1, 2), values.flatten(1, 2)
     valid = torch.arange(keys.shape[1])[None, :] < lens[:, None]
     return keys, values, valid
 

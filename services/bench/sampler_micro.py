@@ -1,6 +1,7 @@
 """Micro-benchmark of the sampler alone: microseconds per build_sampling_metadata and per call.
 
 python -m services.bench.sampler_micro [--vocab-size 49152] [--batch-sizes 1,32,256] [--device cpu]
+                                       [--threads N]
 
 Logits are Gaussian with fixed seeds. "peaked" scales them by 4 so the 0.9 nucleus at
 temperature 0.8 holds a few dozen tokens (median 36 of 49152), roughly what a language model
@@ -99,7 +100,16 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--batch-sizes", default="1,32,256")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0: torch's default). On a shared machine 1 gives stable numbers:"
+        " busy cores make multi-threaded kernels spin and vary 10x.",
+    )
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 

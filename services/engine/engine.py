@@ -18,16 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.errors import InvalidRequestError
-from services.common.model_source import model_display_name, resolve_model_path
 from services.common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig, resolve_dtype
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.plan import FinishReason, TokenEvent, TokenLogprobs
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerStats
-from services.tokenizer.model_tokenizer import ModelTokenizer
-from services.worker.kv_cache import KVCacheSpec, PagedKVCache
-from services.worker.loader.model_loader import load_model
+from services.worker.loaded_model import LoadedModel
 from services.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -53,30 +50,38 @@ class GenerationResult:
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: EngineConfig | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """Load the model (unless `loaded` is given: its dtype and device win) and size the KV
+        cache from config.kv_cache_bytes."""
         self.config = config = config or EngineConfig()
         self.clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model_path = resolve_model_path(config.model)
-        self.model_name = model_display_name(self.model_path)
-        self.dtype = resolve_dtype(config.dtype, config.device)
-        self.tokenizer = ModelTokenizer.from_path(self.model_path)
-        model_max = None
-        self.model = load_model(self.model_path, dtype=self.dtype, device=config.device)
+        if loaded is None:
+            dtype = resolve_dtype(config.dtype, config.device)
+            loaded = LoadedModel.load(config.model, dtype, config.device)
+        self.loaded = loaded
+        self.model_path = loaded.path
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.model = loaded.model
+        self.dtype = loaded.dtype
         self.model_config = self.model.config
-        model_max = self.model_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or model_max, model_max)
-        self.eos_token_ids = tuple(
-            dict.fromkeys((*self.model_config.eos_token_ids, *self.tokenizer.eos_token_ids))
+        self.max_model_len = loaded.max_model_len(config.max_model_len)
+        self.eos_token_ids = loaded.eos_token_ids
+        self.runner = ModelRunner.create(
+            loaded,
+            kv_cache_bytes=config.kv_cache_bytes,
+            block_size=config.block_size,
+            seed=config.seed,
         )
-        spec = KVCacheSpec.for_model(self.model_config, config.block_size, self.dtype)
-        self.num_kv_blocks = spec.num_blocks_for_budget(config.kv_cache_bytes)
-        self.kv_cache = PagedKVCache(spec, self.num_kv_blocks, config.device)
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, eos_token_ids=self.eos_token_ids, seed=config.seed
-        )
+        self.kv_cache = self.runner.kv_cache
+        self.num_kv_blocks = self.kv_cache.num_blocks
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size=config.block_size,

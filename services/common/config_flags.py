@@ -1,0 +1,88 @@
+"""Build a service's frozen config from CLI flags with LLMSERVE_* environment fallbacks.
+
+Each config dataclass field becomes a flag `--field-name` whose default is the environment
+variable LLMSERVE_FIELD_NAME when set, else the field's default; the field's docstring (the
+string literal after it) is the flag's help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import os
+import textwrap
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under dataclass fields (not kept by Python at run time)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, following in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _parser_for(annotation: Any) -> tuple[Any, bool]:
+    """(converter, is_bool) for a field's type; Optional[X] converts as X."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[0]
+        origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return str, False
+    if annotation is bool:
+        return bool, True
+    if annotation in (int, float, str):
+        return annotation, False
+    return str, False
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    for field in dataclasses.fields(cls):
+        flag = "--" + field.name.replace("_", "-")
+        env = "LLMSERVE_" + field.name.upper()
+        converter, is_bool = _parser_for(hints[field.name])
+        default = field.default
+        if env in os.environ:
+            raw = os.environ[env]
+            default = raw.lower() in ("1", "true", "yes") if is_bool else converter(raw)
+        help_text = f"{docs.get(field.name, '')} (env {env}; default: {default})"
+        if is_bool:
+            parser.add_argument(
+                flag,
+                dest=field.name,
+                default=default,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag, dest=field.name, type=converter, default=default, help=help_text
+            )
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,119 @@
+"""One way to run a gRPC server for every service: grpc.aio on uvloop, the standard health
+service (SERVING only once warmed up), reflection, and a SIGTERM drain.
+
+Shutdown: on SIGTERM/SIGINT health turns NOT_SERVING, the server stops accepting calls (new
+ones get UNAVAILABLE), in-flight streams have `drain_s` seconds to finish, then `serve()`
+returns and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# Prompts of a few hundred thousand token ids exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class GrpcService:
+    """A grpc.aio server with health and reflection for the given service names."""
+
+    def __init__(self, name: str, service_names: list[str]) -> None:
+        self.name = name
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = service_names
+        reflection.enable_server_reflection(
+            [
+                *service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        self.port = 0
+        self._stopping = asyncio.Event()
+
+    def add(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
+        add_to_server(servicer, self.server)
+
+    async def start(self, host: str, port: int) -> int:
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"{self.name}: cannot bind {host}:{port}")
+        await self.server.start()
+        await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        return self.port
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self._set_status(status)
+
+    async def _set_status(self, status: Any) -> None:
+        for service in ["", *self.service_names]:
+            await self.health.set(service, status)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def wait_for_signal(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        await self._stopping.wait()
+
+    async def drain_and_stop(
+        self, drain_s: float, before_stop: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        log.info("draining", extra={"service": self.name, "drain_s": drain_s})
+        await self.set_serving(False)
+        if before_stop is not None:
+            await before_stop()
+        await self.server.stop(grace=drain_s)
+
+
+def install_uvloop() -> None:
+    """uvloop where it is available: grpc.aio runs on it and its loop is faster."""
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one mapping from our typed errors to gRPC status codes."""
+    from services.common.errors import CapacityError, InvalidRequestError, LLMServeError
+    from services.scheduler.errors import QueueFullError
+
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, (QueueFullError, CapacityError)):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, LLMServeError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"

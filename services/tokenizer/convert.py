@@ -1,0 +1,145 @@
+"""Protobuf ↔ plain data for the tokenizer tier: the public text.proto messages and the
+scheduler's engine.proto messages. The only module besides server.py that sees generated code."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from protos.llmserve.v1 import engine_pb2, text_pb2
+from services.common.sampling_params import SamplingParams
+from services.tokenizer.chat_template import ChatMessage
+from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
+
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_new_tokens",
+    "min_new_tokens",
+)
+
+
+def chat_messages(messages: Iterable[text_pb2.ChatMessage]) -> tuple[ChatMessage, ...]:
+    return tuple(ChatMessage(role=m.role, content=m.content) for m in messages)
+
+
+def sampling_input(sampling: text_pb2.SamplingParams) -> SamplingInput:
+    """proto3 `optional` fields: unset stays None, so SamplingParams' defaults apply."""
+    given = {
+        name: getattr(sampling, name)
+        for name in _OPTIONAL_SAMPLING_FIELDS
+        if sampling.HasField(name)
+    }
+    return SamplingInput(
+        **given,
+        stop=tuple(sampling.stop),
+        stop_token_ids=tuple(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs,
+    )
+
+
+def generate_input(request: text_pb2.GenerateRequest) -> GenerateInput:
+    return GenerateInput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        messages=chat_messages(request.messages),
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        sampling=sampling_input(request.sampling),
+        deadline_ms=request.deadline_ms,
+        model=request.model,
+    )
+
+
+def engine_sampling(params: SamplingParams) -> engine_pb2.EngineSamplingParams:
+    message = engine_pb2.EngineSamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        max_new_tokens=params.max_new_tokens,
+        min_new_tokens=params.min_new_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    return message
+
+
+def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> engine_pb2.SubmitRequest:
+    return engine_pb2.SubmitRequest(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        sampling=engine_sampling(request.sampling),
+        arrival_unix_s=arrival_unix_s,
+    )
+
+
+def token_logprobs(
+    logprobs: Sequence[engine_pb2.EngineTokenLogprob],
+) -> list[text_pb2.TokenLogprob]:
+    return [
+        text_pb2.TokenLogprob(
+            token_id=item.token_id,
+            logprob=item.logprob,
+            top_token_ids=list(item.top_token_ids),
+            top_logprobs=list(item.top_logprobs),
+        )
+        for item in logprobs
+    ]
+
+
+def delta_response(
+    request_id: str,
+    text: str,
+    token_ids: Sequence[int],
+    logprobs: Sequence[engine_pb2.EngineTokenLogprob] = (),
+) -> text_pb2.GenerateResponse:
+    return text_pb2.GenerateResponse(
+        request_id=request_id,
+        text=text,
+        token_ids=list(token_ids),
+        logprobs=token_logprobs(logprobs),
+    )
+
+
+def set_final_fields(
+    response: text_pb2.GenerateResponse,
+    *,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_prompt_tokens: int,
+    queue_ms: float,
+    ttft_ms: float,
+    total_ms: float,
+) -> text_pb2.GenerateResponse:
+    """Fills what only the last message of a stream carries."""
+    response.finish_reason = finish_reason
+    response.usage.CopyFrom(
+        text_pb2.Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_prompt_tokens=cached_prompt_tokens,
+        )
+    )
+    response.timings.CopyFrom(
+        text_pb2.Timings(queue_ms=queue_ms, ttft_ms=ttft_ms, total_ms=total_ms)
+    )
+    return response
+
+
+def model_info(name: str, max_model_len: int, vocab_size: int) -> text_pb2.ModelInfo:
+    # dtype, KV cache dtype and quantization belong to the worker; empty until the
+    # scheduler's stats carry them.
+    return text_pb2.ModelInfo(name=name, max_model_len=max_model_len, vocab_size=vocab_size)

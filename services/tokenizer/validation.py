@@ -1,0 +1,201 @@
+"""Validation at the edge: a public Generate request (as plain data) → prompt token ids,
+SamplingParams and stop strings, or InvalidRequestError naming the field as text.proto spells
+it ("prompt", "messages[2].role", "sampling.top_p"). Pure: no gRPC, no clock, no I/O."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+from services.common.errors import InvalidRequestError
+from services.common.sampling_params import SamplingParams
+from services.tokenizer.chat_template import ChatMessage
+
+# A request id is echoed into every log line about the request; keep lines bounded.
+MAX_REQUEST_ID_LEN = 128
+
+
+class PromptTokenizer(Protocol):
+    """What validation needs from ModelTokenizer."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingInput:
+    """The public sampling fields as sent; None = unset (SamplingParams' default applies)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """A public GenerateRequest as plain data (proto3: empty string/list = not given)."""
+
+    request_id: str = ""
+    prompt: str = ""
+    messages: tuple[ChatMessage, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    sampling: SamplingInput = field(default_factory=SamplingInput)
+    deadline_ms: int = 0
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the served model and the tier's config allow."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_new_tokens_limit: int
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedRequest:
+    """Everything the Generate flow needs, already checked."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    deadline_s: float | None
+    """The request's own time budget (deadline_ms); None = only the gRPC deadline applies."""
+
+
+def validate_generate(
+    request: GenerateInput, limits: Limits, tokenizer: PromptTokenizer
+) -> ValidatedRequest:
+    """Raise InvalidRequestError naming the first bad field, else return the validated request.
+
+    Cheap checks first, tokenization last, so a bad sampling field costs no tokenizer work.
+    """
+    request_id = validate_request_id(request.request_id)
+    if request.model and request.model != limits.model_name:
+        raise InvalidRequestError(
+            "model", f"unknown model {request.model!r} (served: {limits.model_name!r})"
+        )
+    sampling = validate_sampling(request.sampling, limits)
+    stop = validate_stop_strings(request.sampling.stop, limits)
+    prompt_token_ids = prompt_to_token_ids(request, limits, tokenizer)
+    deadline_s = request.deadline_ms / 1000.0 if request.deadline_ms > 0 else None
+    return ValidatedRequest(request_id, prompt_token_ids, sampling, stop, deadline_s)
+
+
+def validate_request_id(request_id: str) -> str:
+    if not request_id:
+        return uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+        raise InvalidRequestError(
+            "request_id", f"must be at most {MAX_REQUEST_ID_LEN} printable characters"
+        )
+    return request_id
+
+
+def validate_sampling(sampling: SamplingInput, limits: Limits) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults; errors name "sampling.<field>"."""
+    given = {
+        f.name: getattr(sampling, f.name)
+        for f in fields(SamplingParams)
+        if f.name != "stop_token_ids" and getattr(sampling, f.name, None) is not None
+    }
+    params = SamplingParams(**given, stop_token_ids=tuple(sampling.stop_token_ids))
+    try:
+        params.validate(max_new_tokens_limit=limits.max_new_tokens_limit)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.{exc.field}", exc.message) from exc
+    bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            "sampling.stop_token_ids",
+            f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+        )
+    return params
+
+
+def validate_stop_strings(stop: Sequence[str], limits: Limits) -> tuple[str, ...]:
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidRequestError(
+            "sampling.stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}"
+        )
+    for index, text in enumerate(stop):
+        if not text:
+            raise InvalidRequestError("sampling.stop", f"stop string {index} is empty")
+        if len(text) > limits.max_stop_string_len:
+            raise InvalidRequestError(
+                "sampling.stop",
+                f"stop string {index} has {len(text)} characters, "
+                f"over the limit of {limits.max_stop_string_len}",
+            )
+    # Duplicates change nothing in matching; drop them, keep the order.
+    return tuple(dict.fromkeys(stop))
+
+
+def prompt_to_token_ids(
+    request: GenerateInput, limits: Limits, tokenizer: PromptTokenizer
+) -> tuple[int, ...]:
+    """Exactly one of prompt, messages, prompt_token_ids → ids that fit the context."""
+    given = [
+        name
+        for name, value in (
+            ("prompt", request.prompt),
+            ("messages", request.messages),
+            ("prompt_token_ids", request.prompt_token_ids),
+        )
+        if value
+    ]
+    if not given:
+        raise InvalidRequestError(
+            "prompt", "is empty: set one of prompt, messages or prompt_token_ids"
+        )
+    if len(given) > 1:
+        raise InvalidRequestError(
+            "prompt", f"set exactly one of prompt, messages, prompt_token_ids; got {given}"
+        )
+    if request.prompt_token_ids:
+        token_ids = tuple(int(t) for t in request.prompt_token_ids)
+        check_token_ids("prompt_token_ids", token_ids, limits.vocab_size)
+    elif request.messages:
+        token_ids = tuple(tokenizer.apply_chat_template(request.messages))
+    else:
+        token_ids = tuple(tokenizer.encode(request.prompt))
+    if not token_ids:
+        raise InvalidRequestError("prompt", "has no tokens")
+    if len(token_ids) >= limits.max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"the prompt has {len(token_ids)} tokens but the context length is "
+            f"{limits.max_model_len} (at least one token must be left to generate)",
+        )
+    return token_ids
+
+
+def check_token_ids(field_name: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                field_name,
+                f"token id {token_id} at index {index} is outside the vocabulary "
+                f"[0, {vocab_size})",
+            )

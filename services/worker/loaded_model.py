@@ -1,0 +1,49 @@
+"""Weights and tokenizer of one model, loaded once; engines, workers, tests and benchmarks
+share the same object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.common.model_source import model_display_name, resolve_model_path
+from services.tokenizer.model_tokenizer import ModelTokenizer
+from services.worker.loader.model_loader import load_model
+from services.worker.model.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    path: Path
+    model: LlamaForCausalLM
+    tokenizer: ModelTokenizer
+
+    @classmethod
+    def load(cls, model: str | None, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
+        path = resolve_model_path(model)
+        tokenizer = ModelTokenizer.from_path(path)
+        return cls(path, load_model(path, dtype=dtype, device=device), tokenizer)
+
+    @property
+    def name(self) -> str:
+        return model_display_name(self.path)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model config's EOS ids and the tokenizer's (chat models end turns with theirs)."""
+        ids = (*self.model.config.eos_token_ids, *self.tokenizer.eos_token_ids)
+        return tuple(dict.fromkeys(ids))
+
+    def max_model_len(self, limit: int | None = None) -> int:
+        context = self.model.config.max_position_embeddings
+        return min(limit or context, context)
