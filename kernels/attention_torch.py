@@ -9,8 +9,9 @@ G query *rows* of that KV head, so K/V are never repeated:
 
     query [B, Hq, D] -> [B, Hkv, G, D]  (rows)   x   K [B, Hkv, L, D]  ->  [B, Hkv, G, L]
 
-Measured on 2 CPU cores (see kernels/README.md) this beats an explicit matmul + softmax and
-SDPA with enable_gqa in every cell of B in {1, 32, 64} x context in {128, 1024}.
+Measured on 2 CPU cores (kernels/README.md) for B in {1, 32, 64} x context in {128, 1024}:
+fastest in bf16 against an explicit matmul + softmax and SDPA with enable_gqa, and level with
+enable_gqa in fp32.
 """
 
 from __future__ import annotations

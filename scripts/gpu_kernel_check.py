@@ -2,12 +2,17 @@
 
     python scripts/gpu_kernel_check.py                # on a CUDA machine (not run in CI)
     python scripts/gpu_kernel_check.py --smoke        # tiny shapes on CPU, TRITON_INTERPRET=1
+    python scripts/gpu_kernel_check.py --compile-only # no GPU: compile every kernel for sm_90
 
 For each case it prints the largest error against the torch op, the Triton time, the time of
 the torch/SDPA equivalent, and the H100 roofline bound max(bytes / 3.35 TB/s, FLOPs / peak)
 (989 TFLOPS bf16 dense, 1979 TOPS int8 dense), as a table. Shapes are a 7B Llama layer
 (hidden 4096, 32 heads, 32 KV heads, head_dim 128, intermediate 11008), bf16, context 1024.
---smoke only proves the script runs: tiny shapes, no timing claims.
+--smoke only proves the script runs: tiny shapes, no timing claims. --compile-only calls each
+Triton wrapper at the 7B shapes with every `_*_kernel` replaced by a recorder that compiles the
+launch for an H100 (sm_90, through the ptxas shipped in the triton wheel) instead of running
+it: it catches what the interpreter cannot (typing of loop-carried values, shared-memory
+limits, unsupported ops) on a machine with no GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +29,20 @@ from pathlib import Path
 H100_BYTES_PER_S = 3.35e12
 H100_BF16_FLOPS = 989e12
 H100_INT8_OPS = 1979e12
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+
+LLAMA_7B = ModelDims(4096, 32, 32, 128, 11008, 32000)
+TINY = ModelDims(128, 4, 2, 64, 256, 1000)
 
 
 @dataclass(slots=True)
@@ -44,7 +63,10 @@ class Case:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
+    mode.add_argument("--compile-only", action="store_true", help="compile for --arch, no GPU")
+    parser.add_argument("--arch", type=int, default=90, help="CUDA capability for --compile-only")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--context", type=int, default=1024)
     return parser.parse_args()
@@ -54,12 +76,22 @@ def main() -> None:
     args = parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+    elif args.compile_only:
+        os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
     import torch
 
+    if args.compile_only:
+        compile_all(args, torch)
+        return
     if not args.smoke and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --smoke for a CPU dry run")
-    cases = build_cases(args, torch)
+        raise SystemExit("no CUDA device: run with --smoke or --compile-only")
+    if args.smoke:
+        cases = build_cases(torch, "cpu", torch.float16, TINY, [1, 3], 40, 24)
+    else:
+        cases = build_cases(
+            torch, "cuda", torch.bfloat16, LLAMA_7B, args.batches, args.context, 512
+        )
     timer = make_timer(args.smoke)
     header = (
         f"{'kernel':28} {'shape':34} {'max err':>9} {'triton ms':>10} {'torch ms':>10} "
@@ -78,6 +110,76 @@ def main() -> None:
         )
 
 
+def compile_all(args: argparse.Namespace, torch) -> None:  # type: ignore[no-untyped-def]
+    """Runs every Triton wrapper once on CPU tensors with its kernels swapped for compilers."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    type_names = {
+        torch.float32: "fp32",
+        torch.float16: "fp16",
+        torch.bfloat16: "bf16",
+        torch.int8: "i8",
+        torch.uint8: "u8",
+        torch.int32: "i32",
+        torch.int64: "i64",
+    }
+    target = GPUTarget("cuda", args.arch, 32)
+
+    class CompileInsteadOfLaunch:
+        def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
+            self.fn = fn
+
+        def __getitem__(self, grid: object):  # type: ignore[no-untyped-def]
+            def launch(*call_args: object, **kwargs: object) -> None:
+                bound = dict(zip(self.fn.arg_names, call_args, strict=False)) | kwargs
+                signature: dict[str, str] = {}
+                constexprs: dict[str, object] = {}
+                for param in self.fn.params:
+                    value = bound[param.name]
+                    if param.is_constexpr:
+                        signature[param.name] = "constexpr"
+                        constexprs[param.name] = value
+                    elif isinstance(value, torch.Tensor):
+                        signature[param.name] = "*" + type_names[value.dtype]
+                    elif isinstance(value, bool):
+                        signature[param.name] = "i1"
+                    elif isinstance(value, int):
+                        signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+                    else:
+                        signature[param.name] = "fp32"
+                start = time.perf_counter()
+                compiled = triton.compile(ASTSource(self.fn, signature, constexprs), target=target)
+                print(
+                    f"{self.fn.__name__:28} sm_{args.arch}  {time.perf_counter() - start:5.1f} s"
+                    f"  shared memory {compiled.metadata.shared:6d} B  grid {grid}",
+                    flush=True,
+                )
+
+            return launch
+
+    for name in (
+        "triton_activation",
+        "triton_decode_attention",
+        "triton_kv_cache",
+        "triton_norm",
+        "triton_prefill_attention",
+        "triton_quant_gemm",
+        "triton_rotary",
+        "triton_sampling",
+    ):
+        module = importlib.import_module(f"kernels.{name}")
+        for attr in dir(module):
+            if attr.startswith("_") and attr.endswith("_kernel"):
+                setattr(module, attr, CompileInsteadOfLaunch(getattr(module, attr)))
+    for case in build_cases(torch, "cpu", torch.bfloat16, LLAMA_7B, [1], 1024, 512):
+        print(f"-- {case.name} {case.shape}")
+        case.triton_fn()
+
+
 def make_timer(smoke: bool) -> Callable[[Callable[[], object]], float]:
     if smoke:
 
@@ -92,7 +194,15 @@ def make_timer(smoke: bool) -> Callable[[Callable[[], object]], float]:
     return lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=50))
 
 
-def build_cases(args: argparse.Namespace, torch) -> list[Case]:  # type: ignore[no-untyped-def]
+def build_cases(  # type: ignore[no-untyped-def]
+    torch,
+    device: str,
+    dtype,
+    dims: ModelDims,
+    batches: list[int],
+    context: int,
+    new_len: int,
+) -> list[Case]:
     from kernels import (
         activation_torch,
         attention_torch,
@@ -111,14 +221,8 @@ def build_cases(args: argparse.Namespace, torch) -> list[Case]:  # type: ignore[
         triton_sampling,
     )
 
-    smoke = args.smoke
-    device = "cpu" if smoke else "cuda"
-    dtype = torch.float16 if smoke else torch.bfloat16  # the interpreter has no bf16
-    hidden, heads, kv_heads, head_dim, inter, vocab = (
-        (128, 4, 2, 64, 256, 1000) if smoke else (4096, 32, 32, 128, 11008, 32000)
-    )
-    batches = [1, 3] if smoke else args.batches
-    context = 40 if smoke else args.context
+    hidden, heads, kv_heads, head_dim = dims.hidden, dims.heads, dims.kv_heads, dims.head_dim
+    inter, vocab = dims.intermediate, dims.vocab
     block_size = 16
     elt = 2  # bytes per bf16/fp16 element
     g = torch.Generator(device=device).manual_seed(0)
@@ -152,7 +256,7 @@ def build_cases(args: argparse.Namespace, torch) -> list[Case]:  # type: ignore[
         cases.append(
             Case(
                 "paged_decode_attention",
-                f"B={batch} ctx={context} bf16",
+                f"B={batch} ctx={context} {str(dtype).removeprefix('torch.')}",
                 lambda a=decode_args: triton_decode_attention.paged_decode_attention(*a),
                 lambda a=decode_args: attention_torch.paged_decode_attention(*a),
                 paired(
@@ -323,7 +427,6 @@ def build_cases(args: argparse.Namespace, torch) -> list[Case]:  # type: ignore[
         )
 
     # --- prefill: 4 sequences of 512 new tokens, without and with a 512-token cached prefix --
-    new_len = 24 if smoke else 512
     for prefix in (0, new_len):
         seqs = 4
         blocks_per_seq = max(1, math.ceil(prefix / block_size))

@@ -115,19 +115,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(demo)
     demo.set_defaults(func=cmd_demo)
 
+    from services import client, launcher
     from services.scheduler import server as scheduler_server
+    from services.tokenizer import server as tokenizer_server
     from services.worker import server as worker_server
 
     worker_server.add_parser(sub)
     scheduler_server.add_parser(sub)
+    tokenizer_server.add_parser(sub)
+    client.add_parser(sub)
+    launcher.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from services.bench import capacity, hf_baseline, offline_table
+    from services.bench import capacity, hf_baseline, offline_table, serve
 
     offline_table.add_parser(bench_sub)
     capacity.add_parser(bench_sub)
     hf_baseline.add_parser(bench_sub)
+    serve.add_parser(bench_sub)
     return parser
 
 

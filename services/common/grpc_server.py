@@ -32,6 +32,13 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+# Our own clients ping every 10 s to notice a dead peer fast; without these the server counts
+# those pings as abuse and closes the connection (GOAWAY "too_many_pings").
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 class GrpcService:
@@ -39,7 +46,7 @@ class GrpcService:
 
     def __init__(self, name: str, service_names: list[str]) -> None:
         self.name = name
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names

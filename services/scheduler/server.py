@@ -57,6 +57,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 deadline=None if remaining is None else now + remaining,
             )
             queue = self.loop.submit(scheduled)
+            # A cancelled stream paused at `yield` gets no CancelledError (grpc 1.85); the
+            # done callback frees the blocks the moment the RPC ends, however it ends.
+            context.add_done_callback(lambda _: self.loop.abort(request_id))
         except WorkerUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:  # typed errors → their status; anything else → INTERNAL

@@ -16,6 +16,8 @@ from services.tokenizer.chat_template import ChatMessage
 # A request id is echoed into every log line about the request; keep lines bounded.
 MAX_REQUEST_ID_LEN = 128
 
+_DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens
+
 
 class PromptTokenizer(Protocol):
     """What validation needs from ModelTokenizer."""
@@ -120,6 +122,9 @@ def validate_sampling(sampling: SamplingInput, limits: Limits) -> SamplingParams
         for f in fields(SamplingParams)
         if f.name != "stop_token_ids" and getattr(sampling, f.name, None) is not None
     }
+    if sampling.max_new_tokens is None:
+        # The default (256) must not make a request invalid on a short-context deployment.
+        given["max_new_tokens"] = min(_DEFAULT_MAX_NEW_TOKENS, limits.max_new_tokens_limit)
     params = SamplingParams(**given, stop_token_ids=tuple(sampling.stop_token_ids))
     try:
         params.validate(max_new_tokens_limit=limits.max_new_tokens_limit)
@@ -196,6 +201,5 @@ def check_token_ids(field_name: str, token_ids: Sequence[int], vocab_size: int) 
         if not 0 <= token_id < vocab_size:
             raise InvalidRequestError(
                 field_name,
-                f"token id {token_id} at index {index} is outside the vocabulary "
-                f"[0, {vocab_size})",
+                f"token id {token_id} at index {index} is outside the vocabulary [0, {vocab_size})",
             )

@@ -34,7 +34,13 @@ def test_public_contract_names() -> None:
     assert service.full_name == "llmserve.v1.TextGeneration"
     assert {m.name for m in service.methods} >= {"Generate", "Tokenize", "Detokenize", "ListModels"}
     request_fields = set(text_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
-    assert request_fields >= {"request_id", "prompt", "messages", "prompt_token_ids", "sampling",
-                              "deadline_ms"}
+    assert request_fields >= {
+        "request_id",
+        "prompt",
+        "messages",
+        "prompt_token_ids",
+        "sampling",
+        "deadline_ms",
+    }
     response_fields = set(text_pb2.GenerateResponse.DESCRIPTOR.fields_by_name)
     assert response_fields >= {"text", "token_ids", "finish_reason", "usage", "timings"}

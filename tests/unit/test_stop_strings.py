@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -46,7 +47,7 @@ def run(
 
 def split_at(text: str, cuts: Sequence[int]) -> list[str]:
     bounds = [0, *sorted(cuts), len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 @pytest.mark.parametrize("cut", range(1, len("hello </s> world")))

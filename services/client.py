@@ -1,0 +1,166 @@
+"""Streaming command-line client of the public API: `llmserve chat "..."` and
+`llmserve generate --prompt ... | --token-ids ...`. Prints text as it arrives; `--json`
+prints one JSON object per response message instead (machine-readable)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, TextIO
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from protos.llmserve.v1 import text_pb2, text_pb2_grpc
+from services.common.grpc_server import CHANNEL_OPTIONS
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="tokenizer tier host:port")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None, help="-1 = off")
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    parser.add_argument("--presence-penalty", type=float, default=None)
+    parser.add_argument("--frequency-penalty", type=float, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--min-new-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable); not printed"
+    )
+    parser.add_argument("--stop-token-id", type=int, action="append", default=[])
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs", type=int, default=0, help="top-n alternatives per token")
+    parser.add_argument("--request-id", default="", help="echoed in the server's logs")
+    parser.add_argument("--deadline-ms", type=int, default=0, help="0 = none")
+    parser.add_argument("--timeout-s", type=float, default=None, help="gRPC deadline")
+    parser.add_argument("--model", default="", help="must match ListModels when set")
+    parser.add_argument("--json", action="store_true", help="one JSON object per message")
+
+
+def sampling_from_args(args: argparse.Namespace) -> text_pb2.SamplingParams:
+    """Only the flags given are set, so the server's defaults apply to the rest."""
+    sampling = text_pb2.SamplingParams(
+        stop=args.stop,
+        stop_token_ids=args.stop_token_id,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "max_new_tokens",
+        "min_new_tokens",
+        "seed",
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    return sampling
+
+
+def request_from_args(args: argparse.Namespace) -> text_pb2.GenerateRequest:
+    request = text_pb2.GenerateRequest(
+        request_id=args.request_id,
+        sampling=sampling_from_args(args),
+        deadline_ms=args.deadline_ms,
+        model=args.model,
+    )
+    if args.command == "chat":
+        if args.system:
+            request.messages.append(text_pb2.ChatMessage(role="system", content=args.system))
+        request.messages.append(text_pb2.ChatMessage(role="user", content=args.prompt))
+    elif args.token_ids is not None:
+        request.prompt_token_ids.extend(_parse_token_ids(args.token_ids))
+    else:
+        request.prompt = args.prompt
+    return request
+
+
+def _parse_token_ids(value: str) -> list[int]:
+    try:
+        return [int(part) for part in value.replace(",", " ").split()]
+    except ValueError as exc:
+        raise SystemExit(f"llmserve: error: --token-ids: {exc}") from exc
+
+
+def stream(
+    request: text_pb2.GenerateRequest,
+    *,
+    target: str,
+    timeout_s: float | None,
+    as_json: bool,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """Prints the stream; returns the exit code (0, or 1 on a gRPC error)."""
+    last: text_pb2.GenerateResponse | None = None
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        stub = text_pb2_grpc.TextGenerationStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=timeout_s):
+                last = response
+                if as_json:
+                    out.write(json.dumps(_to_dict(response), ensure_ascii=False) + "\n")
+                else:
+                    out.write(response.text)
+                out.flush()
+        except grpc.RpcError as exc:
+            _report_error(exc, as_json, out, err)
+            return 1
+    if not as_json and last is not None:
+        out.write("\n")
+        usage, timings = last.usage, last.timings
+        err.write(
+            f"[{last.finish_reason}] prompt {usage.prompt_tokens} tokens "
+            f"({usage.cached_prompt_tokens} cached), completion {usage.completion_tokens}; "
+            f"queue {timings.queue_ms:.1f} ms, ttft {timings.ttft_ms:.1f} ms, "
+            f"total {timings.total_ms:.1f} ms, id {last.request_id}\n"
+        )
+    return 0
+
+
+def _to_dict(message: Any) -> dict[str, Any]:
+    return MessageToDict(message, preserving_proto_field_name=True)
+
+
+def _report_error(exc: grpc.RpcError, as_json: bool, out: TextIO, err: TextIO) -> None:
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    if as_json:
+        out.write(json.dumps({"error": {"code": code.name, "message": details}}) + "\n")
+        out.flush()
+    err.write(f"\nllmserve: error: {code.name}: {details}\n")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    return stream(
+        request_from_args(args), target=args.target, timeout_s=args.timeout_s, as_json=args.json
+    )
+
+
+def add_parser(subparsers: Any) -> None:
+    chat = subparsers.add_parser("chat", help="stream a chat answer from a running server")
+    chat.add_argument("prompt", help="the user message")
+    chat.add_argument("--system", default="", help="a system message before it")
+    _add_common_flags(chat)
+    chat.set_defaults(func=cmd_generate)
+
+    generate = subparsers.add_parser(
+        "generate", help="stream a raw completion (text or token ids) from a running server"
+    )
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (no chat template)")
+    source.add_argument("--token-ids", help="prompt token ids, e.g. '1,2,3' or '1 2 3'")
+    _add_common_flags(generate)
+    generate.set_defaults(func=cmd_generate)

@@ -1,0 +1,159 @@
+"""Edge validation of Generate requests: pure, with a stand-in tokenizer (one id per byte)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+
+from services.common.errors import InvalidRequestError
+from services.tokenizer.chat_template import ChatMessage, ChatTemplate
+from services.tokenizer.validation import (
+    GenerateInput,
+    Limits,
+    SamplingInput,
+    validate_generate,
+)
+
+LIMITS = Limits(
+    model_name="tiny",
+    max_model_len=32,
+    vocab_size=300,
+    max_new_tokens_limit=32,
+    max_stop_strings=4,
+    max_stop_string_len=8,
+)
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; the default ChatML template."""
+
+    def __init__(self) -> None:
+        self.template = ChatTemplate(None)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.template.render(messages))
+
+
+TOKENIZER = ByteTokenizer()
+
+
+def validate(request: GenerateInput, limits: Limits = LIMITS):  # type: ignore[no-untyped-def]
+    return validate_generate(request, limits, TOKENIZER)
+
+
+def with_sampling(**fields: object) -> GenerateInput:
+    return GenerateInput(prompt="hi", sampling=SamplingInput(**fields))  # type: ignore[arg-type]
+
+
+def test_defaults_and_generated_request_id() -> None:
+    validated = validate(GenerateInput(prompt="hi"))
+    assert validated.prompt_token_ids == (104, 105)
+    assert len(validated.request_id) == 32
+    assert validated.sampling.temperature == 1.0
+    assert validated.sampling.top_p == 1.0
+    assert validated.sampling.top_k == -1
+    # The 256 default is capped to what this deployment allows instead of rejected.
+    assert validated.sampling.max_new_tokens == LIMITS.max_new_tokens_limit
+    assert validated.stop == ()
+    assert validated.deadline_s is None
+
+
+def test_given_fields_pass_through() -> None:
+    request = GenerateInput(
+        request_id="abc",
+        prompt_token_ids=(1, 2, 3),
+        sampling=SamplingInput(
+            temperature=0.0,
+            top_k=5,
+            seed=7,
+            max_new_tokens=8,
+            stop=("END", "END", "##"),
+            stop_token_ids=(2,),
+            logprobs=3,
+        ),
+        deadline_ms=1500,
+        model="tiny",
+    )
+    validated = validate(request)
+    assert validated.request_id == "abc"
+    assert validated.prompt_token_ids == (1, 2, 3)
+    assert validated.sampling.is_greedy and validated.sampling.seed == 7
+    assert validated.sampling.max_new_tokens == 8
+    assert validated.sampling.stop_token_ids == (2,)
+    assert validated.stop == ("END", "##")  # duplicates dropped, order kept
+    assert validated.deadline_s == 1.5
+
+
+def test_messages_go_through_the_chat_template() -> None:
+    roomy = replace(LIMITS, max_model_len=100)
+    validated = validate(GenerateInput(messages=(ChatMessage("user", "x"),)), roomy)
+    assert bytes(validated.prompt_token_ids).decode().startswith("<|im_start|>user\nx")
+
+
+@pytest.mark.parametrize(
+    ("request_", "field", "message_part"),
+    [
+        (GenerateInput(), "prompt", "is empty"),
+        (GenerateInput(prompt="a", prompt_token_ids=(1,)), "prompt", "exactly one"),
+        (GenerateInput(prompt="a", messages=(ChatMessage("user", "b"),)), "prompt", "exactly one"),
+        (GenerateInput(prompt="x" * 32), "prompt", "the prompt has 32 tokens but the context"),
+        (GenerateInput(prompt_token_ids=(1, 300)), "prompt_token_ids", "token id 300 at index 1"),
+        (GenerateInput(prompt_token_ids=(-5,)), "prompt_token_ids", "outside the vocabulary"),
+        (
+            GenerateInput(messages=(ChatMessage("user", "a"), ChatMessage("robot", "b"))),
+            "messages[1].role",
+            "unknown role",
+        ),
+        (GenerateInput(prompt="a", model="other"), "model", "unknown model"),
+        (GenerateInput(prompt="a", request_id="x" * 129), "request_id", "at most"),
+        (with_sampling(max_new_tokens=0), "sampling.max_new_tokens", "> 0"),
+        (with_sampling(max_new_tokens=33), "sampling.max_new_tokens", "over the limit"),
+        (with_sampling(temperature=-1.0), "sampling.temperature", ">= 0"),
+        (with_sampling(temperature=math.nan), "sampling.temperature", "finite"),
+        (with_sampling(top_p=0.0), "sampling.top_p", "(0, 1]"),
+        (with_sampling(top_p=1.01), "sampling.top_p", "(0, 1]"),
+        (with_sampling(top_k=-2), "sampling.top_k", "-1"),
+        (with_sampling(min_p=-0.1), "sampling.min_p", "[0, 1]"),
+        (with_sampling(repetition_penalty=0.0), "sampling.repetition_penalty", "> 0"),
+        (with_sampling(presence_penalty=2.5), "sampling.presence_penalty", "[-2, 2]"),
+        (with_sampling(frequency_penalty=-2.5), "sampling.frequency_penalty", "[-2, 2]"),
+        (with_sampling(min_new_tokens=5, max_new_tokens=4), "sampling.min_new_tokens", "in [0"),
+        (with_sampling(stop=("a", "b", "c", "d", "e")), "sampling.stop", "at most 4"),
+        (with_sampling(stop=("x" * 9,)), "sampling.stop", "over the limit of 8"),
+        (with_sampling(stop=("ok", "")), "sampling.stop", "stop string 1 is empty"),
+        (with_sampling(stop_token_ids=(300,)), "sampling.stop_token_ids", "outside"),
+        (with_sampling(stop_token_ids=(-1,)), "sampling.stop_token_ids", ">= 0"),
+        (with_sampling(logprobs=21), "sampling.logprobs", "[0, 20]"),
+    ],
+)
+def test_bad_requests_name_the_field(
+    request_: GenerateInput, field: str, message_part: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validate(request_)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+    assert message_part in str(info.value)
+
+
+def test_prompt_one_short_of_the_context_is_accepted() -> None:
+    validated = validate(GenerateInput(prompt="x" * 31))
+    assert len(validated.prompt_token_ids) == 31
+
+
+def test_sampling_is_checked_before_tokenizing() -> None:
+    class Exploding(ByteTokenizer):
+        def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+            raise AssertionError("tokenized a request with a bad sampling field")
+
+    request = replace(with_sampling(top_p=2.0), prompt="long " * 1000)
+    with pytest.raises(InvalidRequestError, match=r"^sampling\.top_p"):
+        validate_generate(request, LIMITS, Exploding())
