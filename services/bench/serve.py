@@ -333,7 +333,7 @@ class OpenAIClient:
                             finish_reason = choice.get("finish_reason") or finish_reason
         except TimeoutError:
             record.error = "timeout"
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, EOFError) as exc:  # EOFError: the stream was cut short
             record.error = type(exc).__name__
         finally:
             if writer is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from services.scheduler.plan import BatchPlan, StepResult
+from services.worker.host_memory import keep_freed_memory
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
@@ -22,6 +23,8 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         seed: int | None = None,
     ) -> None:
+        if kv_cache.storage.device.type == "cpu":
+            keep_freed_memory()
         self.model = model
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids

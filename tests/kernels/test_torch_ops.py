@@ -157,6 +157,11 @@ PREFILL_CASES = {
     "one_seq_prefix": ([9], [21]),
     "many_mixed": ([1, 17, 5, 16], [0, 16, 3, 0]),
     "decode_like_with_prefix": ([1, 1], [40, 7]),
+    # Several fresh prompts go through one batched SDPA call: equal lengths as a view,
+    # unequal ones padded with a key-length mask, mixed with prefix sequences around them.
+    "batched_equal": ([12, 12, 12], [0, 0, 0]),
+    "batched_unequal": ([10, 13, 12, 9], [0, 0, 0, 0]),
+    "batched_between_prefixes": ([5, 11, 11, 3, 10], [7, 0, 0, 20, 0]),
 }
 
 

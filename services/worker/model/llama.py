@@ -40,10 +40,10 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # .contiguous() copies out of the fused projection so rotary can work in place.
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim).contiguous()
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        # Views into the fused projection output; rotary rotates them in place.
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = ops.apply_rotary(q, k, batch.positions, rope)
         k_cache, v_cache = kv_cache
         ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
