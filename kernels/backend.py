@@ -38,3 +38,13 @@ def backend_for(tensor: torch.Tensor) -> Backend:
 
 def use_triton(tensor: torch.Tensor) -> bool:
     return backend_for(tensor) == "triton"
+
+
+def use_cpu_extension(tensor: torch.Tensor) -> bool:
+    """CPU tensors take the C++ kernels (kernels/csrc) where one exists and it builds here;
+    LLMSERVE_KERNEL_BACKEND=torch forces the torch reference."""
+    if tensor.device.type != "cpu" or forced_backend() is not None:
+        return False
+    from kernels import cpu_extension
+
+    return cpu_extension.load() is not None

@@ -3,47 +3,8 @@
 from __future__ import annotations
 
 from protos.llmserve.v1 import engine_pb2
-from services.common.sampling_params import SamplingParams
 from services.scheduler.plan import TokenEvent
 from services.scheduler.scheduler import SchedulerStats
-
-
-def sampling_from_proto(message: engine_pb2.EngineSamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=message.temperature,
-        top_p=message.top_p,
-        top_k=message.top_k,
-        min_p=message.min_p,
-        repetition_penalty=message.repetition_penalty,
-        presence_penalty=message.presence_penalty,
-        frequency_penalty=message.frequency_penalty,
-        seed=message.seed if message.HasField("seed") else None,
-        max_new_tokens=message.max_new_tokens,
-        min_new_tokens=message.min_new_tokens,
-        stop_token_ids=tuple(message.stop_token_ids),
-        ignore_eos=message.ignore_eos,
-        logprobs=message.logprobs,
-    )
-
-
-def sampling_to_proto(params: SamplingParams) -> engine_pb2.EngineSamplingParams:
-    message = engine_pb2.EngineSamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        max_new_tokens=params.max_new_tokens,
-        min_new_tokens=params.min_new_tokens,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    return message
 
 
 def event_to_proto(event: TokenEvent) -> engine_pb2.SubmitResponse:

@@ -15,7 +15,8 @@ from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError
 from services.common.grpc_server import GrpcService, install_uvloop, status_for
-from services.scheduler.convert import event_to_proto, sampling_from_proto, stats_to_proto
+from services.common.sampling_proto import sampling_from_proto
+from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.engine_loop import EngineLoop, WorkerUnavailable
 from services.scheduler.plan import FinishReason
 from services.scheduler.request import Request

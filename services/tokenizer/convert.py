@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from protos.llmserve.v1 import engine_pb2, text_pb2
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_proto import sampling_to_proto
 from services.tokenizer.chat_template import ChatMessage
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
 
@@ -56,31 +56,11 @@ def generate_input(request: text_pb2.GenerateRequest) -> GenerateInput:
     )
 
 
-def engine_sampling(params: SamplingParams) -> engine_pb2.EngineSamplingParams:
-    message = engine_pb2.EngineSamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        max_new_tokens=params.max_new_tokens,
-        min_new_tokens=params.min_new_tokens,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    return message
-
-
 def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> engine_pb2.SubmitRequest:
     return engine_pb2.SubmitRequest(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
-        sampling=engine_sampling(request.sampling),
+        sampling=sampling_to_proto(request.sampling),
         arrival_unix_s=arrival_unix_s,
     )
 

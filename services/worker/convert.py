@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from protos.llmserve.v1 import worker_pb2
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_proto import sampling_from_proto, sampling_to_proto
 from services.scheduler.plan import (
     BatchPlan,
     NewSequence,
@@ -11,44 +11,6 @@ from services.scheduler.plan import (
     StepResult,
     TokenLogprobs,
 )
-
-
-def sampling_to_proto(params: SamplingParams) -> worker_pb2.WorkerSamplingParams:
-    message = worker_pb2.WorkerSamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        max_new_tokens=params.max_new_tokens,
-        min_new_tokens=params.min_new_tokens,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    return message
-
-
-def sampling_from_proto(message: worker_pb2.WorkerSamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=message.temperature,
-        top_p=message.top_p,
-        top_k=message.top_k,
-        min_p=message.min_p,
-        repetition_penalty=message.repetition_penalty,
-        presence_penalty=message.presence_penalty,
-        frequency_penalty=message.frequency_penalty,
-        seed=message.seed if message.HasField("seed") else None,
-        max_new_tokens=message.max_new_tokens,
-        min_new_tokens=message.min_new_tokens,
-        stop_token_ids=tuple(message.stop_token_ids),
-        ignore_eos=message.ignore_eos,
-        logprobs=message.logprobs,
-    )
 
 
 def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:

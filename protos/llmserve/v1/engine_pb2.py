@@ -22,27 +22,26 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.llmserve.v1 import sampling_pb2 as protos_dot_llmserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/engine.proto\x12\x0bllmserve.v1\"\xb3\x02\n\x14\x45ngineSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\t \x01(\x05\x12\x16\n\x0emin_new_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x42\x07\n\x05_seed\"\x8a\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.llmserve.v1.EngineSamplingParams\x12\x16\n\x0e\x61rrival_unix_s\x18\x04 \x01(\x01\"d\n\x12\x45ngineTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb5\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x31\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1f.llmserve.v1.EngineTokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\"\x11\n\x0fGetStatsRequest\"\xd0\x01\n\x0b\x45ngineStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x07 \x01(\t\x12\x1c\n\x14max_waiting_requests\x18\x08 \x01(\r2\x91\x01\n\x06\x45ngine\x12\x43\n\x06Submit\x12\x1a.llmserve.v1.SubmitRequest\x1a\x1b.llmserve.v1.SubmitResponse0\x01\x12\x42\n\x08GetStats\x12\x1c.llmserve.v1.GetStatsRequest\x1a\x18.llmserve.v1.EngineStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/engine.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/sampling.proto\"\x89\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\x12\x16\n\x0e\x61rrival_unix_s\x18\x04 \x01(\x01\"d\n\x12\x45ngineTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb5\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x31\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1f.llmserve.v1.EngineTokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\"\x11\n\x0fGetStatsRequest\"\xd0\x01\n\x0b\x45ngineStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x07 \x01(\t\x12\x1c\n\x14max_waiting_requests\x18\x08 \x01(\r2\x91\x01\n\x06\x45ngine\x12\x43\n\x06Submit\x12\x1a.llmserve.v1.SubmitRequest\x1a\x1b.llmserve.v1.SubmitResponse0\x01\x12\x42\n\x08GetStats\x12\x1c.llmserve.v1.GetStatsRequest\x1a\x18.llmserve.v1.EngineStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.llmserve.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINESAMPLINGPARAMS']._serialized_start=49
-  _globals['_ENGINESAMPLINGPARAMS']._serialized_end=356
-  _globals['_SUBMITREQUEST']._serialized_start=359
-  _globals['_SUBMITREQUEST']._serialized_end=497
-  _globals['_ENGINETOKENLOGPROB']._serialized_start=499
-  _globals['_ENGINETOKENLOGPROB']._serialized_end=599
-  _globals['_SUBMITRESPONSE']._serialized_start=602
-  _globals['_SUBMITRESPONSE']._serialized_end=783
-  _globals['_GETSTATSREQUEST']._serialized_start=785
-  _globals['_GETSTATSREQUEST']._serialized_end=802
-  _globals['_ENGINESTATS']._serialized_start=805
-  _globals['_ENGINESTATS']._serialized_end=1013
-  _globals['_ENGINE']._serialized_start=1016
-  _globals['_ENGINE']._serialized_end=1161
+  _globals['_SUBMITREQUEST']._serialized_start=84
+  _globals['_SUBMITREQUEST']._serialized_end=221
+  _globals['_ENGINETOKENLOGPROB']._serialized_start=223
+  _globals['_ENGINETOKENLOGPROB']._serialized_end=323
+  _globals['_SUBMITRESPONSE']._serialized_start=326
+  _globals['_SUBMITRESPONSE']._serialized_end=507
+  _globals['_GETSTATSREQUEST']._serialized_start=509
+  _globals['_GETSTATSREQUEST']._serialized_end=526
+  _globals['_ENGINESTATS']._serialized_start=529
+  _globals['_ENGINESTATS']._serialized_end=737
+  _globals['_ENGINE']._serialized_start=740
+  _globals['_ENGINE']._serialized_end=885
 # @@protoc_insertion_point(module_scope)

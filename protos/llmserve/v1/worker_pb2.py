@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.llmserve.v1 import sampling_pb2 as protos_dot_llmserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/worker.proto\x12\x0bllmserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x8d\x02\n\x11WorkerDescription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cworker_epoch\x18\x0c \x01(\t\"\xb3\x02\n\x14WorkerSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\t \x01(\x05\x12\x16\n\x0emin_new_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x42\x07\n\x05_seed\"\xb4\x01\n\x0bNewSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.llmserve.v1.WorkerSamplingParams\":\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xf7\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x66inished_ids\x18\x02 \x03(\t\x12/\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x30\n\x0c\x62lock_deltas\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x15\n\rscheduled_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12,\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockCopy\"S\n\rTokenLogprobs\x12\x15\n\rtoken_logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xe7\x01\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bsampled_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.llmserve.v1.StepOutput.LogprobsEntry\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x1aK\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.llmserve.v1.TokenLogprobs:\x02\x38\x01\x32\x8e\x01\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12:\n\x04Step\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepOutput(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/worker.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/sampling.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x8d\x02\n\x11WorkerDescription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cworker_epoch\x18\x0c \x01(\t\"\xb3\x01\n\x0bNewSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\":\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xf7\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x66inished_ids\x18\x02 \x03(\t\x12/\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x30\n\x0c\x62lock_deltas\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x15\n\rscheduled_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12,\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockCopy\"S\n\rTokenLogprobs\x12\x15\n\rtoken_logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xe7\x01\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bsampled_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.llmserve.v1.StepOutput.LogprobsEntry\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x1aK\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.llmserve.v1.TokenLogprobs:\x02\x38\x01\x32\x8e\x01\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12:\n\x04Step\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepOutput(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STEPOUTPUT_LOGPROBSENTRY']._loaded_options = None
   _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_options = b'8\001'
-  _globals['_DESCRIBEREQUEST']._serialized_start=48
-  _globals['_DESCRIBEREQUEST']._serialized_end=65
-  _globals['_WORKERDESCRIPTION']._serialized_start=68
-  _globals['_WORKERDESCRIPTION']._serialized_end=337
-  _globals['_WORKERSAMPLINGPARAMS']._serialized_start=340
-  _globals['_WORKERSAMPLINGPARAMS']._serialized_end=647
-  _globals['_NEWSEQUENCE']._serialized_start=650
-  _globals['_NEWSEQUENCE']._serialized_end=830
-  _globals['_SEQUENCEDELTA']._serialized_start=832
-  _globals['_SEQUENCEDELTA']._serialized_end=890
-  _globals['_BLOCKCOPY']._serialized_start=892
-  _globals['_BLOCKCOPY']._serialized_end=929
-  _globals['_STEPPLAN']._serialized_start=932
-  _globals['_STEPPLAN']._serialized_end=1179
-  _globals['_TOKENLOGPROBS']._serialized_start=1181
-  _globals['_TOKENLOGPROBS']._serialized_end=1264
-  _globals['_STEPOUTPUT']._serialized_start=1267
-  _globals['_STEPOUTPUT']._serialized_end=1498
-  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_start=1423
-  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_end=1498
-  _globals['_WORKER']._serialized_start=1501
-  _globals['_WORKER']._serialized_end=1643
+  _globals['_DESCRIBEREQUEST']._serialized_start=83
+  _globals['_DESCRIBEREQUEST']._serialized_end=100
+  _globals['_WORKERDESCRIPTION']._serialized_start=103
+  _globals['_WORKERDESCRIPTION']._serialized_end=372
+  _globals['_NEWSEQUENCE']._serialized_start=375
+  _globals['_NEWSEQUENCE']._serialized_end=554
+  _globals['_SEQUENCEDELTA']._serialized_start=556
+  _globals['_SEQUENCEDELTA']._serialized_end=614
+  _globals['_BLOCKCOPY']._serialized_start=616
+  _globals['_BLOCKCOPY']._serialized_end=653
+  _globals['_STEPPLAN']._serialized_start=656
+  _globals['_STEPPLAN']._serialized_end=903
+  _globals['_TOKENLOGPROBS']._serialized_start=905
+  _globals['_TOKENLOGPROBS']._serialized_end=988
+  _globals['_STEPOUTPUT']._serialized_start=991
+  _globals['_STEPOUTPUT']._serialized_end=1222
+  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_start=1147
+  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_end=1222
+  _globals['_WORKER']._serialized_start=1225
+  _globals['_WORKER']._serialized_end=1367
 # @@protoc_insertion_point(module_scope)
