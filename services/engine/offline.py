@@ -45,7 +45,12 @@ def parse_sampling(raw: Any) -> SamplingParams:
         elif key != "seed" and isinstance(value, bool) != (key == "ignore_eos"):
             raise InvalidRequestError(f"sampling.{key}", f"has the wrong type: {value!r}")
         values[key] = value
-    return SamplingParams(**values)
+    params = SamplingParams(**values)
+    try:
+        params.validate()
+    except InvalidRequestError as exc:  # name the field where it sits in the input line
+        raise InvalidRequestError(f"sampling.{exc.field}", exc.message) from exc
+    return params
 
 
 def parse_prompt(engine: LLMEngine, line: dict[str, Any]) -> list[int]:
