@@ -3,6 +3,7 @@ float and renamed to Hugging Face names, with llama.cpp's Q/K row permutation un
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,10 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+@functools.lru_cache(maxsize=4)
 def open_gguf(path: Path) -> Any:
+    """One parsed reader per file and process: parsing the metadata (49k token strings for
+    SmolLM2) takes seconds, and the tokenizer and the config readers both need it."""
     import gguf
 
     try:
