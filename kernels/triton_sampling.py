@@ -28,12 +28,6 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _key_to_float(key):
-    bits = key.to(tl.int32)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _load_scaled(row_ptr, offs, vocab, inv_t):
     x = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
     return x * inv_t

@@ -55,7 +55,6 @@ from services.common.grpc_server import CHANNEL_OPTIONS, install_uvloop, status_
 
 MAX_DEFAULT_CHANNELS = 8
 WARMUP_SEED_OFFSET = 7919  # warm-up prompts differ from the timed ones: no prefix-cache hits
-HTTP_ERROR_BODY_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)

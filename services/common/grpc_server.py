@@ -104,6 +104,13 @@ class GrpcService:
         await self.server.stop(grace=drain_s)
 
 
+def run_service(serve: Callable[[], Awaitable[None]]) -> int:
+    """Run a service's `serve()` to completion on uvloop; the process exit code."""
+    install_uvloop()
+    asyncio.run(serve())  # type: ignore[arg-type]
+    return 0
+
+
 def install_uvloop() -> None:
     """uvloop where it is available: grpc.aio runs on it and its loop is faster."""
     with contextlib.suppress(ImportError):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.errors import InvalidRequestError
+from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig, resolve_dtype
 from services.scheduler.config import SchedulerConfig
@@ -66,7 +67,6 @@ class LLMEngine:
             dtype = resolve_dtype(config.dtype, config.device)
             loaded = LoadedModel.load(config.model, dtype, config.device)
         self.loaded = loaded
-        self.model_path = loaded.path
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.model = loaded.model
@@ -138,20 +138,8 @@ class LLMEngine:
 
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"the prompt has {len(prompt)} tokens but the context length is "
-                f"{self.max_model_len} (at least one token must be left to generate)",
-            )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
-            )
+        check_prompt_length(len(prompt), self.max_model_len)
+        check_token_ids("prompt_token_ids", prompt, self.model_config.vocab_size)
         return prompt
 
     def abort(self, request_id: str) -> None:

@@ -14,7 +14,8 @@ import grpc
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError
-from services.common.grpc_server import GrpcService, install_uvloop, status_for
+from services.common.grpc_server import GrpcService, run_service, status_for
+from services.common.prompt_checks import check_token_ids
 from services.common.sampling_proto import sampling_from_proto
 from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.engine_loop import EngineLoop, WorkerUnavailable
@@ -44,9 +45,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             sampling.validate()
             if not request.prompt_token_ids:
                 raise InvalidRequestError("prompt_token_ids", "must not be empty")
-            vocab = self.loop.description.vocab_size if self.loop.description else None
-            if vocab and any(not 0 <= t < vocab for t in request.prompt_token_ids):
-                raise InvalidRequestError("prompt_token_ids", f"ids must be in [0, {vocab})")
+            if self.loop.description is not None:
+                check_token_ids(
+                    "prompt_token_ids", request.prompt_token_ids, self.loop.description.vocab_size
+                )
             scheduled = Request(
                 request_id=request_id,
                 prompt_token_ids=list(request.prompt_token_ids),
@@ -125,10 +127,6 @@ async def serve(config: SchedulerServerConfig) -> None:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("scheduler", help="run the scheduler service")
     add_config_flags(parser, SchedulerServerConfig)
-    parser.set_defaults(func=lambda args: _main(config_from_args(SchedulerServerConfig, args)))
-
-
-def _main(config: SchedulerServerConfig) -> int:
-    install_uvloop()
-    asyncio.run(serve(config))
-    return 0
+    parser.set_defaults(
+        func=lambda args: run_service(lambda: serve(config_from_args(SchedulerServerConfig, args)))
+    )

@@ -28,13 +28,14 @@ import grpc
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError, LLMServeError
-from services.common.grpc_server import CHANNEL_OPTIONS, GrpcService, install_uvloop, status_for
+from services.common.grpc_server import CHANNEL_OPTIONS, GrpcService, run_service, status_for
+from services.common.prompt_checks import check_token_ids
 from services.tokenizer import convert
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.model_tokenizer import ModelTokenizer
 from services.tokenizer.stop_strings import StopStringMatcher
-from services.tokenizer.validation import Limits, check_token_ids, validate_generate
+from services.tokenizer.validation import Limits, validate_generate
 
 log = logging.getLogger(__name__)
 
@@ -545,9 +546,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     config = config_from_args(TokenizerConfig, args)
     # grpc.aio streams, cancellation and health run on uvloop (checked with grpcio 1.85.1
     # and uvloop 0.23: server streaming, client cancel mid-stream, unary calls).
-    install_uvloop()
-    asyncio.run(serve(config))
-    return 0
+    return run_service(lambda: serve(config))
 
 
 def add_parser(subparsers: Any) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from services.common.errors import InvalidRequestError
+from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.common.sampling_params import SamplingParams
 from services.tokenizer.chat_template import ChatMessage
 
@@ -185,21 +186,5 @@ def prompt_to_token_ids(
         token_ids = tuple(tokenizer.apply_chat_template(request.messages))
     else:
         token_ids = tuple(tokenizer.encode(request.prompt))
-    if not token_ids:
-        raise InvalidRequestError("prompt", "has no tokens")
-    if len(token_ids) >= limits.max_model_len:
-        raise InvalidRequestError(
-            "prompt",
-            f"the prompt has {len(token_ids)} tokens but the context length is "
-            f"{limits.max_model_len} (at least one token must be left to generate)",
-        )
+    check_prompt_length(len(token_ids), limits.max_model_len)
     return token_ids
-
-
-def check_token_ids(field_name: str, token_ids: Sequence[int], vocab_size: int) -> None:
-    for index, token_id in enumerate(token_ids):
-        if not 0 <= token_id < vocab_size:
-            raise InvalidRequestError(
-                field_name,
-                f"token id {token_id} at index {index} is outside the vocabulary [0, {vocab_size})",
-            )

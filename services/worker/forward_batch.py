@@ -36,15 +36,3 @@ class ForwardBatch:
     """[B] int32 context length including the token being decoded."""
     logits_indices: torch.Tensor
     """[R] int64 rows of the hidden states to turn into logits (the sampled positions)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_decodes(self) -> int:
-        return int(self.decode_context_lens.shape[0])
-
-    @property
-    def num_prefills(self) -> int:
-        return int(self.prefill_prefix_lens.shape[0])

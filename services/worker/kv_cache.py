@@ -63,10 +63,6 @@ class PagedKVCache:
             (self.storage[layer, 0], self.storage[layer, 1]) for layer in range(spec.num_layers)
         ]
 
-    @property
-    def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
-
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src → dst in every layer (copy-on-write of shared blocks)."""
         if not pairs:

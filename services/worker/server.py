@@ -15,7 +15,7 @@ import torch
 
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
-from services.common.grpc_server import GrpcService, install_uvloop
+from services.common.grpc_server import GrpcService, run_service
 from services.common.sampling_params import SamplingParams
 from services.engine.config import GiB, resolve_dtype
 from services.scheduler.plan import BatchPlan, NewSequence
@@ -139,10 +139,6 @@ async def serve(config: WorkerConfig) -> None:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("worker", help="run the worker service (model + KV cache)")
     add_config_flags(parser, WorkerConfig)
-    parser.set_defaults(func=lambda args: _main(config_from_args(WorkerConfig, args)))
-
-
-def _main(config: WorkerConfig) -> int:
-    install_uvloop()
-    asyncio.run(serve(config))
-    return 0
+    parser.set_defaults(
+        func=lambda args: run_service(lambda: serve(config_from_args(WorkerConfig, args)))
+    )

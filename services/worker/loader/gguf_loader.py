@@ -145,7 +145,3 @@ def _hf_name(gguf_name: str) -> str:
         raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-
-
-def gguf_tensor_count(reader: Any) -> int:
-    return len(reader.tensors)

@@ -13,16 +13,9 @@ from tqdm import tqdm
 
 from services.worker.loader.gguf_loader import gguf_model_config, iter_gguf_weights, open_gguf
 from services.worker.loader.hf_loader import hf_model_config, hf_tensor_count, iter_hf_weights
-from services.worker.model.config import ModelConfig
 from services.worker.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
-
-
-def read_model_config(path: Path) -> ModelConfig:
-    if path.suffix == ".gguf":
-        return gguf_model_config(open_gguf(path))
-    return hf_model_config(path)
 
 
 def load_model(

@@ -31,11 +31,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across layers, at 1 byte per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
         model_type = config.get("model_type", "llama")
