@@ -14,6 +14,7 @@ from google.protobuf.json_format import MessageToDict
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.tokenizer.convert import OPTIONAL_SAMPLING_FIELDS
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -51,18 +52,7 @@ def sampling_from_args(args: argparse.Namespace) -> text_pb2.SamplingParams:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "max_new_tokens",
-        "min_new_tokens",
-        "seed",
-    ):
+    for name in OPTIONAL_SAMPLING_FIELDS:
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)

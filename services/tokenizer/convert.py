@@ -10,17 +10,9 @@ from services.common.sampling_proto import sampling_to_proto
 from services.tokenizer.chat_template import ChatMessage
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
 
-_OPTIONAL_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "max_new_tokens",
-    "min_new_tokens",
+# The public sampling fields with presence (proto3 `optional`): unset means "our default".
+OPTIONAL_SAMPLING_FIELDS = tuple(
+    field.name for field in text_pb2.SamplingParams.DESCRIPTOR.fields if field.has_presence
 )
 
 
@@ -32,7 +24,7 @@ def sampling_input(sampling: text_pb2.SamplingParams) -> SamplingInput:
     """proto3 `optional` fields: unset stays None, so SamplingParams' defaults apply."""
     given = {
         name: getattr(sampling, name)
-        for name in _OPTIONAL_SAMPLING_FIELDS
+        for name in OPTIONAL_SAMPLING_FIELDS
         if sampling.HasField(name)
     }
     return SamplingInput(

@@ -329,3 +329,32 @@ def test_zz_worker_death_then_recovery(stack: Stack) -> None:
     assert stack.info["pids"]["worker"] != old_pid
     stats = stack.wait_all_blocks_free()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_cli_client_streams_and_reports_errors(stack: Stack, reference_engine) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    command = [sys.executable, "-m", "services.cli", "generate", "--target", stack.public]
+    done = subprocess.run(
+        [*command, "--prompt", PROMPTS[0], "--temperature", "0", "--max-new-tokens", "8", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    messages = [json.loads(line) for line in done.stdout.splitlines()]
+    ids = [int(t) for m in messages for t in m.get("token_ids", [])]
+    expected = reference_engine.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=8)
+    )[0]
+    assert ids == expected.token_ids
+    bad = subprocess.run(
+        [*command, "--prompt", "hi", "--top-p", "1.5", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode != 0
+    assert json.loads(bad.stdout.splitlines()[-1])["error"]["code"] == "INVALID_ARGUMENT"
