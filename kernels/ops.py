@@ -15,6 +15,7 @@ from kernels import (
     kv_cache_torch,
     norm_torch,
     quant_gemm_torch,
+    quant_weight_only_torch,
     rotary_torch,
     sampling_torch,
 )
@@ -28,7 +29,10 @@ __all__ = [
     "dequantize_kv_int8",
     "fused_add_rms_norm",
     "int4_gemm",
+    "int4_packed_gemm",
     "int8_gemm",
+    "int8_weight_only_gemm",
+    "nf4_gemm",
     "paged_decode_attention",
     "prefill_attention",
     "quantize_int4",
@@ -215,3 +219,24 @@ def int4_gemm(
 
         return triton_quant_gemm.int4_gemm(x, packed, scale, low, bias)
     return quant_gemm_torch.int4_gemm(x, packed, scale, low, bias)
+
+
+# Weight-only formats served by torch's CPU packed kernels (no Triton kernel: on CUDA the same
+# functions dequantize and call a matmul, which is correct but not fast).
+
+
+def int8_weight_only_gemm(x: Tensor, w_q: Tensor, w_scale: Tensor) -> Tensor:
+    """x [M, K] @ (w_q [N, K] int8 · w_scale [N])^T -> [M, N]; activations stay float."""
+    return quant_weight_only_torch.int8_weight_only_gemm(x, w_q, w_scale)
+
+
+def int4_packed_gemm(
+    x: Tensor, packed: Tensor, scales_and_zeros: Tensor, group_size: int, codes: Tensor | None
+) -> Tensor:
+    """Weight-only int4 in torch's CPU packed layout -> [M, N]."""
+    return quant_weight_only_torch.int4_packed_gemm(x, packed, scales_and_zeros, group_size, codes)
+
+
+def nf4_gemm(x: Tensor, packed: Tensor, absmax: Tensor) -> Tensor:
+    """Weight-only NF4 (grouped absmax) -> [M, N]."""
+    return quant_weight_only_torch.nf4_gemm(x, packed, absmax)

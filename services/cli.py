@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +23,19 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-gib", type=float, default=1.0, help="memory for the paged KV cache"
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model dtype) or int8 (per-group scales, more sequences per GiB)",
+    )
+    parser.add_argument(
+        "--kv-cache-group-size", type=int, default=8, help="int8 KV: values per scale"
+    )
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        help="weights: none, int8, w8a8, int4, nf4, gguf (see docs/quantization.md)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -37,6 +51,9 @@ def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         model=args.model,
         dtype=args.dtype,
         kv_cache_bytes=int(args.kv_cache_gib * GiB),
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_group_size=args.kv_cache_group_size,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -94,7 +111,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    # From the environment too, so `llmserve up`'s child processes log at the same level.
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("LLMSERVE_LOG_LEVEL", "WARNING"),
+        help="DEBUG, INFO, WARNING, ERROR (env LLMSERVE_LOG_LEVEL)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     offline = sub.add_parser(
@@ -124,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler_server.add_parser(sub)
     tokenizer_server.add_parser(sub)
     client.add_parser(sub)
+    client.add_prompts_parser(sub)
     launcher.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -134,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_parser(bench_sub)
     hf_baseline.add_parser(bench_sub)
     serve.add_parser(bench_sub)
+    from services.bench import prefix_cache
+
+    prefix_cache.add_parser(bench_sub)
+    from services.bench import quant_table
+
+    quant_table.add_parser(bench_sub)
+
+    from services.bench import estimate_command
+
+    estimate_command.add_parser(sub)
     return parser
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
@@ -41,6 +42,9 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline-ms", type=int, default=0, help="0 = none")
     parser.add_argument("--timeout-s", type=float, default=None, help="gRPC deadline")
     parser.add_argument("--model", default="", help="must match ListModels when set")
+    parser.add_argument(
+        "--tenant-id", default="", help="requests of different tenants share no cached KV"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per message")
 
 
@@ -65,8 +69,10 @@ def request_from_args(args: argparse.Namespace) -> text_pb2.GenerateRequest:
         sampling=sampling_from_args(args),
         deadline_ms=args.deadline_ms,
         model=args.model,
+        tenant_id=args.tenant_id,
     )
     if args.command == "chat":
+        request.prompt_name = args.prompt_name
         if args.system:
             request.messages.append(text_pb2.ChatMessage(role="system", content=args.system))
         request.messages.append(text_pb2.ChatMessage(role="user", content=args.prompt))
@@ -143,6 +149,9 @@ def add_parser(subparsers: Any) -> None:
     chat = subparsers.add_parser("chat", help="stream a chat answer from a running server")
     chat.add_argument("prompt", help="the user message")
     chat.add_argument("--system", default="", help="a system message before it")
+    chat.add_argument(
+        "--prompt-name", default="", help="a registered system prompt (see `llmserve prompts`)"
+    )
     _add_common_flags(chat)
     chat.set_defaults(func=cmd_generate)
 
@@ -154,3 +163,56 @@ def add_parser(subparsers: Any) -> None:
     source.add_argument("--token-ids", help="prompt token ids, e.g. '1,2,3' or '1 2 3'")
     _add_common_flags(generate)
     generate.set_defaults(func=cmd_generate)
+
+
+def cmd_prompts(args: argparse.Namespace) -> int:
+    """Register, list or delete named system prompts; prints each result as JSON."""
+    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+        stub = text_pb2_grpc.TextGenerationStub(channel)
+        try:
+            if args.prompts_command == "register":
+                text = Path(args.file).read_text() if args.file else args.text
+                result: Any = stub.RegisterPrompt(
+                    text_pb2.RegisterPromptRequest(
+                        name=args.name,
+                        system_prompt=text,
+                        ttl_s=args.ttl_s,
+                        tenant_id=args.tenant_id,
+                    ),
+                    timeout=args.timeout_s,
+                )
+            elif args.prompts_command == "list":
+                result = stub.ListPrompts(
+                    text_pb2.ListPromptsRequest(tenant_id=args.tenant_id), timeout=args.timeout_s
+                )
+            else:
+                result = stub.DeletePrompt(
+                    text_pb2.DeletePromptRequest(name=args.name, tenant_id=args.tenant_id),
+                    timeout=args.timeout_s,
+                )
+        except grpc.RpcError as exc:
+            _report_error(exc, False, sys.stdout, sys.stderr)
+            return 1
+    print(json.dumps(_to_dict(result), ensure_ascii=False))
+    return 0
+
+
+def add_prompts_parser(subparsers: Any) -> None:
+    prompts = subparsers.add_parser(
+        "prompts", help="named system prompts: register, list, delete (on a running server)"
+    )
+    actions = prompts.add_subparsers(dest="prompts_command", required=True)
+    register = actions.add_parser("register", help="register (or refresh) a system prompt")
+    register.add_argument("name")
+    text = register.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help="the system prompt")
+    text.add_argument("--file", help="read the system prompt from this file")
+    register.add_argument("--ttl-s", type=int, default=0, help="0 = the server's default")
+    delete = actions.add_parser("delete", help="delete a registered prompt and unpin its KV")
+    delete.add_argument("name")
+    listing = actions.add_parser("list", help="the registered prompts")
+    for action in (register, delete, listing):
+        action.add_argument("--target", default=DEFAULT_TARGET, help="tokenizer tier host:port")
+        action.add_argument("--tenant-id", default="")
+        action.add_argument("--timeout-s", type=float, default=300.0)
+        action.set_defaults(func=cmd_prompts)

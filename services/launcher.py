@@ -1,11 +1,12 @@
 """`llmserve up`: the whole stack as local processes on loopback.
 
-Starts the worker, the scheduler and N tokenizer replicas, waits until each reports SERVING on
-the standard health service, prints the public address, restarts any process that dies, and
-on Ctrl-C / SIGTERM stops them front to back (tokenizers drain first) and exits 0.
+Starts a private redis-server (when installed and no --redis-url is given), N scheduler+worker
+pairs and M tokenizer replicas, waits until each is ready (SERVING on the standard health
+service; PONG for Redis), prints the public address, restarts any process that dies, and on
+Ctrl-C / SIGTERM stops them front to back (tokenizers drain first) and exits 0.
 
 Tokenizer replicas all bind the public port: gRPC sets SO_REUSEPORT, so the kernel spreads
-client connections across them.
+client connections across them. Each replica routes requests over every scheduler.
 """
 
 from __future__ import annotations
@@ -13,16 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.metrics_aggregate import ScrapeTarget, start_aggregate_server
+from services.common.metrics_http import MetricsServer
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +39,18 @@ class StackConfig:
     """Public port of the tokenizer tier (0 = any free port)."""
     tokenizer_replicas: int = 1
     """Tokenizer processes sharing the public port."""
+    workers: int = 1
+    """Scheduler+worker pairs behind the tokenizer tier (the CPU cores are split among them)."""
     model: str | None = None
     """A .gguf file or HF directory; unset = the embedded SmolLM2-135M-Instruct."""
     dtype: str = "auto"
     """auto, float32, bfloat16 or float16."""
     kv_cache_gib: float = 1.0
     """Memory for the paged KV cache, GiB."""
+    kv_cache_dtype: str = "auto"
+    """Worker KV cache: auto (the model dtype) or int8 (per-group scales)."""
+    quantization: str = "none"
+    """Worker weights: none, int8, w8a8, int4, nf4 or gguf."""
     max_num_seqs: int = 128
     """Most sequences in one step."""
     max_num_batched_tokens: int = 1024
@@ -46,25 +58,43 @@ class StackConfig:
     max_waiting_requests: int = 256
     """Waiting-queue bound; beyond it requests fail at once with RESOURCE_EXHAUSTED."""
     worker_threads: int | None = None
-    """torch threads in the worker; unset = one per core."""
+    """torch threads per worker; unset = the cores divided among the workers."""
+    redis_url: str | None = None
+    """An existing Redis (redis://[user:password@]host:port, rediss:// for TLS); unset = start
+    a private redis-server on loopback when one is installed."""
+    redis: bool = True
+    """Use Redis at all (--no-redis: no prefix index, routing by load, local named prompts)."""
+    routing: str = "cache_aware"
+    """How tokenizers pick a scheduler: cache_aware, least_loaded or round_robin."""
+    enable_prefix_caching: bool = True
+    """Reuse cached KV across requests (--no-enable-prefix-caching to measure without)."""
     startup_timeout_s: float = 300.0
     """How long to wait for every process to become healthy."""
     ready_file: str | None = None
     """Write the addresses and pids as JSON here once ready (for scripts and tests)."""
+    metrics_port: int | None = None
+    """Port of the stack's merged Prometheus /metrics (0 = any free port); unset = none."""
 
 
 @dataclass(slots=True)
 class Child:
     name: str
-    args: list[str]
+    kind: str
+    """redis, worker, scheduler or tokenizer."""
+    command: list[str]
     address: str
+    ready: Callable[[str], bool]
+    metrics_url: str | None = None
+    """This process's own /metrics, when the stack exposes metrics."""
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
 
     def start(self, env: dict[str, str]) -> None:
+        # Redis prints a banner on stdout; ours go to stderr as JSON logs.
+        stdout = subprocess.DEVNULL if self.kind == "redis" else None
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *self.args], env=env, start_new_session=True
+            self.command, env=env, start_new_session=True, stdout=stdout
         )
         self.started_at = time.monotonic()
 
@@ -73,10 +103,25 @@ class Child:
         return self.process is not None and self.process.poll() is None
 
 
+def llmserve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
 def free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def redis_answers(address: str, timeout: float = 1.0) -> bool:
+    """PING over a plain socket (the private Redis has no password)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 def healthy(address: str, timeout: float = 1.0) -> bool:
@@ -90,86 +135,132 @@ def healthy(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def build_children(config: StackConfig) -> list[Child]:
+def private_redis(host: str) -> Child | None:
+    """A throwaway redis-server for this stack: loopback only, nothing persisted."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None
+    port = free_port(host)
+    command = [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"]
+    return Child("redis", "redis", command, f"{host}:{port}", redis_answers)
+
+
+def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
+    """Redis (if private) first, then workers, schedulers, tokenizers: the start order."""
     host = config.host
-    worker_port = free_port(host)
-    scheduler_port = free_port(host)
-    public_port = config.port or free_port(host)
     model = ["--model", config.model] if config.model else []
-    worker_args = [
-        "worker",
+    redis_url = config.redis_url or (f"redis://{redis.address}" if redis else None)
+    redis_flag = ["--redis-url", redis_url] if config.redis and redis_url else []
+    threads = config.worker_threads or max(1, (os.cpu_count() or 1) // config.workers)
+
+    def child(name: str, args: list[str], address: str) -> Child:
+        metrics_url = None
+        if config.metrics_port is not None:
+            metrics_port = free_port(host)
+            args = [*args, "--metrics-port", str(metrics_port)]
+            metrics_url = f"http://{host}:{metrics_port}/metrics"
+        kind = args[0]
+        return Child(name, kind, llmserve_command(*args), address, healthy, metrics_url)
+
+    workers: list[Child] = []
+    schedulers: list[Child] = []
+    for index in range(config.workers):
+        worker_port, scheduler_port = free_port(host), free_port(host)
+        worker_args = [
+            "worker",
+            "--host",
+            host,
+            "--port",
+            str(worker_port),
+            "--dtype",
+            config.dtype,
+            "--kv-cache-gib",
+            str(config.kv_cache_gib),
+            "--kv-cache-dtype",
+            config.kv_cache_dtype,
+            "--quantization",
+            config.quantization,
+            "--threads",
+            str(threads),
+            *model,
+        ]
+        workers.append(child(f"worker-{index}", worker_args, f"{host}:{worker_port}"))
+        scheduler_args = [
+            "scheduler",
+            "--host",
+            host,
+            "--port",
+            str(scheduler_port),
+            "--scheduler-id",
+            f"scheduler-{index}",
+            "--worker",
+            f"{host}:{worker_port}",
+            "--max-num-seqs",
+            str(config.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(config.max_num_batched_tokens),
+            "--max-waiting-requests",
+            str(config.max_waiting_requests),
+            "--enable-prefix-caching"
+            if config.enable_prefix_caching
+            else "--no-enable-prefix-caching",
+            *redis_flag,
+        ]
+        schedulers.append(child(f"scheduler-{index}", scheduler_args, f"{host}:{scheduler_port}"))
+    public_port = config.port or free_port(host)
+    scheduler_list = ",".join(c.address for c in schedulers)
+    tokenizer_args = [
+        "tokenizer",
         "--host",
         host,
         "--port",
-        str(worker_port),
-        "--dtype",
-        config.dtype,
-        "--kv-cache-gib",
-        str(config.kv_cache_gib),
+        str(public_port),
+        "--scheduler",
+        scheduler_list,
+        "--routing",
+        config.routing,
+        *redis_flag,
         *model,
     ]
-    if config.worker_threads:
-        worker_args += ["--threads", str(config.worker_threads)]
-    children = [
-        Child("worker", worker_args, f"{host}:{worker_port}"),
-        Child(
-            "scheduler",
-            [
-                "scheduler",
-                "--host",
-                host,
-                "--port",
-                str(scheduler_port),
-                "--worker",
-                f"{host}:{worker_port}",
-                "--max-num-seqs",
-                str(config.max_num_seqs),
-                "--max-num-batched-tokens",
-                str(config.max_num_batched_tokens),
-                "--max-waiting-requests",
-                str(config.max_waiting_requests),
-            ],
-            f"{host}:{scheduler_port}",
-        ),
+    tokenizers = [
+        child(f"tokenizer-{index}", tokenizer_args, f"{host}:{public_port}")
+        for index in range(config.tokenizer_replicas)
     ]
-    for index in range(config.tokenizer_replicas):
-        children.append(
-            Child(
-                f"tokenizer-{index}",
-                [
-                    "tokenizer",
-                    "--host",
-                    host,
-                    "--port",
-                    str(public_port),
-                    "--scheduler",
-                    f"{host}:{scheduler_port}",
-                    *model,
-                ],
-                f"{host}:{public_port}",
-            )
-        )
-    return children
+    return [*([redis] if redis else []), *workers, *schedulers, *tokenizers]
 
 
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.children = build_children(config)
+        wants_private_redis = config.redis and not config.redis_url
+        self.redis = private_redis(config.host) if wants_private_redis else None
+        if wants_private_redis and self.redis is None:
+            print(
+                "llmserve: redis-server is not installed: running without Redis "
+                "(no prefix index; routing by load)",
+                file=sys.stderr,
+            )
+        self.children = build_children(config, self.redis)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._stopping = False
+        self.metrics: MetricsServer | None = None
 
     @property
     def public_address(self) -> str:
         return self.children[-1].address
 
     def start(self) -> None:
+        self.metrics = start_aggregate_server(
+            self.config.host,
+            self.config.metrics_port,
+            [ScrapeTarget(c.kind, c.name, c.metrics_url) for c in self.children if c.metrics_url],
+        )
         for child in self.children:
             child.start(self.env)
         deadline = time.monotonic() + self.config.startup_timeout_s
         for child in self.children:
             print(f"llmserve: waiting for {child.name} at {child.address}", file=sys.stderr)
-            while not healthy(child.address):
+            while not child.ready(child.address):
                 if not child.alive:
                     raise RuntimeError(f"{child.name} exited during start-up")
                 if time.monotonic() > deadline:
@@ -181,12 +272,25 @@ class Stack:
             Path(self.config.ready_file).write_text(json.dumps(self.describe()))
         print(f"llmserve ready: {self.public_address}", flush=True)
 
+    def _group(self, kind: str) -> list[Child]:
+        return [c for c in self.children if c.kind == kind]
+
     def describe(self) -> dict[str, object]:
+        schedulers = [c.address for c in self._group("scheduler")]
+        workers = [c.address for c in self._group("worker")]
+        redis_url = self.config.redis_url or (
+            f"redis://{self.redis.address}" if self.redis else None
+        )
         return {
             "public": self.public_address,
-            "scheduler": self.children[1].address,
-            "worker": self.children[0].address,
+            "scheduler": schedulers[0],
+            "worker": workers[0],
+            "schedulers": schedulers,
+            "workers": workers,
+            "redis_url": redis_url if self.config.redis else None,
             "pids": {c.name: c.process.pid for c in self.children if c.process is not None},
+            "metrics": self.metrics.url if self.metrics else None,
+            "process_metrics": {c.name: c.metrics_url for c in self.children if c.metrics_url},
         }
 
     def supervise(self) -> None:
@@ -213,8 +317,8 @@ class Stack:
         self._stopping = True
 
     def shutdown(self, timeout_s: float = 40.0) -> None:
-        # Front to back: tokenizers drain their streams, then the scheduler, then the worker.
-        for group in (self.children[2:], self.children[1:2], self.children[:1]):
+        # Front to back: tokenizers drain their streams, then schedulers, workers, Redis.
+        for group in [self._group(k) for k in ("tokenizer", "scheduler", "worker", "redis")]:
             for child in group:
                 if child.alive and child.process is not None:
                     child.process.send_signal(signal.SIGTERM)
@@ -234,7 +338,7 @@ def run(config: StackConfig) -> int:
     try:
         stack.start()
         stack.supervise()
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, OSError) as exc:  # OSError: a port is taken
         print(f"llmserve: {exc}", file=sys.stderr)
         stack.shutdown(timeout_s=5)
         return 1

@@ -47,6 +47,8 @@ class RequestRecord:
     """The server's count when it reports one (usage), else the sum over chunks."""
     error: str | None = None
     """None on success; else a status such as 'RESOURCE_EXHAUSTED', 'HTTP 503', 'abort'."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the server served from its prefix cache (usage), when it reports them."""
 
     @property
     def ok(self) -> bool:

@@ -17,6 +17,23 @@ class InvalidRequestError(LLMServeError, ValueError):
         self.message = message
 
 
+class PromptTooLongError(InvalidRequestError):
+    """The prompt leaves no room for output in the context (a distinct metric label)."""
+
+
+class NotFoundError(LLMServeError):
+    """A named thing (e.g. a registered prompt) does not exist. `field` names the reference."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class DependencyUnavailableError(LLMServeError):
+    """A service this call needs (e.g. Redis for named prompts) is not answering; retry."""
+
+
 class CapacityError(LLMServeError):
     """The request can never fit (e.g. its prompt needs more KV blocks than exist)."""
 

@@ -121,13 +121,35 @@ def install_uvloop() -> None:
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one mapping from our typed errors to gRPC status codes."""
-    from services.common.errors import CapacityError, InvalidRequestError, LLMServeError
+    from services.common.errors import (
+        CapacityError,
+        DependencyUnavailableError,
+        InvalidRequestError,
+        LLMServeError,
+        NotFoundError,
+    )
     from services.scheduler.errors import QueueFullError
 
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, NotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, DependencyUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, (QueueFullError, CapacityError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, LLMServeError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+def rejection_reason(exc: BaseException) -> str:
+    """A short, bounded metric label for a request refused with `exc` (never the message)."""
+    from services.common.errors import CapacityError, PromptTooLongError
+    from services.scheduler.errors import QueueFullError
+
+    if isinstance(exc, QueueFullError):
+        return "queue_full"
+    if isinstance(exc, (CapacityError, PromptTooLongError)):
+        return "prompt_too_long"
+    return str(status_for(exc)[0].name).lower()  # invalid_argument, not_found, internal, ...

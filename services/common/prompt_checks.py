@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, PromptTooLongError
 
 
 def check_token_ids(field_name: str, token_ids: Sequence[int], vocab_size: int) -> None:
@@ -21,7 +21,7 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     if num_tokens == 0:
         raise InvalidRequestError("prompt", "must not be empty")
     if num_tokens >= max_model_len:
-        raise InvalidRequestError(
+        raise PromptTooLongError(
             "prompt",
             f"the prompt has {num_tokens} tokens but the context length is "
             f"{max_model_len} (at least one token must be left to generate)",

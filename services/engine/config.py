@@ -21,6 +21,12 @@ class EngineConfig:
     device: str = "cpu"
     kv_cache_bytes: int = 1 * GiB
     """Memory for the paged KV cache; the number of blocks follows from it."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model dtype) or int8 (per-group scales: more blocks in the same bytes)."""
+    kv_cache_group_size: int = 8
+    """int8 KV cache: values of head_dim sharing one fp16 scale."""
+    quantization: str = "none"
+    """Weights: none, int8, w8a8, int4, nf4 or gguf (ignored when a loaded model is given)."""
     block_size: int = 16
     """Tokens per KV block."""
     max_model_len: int | None = None
@@ -37,6 +43,17 @@ class EngineConfig:
     """Seed of the sampler's shared generator (requests without their own seed)."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None = torch's default (one per core)."""
+
+    def __post_init__(self) -> None:
+        from services.worker.quantization.formats import (
+            check_kv_cache_dtype,
+            check_kv_cache_group_size,
+            check_quantization,
+        )
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        check_kv_cache_group_size(self.kv_cache_group_size)
+        check_quantization(self.quantization)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -65,7 +65,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if loaded is None:
             dtype = resolve_dtype(config.dtype, config.device)
-            loaded = LoadedModel.load(config.model, dtype, config.device)
+            loaded = LoadedModel.load(config.model, dtype, config.device, config.quantization)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -79,6 +79,8 @@ class LLMEngine:
             kv_cache_bytes=config.kv_cache_bytes,
             block_size=config.block_size,
             seed=config.seed,
+            kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_group_size=config.kv_cache_group_size,
         )
         self.kv_cache = self.runner.kv_cache
         self.num_kv_blocks = self.kv_cache.num_blocks

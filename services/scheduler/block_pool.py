@@ -6,33 +6,22 @@ so a later request with the same prefix takes them back instead of recomputing t
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from typing import Protocol
 
-BlockHash = bytes
+from services.common.prefix_hash import BlockHash, hash_block_tokens
 
-# Parent of the first block. Every parent is exactly _DIGEST_SIZE bytes and every full block
-# has the same token count, so the hashed byte strings cannot be ambiguous.
-_DIGEST_SIZE = 32
-_ROOT_HASH = bytes(_DIGEST_SIZE)
+__all__ = ["BlockHash", "BlockPool", "CacheListener", "hash_block_tokens"]
 
 
-def hash_block_tokens(
-    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_key: bytes = b""
-) -> BlockHash:
-    """Chained hash of one full block, stable across processes and machines (for Redis).
+class CacheListener(Protocol):
+    """Told when a hash enters or leaves the prefix cache (e.g. to mirror it into Redis).
+    Called inside the step loop: implementations must only record, never do I/O."""
 
-    `extra_key` separates caches that must not share KV (e.g. a tenant salt, a LoRA id).
-    """
-    hasher = hashlib.blake2b(digest_size=_DIGEST_SIZE)
-    hasher.update(parent_hash if parent_hash is not None else _ROOT_HASH)
-    hasher.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    if extra_key:
-        # Length-prefixed so (tokens, key) pairs cannot alias each other.
-        hasher.update(struct.pack("<I", len(extra_key)) + extra_key)
-    return hasher.digest()
+    def block_cached(self, block_hash: BlockHash) -> None: ...
+
+    def block_evicted(self, block_hash: BlockHash) -> None: ...
 
 
 class BlockPool:
@@ -48,6 +37,7 @@ class BlockPool:
         # Head = next to allocate (least recently freed); tail = most recently freed.
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self.listener: CacheListener | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,6 +55,10 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache now (a snapshot, for a full resync of a mirror)."""
+        return list(self._cached)
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` from the head of the free queue, evicting their cached hashes."""
@@ -127,6 +121,8 @@ class BlockPool:
             raise ValueError(f"block {block_id} is already cached")
         self._block_hashes[block_id] = block_hash
         self._cached[block_hash] = block_id
+        if self.listener is not None:
+            self.listener.block_cached(block_hash)
         return True
 
     def reset_prefix_cache(self) -> None:
@@ -139,6 +135,8 @@ class BlockPool:
         if block_hash is not None:
             del self._cached[block_hash]
             self._block_hashes[block_id] = None
+            if self.listener is not None:
+                self.listener.block_evicted(block_hash)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent."""

@@ -30,11 +30,17 @@ class SchedulerConfig:
     """Bound of the waiting queue; add_request beyond it raises QueueFullError."""
     long_prefill_token_threshold: int = 0
     """Most prompt tokens one request may compute in one step (0 = no cap but the budget)."""
+    max_pinned_fraction: float = 0.5
+    """Most of the KV blocks that pinned prefixes (named system prompts) may hold."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(
+                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
+            )
         if self.allocation_policy not in ("paged", "max_length"):
             raise ValueError(f"unknown allocation_policy {self.allocation_policy!r}")

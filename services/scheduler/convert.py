@@ -26,7 +26,13 @@ def event_to_proto(event: TokenEvent) -> engine_pb2.SubmitResponse:
 
 
 def stats_to_proto(
-    stats: SchedulerStats, scheduler_id: str, max_waiting: int
+    stats: SchedulerStats,
+    scheduler_id: str,
+    max_waiting: int,
+    *,
+    block_size: int,
+    worker_epoch: str,
+    max_num_seqs: int,
 ) -> engine_pb2.EngineStats:
     return engine_pb2.EngineStats(
         num_waiting=stats.num_waiting,
@@ -37,4 +43,8 @@ def stats_to_proto(
         num_preemptions=stats.num_preemptions,
         scheduler_id=scheduler_id,
         max_waiting_requests=max_waiting,
+        block_size=block_size,
+        worker_epoch=worker_epoch,
+        max_num_seqs=max_num_seqs,
+        num_pinned_blocks=stats.num_pinned_blocks,
     )

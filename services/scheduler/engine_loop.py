@@ -12,14 +12,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
+from services.common.cache_keys import CacheKeys
 from services.common.errors import LLMServeError
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.named_prompt import NamedPrompt, pin_name
+from services.common.prefix_hash import tenant_salt
+from services.common.sampling_params import SamplingParams
+from services.scheduler import metrics
 from services.scheduler.plan import BatchPlan, StepResult, TokenEvent
+from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerStats
 from services.scheduler.server_config import SchedulerServerConfig
@@ -34,6 +42,19 @@ class WorkerUnavailable(LLMServeError):
     """The worker is not connected (starting, restarting or gone)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PinSpec:
+    """A prefix to keep pinned until `expires_at` (this loop's clock), across worker restarts."""
+
+    token_ids: tuple[int, ...]
+    cache_salt: bytes
+    expires_at: float
+
+
+# Named prompts registered for a model (by name); None when Redis did not answer.
+PromptSource = Callable[[str], Awaitable[list[NamedPrompt] | None]]
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -41,10 +62,15 @@ class EngineLoop:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_connection_change: Callable[[bool], None] | None = None,
+        prefix_index: PrefixIndexPublisher | None = None,
+        registered_prompts: PromptSource | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
         self.on_connection_change = on_connection_change
+        self.prefix_index = prefix_index
+        self.registered_prompts = registered_prompts
+        self._pins: dict[str, PinSpec] = {}
         self.scheduler: Scheduler | None = None
         self.description: worker_pb2.WorkerDescription | None = None
         self._queues: dict[str, EventQueue] = {}
@@ -81,6 +107,75 @@ class EngineLoop:
     def stats(self) -> SchedulerStats | None:
         return None if self.scheduler is None else self.scheduler.get_stats()
 
+    # ---- pinned prefixes -----------------------------------------------------------------
+
+    async def pin(self, name: str, token_ids: list[int], cache_salt: bytes, ttl_s: float) -> int:
+        """Compute the prefix (a prefill like any request's) and pin its full blocks; kept
+        until ttl_s passes, re-pinned whenever a new worker connects. Returns tokens pinned."""
+        spec = PinSpec(tuple(token_ids), cache_salt, self.clock() + ttl_s)
+        self._pins[name] = spec
+        return await self._pin_now(name, spec)
+
+    def unpin(self, name: str) -> bool:
+        spec = self._pins.pop(name, None)
+        if self.scheduler is not None:
+            self.scheduler.unpin(name)
+        return spec is not None
+
+    async def _pin_now(self, name: str, spec: PinSpec) -> int:
+        scheduler = self.scheduler
+        request = Request(
+            request_id=f"pin:{name}:{uuid.uuid4().hex[:8]}",
+            prompt_token_ids=list(spec.token_ids),
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=1),
+            arrival_time=self.clock(),
+            cache_salt=spec.cache_salt,
+            pin_name=name,
+        )
+        queue = self.submit(request)
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                break
+        if self.scheduler is not scheduler or self.scheduler is None:
+            return 0  # the worker restarted meanwhile; the reconnect re-pins
+        return self.scheduler.kv.pinned_tokens(name)
+
+    async def _restore_pins(self) -> None:
+        """After a worker connects: pin every live prefix again, including the named prompts
+        other processes registered in Redis (this scheduler may be new, or restarted)."""
+        if self.registered_prompts is not None and self.description is not None:
+            prompts = await self.registered_prompts(self.description.model_name)
+            now_unix, now = time.time(), self.clock()
+            for prompt in prompts or []:
+                if not prompt.expired(now_unix):
+                    self._pins.setdefault(
+                        pin_name(prompt.tenant_id, prompt.name),
+                        PinSpec(
+                            prompt.token_ids,
+                            tenant_salt(prompt.tenant_id),
+                            now + prompt.expires_unix_s - now_unix,
+                        ),
+                    )
+        for name, spec in list(self._pins.items()):
+            try:
+                pinned = await self._pin_now(name, spec)
+            except LLMServeError as exc:
+                log.warning("re-pin failed", extra={"pin": name, "error": str(exc)})
+                continue
+            log.info("re-pinned", extra={"pin": name, "tokens": pinned})
+
+    async def expire_pins(self, period_s: float = 1.0) -> None:
+        """Forever: unpin prefixes whose TTL has passed."""
+        while True:
+            await asyncio.sleep(period_s)
+            now = self.clock()
+            for name in [n for n, spec in self._pins.items() if spec.expires_at <= now]:
+                self.unpin(name)
+                log.info("pin expired", extra={"pin": name})
+
     # ---- the loop ------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -97,8 +192,16 @@ class EngineLoop:
                     ),
                     self.description.num_kv_blocks,
                 )
+                if self.prefix_index is not None:
+                    self.scheduler.kv.pool.listener = self.prefix_index
+                    self.prefix_index.attach(
+                        self.description.worker_epoch,
+                        CacheKeys(self.description.model_name),
+                        self.scheduler.kv.pool.cached_hashes,
+                    )
                 call = stub.Step()
                 self._set_connected(True)
+                restore = asyncio.create_task(self._restore_pins())
                 backoff = 0.05
                 log.warning(
                     "worker connected",
@@ -108,7 +211,10 @@ class EngineLoop:
                         "epoch": self.description.worker_epoch,
                     },
                 )
-                await self._drive(call)
+                try:
+                    await self._drive(call)
+                finally:
+                    restore.cancel()
             except (grpc.aio.AioRpcError, WorkerUnavailable) as exc:
                 if self.connected.is_set():
                     log.error(
@@ -125,22 +231,32 @@ class EngineLoop:
     async def _drive(self, call: grpc.aio.StreamStreamCall) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
+        # An idle loop sends nothing, so it would learn of a dead worker only at the next
+        # request; the stream's end wakes it instead, and stats stop reporting a stale epoch.
+        call.add_done_callback(lambda _: self._wakeup.set())
         while True:
             if not scheduler.has_unfinished_requests():
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            if call.done():
+                raise WorkerUnavailable("the worker's step stream ended")
             plan = scheduler.schedule(self.clock())
+            step_s: float | None = None
             if _needs_worker(plan):
                 self._note_scheduled(plan)
+                step_started = time.perf_counter()
                 await call.write(plan_to_proto(plan))
                 output = await call.read()
                 if output is grpc.aio.EOF:
                     raise WorkerUnavailable("the worker closed the step stream")
                 result = result_from_proto(output)
+                step_s = time.perf_counter() - step_started
                 self.num_steps += 1
             else:
                 result = StepResult(step_id=plan.step_id)
-            self._dispatch(scheduler.update(plan, result, self.clock()))
+            events = scheduler.update(plan, result, self.clock())
+            metrics.on_step(scheduler, plan, events, step_s)
+            self._dispatch(events)
             if plan.is_empty:
                 # Requests wait for KV blocks or nothing is runnable: do not spin.
                 await asyncio.sleep(0.002)
@@ -155,6 +271,10 @@ class EngineLoop:
             queue = self._queues.get(event.request_id)
             if event.finished:
                 self._queues.pop(event.request_id, None)
+                log.info(
+                    "finished",
+                    extra={"request_id": event.request_id, "finish_reason": event.finish_reason},
+                )
             if queue is not None:
                 queue.put_nowait(event)
 
@@ -165,6 +285,8 @@ class EngineLoop:
         self._queues.clear()
         self._scheduled_at.clear()
         self.scheduler = None
+        if self.prefix_index is not None:
+            self.prefix_index.detach()
 
     def _set_connected(self, connected: bool) -> None:
         if connected == self.connected.is_set():

@@ -23,6 +23,7 @@ class KVCacheManager:
         allocation_policy: AllocationPolicy = "paged",
         max_model_len: int = 2048,
         watermark: float = 0.0,
+        max_pinned_fraction: float = 0.5,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -35,6 +36,9 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # Pinned prefixes hold one reference per block, so LRU eviction never takes them.
+        self._pins: dict[str, list[int]] = {}
+        self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -185,8 +189,44 @@ class KVCacheManager:
         while len(hashes) <= index:
             start = len(hashes) * self.block_size
             tokens = request.token_ids_slice(start, start + self.block_size)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens))
+            salt = request.cache_salt if not hashes else b""
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens, salt))
         return hashes[index]
+
+    # ---- pinned prefixes ----------------------------------------------------------------
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._pins.values())
+
+    def pinned_tokens(self, name: str) -> int:
+        return len(self._pins.get(name, ())) * self.block_size
+
+    def pin(self, name: str, request: Request) -> int:
+        """Hold the cached full blocks of `request`'s prompt under `name` (replacing an older
+        pin of that name). Returns the tokens pinned: 0 when caching is off or the pin would
+        take more than the pinned-block budget."""
+        self.unpin(name)
+        if not self.enable_prefix_caching:
+            return 0
+        blocks: list[int] = []
+        for index in range(request.num_prompt_tokens // self.block_size):
+            block_id = self.pool.get_cached_block(self._block_hash(request, index))
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        if self.num_pinned_blocks + len(blocks) > self.max_pinned_blocks:
+            return 0
+        self.pool.touch(blocks)
+        self._pins[name] = blocks
+        return len(blocks) * self.block_size
+
+    def unpin(self, name: str) -> bool:
+        blocks = self._pins.pop(name, None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's blocks, shared (refcount + 1); the first write into a
@@ -207,10 +247,11 @@ class KVCacheManager:
             self.pool.free(reversed(table))
 
     def check_integrity(self) -> None:
-        """The pool is consistent and its refcounts are exactly the block-table references."""
+        """The pool is consistent and its refcounts are exactly the block-table and pin
+        references."""
         self.pool.check_integrity()
         counts = [0] * self.num_total_blocks
-        for table in self._block_tables.values():
+        for table in [*self._block_tables.values(), *self._pins.values()]:
             for block_id in table:
                 counts[block_id] += 1
         for block_id, count in enumerate(counts):

@@ -38,6 +38,11 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at first admission."""
     num_preemptions: int = 0
+    cache_salt: bytes = b""
+    """Mixed into the first block's hash: requests with different salts share no KV."""
+    pin_name: str | None = None
+    """Set on a pinning request: when it finishes, its prompt's full blocks stay pinned
+    under this name instead of becoming evictable."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -25,6 +25,8 @@ from services.scheduler.plan import (
 )
 from services.scheduler.request import Request, RequestStatus
 
+_COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
@@ -35,6 +37,7 @@ class SchedulerStats:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    num_pinned_blocks: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -53,6 +56,7 @@ class Scheduler:
             allocation_policy=config.allocation_policy,
             max_model_len=config.max_model_len,
             watermark=config.watermark,
+            max_pinned_fraction=config.max_pinned_fraction,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -92,6 +96,10 @@ class Scheduler:
         self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
         self._num_submitted += 1
         self.waiting.append(request)
+
+    def unpin(self, name: str) -> bool:
+        """Let a pinned prefix's blocks be evicted again; False if nothing is pinned so."""
+        return self.kv.unpin(name)
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request; its blocks are free on return. Unknown or finished ids are ignored."""
@@ -157,6 +165,7 @@ class Scheduler:
             prefix_queried_tokens=self.kv.prefix_queried_tokens,
             prefix_hit_tokens=self.kv.prefix_hit_tokens,
             num_preemptions=self.num_preemptions,
+            num_pinned_blocks=self.kv.num_pinned_blocks,
         )
 
     def check_integrity(self) -> None:
@@ -280,6 +289,9 @@ class Scheduler:
         self._release(request)
 
     def _release(self, request: Request) -> None:
+        if request.pin_name is not None and request.finish_reason in _COMPLETED:
+            # Before free(): the blocks must not pass through the free queue in between.
+            self.kv.pin(request.pin_name, request)
         self.kv.free(request)
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]

@@ -12,14 +12,21 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc
+from services.common.cache_keys import CacheKeys
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError
 from services.common.grpc_server import GrpcService, run_service, status_for
+from services.common.metrics_http import start_metrics_server
+from services.common.named_prompt import NamedPrompt
 from services.common.prompt_checks import check_token_ids
+from services.common.prompt_store import PromptStore
+from services.common.redis_store import RedisStore, open_store, redact_url
 from services.common.sampling_proto import sampling_from_proto
+from services.scheduler import metrics
 from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.engine_loop import EngineLoop, WorkerUnavailable
 from services.scheduler.plan import FinishReason
+from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.server_config import SchedulerServerConfig
 
@@ -58,23 +65,35 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 else (),
                 arrival_time=now,
                 deadline=None if remaining is None else now + remaining,
+                cache_salt=bytes(request.cache_salt),
             )
             queue = self.loop.submit(scheduled)
+            metrics.on_admitted(scheduled)
+            log.info(
+                "admitted",
+                extra={"request_id": request_id, "prompt_tokens": scheduled.num_prompt_tokens},
+            )
             # A cancelled stream paused at `yield` gets no CancelledError (grpc 1.85); the
             # done callback frees the blocks the moment the RPC ends, however it ends.
             context.add_done_callback(lambda _: self.loop.abort(request_id))
         except WorkerUnavailable as exc:
+            metrics.on_rejected("worker_unavailable")
+            log.info("rejected", extra={"request_id": request_id, "code": "UNAVAILABLE"})
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:  # typed errors → their status; anything else → INTERNAL
             code, message = status_for(exc)
+            metrics.on_rejected(exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("submit failed", extra={"request_id": request_id})
+            else:
+                log.info("rejected", extra={"request_id": request_id, "code": code.name})
             await context.abort(code, message)
         first = True
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    log.warning("request failed", extra={"request_id": request_id, "error": item})
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
                 assert not isinstance(item, BaseException)
                 if item.finish_reason is FinishReason.DEADLINE:
@@ -85,6 +104,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 response = event_to_proto(item)
                 if first:
                     queued = self.loop.queue_seconds(scheduled)
+                    metrics.on_first_scheduled(queued)
                     response.queue_ms = (queued or 0.0) * 1000
                     first = False
                 yield response
@@ -98,10 +118,48 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineStats:
         stats = self.loop.stats()
-        if stats is None:
+        description = self.loop.description
+        if stats is None or description is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not connected")
-        assert stats is not None
-        return stats_to_proto(stats, self.scheduler_id, self.config.max_waiting_requests)
+        assert stats is not None and description is not None
+        return stats_to_proto(
+            stats,
+            self.scheduler_id,
+            self.config.max_waiting_requests,
+            block_size=description.block_size,
+            worker_epoch=description.worker_epoch,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
+    async def Pin(
+        self, request: engine_pb2.PinRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.PinResponse:
+        try:
+            if not request.name:
+                raise InvalidRequestError("name", "must not be empty")
+            if not request.token_ids:
+                raise InvalidRequestError("token_ids", "must not be empty")
+            if request.ttl_s <= 0:
+                raise InvalidRequestError("ttl_s", "must be > 0")
+            if self.loop.description is not None:
+                check_token_ids("token_ids", request.token_ids, self.loop.description.vocab_size)
+            pinned = await self.loop.pin(
+                request.name, list(request.token_ids), bytes(request.cache_salt), request.ttl_s
+            )
+        except WorkerUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception as exc:
+            code, message = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("pin failed", extra={"pin": request.name})
+            await context.abort(code, message)
+        log.info("pinned", extra={"pin": request.name, "tokens": pinned})
+        return engine_pb2.PinResponse(num_pinned_tokens=pinned)
+
+    async def Unpin(
+        self, request: engine_pb2.UnpinRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.UnpinResponse:
+        return engine_pb2.UnpinResponse(unpinned=self.loop.unpin(request.name))
 
 
 async def serve(config: SchedulerServerConfig) -> None:
@@ -112,16 +170,48 @@ async def serve(config: SchedulerServerConfig) -> None:
         if not service.stopping:
             asyncio.get_running_loop().create_task(service.set_serving(connected))
 
+    # The id is known once the port is bound, and the prefix index is keyed by it, so the
+    # Redis side is wired up after start() (no request can arrive before the worker anyway).
     engine_loop = EngineLoop(config, on_connection_change=on_connection_change)
     servicer = EngineServicer(config, engine_loop, config.scheduler_id)
     service.add(engine_pb2_grpc.add_EngineServicer_to_server, servicer)
     port = await service.start(config.host, config.port)
     servicer.scheduler_id = config.scheduler_id or f"{config.host}:{port}"
     log.warning("scheduler listening", extra={"address": f"{config.host}:{port}"})
-    runner = asyncio.create_task(engine_loop.run())
+    start_metrics_server(metrics.REGISTRY.render, config.host, config.metrics_port, "scheduler")
+    redis = RedisLink.connect(config, servicer.scheduler_id, engine_loop)
+    tasks = [asyncio.create_task(engine_loop.run()), asyncio.create_task(engine_loop.expire_pins())]
+    if redis is not None:
+        tasks.append(asyncio.create_task(redis.publisher.run()))
     await service.wait_for_signal()
     await service.drain_and_stop(config.drain_s)
-    runner.cancel()
+    for task in tasks:
+        task.cancel()
+    if redis is not None:
+        await redis.store.close()
+
+
+class RedisLink:
+    """This scheduler's Redis side: the prefix-index publisher and the named-prompt reader."""
+
+    def __init__(self, store: RedisStore, scheduler_id: str, loop: EngineLoop, ttl_s: float):
+        self.store = store
+        self.publisher = PrefixIndexPublisher(store, scheduler_id, ttl_s=ttl_s)
+        loop.prefix_index = self.publisher
+        loop.registered_prompts = self.registered_prompts
+
+    @classmethod
+    def connect(
+        cls, config: SchedulerServerConfig, scheduler_id: str, loop: EngineLoop
+    ) -> RedisLink | None:
+        store = open_store(config.redis_url, metrics.REDIS)
+        if store is None:
+            return None
+        log.info("redis configured", extra={"redis": redact_url(store.url)})
+        return cls(store, scheduler_id, loop, config.prefix_index_ttl_s)
+
+    async def registered_prompts(self, model_name: str) -> list[NamedPrompt] | None:
+        return await PromptStore(self.store, CacheKeys(model_name)).list(None)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

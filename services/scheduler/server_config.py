@@ -33,6 +33,15 @@ class SchedulerServerConfig:
     """Longest wait between attempts to reach the worker."""
     drain_s: float = 30.0
     """On SIGTERM, how long in-flight streams may take to finish."""
+    metrics_port: int | None = None
+    """Port of the Prometheus /metrics HTTP endpoint (0 = any free port); unset = none."""
+    redis_url: str | None = None
+    """Redis for the shared prefix index and named prompts (redis://, rediss:// for TLS,
+    user:password@ for ACL); unset = no index, routing falls back to load."""
+    prefix_index_ttl_s: float = 600.0
+    """Lifetime of a prefix-index entry in Redis unless refreshed (they are, while cached)."""
+    max_pinned_fraction: float = 0.5
+    """Most of the KV blocks that pinned named prompts may hold."""
 
     def scheduler_config(self, block_size: int, worker_max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -43,4 +52,5 @@ class SchedulerServerConfig:
             watermark=self.watermark,
             enable_prefix_caching=self.enable_prefix_caching,
             max_waiting_requests=self.max_waiting_requests,
+            max_pinned_fraction=self.max_pinned_fraction,
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.tokenizer.routing import ROUTING_POLICIES, RoutingPolicy
+
 
 @dataclass(frozen=True, slots=True)
 class TokenizerConfig:
@@ -30,10 +32,30 @@ class TokenizerConfig:
     """On SIGTERM, how long in-flight streams may run before the server stops."""
     warmup_poll_s: float = 0.5
     """How often to retry GetStats on the schedulers until one answers (then SERVING)."""
+    redis_url: str | None = None
+    """Redis for the prefix index and named prompts (redis://, rediss:// for TLS,
+    user:password@ for ACL); unset = routing by load only, named prompts local to this replica."""
+    routing: RoutingPolicy = "cache_aware"
+    """cache_aware (longest cached prefix, then load), least_loaded or round_robin."""
+    route_overload_queued: int = 8
+    """A scheduler with this many queued requests is overloaded: cache-aware routing then
+    sends the request to the least loaded one instead."""
+    stats_poll_s: float = 0.1
+    """How often each scheduler's load is read for routing."""
+    prompt_ttl_s: int = 3600
+    """Lifetime of a named prompt registered without ttl_s."""
+    max_prompt_ttl_s: int = 7 * 24 * 3600
+    """Longest ttl_s a named prompt may ask for."""
+    pin_timeout_s: float = 120.0
+    """How long RegisterPrompt waits for each scheduler to compute and pin the prompt."""
+    metrics_port: int | None = None
+    """Port of the Prometheus /metrics HTTP endpoint (0 = any free port); unset = none."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if not self.scheduler_addresses:
             raise ValueError("at least one scheduler address (host:port) is required")
         for name in ("max_model_len", "max_new_tokens_limit"):
@@ -42,6 +64,10 @@ class TokenizerConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.max_stop_strings < 0 or self.max_stop_string_len <= 0:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len > 0")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.route_overload_queued <= 0 or self.stats_poll_s <= 0:
+            raise ValueError("route_overload_queued and stats_poll_s must be > 0")
         if self.drain_s < 0 or self.warmup_poll_s <= 0:
             raise ValueError("drain_s must be >= 0 and warmup_poll_s > 0")
 

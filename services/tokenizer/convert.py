@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from protos.llmserve.v1 import engine_pb2, text_pb2
+from services.common.named_prompt import NamedPrompt
 from services.common.sampling_proto import sampling_to_proto
 from services.tokenizer.chat_template import ChatMessage
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
@@ -45,6 +46,8 @@ def generate_input(request: text_pb2.GenerateRequest) -> GenerateInput:
         sampling=sampling_input(request.sampling),
         deadline_ms=request.deadline_ms,
         model=request.model,
+        prompt_name=request.prompt_name,
+        tenant_id=request.tenant_id,
     )
 
 
@@ -54,6 +57,7 @@ def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> engine_p
         prompt_token_ids=list(request.prompt_token_ids),
         sampling=sampling_to_proto(request.sampling),
         arrival_unix_s=arrival_unix_s,
+        cache_salt=request.cache_salt,
     )
 
 
@@ -115,3 +119,15 @@ def model_info(name: str, max_model_len: int, vocab_size: int) -> text_pb2.Model
     # dtype, KV cache dtype and quantization belong to the worker; empty until the
     # scheduler's stats carry them.
     return text_pb2.ModelInfo(name=name, max_model_len=max_model_len, vocab_size=vocab_size)
+
+
+def registered_prompt(
+    prompt: NamedPrompt, num_pinned_schedulers: int = 0
+) -> text_pb2.RegisteredPrompt:
+    return text_pb2.RegisteredPrompt(
+        name=prompt.name,
+        num_tokens=len(prompt.token_ids),
+        expires_unix_s=prompt.expires_unix_s,
+        num_pinned_schedulers=num_pinned_schedulers,
+        tenant_id=prompt.tenant_id,
+    )

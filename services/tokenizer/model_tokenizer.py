@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,6 +89,32 @@ class ModelTokenizer:
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         # A template that starts with the BOS text already carries it; don't add a second one.
         return self.encode(text, add_special_tokens=not text.startswith(self._bos_text))
+
+    def encode_chat_after_prefix(
+        self,
+        prefix_messages: Sequence[ChatMessage],
+        prefix_ids: Sequence[int],
+        messages: Sequence[ChatMessage],
+    ) -> list[int]:
+        """Ids of the conversation prefix_messages + messages, reusing `prefix_ids` (the
+        prefix rendered alone, without a generation prompt) instead of tokenizing it again.
+
+        Sound only when the rest of the rendered text starts with a special token: special
+        tokens are split out before BPE, so no merge can cross that boundary. Otherwise (or
+        if the template renders the prefix differently in context) it tokenizes everything.
+        """
+        conversation = [*prefix_messages, *messages]
+        full = self.chat_template.render(conversation, add_generation_prompt=True)
+        prefix = self.chat_template.render(prefix_messages, add_generation_prompt=False)
+        rest = full[len(prefix) :]
+        if full.startswith(prefix) and rest.startswith(self._special_texts):
+            return [*prefix_ids, *self.tokenizer.encode(rest, add_special_tokens=False).ids]
+        return self.apply_chat_template(conversation)
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        decoder = self.tokenizer.get_added_tokens_decoder()
+        return tuple(token.content for token in decoder.values() if token.special) or ("\0",)
 
     @property
     def _bos_text(self) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -25,15 +24,24 @@ from typing import Any, NoReturn
 
 import grpc
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
+from protos.llmserve.v1 import engine_pb2, text_pb2, text_pb2_grpc
+from services.common.cache_keys import CacheKeys
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError, LLMServeError
-from services.common.grpc_server import CHANNEL_OPTIONS, GrpcService, run_service, status_for
+from services.common.grpc_server import GrpcService, run_service, status_for
+from services.common.metrics_http import start_metrics_server
+from services.common.named_prompt import NamedPrompt, pin_name
+from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_token_ids
-from services.tokenizer import convert
+from services.common.prompt_store import PromptStore
+from services.common.redis_store import open_store
+from services.tokenizer import convert, metrics
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.model_tokenizer import ModelTokenizer
+from services.tokenizer.named_prompts import PromptRegistry, system_turn
+from services.tokenizer.prefix_locator import PrefixLocator
+from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
 from services.tokenizer.stop_strings import StopStringMatcher
 from services.tokenizer.validation import Limits, validate_generate
 
@@ -147,69 +155,6 @@ class OutputText:
 # ---- schedulers ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerClient:
-    address: str
-    channel: grpc.aio.Channel
-    stub: engine_pb2_grpc.EngineStub
-
-
-class SchedulerPool:
-    """Engine stubs for the configured schedulers, picked round-robin.
-
-    Prefix-aware routing (the Redis index) replaces `pick` later; callers only see `pick`.
-    """
-
-    def __init__(self, addresses: Sequence[str]) -> None:
-        self.addresses = tuple(addresses)
-        self._clients: list[SchedulerClient] = []
-        self._next = itertools.count()
-
-    def open(self) -> None:
-        """Creates the channels; must run on the event loop that will use them."""
-        for address in self.addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._clients.append(
-                SchedulerClient(address, channel, engine_pb2_grpc.EngineStub(channel))
-            )
-
-    def pick(self) -> SchedulerClient:
-        return self._clients[next(self._next) % len(self._clients)]
-
-    async def wait_until_warm(self, poll_s: float) -> SchedulerClient:
-        """Returns the first scheduler that answers GetStats; retries every poll_s."""
-        warned: set[str] = set()
-        while True:
-            for client in self._clients:
-                try:
-                    stats = await client.stub.GetStats(
-                        engine_pb2.GetStatsRequest(), timeout=max(2.0, poll_s)
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    if client.address not in warned:
-                        warned.add(client.address)
-                        log.warning(
-                            "scheduler not answering yet",
-                            extra={"scheduler": client.address, "code": exc.code().name},
-                        )
-                    continue
-                log.info(
-                    "scheduler answered",
-                    extra={
-                        "scheduler": client.address,
-                        "scheduler_id": stats.scheduler_id,
-                        "num_free_blocks": stats.num_free_blocks,
-                    },
-                )
-                return client
-            await asyncio.sleep(poll_s)
-
-    async def close(self) -> None:
-        for client in self._clients:
-            await client.channel.close()
-        self._clients.clear()
-
-
 def remaining_budget(time_remaining_s: float | None, deadline_s: float | None) -> float | None:
     """The timeout for the next hop: the tighter of the caller's gRPC deadline and deadline_ms."""
     budgets = [b for b in (time_remaining_s, deadline_s) if b is not None]
@@ -253,10 +198,21 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         self._pool = pool
         self._model: ServedModel | None = None
         self._limits: Limits | None = None
+        self._prompts: PromptRegistry | None = None
 
-    def set_model(self, model: ServedModel) -> None:
+    def set_model(self, model: ServedModel, prompt_store: PromptStore | None = None) -> None:
+        """Ready to serve `model`; named prompts live in `prompt_store` (None: this replica)."""
         self._model = model
         self._limits = model.limits(self._config)
+        tokenizer = model.tokenizer
+        self._prompts = PromptRegistry(
+            prompt_store,
+            lambda text: tokenizer.apply_chat_template(
+                system_turn(text), add_generation_prompt=False
+            ),
+            default_ttl_s=self._config.prompt_ttl_s,
+            max_ttl_s=self._config.max_prompt_ttl_s,
+        )
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[ServedModel, Limits]:
         if self._model is None or self._limits is None:
@@ -269,18 +225,27 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
     ) -> AsyncIterator[text_pb2.GenerateResponse]:
         arrival_unix_s = time.time()
         started = time.perf_counter()
+        request_metrics = metrics.GenerateMetrics(context, started)
         model, limits = await self._ready(context)
         try:
-            validated = validate_generate(convert.generate_input(request), limits, model.tokenizer)
+            generate_input = convert.generate_input(request)
+            named_prompt = None
+            if generate_input.prompt_name:
+                assert self._prompts is not None
+                named_prompt = await self._prompts.get(
+                    generate_input.tenant_id, generate_input.prompt_name
+                )
+            validated = validate_generate(generate_input, limits, model.tokenizer, named_prompt)
         except LLMServeError as exc:
             code, message = status_for(exc)
             log.info("rejected", extra={"request_id": request.request_id, "error": message})
+            metrics.on_rejected(exc)
             await _abort(context, code, message)
         request_id = validated.request_id
         timeout = remaining_budget(context.time_remaining(), validated.deadline_s)
         if timeout is not None and timeout <= 0:
             await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed on arrival")
-        scheduler = self._pool.pick()
+        scheduler = await self._pool.pick(validated.prompt_token_ids, validated.cache_salt)
         extra = {"request_id": request_id, "scheduler": scheduler.address}
         log.info(
             "generate",
@@ -310,6 +275,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                     log.info("deadline passed in the scheduler", extra=extra)
                     await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
                 progress.observe(engine_response)
+                request_metrics.on_tokens(len(engine_response.token_ids))
                 message = self._step(engine_response, output, progress, request_id)
                 if message is None:
                     continue
@@ -322,6 +288,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                 if message.finish_reason:
                     # Cancel before the last send: the scheduler frees the KV sooner.
                     call.cancel()
+                    request_metrics.finish_reason = message.finish_reason
                     log.info(
                         "generate done",
                         extra={
@@ -425,6 +392,87 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         )
         return text_pb2.DetokenizeResponse(text=text)
 
+    async def RegisterPrompt(
+        self, request: text_pb2.RegisterPromptRequest, context: grpc.aio.ServicerContext
+    ) -> text_pb2.RegisteredPrompt:
+        _, limits = await self._ready(context)
+        assert self._prompts is not None
+        try:
+            prompt = self._prompts.build(
+                request.name, request.system_prompt, request.ttl_s, request.tenant_id
+            )
+            if len(prompt.token_ids) >= limits.max_model_len:
+                raise InvalidRequestError(
+                    "system_prompt",
+                    f"is {len(prompt.token_ids)} tokens; max_model_len is {limits.max_model_len}",
+                )
+            await self._prompts.save(prompt)
+        except LLMServeError as exc:
+            await _abort(context, *status_for(exc))
+        num_pinned = await self._pin_everywhere(prompt)
+        log.info(
+            "prompt registered",
+            extra={
+                "prompt_name": prompt.name,
+                "tokens": len(prompt.token_ids),
+                "ttl_s": prompt.ttl_s,
+                "pinned_schedulers": num_pinned,
+            },
+        )
+        return convert.registered_prompt(prompt, num_pinned)
+
+    async def _pin_everywhere(self, prompt: NamedPrompt) -> int:
+        """Pin the prompt's KV on every scheduler; returns how many pinned some of it. A
+        scheduler that is down now pins it from Redis when it comes back."""
+        pin = engine_pb2.PinRequest(
+            name=pin_name(prompt.tenant_id, prompt.name),
+            token_ids=list(prompt.token_ids),
+            cache_salt=tenant_salt(prompt.tenant_id),
+            ttl_s=float(prompt.ttl_s),
+        )
+
+        async def pin_on(client: SchedulerClient) -> bool:
+            try:
+                response = await client.stub.Pin(pin, timeout=self._config.pin_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                log.warning(
+                    "pin failed",
+                    extra={"scheduler": client.address, "code": exc.code().name},
+                )
+                return False
+            return response.num_pinned_tokens > 0
+
+        results = await asyncio.gather(*(pin_on(c) for c in self._pool.clients))
+        return sum(results)
+
+    async def ListPrompts(
+        self, request: text_pb2.ListPromptsRequest, context: grpc.aio.ServicerContext
+    ) -> text_pb2.ListPromptsResponse:
+        await self._ready(context)
+        assert self._prompts is not None
+        try:
+            prompts = await self._prompts.list(request.tenant_id)
+        except LLMServeError as exc:
+            await _abort(context, *status_for(exc))
+        return text_pb2.ListPromptsResponse(prompts=[convert.registered_prompt(p) for p in prompts])
+
+    async def DeletePrompt(
+        self, request: text_pb2.DeletePromptRequest, context: grpc.aio.ServicerContext
+    ) -> text_pb2.DeletePromptResponse:
+        await self._ready(context)
+        assert self._prompts is not None
+        try:
+            deleted = await self._prompts.delete(request.tenant_id, request.name)
+        except LLMServeError as exc:
+            await _abort(context, *status_for(exc))
+        unpin = engine_pb2.UnpinRequest(name=pin_name(request.tenant_id, request.name))
+        await asyncio.gather(
+            *(c.stub.Unpin(unpin, timeout=5.0) for c in self._pool.clients),
+            return_exceptions=True,
+        )
+        log.info("prompt deleted", extra={"prompt_name": request.name, "deleted": deleted})
+        return text_pb2.DeletePromptResponse(deleted=deleted)
+
     async def ListModels(
         self, request: text_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> text_pb2.ListModelsResponse:
@@ -488,8 +536,15 @@ class TokenizerServer:
 
     def __init__(self, config: TokenizerConfig, model: ServedModel | None = None) -> None:
         self.config = config
-        self.pool = SchedulerPool(config.scheduler_addresses)
+        self.redis = open_store(config.redis_url, metrics.REDIS)
+        self.pool = SchedulerPool(
+            config.scheduler_addresses,
+            policy=config.routing,
+            overload_queued=config.route_overload_queued,
+            poll_s=config.stats_poll_s,
+        )
         self.servicer = TextGenerationServicer(config, self.pool)
+        self._poller: asyncio.Task[None] | None = None
         self.service = GrpcService("tokenizer", [SERVICE_NAME])
         self.service.add(text_pb2_grpc.add_TextGenerationServicer_to_server, self.servicer)
         self._preloaded = model
@@ -515,20 +570,32 @@ class TokenizerServer:
                     "load_s": round(time.perf_counter() - started, 2),
                 },
             )
-        self.servicer.set_model(model)
+        prompt_store = None
+        if self.redis is not None:
+            # Keys are scoped by model, known only now.
+            keys = CacheKeys(model.name)
+            self.pool.locator = PrefixLocator(self.redis, keys)
+            prompt_store = PromptStore(self.redis, keys)
+        self.servicer.set_model(model, prompt_store)
         await self.pool.wait_until_warm(self.config.warmup_poll_s)
+        self._poller = asyncio.create_task(self.pool.poll_forever())
         await self.service.set_serving(True)
         log.info("serving", extra={"port": self.service.port})
 
     async def stop(self, drain_s: float) -> None:
         await self.service.drain_and_stop(drain_s)
+        if self._poller is not None:
+            self._poller.cancel()
         await self.pool.close()
+        if self.redis is not None:
+            await self.redis.close()
 
 
 async def serve(config: TokenizerConfig) -> None:
     """Runs until SIGTERM/SIGINT, then drains. A failed warm-up (bad model file) ends it."""
     server = TokenizerServer(config)
     await server.start()
+    start_metrics_server(metrics.REGISTRY.render, config.host, config.metrics_port, "tokenizer")
     warm = asyncio.create_task(server.warm_up())
     signal = asyncio.create_task(server.service.wait_for_signal())
     await asyncio.wait({warm, signal}, return_when=asyncio.FIRST_COMPLETED)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from services.common.errors import InvalidRequestError
+from services.common.named_prompt import NamedPrompt
+from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.common.sampling_params import SamplingParams
 from services.tokenizer.chat_template import ChatMessage
@@ -27,6 +29,13 @@ class PromptTokenizer(Protocol):
 
     def apply_chat_template(
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+    def encode_chat_after_prefix(
+        self,
+        prefix_messages: Sequence[ChatMessage],
+        prefix_ids: Sequence[int],
+        messages: Sequence[ChatMessage],
     ) -> list[int]: ...
 
 
@@ -61,6 +70,8 @@ class GenerateInput:
     sampling: SamplingInput = field(default_factory=SamplingInput)
     deadline_ms: int = 0
     model: str = ""
+    prompt_name: str = ""
+    tenant_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +96,15 @@ class ValidatedRequest:
     stop: tuple[str, ...]
     deadline_s: float | None
     """The request's own time budget (deadline_ms); None = only the gRPC deadline applies."""
+    cache_salt: bytes = b""
+    """The tenant's prefix-cache salt (empty: the shared cache)."""
 
 
 def validate_generate(
-    request: GenerateInput, limits: Limits, tokenizer: PromptTokenizer
+    request: GenerateInput,
+    limits: Limits,
+    tokenizer: PromptTokenizer,
+    named_prompt: NamedPrompt | None = None,
 ) -> ValidatedRequest:
     """Raise InvalidRequestError naming the first bad field, else return the validated request.
 
@@ -101,9 +117,15 @@ def validate_generate(
         )
     sampling = validate_sampling(request.sampling, limits)
     stop = validate_stop_strings(request.sampling.stop, limits)
-    prompt_token_ids = prompt_to_token_ids(request, limits, tokenizer)
+    if len(request.tenant_id) > MAX_REQUEST_ID_LEN or not request.tenant_id.isprintable():
+        raise InvalidRequestError(
+            "tenant_id", f"must be at most {MAX_REQUEST_ID_LEN} printable characters"
+        )
+    prompt_token_ids = prompt_to_token_ids(request, limits, tokenizer, named_prompt)
     deadline_s = request.deadline_ms / 1000.0 if request.deadline_ms > 0 else None
-    return ValidatedRequest(request_id, prompt_token_ids, sampling, stop, deadline_s)
+    return ValidatedRequest(
+        request_id, prompt_token_ids, sampling, stop, deadline_s, tenant_salt(request.tenant_id)
+    )
 
 
 def validate_request_id(request_id: str) -> str:
@@ -159,7 +181,10 @@ def validate_stop_strings(stop: Sequence[str], limits: Limits) -> tuple[str, ...
 
 
 def prompt_to_token_ids(
-    request: GenerateInput, limits: Limits, tokenizer: PromptTokenizer
+    request: GenerateInput,
+    limits: Limits,
+    tokenizer: PromptTokenizer,
+    named_prompt: NamedPrompt | None = None,
 ) -> tuple[int, ...]:
     """Exactly one of prompt, messages, prompt_token_ids → ids that fit the context."""
     given = [
@@ -179,7 +204,9 @@ def prompt_to_token_ids(
         raise InvalidRequestError(
             "prompt", f"set exactly one of prompt, messages, prompt_token_ids; got {given}"
         )
-    if request.prompt_token_ids:
+    if named_prompt is not None:
+        token_ids = _ids_after_named_prompt(request, tokenizer, named_prompt)
+    elif request.prompt_token_ids:
         token_ids = tuple(int(t) for t in request.prompt_token_ids)
         check_token_ids("prompt_token_ids", token_ids, limits.vocab_size)
     elif request.messages:
@@ -188,3 +215,19 @@ def prompt_to_token_ids(
         token_ids = tuple(tokenizer.encode(request.prompt))
     check_prompt_length(len(token_ids), limits.max_model_len)
     return token_ids
+
+
+def _ids_after_named_prompt(
+    request: GenerateInput, tokenizer: PromptTokenizer, named_prompt: NamedPrompt
+) -> tuple[int, ...]:
+    """A named prompt is the system message of a chat request."""
+    if not request.messages:
+        raise InvalidRequestError("prompt_name", "applies to chat requests: send messages")
+    if any(message.role == "system" for message in request.messages):
+        raise InvalidRequestError(
+            "messages", "must not contain a system message when prompt_name is set"
+        )
+    system = (ChatMessage(role="system", content=named_prompt.system_prompt),)
+    return tuple(
+        tokenizer.encode_chat_after_prefix(system, named_prompt.token_ids, request.messages)
+    )

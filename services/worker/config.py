@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.worker.quantization.formats import (
+    DEFAULT_KV_GROUP_SIZE,
+    check_kv_cache_dtype,
+    check_kv_cache_group_size,
+    check_quantization,
+)
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -19,6 +26,12 @@ class WorkerConfig:
     """cpu or cuda[:N]."""
     kv_cache_gib: float = 1.0
     """Memory for the paged KV cache, GiB; the number of blocks follows."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model dtype) or int8 (per-group fp16 scales; about 1.6x the blocks of bf16)."""
+    kv_cache_group_size: int = DEFAULT_KV_GROUP_SIZE
+    """int8 KV cache: values of head_dim sharing one scale (8: 1.25 B/value, 64: 1.03)."""
+    quantization: str = "none"
+    """Weights: none, int8, w8a8, int4, nf4, or gguf (a GGUF file's own Q4/Q8 blocks)."""
     block_size: int = 16
     """Tokens per KV block."""
     max_model_len: int | None = None
@@ -29,3 +42,10 @@ class WorkerConfig:
     """torch CPU threads; unset = one per core."""
     drain_s: float = 10.0
     """On SIGTERM, how long an in-flight step stream may take to finish."""
+    metrics_port: int | None = None
+    """Port of the Prometheus /metrics HTTP endpoint (0 = any free port); unset = none."""
+
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        check_kv_cache_group_size(self.kv_cache_group_size)
+        check_quantization(self.quantization)

@@ -7,16 +7,33 @@ Layout (one allocation, so the budget is exact and blocks are addressed the same
 A token at position p of a sequence lives in slot block_table[p // block_size] * block_size +
 p % block_size. Which blocks a sequence owns is the scheduler's business; the worker only reads
 and writes the slots it is told.
+
+An int8 cache (--kv-cache-dtype int8) has a second tensor of the same layout with one fp16
+scale per `quant_group_size` values of head_dim, written with the codes (kernels quantize on
+write and dequantize only the blocks an attention call reads):
+
+    scales[layer, K | V, block_id, offset_in_block, kv_head, head_dim // quant_group_size]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from services.common.errors import CapacityError
 from services.worker.model.config import ModelConfig
+from services.worker.quantization.formats import InvalidFormatError
+
+
+class LayerKVCache(NamedTuple):
+    """One layer's views of the cache; the scales are None unless the cache is int8."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,15 +43,50 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    """Element type: the model dtype, or torch.int8 (then with group scales)."""
+    quant_group_size: int = 8
+    """int8 only: values of head_dim that share one scale."""
+    scale_dtype: torch.dtype = torch.float16
+    """int8 only: element type of the scales."""
+
+    def __post_init__(self) -> None:
+        if self.is_quantized and self.head_dim % self.quant_group_size:
+            raise InvalidFormatError(
+                f"--kv-cache-group-size {self.quant_group_size} does not divide"
+                f" the model's head_dim {self.head_dim}"
+            )
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    def for_model(
+        cls,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        quant_group_size: int = 8,
+    ) -> KVCacheSpec:
+        return cls(
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            block_size,
+            dtype,
+            quant_group_size,
+        )
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.dtype == torch.int8
+
+    @property
+    def num_scales_per_head(self) -> int:
+        return self.head_dim // self.quant_group_size if self.is_quantized else 0
 
     @property
     def bytes_per_token(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        scale = torch.tensor([], dtype=self.scale_dtype).element_size()
+        per_head = self.head_dim * element + self.num_scales_per_head * scale
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def bytes_per_block(self) -> int:
@@ -59,8 +111,21 @@ class PagedKVCache:
             dtype=spec.dtype,
             device=device,
         )
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.storage[layer, 0], self.storage[layer, 1]) for layer in range(spec.num_layers)
+        self.scales: torch.Tensor | None = None
+        if spec.is_quantized:
+            self.scales = torch.zeros(
+                (*self.storage.shape[:-1], spec.num_scales_per_head),
+                dtype=spec.scale_dtype,
+                device=device,
+            )
+        self.layers: list[LayerKVCache] = [
+            LayerKVCache(
+                self.storage[layer, 0],
+                self.storage[layer, 1],
+                None if self.scales is None else self.scales[layer, 0],
+                None if self.scales is None else self.scales[layer, 1],
+            )
+            for layer in range(spec.num_layers)
         ]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -70,3 +135,5 @@ class PagedKVCache:
         src = torch.tensor([s for s, _ in pairs], device=self.storage.device)
         dst = torch.tensor([d for _, d in pairs], device=self.storage.device)
         self.storage[:, :, dst] = self.storage[:, :, src]
+        if self.scales is not None:
+            self.scales[:, :, dst] = self.scales[:, :, src]

@@ -12,6 +12,7 @@ from services.common.model_source import model_display_name, resolve_model_path
 from services.tokenizer.model_tokenizer import ModelTokenizer
 from services.worker.loader.model_loader import load_model
 from services.worker.model.llama import LlamaForCausalLM
+from services.worker.quantization import apply_quantization
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,12 +20,22 @@ class LoadedModel:
     path: Path
     model: LlamaForCausalLM
     tokenizer: ModelTokenizer
+    quantization: str = "none"
+    """The weight format (--quantization) the layers were swapped to at load."""
 
     @classmethod
-    def load(cls, model: str | None, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
+    def load(
+        cls,
+        model: str | None,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        quantization: str = "none",
+    ) -> LoadedModel:
         path = resolve_model_path(model)
         tokenizer = ModelTokenizer.from_path(path)
-        return cls(path, load_model(path, dtype=dtype, device=device), tokenizer)
+        network = load_model(path, dtype=dtype, device=device)
+        apply_quantization(network, quantization, path)
+        return cls(path, network, tokenizer, quantization)
 
     @property
     def name(self) -> str:
@@ -32,11 +43,12 @@ class LoadedModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """Activations and float weights (the final norm is never quantized)."""
+        return self.model.norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.device
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -11,6 +11,11 @@ from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
 from services.worker.model.llama import LlamaForCausalLM
+from services.worker.quantization.formats import (
+    DEFAULT_KV_GROUP_SIZE,
+    check_kv_cache_group_size,
+    kv_cache_torch_dtype,
+)
 from services.worker.sampler import Sampler, build_sampling_metadata
 
 
@@ -35,10 +40,23 @@ class ModelRunner:
 
     @classmethod
     def create(
-        cls, loaded: LoadedModel, *, kv_cache_bytes: int, block_size: int, seed: int | None
+        cls,
+        loaded: LoadedModel,
+        *,
+        kv_cache_bytes: int,
+        block_size: int,
+        seed: int | None,
+        kv_cache_dtype: str = "auto",
+        kv_cache_group_size: int = DEFAULT_KV_GROUP_SIZE,
     ) -> ModelRunner:
-        """A runner with a KV cache of as many blocks as `kv_cache_bytes` holds."""
-        spec = KVCacheSpec.for_model(loaded.model.config, block_size, loaded.dtype)
+        """A runner with a KV cache of as many blocks as `kv_cache_bytes` holds (an int8 cache
+        holds more: its blocks are smaller)."""
+        spec = KVCacheSpec.for_model(
+            loaded.model.config,
+            block_size,
+            kv_cache_torch_dtype(kv_cache_dtype, loaded.dtype),
+            check_kv_cache_group_size(kv_cache_group_size),
+        )
         kv_cache = PagedKVCache(spec, spec.num_blocks_for_budget(kv_cache_bytes), loaded.device)
         return cls(loaded.model, kv_cache, eos_token_ids=loaded.eos_token_ids, seed=seed)
 

@@ -16,9 +16,11 @@ import torch
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
+from services.common.metrics_http import start_metrics_server
 from services.common.sampling_params import SamplingParams
 from services.engine.config import GiB, resolve_dtype
 from services.scheduler.plan import BatchPlan, NewSequence
+from services.worker import metrics
 from services.worker.config import WorkerConfig
 from services.worker.convert import plan_from_proto, result_to_proto
 from services.worker.loaded_model import LoadedModel
@@ -65,7 +67,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_kv_blocks=runner.kv_cache.num_blocks,
             eos_token_ids=list(loaded.eos_token_ids),
             kv_cache_dtype=str(runner.kv_cache.spec.dtype).removeprefix("torch."),
-            quantization="none",
+            quantization=loaded.quantization,
             worker_epoch=self.epoch,
         )
 
@@ -85,13 +87,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if session != self._session:
                 await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream took over")
             plan = plan_from_proto(message)
+            _log_sequences(plan)
             async with self._lock:
                 started = time.perf_counter()
-                # The forward runs in a thread so health checks and Describe stay responsive.
-                result = await asyncio.to_thread(runner.execute, plan)
+                try:
+                    # The forward runs in a thread so health checks and Describe stay responsive.
+                    result = await asyncio.to_thread(runner.execute, plan)
+                except Exception:
+                    scheduled = ",".join(plan.num_scheduled_tokens)
+                    log.exception(
+                        "step failed", extra={"step_id": plan.step_id, "request_ids": scheduled}
+                    )
+                    raise
                 forward_ms = (time.perf_counter() - started) * 1000
+            metrics.on_step(plan, forward_ms / 1000)
             yield result_to_proto(result, forward_ms)
         log.info("step stream closed", extra={"session": session})
+
+
+def _log_sequences(plan: BatchPlan) -> None:
+    """A line per sequence the worker takes on or drops, so a request id can be followed from
+    the tokenizer tier into the worker (dropped: finished, aborted or preempted)."""
+    if not log.isEnabledFor(logging.INFO):
+        return  # the plan is walked only when someone reads the lines
+    for request_id in plan.finished_ids:
+        log.info("sequence dropped", extra={"request_id": request_id, "step_id": plan.step_id})
+    for seq in plan.new_sequences:
+        log.info(
+            "sequence added",
+            extra={
+                "request_id": seq.request_id,
+                "step_id": plan.step_id,
+                "num_tokens": len(seq.token_ids),
+                "num_computed_tokens": seq.num_computed_tokens,
+            },
+        )
 
 
 def warm_up(runner: ModelRunner) -> None:
@@ -117,20 +147,31 @@ async def serve(config: WorkerConfig) -> None:
     # Listen first (health NOT_SERVING) so a supervisor sees the port while the model loads.
     port = await service.start(config.host, config.port)
     log.warning("worker listening", extra={"address": f"{config.host}:{port}"})
+    start_metrics_server(metrics.REGISTRY.render, config.host, config.metrics_port, "worker")
     dtype = resolve_dtype(config.dtype, config.device)
-    loaded = await asyncio.to_thread(LoadedModel.load, config.model, dtype, config.device)
+    loaded = await asyncio.to_thread(
+        LoadedModel.load, config.model, dtype, config.device, config.quantization
+    )
     runner = ModelRunner.create(
         loaded,
         kv_cache_bytes=int(config.kv_cache_gib * GiB),
         block_size=config.block_size,
         seed=config.seed,
+        kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_group_size=config.kv_cache_group_size,
     )
     await asyncio.to_thread(warm_up, runner)
     servicer.attach(loaded, runner)
     await service.set_serving()
     log.warning(
         "worker serving",
-        extra={"model": loaded.name, "dtype": str(dtype), "kv_blocks": runner.kv_cache.num_blocks},
+        extra={
+            "model": loaded.name,
+            "dtype": str(dtype),
+            "quantization": loaded.quantization,
+            "kv_cache_dtype": str(runner.kv_cache.spec.dtype),
+            "kv_blocks": runner.kv_cache.num_blocks,
+        },
     )
     await service.wait_for_signal()
     await service.drain_and_stop(config.drain_s)

@@ -31,6 +31,8 @@ STACK_FLAGS = [
     "32",
     "--max-waiting-requests",
     "32",
+    "--metrics-port",  # the merged page's URL is in the ready file ("metrics")
+    "0",
 ]
 
 

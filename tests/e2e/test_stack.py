@@ -308,7 +308,7 @@ def test_zz_worker_death_then_recovery(stack: Stack) -> None:
         timeout=120,
     )
     next(call)
-    old_pid = stack.info["pids"]["worker"]
+    old_pid = stack.info["pids"]["worker-0"]
     killed_at = time.monotonic()
     os.kill(old_pid, signal.SIGKILL)
     with pytest.raises(grpc.RpcError) as error:
@@ -326,7 +326,7 @@ def test_zz_worker_death_then_recovery(stack: Stack) -> None:
             assert time.monotonic() < deadline, "no recovery after the worker restart"
             time.sleep(0.5)
     assert len(ids) == 8
-    assert stack.info["pids"]["worker"] != old_pid
+    assert stack.info["pids"]["worker-0"] != old_pid
     stats = stack.wait_all_blocks_free()
     assert stats.num_free_blocks == stats.num_total_blocks
 
@@ -358,3 +358,33 @@ def test_cli_client_streams_and_reports_errors(stack: Stack, reference_engine) -
     )
     assert bad.returncode != 0
     assert json.loads(bad.stdout.splitlines()[-1])["error"]["code"] == "INVALID_ARGUMENT"
+
+
+def test_bench_serve_against_the_stack_writes_json(stack: Stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "services.cli", "bench", "serve"),
+            *("--target", f"grpc://{stack.public}", "--num-prompts", "4"),
+            *("--concurrency", "1,2", "--input-len", "16", "--output-len", "6"),
+            *("--json-out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    points = json.loads(out.read_text())["points"]
+    assert [p["concurrency"] for p in points] == [1, 2]
+    for point in points:
+        summary = point["summary"]
+        assert summary["num_completed"] == 4 and summary["errors"] == {}
+        assert summary["output_tokens"] == 4 * 6  # ignore_eos: exactly the output length
+        assert summary["prompt_tokens"] == 4 * 16
+        for request in point["requests"]:
+            assert 0 < request["ttft_s"] <= request["end_time_s"] - request["send_time_s"]
+            assert request["tpot_s"] > 0
+    assert "TTFT" in done.stdout

@@ -32,9 +32,14 @@ from services.bench.serve_metrics import Slo
 from services.bench.serve_workload import (
     Sample,
     arrival_offsets,
+    draw_lengths,
+    lengths_file,
     shared_prefix,
     sharegpt,
     synthetic,
+    synthetic_lengths,
+    synthetic_of_lengths,
+    synthetic_text,
 )
 from services.scheduler.plan import FinishReason, TokenEvent
 
@@ -288,3 +293,65 @@ def test_inprocess_target_respects_the_concurrency_cap() -> None:
     assert all(r.output_tokens == 3 and len(r.chunks) == 3 for r in records)
     assert summary.output_tokens == 18
     assert summary.goodput_requests_per_s == pytest.approx(summary.requests_per_s)
+
+
+def test_synthetic_text_prompts_re_encode_to_the_input_length() -> None:
+    # A toy tokenizer whose decode -> encode is not the identity: ids above 20000 decode to a
+    # number that encodes as two tokens, like neighbouring BPE pieces that merge or split.
+    def decode(ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+    def encode(text: str) -> list[int]:
+        ids: list[int] = []
+        for word in text.split():
+            value = int(word)
+            ids += [value // 2, value - value // 2] if value > 20000 else [value]
+        return ids
+
+    samples = synthetic_text([(12, 3)] * 5, seed=1, encode=encode, decode=decode)
+    assert all(s.prompt_text is not None for s in samples)
+    assert [len(encode(s.prompt_text or "")) for s in samples] == [12] * 5
+    assert [s.prompt_len for s in samples] == [12] * 5
+    assert {s.output_len for s in samples} == {3}
+    assert samples == synthetic_text([(12, 3)] * 5, seed=1, encode=encode, decode=decode)
+
+
+def test_fixed_lengths_give_the_same_prompts_as_the_plain_synthetic_set() -> None:
+    lengths = synthetic_lengths(4, 32, 16, seed=3)
+    assert lengths == [(32, 16)] * 4
+    assert synthetic_of_lengths(lengths, seed=3) == synthetic(4, 32, 16, seed=3)
+
+
+def test_uniform_lengths_stay_in_range_and_average_to_the_mean() -> None:
+    import random
+
+    lengths = draw_lengths(4000, 100, "uniform", 0.5, random.Random(0))
+    assert min(lengths) >= 50 and max(lengths) <= 150
+    assert sum(lengths) / len(lengths) == pytest.approx(100, rel=0.03)
+    assert len(set(lengths)) > 50
+
+
+def test_normal_lengths_have_the_requested_spread_and_stay_positive() -> None:
+    import random
+    import statistics
+
+    lengths = draw_lengths(4000, 200, "normal", 0.2, random.Random(0))
+    assert statistics.mean(lengths) == pytest.approx(200, rel=0.03)
+    assert statistics.pstdev(lengths) == pytest.approx(40, rel=0.1)
+    assert min(draw_lengths(2000, 10, "normal", 2.0, random.Random(1))) >= 1
+    with pytest.raises(ValueError, match="distribution"):
+        draw_lengths(1, 10, "zipf", 0.1, random.Random(0))
+
+
+def test_lengths_file_accepts_csv_and_json_and_cycles(tmp_path: Path) -> None:
+    csv_path = tmp_path / "lengths.csv"
+    csv_path.write_text("input_len,output_len\n10,5\n20,7\n")
+    assert lengths_file(csv_path, 3) == [(10, 5), (20, 7), (10, 5)]
+    json_path = tmp_path / "lengths.json"
+    json_path.write_text(json.dumps([[4, 2], {"input_len": 8, "output_len": 3}]))
+    assert lengths_file(json_path, 2) == [(4, 2), (8, 3)]
+    samples = synthetic_of_lengths(lengths_file(json_path, 2), seed=0)
+    assert [(s.prompt_len, s.output_len) for s in samples] == [(4, 2), (8, 3)]
+    json_path.write_text("[]")
+    with pytest.raises(ValueError, match="no \\(input_len"):
+        lengths_file(json_path, 1)

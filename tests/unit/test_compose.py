@@ -27,6 +27,29 @@ def test_redis_is_internal_only(compose: dict) -> None:  # type: ignore[type-arg
     redis = compose["services"]["redis"]
     assert "ports" not in redis
     assert redis["networks"] == ["internal"]
+    assert compose["networks"]["internal"]["internal"] is True
+    for name, service in compose["services"].items():
+        if name.startswith(("worker", "scheduler")):
+            assert "ports" not in service, name
+
+
+def test_tokenizers_route_over_every_scheduler_with_redis(compose: dict) -> None:  # type: ignore[type-arg]
+    services = compose["services"]
+    parser = build_parser()
+    tokenizer = parser.parse_args(services["tokenizer"]["command"])
+    schedulers = [name for name in services if name.startswith("scheduler")]
+    assert len(schedulers) >= 2
+    listed = {address.split(":")[0] for address in tokenizer.scheduler.split(",")}
+    assert listed == set(schedulers)
+    assert tokenizer.redis_url == "redis://redis:6379"
+    ids = set()
+    for name in schedulers:
+        args = parser.parse_args(services[name]["command"])
+        assert args.redis_url == "redis://redis:6379"
+        worker = args.worker.split(":")[0]
+        assert worker in services and services[name]["depends_on"][worker]
+        ids.add(args.scheduler_id)
+    assert len(ids) == len(schedulers)  # the prefix index is keyed by scheduler id
 
 
 def test_tokenizer_scales(compose: dict) -> None:  # type: ignore[type-arg]
@@ -43,7 +66,7 @@ def test_commands_are_llmserve_commands(compose: dict) -> None:  # type: ignore[
         if name == "redis":
             continue
         args = parser.parse_args(service["command"])
-        assert args.command == name.removesuffix("-gpu")
+        assert args.command == name.removesuffix("-gpu").removesuffix("-1")
 
 
 def test_dependencies_wait_for_health(compose: dict) -> None:  # type: ignore[type-arg]

@@ -44,6 +44,16 @@ class EngineStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.EngineStats.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/llmserve.v1.Engine/Pin',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.PinRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.PinResponse.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/llmserve.v1.Engine/Unpin',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -63,6 +73,20 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Computes a prefix's KV (if not cached) and holds its full blocks out of eviction until
+        ttl_s passes or Unpin; re-pinned after a worker restart while the pin lasts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +99,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.GetStatsRequest.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.EngineStats.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.PinRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.PinResponse.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +165,60 @@ class Engine:
             '/llmserve.v1.Engine/GetStats',
             protos_dot_llmserve_dot_v1_dot_engine__pb2.GetStatsRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_engine__pb2.EngineStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Engine/Pin',
+            protos_dot_llmserve_dot_v1_dot_engine__pb2.PinRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_engine__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Engine/Unpin',
+            protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinResponse.FromString,
             options,
             channel_credentials,
             insecure,

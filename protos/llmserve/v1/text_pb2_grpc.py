@@ -54,6 +54,21 @@ class TextGenerationStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.RegisterPrompt = channel.unary_unary(
+                '/llmserve.v1.TextGeneration/RegisterPrompt',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.RegisterPromptRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.RegisteredPrompt.FromString,
+                _registered_method=True)
+        self.ListPrompts = channel.unary_unary(
+                '/llmserve.v1.TextGeneration/ListPrompts',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.ListPromptsRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.ListPromptsResponse.FromString,
+                _registered_method=True)
+        self.DeletePrompt = channel.unary_unary(
+                '/llmserve.v1.TextGeneration/DeletePrompt',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -85,6 +100,26 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterPrompt(self, request, context):
+        """Named system prompts: registered once, their token ids shared by every tokenizer replica
+        (Redis) and their KV blocks pinned on the schedulers, then used by name in Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPrompts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePrompt(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +142,21 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.ListModelsRequest.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'RegisterPrompt': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterPrompt,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.RegisterPromptRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.RegisteredPrompt.SerializeToString,
+            ),
+            'ListPrompts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPrompts,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.ListPromptsRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.ListPromptsResponse.SerializeToString,
+            ),
+            'DeletePrompt': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePrompt,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +267,87 @@ class TextGeneration:
             '/llmserve.v1.TextGeneration/ListModels',
             protos_dot_llmserve_dot_v1_dot_text__pb2.ListModelsRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_text__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterPrompt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.TextGeneration/RegisterPrompt',
+            protos_dot_llmserve_dot_v1_dot_text__pb2.RegisterPromptRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_text__pb2.RegisteredPrompt.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPrompts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.TextGeneration/ListPrompts',
+            protos_dot_llmserve_dot_v1_dot_text__pb2.ListPromptsRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_text__pb2.ListPromptsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePrompt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.TextGeneration/DeletePrompt',
+            protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,10 +14,12 @@ from torch import Tensor, nn
 from kernels import ops
 from services.common.errors import ModelLoadError
 from services.worker.forward_batch import ForwardBatch
+from services.worker.kv_cache import LayerKVCache
 from services.worker.model.config import ModelConfig
 from services.worker.model.rope import cos_sin_cache
 
-KVCache = tuple[Tensor, Tensor]
+# key, value (+ key_scale, value_scale for an int8 cache), each [num_blocks, block_size, ...]
+KVCache = LayerKVCache
 
 
 class Attention(nn.Module):
@@ -45,8 +47,15 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = ops.apply_rotary(q, k, batch.positions, rope)
-        k_cache, v_cache = kv_cache
-        ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        ops.write_kv_cache(
+            k,
+            v,
+            kv_cache.key,
+            kv_cache.value,
+            batch.slot_mapping,
+            kv_cache.key_scale,
+            kv_cache.value_scale,
+        )
 
         num_prefill = batch.num_prefill_tokens
         if num_prefill == num_tokens:
@@ -69,17 +78,26 @@ class Attention(nn.Module):
             q,
             k,
             v,
-            kv[0],
-            kv[1],
+            kv.key,
+            kv.value,
             batch.prefill_cu_seqlens,
             batch.prefill_prefix_lens,
             batch.prefill_block_tables,
             self.scale,
+            kv.key_scale,
+            kv.value_scale,
         )
 
     def _decode(self, q: Tensor, batch: ForwardBatch, kv: KVCache) -> Tensor:
         return ops.paged_decode_attention(
-            q, kv[0], kv[1], batch.decode_block_tables, batch.decode_context_lens, self.scale
+            q,
+            kv.key,
+            kv.value,
+            batch.decode_block_tables,
+            batch.decode_context_lens,
+            self.scale,
+            kv.key_scale,
+            kv.value_scale,
         )
 
 

@@ -1,0 +1,336 @@
+"""Every KV cache and weight format on one model: memory, speed and accuracy in one markdown
+table. Speed is measured in rounds that visit the formats in turn (A/B interleaved in one
+process), and each speed cell is the best of the rounds (within a run, the median step),
+because the CPU is shared and interference only ever adds time.
+
+llmserve bench quant                       # the embedded model, all formats, 2 rounds
+llmserve bench quant --formats fp32,bf16,int4 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+from torch import nn
+
+from services.bench.common import MiB, format_table, machine_header, median, random_prompts
+from services.bench.quant_accuracy import (
+    Accuracy,
+    Reference,
+    build_reference,
+    kl_and_top1,
+    measure_accuracy,
+)
+from services.common.sampling_params import SamplingParams
+from services.engine.config import DTypeName, EngineConfig, GiB, resolve_dtype
+from services.engine.engine import LLMEngine
+from services.worker.kv_cache import KVCacheSpec
+from services.worker.loaded_model import LoadedModel
+from services.worker.quantization.formats import kv_cache_torch_dtype
+
+BLOCK_SIZE = 16
+INPUT_LEN = 128
+OUTPUT_LEN = 64
+BATCH_1_OUTPUT_LEN = 32
+LARGE_BATCH = 32
+CAPACITY_SEQ_LEN = 1024
+CAPACITY_BUDGET = GiB
+
+
+@dataclass(frozen=True, slots=True)
+class Format:
+    label: str
+    dtype: DTypeName
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+    kv_cache_group_size: int = 8
+
+    def engine_config(self, kv_cache_bytes: int) -> EngineConfig:
+        return EngineConfig(
+            dtype=self.dtype,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_group_size=self.kv_cache_group_size,
+            kv_cache_bytes=kv_cache_bytes,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=max(128, LARGE_BATCH),
+            enable_prefix_caching=False,
+            seed=0,
+        )
+
+    @property
+    def weights(self) -> str:
+        return self.dtype if self.quantization == "none" else self.quantization
+
+    @property
+    def kv_cache(self) -> str:
+        if self.kv_cache_dtype == "auto":
+            return "model dtype"
+        return f"int8, group {self.kv_cache_group_size}"
+
+
+FORMATS = (
+    Format("fp32", "float32"),
+    Format("fp32 + int8 KV", "float32", kv_cache_dtype="int8"),
+    Format("bf16", "bfloat16"),
+    Format("bf16 + int8 KV", "bfloat16", kv_cache_dtype="int8"),
+    Format("bf16 + int8 KV g64", "bfloat16", kv_cache_dtype="int8", kv_cache_group_size=64),
+    Format("int8", "bfloat16", "int8"),
+    Format("w8a8", "bfloat16", "w8a8"),
+    Format("int4", "bfloat16", "int4"),
+    Format("nf4", "bfloat16", "nf4"),
+    Format("gguf", "bfloat16", "gguf"),
+    Format("gguf + int8 KV", "bfloat16", "gguf", kv_cache_dtype="int8"),
+)
+
+
+@dataclass(slots=True)
+class Speed:
+    batch_1_ms: list[float] = field(default_factory=list)
+    batch_32_ms: list[float] = field(default_factory=list)
+    output_tokens_per_s: list[float] = field(default_factory=list)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer, tied tensors once, the rotary table excluded."""
+    seen: set[int] = set()
+    total = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name == "rope" or tensor is None:
+            continue
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in seen:
+            continue
+        seen.add(pointer)
+        total += tensor.untyped_storage().nbytes()
+    return total
+
+
+def kv_spec(fmt: Format, loaded: LoadedModel) -> KVCacheSpec:
+    return KVCacheSpec.for_model(
+        loaded.model.config,
+        BLOCK_SIZE,
+        kv_cache_torch_dtype(fmt.kv_cache_dtype, loaded.dtype),
+        fmt.kv_cache_group_size,
+    )
+
+
+def max_sequences(spec: KVCacheSpec) -> int:
+    """Sequences of CAPACITY_SEQ_LEN tokens that a CAPACITY_BUDGET cache holds at once."""
+    blocks_per_seq = -(-CAPACITY_SEQ_LEN // spec.block_size)
+    return spec.num_blocks_for_budget(CAPACITY_BUDGET) // blocks_per_seq
+
+
+def run_batch(
+    loaded: LoadedModel, fmt: Format, batch_size: int, output_len: int, seed: int
+) -> tuple[float, float]:
+    """(median ms of the steps where the whole batch decodes, output tokens/s over the run)."""
+    spec = kv_spec(fmt, loaded)
+    blocks = batch_size * -(-(INPUT_LEN + output_len) // BLOCK_SIZE) + 8
+    engine = LLMEngine(fmt.engine_config(blocks * spec.bytes_per_block), loaded=loaded)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
+    for prompt in random_prompts(batch_size, INPUT_LEN, seed=seed):
+        engine.add_request(prompt, sampling)
+    started: set[str] = set()
+    finished = 0
+    decode_ms: list[float] = []
+    start = perf_counter()
+    while engine.has_unfinished_requests():
+        all_decoding = len(started) == batch_size and finished == 0
+        step_start = perf_counter()
+        events = engine.step()
+        if all_decoding:
+            decode_ms.append(1e3 * (perf_counter() - step_start))
+        for event in events:
+            if event.new_token_ids:
+                started.add(event.request_id)
+            finished += event.finished
+    total_s = perf_counter() - start
+    return median(decode_ms), batch_size * output_len / total_s
+
+
+def load_all(formats: list[Format]) -> dict[tuple[str, str], LoadedModel]:
+    """One model per (dtype, weight format); KV-only formats share theirs."""
+    models: dict[tuple[str, str], LoadedModel] = {}
+    for fmt in formats:
+        key = (fmt.dtype, fmt.quantization)
+        if key not in models:
+            print(f"loading {fmt.dtype} / {fmt.quantization}", file=sys.stderr)
+            dtype = resolve_dtype(fmt.dtype, "cpu")
+            models[key] = LoadedModel.load(None, dtype, "cpu", fmt.quantization)
+    return models
+
+
+def measure_speed(
+    formats: list[Format], models: dict[tuple[str, str], LoadedModel], rounds: int
+) -> dict[str, Speed]:
+    speeds = {fmt.label: Speed() for fmt in formats}
+    for fmt in formats:  # untimed: allocator growth, kernel selection, packed-weight caches
+        run_batch(models[fmt.dtype, fmt.quantization], fmt, 2, 4, seed=99)
+    for round_index in range(rounds):
+        for fmt in formats:
+            print(f"round {round_index + 1}/{rounds}: {fmt.label}", file=sys.stderr)
+            loaded = models[fmt.dtype, fmt.quantization]
+            speed = speeds[fmt.label]
+            ms_1, _ = run_batch(loaded, fmt, 1, BATCH_1_OUTPUT_LEN, seed=round_index)
+            ms_32, tokens_per_s = run_batch(loaded, fmt, LARGE_BATCH, OUTPUT_LEN, round_index)
+            speed.batch_1_ms.append(ms_1)
+            speed.batch_32_ms.append(ms_32)
+            speed.output_tokens_per_s.append(tokens_per_s)
+            gc.collect()
+    return speeds
+
+
+def measure_accuracies(
+    formats: list[Format], models: dict[tuple[str, str], LoadedModel]
+) -> tuple[Reference, dict[str, Accuracy]]:
+    """Against fp32 weights with an fp32 KV cache (loaded here if no format uses it)."""
+    reference_fmt = Format("fp32", "float32")
+    float_model = models.get(("float32", "none")) or LoadedModel.load(None, torch.float32)
+    print("accuracy: reference (fp32)", file=sys.stderr)
+    reference: Reference = build_reference(float_model, reference_fmt.engine_config(64 * MiB))
+    results = {}
+    for fmt in formats:
+        print(f"accuracy: {fmt.label}", file=sys.stderr)
+        loaded = models[fmt.dtype, fmt.quantization]
+        results[fmt.label] = measure_accuracy(loaded, fmt.engine_config(64 * MiB), reference)
+    return reference, results
+
+
+HEADERS = [
+    "format",
+    "weights",
+    "KV cache",
+    "weight MiB",
+    "KV B/token",
+    "1k-token seqs in 1 GiB",
+    "decode ms/step B=1",
+    "decode ms/step B=32",
+    "output tok/s @32",
+    "KL (nats)",
+    "top-1 agree",
+    "greedy-64 agree",
+    "perplexity",
+    "int8 KV vs float KV: KL / top-1",
+]
+
+
+def float_kv_twin(fmt: Format) -> Format:
+    """The same weights with the KV cache in the model dtype."""
+    return Format(f"{fmt.label} (float KV)", fmt.dtype, fmt.quantization)
+
+
+def kv_effect(
+    fmt: Format,
+    accuracy: Accuracy,
+    models: dict[tuple[str, str], LoadedModel],
+    accuracies: dict[str, Accuracy],
+    reference: Reference,
+) -> str:
+    """KL and top-1 of an int8-KV format against its own weights with a float KV cache: the
+    KV cache's own error, apart from the weights'."""
+    if fmt.kv_cache_dtype == "auto":
+        return "-"
+    twin = next(
+        (
+            accuracies[f.label]
+            for f in FORMATS
+            if f.label in accuracies
+            and (f.dtype, f.quantization, f.kv_cache_dtype) == (fmt.dtype, fmt.quantization, "auto")
+        ),
+        None,
+    )
+    if twin is None:
+        twin_fmt = float_kv_twin(fmt)
+        loaded = models[fmt.dtype, fmt.quantization]
+        twin = measure_accuracy(loaded, twin_fmt.engine_config(64 * MiB), reference)
+    kl, top1 = kl_and_top1(twin.prompt_log_probs, accuracy.prompt_log_probs)
+    return f"{kl:.4f} / {100 * top1:.1f} %"
+
+
+def run(args: argparse.Namespace) -> int:
+    by_label = {fmt.label: fmt for fmt in FORMATS}
+    labels = [part.strip() for part in args.formats.split(",")] if args.formats else list(by_label)
+    unknown = [label for label in labels if label not in by_label]
+    if unknown or args.rounds < 1:
+        print(
+            f"bench quant: --formats takes some of {', '.join(by_label)} and --rounds >= 1;"
+            f" got {unknown or args.rounds}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    formats = [by_label[label] for label in labels]
+    models = load_all(formats)
+    speeds = measure_speed(formats, models, args.rounds)
+    reference, accuracies = (
+        (None, {}) if args.skip_accuracy else measure_accuracies(formats, models)
+    )
+    rows: list[list[object]] = []
+    for fmt in formats:
+        loaded = models[fmt.dtype, fmt.quantization]
+        spec = kv_spec(fmt, loaded)
+        speed = speeds[fmt.label]
+        accuracy = accuracies.get(fmt.label)
+        nan = float("nan")
+        if accuracy is None or reference is None:
+            accuracy_cells: list[object] = [nan, nan, nan, nan, "-"]
+        else:
+            accuracy_cells = [
+                f"{accuracy.kl_divergence:.4f}",
+                f"{100 * accuracy.top1_agreement:.1f} %",
+                f"{100 * accuracy.greedy_agreement:.0f} %",
+                accuracy.perplexity,
+                kv_effect(fmt, accuracy, models, accuracies, reference),
+            ]
+        rows.append(
+            [
+                fmt.label,
+                fmt.weights,
+                fmt.kv_cache,
+                weight_bytes(loaded.model) / MiB,
+                spec.bytes_per_token,
+                max_sequences(spec),
+                min(speed.batch_1_ms),
+                min(speed.batch_32_ms),
+                max(speed.output_tokens_per_s),
+                *accuracy_cells,
+            ]
+        )
+    print(machine_header(torch.get_num_threads()))
+    print(
+        f"\nEmbedded SmolLM2-135M-Instruct; speed: {INPUT_LEN}-token random prompts, "
+        f"{BATCH_1_OUTPUT_LEN} (B=1) / {OUTPUT_LEN} (B={LARGE_BATCH}) greedy tokens, median "
+        f"step, best of {args.rounds} interleaved rounds; accuracy vs fp32 weights + fp32 KV, "
+        "teacher-forced through the KV cache.\n"
+    )
+    print(format_table(HEADERS, rows))
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "quant", help="KV cache and weight formats: memory, speed, accuracy (markdown table)"
+    )
+    parser.add_argument(
+        "--formats",
+        default="",
+        help=f"comma-separated subset of: {', '.join(f.label for f in FORMATS)}",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--skip-accuracy", action="store_true", help="memory and speed only")
+    parser.set_defaults(func=run)
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser(description=__doc__)
+    add_parser(cli.add_subparsers(dest="command", required=True))
+    parsed = cli.parse_args(["quant", *sys.argv[1:]])
+    sys.exit(parsed.func(parsed))

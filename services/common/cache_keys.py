@@ -1,0 +1,49 @@
+"""The Redis key layout, in one place: every process that reads or writes Redis uses these.
+
+    llmserve:v1:{model}:blk:{scheduler_id}:{block_hash_hex} -> worker epoch   (TTL)
+        "this scheduler holds this full block in its prefix cache"; an entry whose epoch is
+        not the scheduler's current worker epoch is stale (the worker restarted) and ignored.
+    llmserve:v1:{model}:prompt:{tenant}:{name}              -> named prompt JSON (TTL)
+
+Keys are scoped by model: schedulers serving different models never share entries. Scheduler
+ids and model names are sanitized so they cannot inject separators or glob characters.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from services.common.prefix_hash import BlockHash, tenant_salt
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+PROMPT_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def _safe(part: str) -> str:
+    return _UNSAFE.sub("_", part) or "_"
+
+
+def tenant_key(tenant_id: str) -> str:
+    # Hashed, not sanitized: two tenant ids must never map to one key.
+    return tenant_salt(tenant_id).hex() if tenant_id else "shared"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKeys:
+    model: str
+
+    @property
+    def prefix(self) -> str:
+        return f"llmserve:v1:{_safe(self.model)}"
+
+    def block(self, scheduler_id: str, block_hash: BlockHash) -> str:
+        return f"{self.prefix}:blk:{_safe(scheduler_id)}:{block_hash.hex()}"
+
+    def prompt(self, tenant_id: str, name: str) -> str:
+        return f"{self.prefix}:prompt:{tenant_key(tenant_id)}:{name}"
+
+    def prompt_pattern(self, tenant_id: str | None) -> str:
+        """SCAN pattern of one tenant's prompts (None: every tenant's)."""
+        tenant = "*" if tenant_id is None else tenant_key(tenant_id)
+        return f"{self.prefix}:prompt:{tenant}:*"

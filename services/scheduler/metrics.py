@@ -1,0 +1,148 @@
+"""The scheduler's metrics: queueing, step times, batch occupancy, KV blocks, token counts.
+
+Observed once per step from data the loop already has (the plan, the events, the stats) and
+once per request at admission; nothing per token. Process-wide, like the logging
+configuration: one Registry per process, scraped at /metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.grpc_server import rejection_reason
+from services.common.metrics import Registry
+from services.common.redis_metrics import RedisMetrics
+from services.scheduler.plan import BatchPlan, TokenEvent
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
+
+REGISTRY = Registry()
+REDIS = RedisMetrics(REGISTRY)
+
+QUEUE_TIME = REGISTRY.histogram(
+    "llmserve_queue_time_seconds",
+    "From a request's arrival at the scheduler to its first admission into a step.",
+)
+STEP_DURATION = REGISTRY.histogram(
+    "llmserve_step_duration_seconds",
+    "One step as the scheduler sees it: plan out, worker forward and sampling, result back. "
+    "step_kind: prefill (every slice > 1 token), decode (every slice 1 token) or mixed.",
+    ("step_kind",),
+)
+RUNNING = REGISTRY.gauge("llmserve_scheduler_running_requests", "Requests holding KV blocks.")
+WAITING = REGISTRY.gauge(
+    "llmserve_scheduler_waiting_requests", "Requests queued (new or preempted)."
+)
+KV_BLOCKS_USED = REGISTRY.gauge(
+    "llmserve_kv_cache_blocks_used",
+    "KV blocks held by requests (cached blocks nobody holds count as free).",
+)
+KV_BLOCKS_TOTAL = REGISTRY.gauge(
+    "llmserve_kv_cache_blocks_total", "KV blocks the worker allocated."
+)
+PROMPT_TOKENS = REGISTRY.counter(
+    "llmserve_prompt_tokens_total", "Prompt tokens of admitted requests."
+)
+GENERATION_TOKENS = REGISTRY.counter(
+    "llmserve_generation_tokens_total", "Tokens sampled and delivered to requests."
+)
+PREFIX_CACHE_QUERIED_TOKENS = REGISTRY.counter(
+    "llmserve_prefix_cache_queried_tokens_total",
+    "Tokens looked up in the prefix cache at admission (resumed requests included).",
+)
+PREFIX_CACHE_HIT_TOKENS = REGISTRY.counter(
+    "llmserve_prefix_cache_hit_tokens_total",
+    "Tokens whose KV the prefix cache already held at admission.",
+)
+PREEMPTIONS = REGISTRY.counter(
+    "llmserve_preemptions_total", "Running requests preempted (KV dropped, to be recomputed)."
+)
+FINISHED = REGISTRY.counter(
+    "llmserve_scheduler_requests_finished_total",
+    "Requests the scheduler finished, by reason (stop, length, abort, deadline).",
+    ("finish_reason",),
+)
+REJECTED = REGISTRY.counter(
+    "llmserve_requests_rejected_total",
+    "Requests refused before generating, by reason.",
+    ("reason",),
+)
+
+
+def step_kind(plan: BatchPlan) -> str:
+    """prefill, decode or mixed. A slice of one token counts as a decode (a one-token prompt
+    chunk is rare and costs what a decode costs)."""
+    num_decodes = sum(1 for n in plan.num_scheduled_tokens.values() if n == 1)
+    if num_decodes == len(plan.num_scheduled_tokens):
+        return "decode"
+    return "prefill" if num_decodes == 0 else "mixed"
+
+
+class _Delta:
+    """Turns a running total kept by one Scheduler into increments. The loop builds a fresh
+    Scheduler (totals back at 0) whenever the worker reconnects."""
+
+    __slots__ = ("_last", "_owner")
+
+    def __init__(self) -> None:
+        self._owner: object = None
+        self._last = 0
+
+    def step(self, owner: object, total: int) -> int:
+        if owner is not self._owner:
+            self._owner, self._last = owner, 0
+        delta, self._last = total - self._last, total
+        return delta
+
+
+_preemptions = _Delta()
+_prefix_queried = _Delta()
+_prefix_hits = _Delta()
+
+
+def on_admitted(request: Request) -> None:
+    PROMPT_TOKENS.inc(request.num_prompt_tokens)
+
+
+def on_rejected(reason_or_error: str | BaseException) -> None:
+    reason = (
+        reason_or_error if isinstance(reason_or_error, str) else rejection_reason(reason_or_error)
+    )
+    REJECTED.labels(reason).inc()
+
+
+def on_first_scheduled(queue_s: float | None) -> None:
+    """Once per request, with its queue time (None: it never reached a step)."""
+    if queue_s is not None:
+        QUEUE_TIME.observe(queue_s)
+
+
+def on_step(
+    scheduler: Scheduler,
+    plan: BatchPlan,
+    events: Sequence[TokenEvent],
+    step_s: float | None,
+) -> None:
+    """After update(): `step_s` is the worker round trip, None when no worker call was needed."""
+    if step_s is not None and plan.num_scheduled_tokens:
+        STEP_DURATION.labels(step_kind(plan)).observe(step_s)
+    num_generated = 0
+    for event in events:
+        num_generated += len(event.new_token_ids)
+        if event.finish_reason is not None:
+            FINISHED.labels(event.finish_reason.value).inc()
+    if num_generated:
+        GENERATION_TOKENS.inc(num_generated)
+    stats = scheduler.get_stats()
+    RUNNING.set(stats.num_running)
+    WAITING.set(stats.num_waiting)
+    KV_BLOCKS_USED.set(stats.num_total_blocks - stats.num_free_blocks)
+    KV_BLOCKS_TOTAL.set(stats.num_total_blocks)
+    for counter, delta, total in (
+        (PREEMPTIONS, _preemptions, stats.num_preemptions),
+        (PREFIX_CACHE_QUERIED_TOKENS, _prefix_queried, stats.prefix_queried_tokens),
+        (PREFIX_CACHE_HIT_TOKENS, _prefix_hits, stats.prefix_hit_tokens),
+    ):
+        increment = delta.step(scheduler, total)
+        if increment > 0:
+            counter.inc(increment)

@@ -1,0 +1,52 @@
+"""Asks the Redis prefix index how much of a prompt each scheduler holds in its cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from services.common.cache_keys import CacheKeys
+from services.common.prefix_hash import BlockHash
+from services.common.redis_store import RedisStore
+
+MAX_LOOKUP_BLOCKS = 512
+"""Longest prefix looked up (blocks): bounds one MGET; longer prompts route on their head."""
+
+
+class PrefixLocator:
+    def __init__(self, store: RedisStore, keys: CacheKeys) -> None:
+        self.store = store
+        self.keys = keys
+        self.num_lookups = 0
+        self.num_misses_redis_down = 0
+
+    async def cached_blocks(
+        self, block_hashes: Sequence[BlockHash], schedulers: Sequence[tuple[str, str]]
+    ) -> list[int]:
+        """For each (scheduler_id, worker_epoch): how many leading blocks it holds. Entries of
+        another epoch are stale (written before a worker restart) and do not count. All zeros
+        when Redis does not answer: a routing miss, never an error."""
+        self.num_lookups += 1
+        hashes = list(block_hashes[:MAX_LOOKUP_BLOCKS])
+        if not hashes or not schedulers:
+            return [0] * len(schedulers)
+        keys = [self.keys.block(sid, h) for sid, _ in schedulers for h in hashes]
+
+        async def read(client: Any) -> list[bytes | None]:
+            return list(await client.mget(keys))
+
+        values = await self.store.call("prefix lookup", read)
+        if values is None:
+            self.num_misses_redis_down += 1
+            return [0] * len(schedulers)
+        counts: list[int] = []
+        for index, (_, epoch) in enumerate(schedulers):
+            row = values[index * len(hashes) : (index + 1) * len(hashes)]
+            expected = epoch.encode()
+            count = 0
+            for value in row:
+                if value != expected:
+                    break
+                count += 1
+            counts.append(count)
+        return counts

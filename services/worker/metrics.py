@@ -1,0 +1,34 @@
+"""The worker's metrics: forward time and batch shape, once per step.
+
+Process-wide, like the logging configuration: one Registry per process, scraped at /metrics.
+"""
+
+from __future__ import annotations
+
+from services.common.metrics import SIZE_BUCKETS, Registry
+from services.scheduler.plan import BatchPlan
+
+REGISTRY = Registry()
+
+FORWARD_DURATION = REGISTRY.histogram(
+    "llmserve_worker_forward_seconds",
+    "One step in the worker: apply the plan, forward, sample (the runner's wall time).",
+)
+BATCH_SEQUENCES = REGISTRY.histogram(
+    "llmserve_worker_batch_sequences",
+    "Sequences scheduled in one step.",
+    buckets=SIZE_BUCKETS,
+)
+BATCH_TOKENS = REGISTRY.histogram(
+    "llmserve_worker_batch_tokens",
+    "Tokens computed in one step (prefill chunks + decodes).",
+    buckets=SIZE_BUCKETS,
+)
+
+
+def on_step(plan: BatchPlan, forward_s: float) -> None:
+    if plan.is_empty:
+        return  # a plan that only drops sequences runs no forward
+    FORWARD_DURATION.observe(forward_s)
+    BATCH_SEQUENCES.observe(len(plan.num_scheduled_tokens))
+    BATCH_TOKENS.observe(plan.total_num_scheduled_tokens)

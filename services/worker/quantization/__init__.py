@@ -1,0 +1,26 @@
+"""Quantized formats of the worker: the KV cache (int8 with group scales) and the weights
+(int8, W8A8, int4, NF4, or a GGUF file's own blocks), applied at load by swapping layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.worker.quantization.formats import check_quantization
+
+if TYPE_CHECKING:  # the model imports the KV cache, which imports the format names from here
+    from services.worker.model.llama import LlamaForCausalLM
+
+
+def apply_quantization(model: LlamaForCausalLM, quantization: str, path: Path) -> None:
+    """Quantize a freshly loaded float model in place (`path`: the file it came from)."""
+    if check_quantization(quantization) == "none":
+        return
+    if quantization == "gguf":
+        from services.worker.quantization.gguf_direct import load_gguf_quantized
+
+        load_gguf_quantized(model, path)
+        return
+    from services.worker.quantization.swap import quantize_model
+
+    quantize_model(model, quantization)

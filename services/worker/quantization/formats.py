@@ -1,0 +1,64 @@
+"""The names of the KV cache and weight formats, their validation, and what they resolve to.
+
+--kv-cache-dtype  auto (the model dtype) | int8 (per-group scales, --kv-cache-group-size)
+--quantization    none | int8 | w8a8 | int4 | nf4 | gguf
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from services.common.errors import LLMServeError
+
+KVCacheDType = Literal["auto", "int8"]
+Quantization = Literal["none", "int8", "w8a8", "int4", "nf4", "gguf"]
+
+KV_CACHE_DTYPES: tuple[KVCacheDType, ...] = ("auto", "int8")
+QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "w8a8", "int4", "nf4", "gguf")
+QUANTIZATION_HELP = {
+    "none": "float weights in the model dtype",
+    "int8": "int8 weight-only, one scale per output channel",
+    "w8a8": "int8 weights per channel, int8 activations per token (dynamic); o_proj stays float",
+    "int4": "int4 weight-only, asymmetric, one scale and zero per group of 32 along K",
+    "nf4": "4-bit normal-float codes, one absmax per group of 64 along K",
+    "gguf": "keep a GGUF file's Q4_0/Q4_1 (as int4) and Q8_0 (as int8) tensors without"
+    " going through float",
+}
+DEFAULT_KV_GROUP_SIZE = 8
+INT4_GROUP_SIZE = 32
+NF4_GROUP_SIZE = 64
+# fp16 scales: 2 bytes per group instead of 4, and the range of |K|, |V| / 127 fits fp16.
+KV_SCALE_DTYPE = torch.float16
+
+
+class InvalidFormatError(LLMServeError, ValueError):
+    """A format flag has a value we do not serve; the message names the flag."""
+
+
+def check_kv_cache_dtype(value: str) -> KVCacheDType:
+    if value not in KV_CACHE_DTYPES:
+        raise InvalidFormatError(
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {value!r}"
+        )
+    return value  # type: ignore[return-value]
+
+
+def check_kv_cache_group_size(value: int) -> int:
+    if value < 1 or value & (value - 1):
+        raise InvalidFormatError(f"--kv-cache-group-size must be a power of two; got {value}")
+    return value
+
+
+def check_quantization(value: str) -> Quantization:
+    if value not in QUANTIZATIONS:
+        raise InvalidFormatError(
+            f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {value!r}"
+        )
+    return value  # type: ignore[return-value]
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the KV cache tensor for a --kv-cache-dtype value."""
+    return torch.int8 if check_kv_cache_dtype(kv_cache_dtype) == "int8" else model_dtype

@@ -1,0 +1,237 @@
+"""Two scheduler+worker pairs behind the tokenizer tier, with a real Redis the tests control:
+cache-aware routing, named prompts across tokenizer replicas, and Redis failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
+from services.launcher import free_port, healthy
+from tests.e2e.conftest import Stack, start_stack
+from tests.redis_server import RedisServer
+
+BLOCK = 16
+GREEDY = text_pb2.SamplingParams(temperature=0.0, max_new_tokens=8)
+SYSTEM = "You are the support assistant of a bakery. Be brief and friendly. " * 12
+
+
+@dataclass
+class RedisStack:
+    stack: Stack
+    redis: RedisServer
+    replica_b: subprocess.Popen[bytes]
+    replica_b_address: str
+
+    def stub(self, address: str | None = None) -> text_pb2_grpc.TextGenerationStub:
+        channel = grpc.insecure_channel(address or self.stack.public)
+        return text_pb2_grpc.TextGenerationStub(channel)
+
+    def scheduler_stats(self) -> list[engine_pb2.EngineStats]:
+        stats = []
+        for address in self.stack.info["schedulers"]:
+            with grpc.insecure_channel(address) as channel:
+                stats.append(
+                    engine_pb2_grpc.EngineStub(channel).GetStats(
+                        engine_pb2.GetStatsRequest(), timeout=5
+                    )
+                )
+        return stats
+
+
+@pytest.fixture(scope="module")
+def redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisStack]:
+    redis = RedisServer().start()
+    extra = ["--workers", "2", "--tokenizer-replicas", "1", "--redis-url", redis.url]
+    stack = start_stack(tmp_path_factory.mktemp("redis-stack"), extra)
+    # A second tokenizer replica on its own port, so a test can address each replica.
+    port = free_port("127.0.0.1")
+    replica_b = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "tokenizer",
+            "--port",
+            str(port),
+            "--scheduler",
+            ",".join(stack.info["schedulers"]),
+            "--redis-url",
+            redis.url,
+        ],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while not healthy(address):
+        assert replica_b.poll() is None and time.monotonic() < deadline, "replica B failed"
+        time.sleep(0.2)
+    yield RedisStack(stack, redis, replica_b, address)
+    replica_b.send_signal(signal.SIGTERM)
+    stack.process.send_signal(signal.SIGTERM)
+    replica_b.wait(timeout=60)
+    assert stack.process.wait(timeout=90) == 0
+    redis.stop()
+
+
+def generate(
+    stub: text_pb2_grpc.TextGenerationStub, **fields: object
+) -> tuple[list[int], text_pb2.Usage]:
+    token_ids: list[int] = []
+    usage = text_pb2.Usage()
+    for response in stub.Generate(
+        text_pb2.GenerateRequest(sampling=GREEDY, **fields),  # type: ignore[arg-type]
+        timeout=120,
+    ):
+        token_ids.extend(response.token_ids)
+        if response.finish_reason:
+            usage = response.usage
+    return token_ids, usage
+
+
+def long_prompt(topic: str) -> str:
+    return f"Notes about {topic}. " + " ".join(f"{topic} fact number {i}." for i in range(40))
+
+
+def test_repeated_prefix_goes_to_the_scheduler_that_holds_it(redis_stack: RedisStack) -> None:
+    # Cold through replica B, warm through replica A: A never routed this prefix itself, so
+    # only the Redis index can tell it where the prefix is cached.
+    stub, stub_b = redis_stack.stub(), redis_stack.stub(redis_stack.replica_b_address)
+    for topic in ("rivers", "comets", "violins", "glaciers", "tulips"):
+        cold_ids, cold = generate(stub_b, prompt=long_prompt(topic) + " Summary:")
+        time.sleep(0.2)  # the index is written off the step loop, every 50 ms
+        warm_ids, warm = generate(stub, prompt=long_prompt(topic) + " In short:")
+        full_blocks = (cold.prompt_tokens - 8) // BLOCK * BLOCK
+        # Round-robin would send every second request to the other, cold, scheduler.
+        assert warm.cached_prompt_tokens >= full_blocks, topic
+        again_ids, again = generate(stub, prompt=long_prompt(topic) + " Summary:")
+        assert again_ids == cold_ids and again.cached_prompt_tokens > 0  # same greedy output
+    assert len(warm_ids) > 0
+
+
+def test_named_prompt_is_served_from_cache_by_every_replica(redis_stack: RedisStack) -> None:
+    stub_a, stub_b = redis_stack.stub(), redis_stack.stub(redis_stack.replica_b_address)
+    registered = stub_a.RegisterPrompt(
+        text_pb2.RegisterPromptRequest(name="bakery", system_prompt=SYSTEM, ttl_s=300)
+    )
+    assert registered.num_pinned_schedulers == 2 and registered.num_tokens > 100
+    listed = stub_b.ListPrompts(text_pb2.ListPromptsRequest())
+    assert [p.name for p in listed.prompts] == ["bakery"]
+    question = [text_pb2.ChatMessage(role="user", content="Do you sell rye bread?")]
+    explicit = [text_pb2.ChatMessage(role="system", content=SYSTEM), *question]
+    expected_ids, _ = generate(stub_a, messages=explicit)
+    pinned_tokens = registered.num_tokens // BLOCK * BLOCK
+    for stub in (stub_a, stub_b, stub_b, stub_a):
+        ids, usage = generate(stub, messages=question, prompt_name="bakery")
+        assert usage.cached_prompt_tokens >= pinned_tokens
+        assert ids == expected_ids
+    assert all(s.num_pinned_blocks == pinned_tokens // BLOCK for s in redis_stack.scheduler_stats())
+    with pytest.raises(grpc.RpcError) as error:
+        generate(stub_b, messages=question, prompt_name="bakery", tenant_id="someone-else")
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as error:
+        stub_b.RegisterPrompt(text_pb2.RegisterPromptRequest(name="no spaces", system_prompt="x"))
+    assert (
+        error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "name" in error.value.details()
+    )
+    assert stub_b.DeletePrompt(text_pb2.DeletePromptRequest(name="bakery")).deleted
+    time.sleep(1.2)  # replica A's copy is re-read after 1 s
+    with pytest.raises(grpc.RpcError) as error:
+        generate(stub_a, messages=question, prompt_name="bakery")
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    assert all(s.num_pinned_blocks == 0 for s in redis_stack.scheduler_stats())
+
+
+def test_redis_stopped_mid_run_then_flushed(redis_stack: RedisStack) -> None:
+    stub = redis_stack.stub()
+    prompt = long_prompt("lighthouses")
+    reference, _ = generate(stub, prompt=prompt)
+    in_flight = stub.Generate(
+        text_pb2.GenerateRequest(
+            prompt=prompt, sampling=text_pb2.SamplingParams(temperature=0.0, max_new_tokens=24)
+        ),
+        timeout=120,
+    )
+    first = next(in_flight)
+    redis_stack.redis.stop()
+    rest = list(in_flight)
+    assert rest[-1].finish_reason == "length" and len(first.token_ids) > 0
+    for _ in range(3):  # Redis is gone: misses, never errors
+        ids, _ = generate(stub, prompt=prompt)
+        assert ids == reference
+    redis_stack.redis.start()  # back, empty (as after a flush): serving never stopped
+    ids, _ = generate(stub, prompt=prompt)
+    assert ids == reference
+    redis_stack.redis.command("FLUSHALL")
+    stub_b = redis_stack.stub(redis_stack.replica_b_address)
+    for topic in ("harbours", "islands", "canals"):  # B computes, A must find it via Redis
+        generate(stub_b, prompt=long_prompt(topic))
+        time.sleep(0.3)
+        _, usage = generate(stub, prompt=long_prompt(topic) + " Again.")
+        assert usage.cached_prompt_tokens > 0, topic  # the index works again after recovery
+    assert generate(stub, prompt=prompt)[0] == reference
+
+
+def test_restarted_worker_stale_entries_are_not_trusted(redis_stack: RedisStack) -> None:
+    import asyncio
+
+    from services.common.cache_keys import CacheKeys
+    from services.common.prefix_hash import prefix_block_hashes
+    from services.common.redis_store import RedisStore
+    from services.tokenizer.prefix_locator import PrefixLocator
+
+    stub = redis_stack.stub()
+    tokenize = stub.Tokenize(text_pb2.TokenizeRequest(text=long_prompt("orchards")))
+    prompt_ids = list(tokenize.token_ids)
+    generate(stub, prompt_token_ids=prompt_ids)
+    time.sleep(0.3)
+    before = redis_stack.scheduler_stats()
+    hashes = prefix_block_hashes(prompt_ids, BLOCK)
+
+    def lookup(stats: list[engine_pb2.EngineStats]) -> list[int]:
+        async def ask() -> list[int]:
+            store = RedisStore(redis_stack.redis.url)
+            locator = PrefixLocator(store, CacheKeys("SmolLM2-135M-Instruct"))
+            found = await locator.cached_blocks(
+                hashes, [(s.scheduler_id, s.worker_epoch) for s in stats]
+            )
+            await store.close()
+            return found
+
+        return asyncio.run(ask())
+
+    holders = [i for i, count in enumerate(lookup(before)) if count > 0]
+    assert len(holders) == 1
+    holder = holders[0]
+    os.kill(redis_stack.stack.info["pids"][f"worker-{holder}"], signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            after = redis_stack.scheduler_stats()
+            if after[holder].worker_epoch not in ("", before[holder].worker_epoch):
+                break
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, "worker did not come back"
+        time.sleep(0.5)
+    # The entries written before the restart are still in Redis, under the old epoch...
+    assert lookup(before)[holder] == len(hashes)
+    # ...and with the new epoch they count for nothing.
+    assert lookup(after)[holder] == 0
+    deadline = time.monotonic() + 60
+    while True:  # the tokenizer serves again once its scheduler has a worker
+        try:
+            ids, usage = generate(stub, prompt_token_ids=prompt_ids)
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+            time.sleep(0.5)
+    assert len(ids) == GREEDY.max_new_tokens or usage.completion_tokens > 0

@@ -1,0 +1,75 @@
+"""The routing policy: longest cached prefix unless overloaded, else least loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.tokenizer.routing import Candidate, SchedulerLoad, choose_scheduler
+
+
+def load(running: int = 0, waiting: int = 0, sent: int = 0) -> SchedulerLoad:
+    return SchedulerLoad(running, waiting, sent)
+
+
+def test_round_robin_ignores_cache_and_load() -> None:
+    candidates = [Candidate(10, load(50)), Candidate(0, load(0)), Candidate(0, None)]
+    picks = [
+        choose_scheduler(candidates, "round_robin", turn=t, overload_queued=4) for t in range(6)
+    ]
+    assert picks == [0, 1, 2, 0, 1, 2]
+
+
+def test_cache_aware_prefers_the_longest_cached_prefix_even_when_busier() -> None:
+    candidates = [Candidate(2, load(1)), Candidate(7, load(5, waiting=2)), Candidate(0, load(0))]
+    assert choose_scheduler(candidates, "cache_aware", turn=0, overload_queued=4) == 1
+
+
+def test_overloaded_holder_loses_to_the_least_loaded() -> None:
+    candidates = [
+        Candidate(9, load(8, waiting=3, sent=1)),
+        Candidate(0, load(2)),
+        Candidate(0, load(1)),
+    ]
+    assert choose_scheduler(candidates, "cache_aware", turn=0, overload_queued=4) == 2
+
+
+def test_among_equal_holders_the_less_loaded_wins() -> None:
+    candidates = [Candidate(5, load(4)), Candidate(5, load(1)), Candidate(0, load(0))]
+    assert choose_scheduler(candidates, "cache_aware", turn=0, overload_queued=4) == 1
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_loaded"])
+def test_no_cache_means_least_loaded_and_ties_rotate(policy: str) -> None:
+    candidates = [Candidate(0, load(3)), Candidate(0, load(1)), Candidate(0, load(1))]
+    picks = {choose_scheduler(candidates, policy, turn=t, overload_queued=4) for t in range(4)}  # type: ignore[arg-type]
+    assert picks == {1, 2}
+
+
+def test_requests_sent_since_the_last_poll_count_as_load() -> None:
+    candidates = [Candidate(0, load(1, sent=3)), Candidate(0, load(2))]
+    assert choose_scheduler(candidates, "least_loaded", turn=0, overload_queued=4) == 1
+
+
+def test_a_scheduler_without_stats_is_the_last_resort() -> None:
+    candidates = [Candidate(9, None), Candidate(0, load(40))]
+    assert choose_scheduler(candidates, "cache_aware", turn=0, overload_queued=4) == 1
+    everyone_down = [Candidate(0, None), Candidate(3, None)]
+    assert choose_scheduler(everyone_down, "cache_aware", turn=0, overload_queued=4) == 1
+    with pytest.raises(ValueError):
+        choose_scheduler([], "cache_aware", turn=0, overload_queued=4)
+
+
+def test_recent_routes_follow_the_longest_shared_run_of_one_scheduler() -> None:
+    from services.tokenizer.routing import RecentRoutes
+
+    recent = RecentRoutes(capacity=4)
+    assert recent.leading_blocks([], 2) == [0, 0]
+    recent.remember([b"a", b"b", b"c"], 1)
+    assert recent.leading_blocks([b"a", b"b", b"x"], 2) == [0, 2]
+    assert recent.leading_blocks([b"x", b"b"], 2) == [0, 0]  # the run starts at the first block
+    recent.remember([b"a", b"d"], 0)  # re-routed: the first block now points elsewhere
+    assert recent.leading_blocks([b"a", b"b"], 2) == [1, 0]
+    recent.remember([b"e"], 1)  # capacity 4: the least recently used hash (b"b") goes
+    assert recent.leading_blocks([b"b"], 2) == [0, 0]
+    assert recent.leading_blocks([b"a"], 1) == [1]
+    assert recent.leading_blocks([b"e"], 1) == [0]  # an index beyond the schedulers counts not
