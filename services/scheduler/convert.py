@@ -33,6 +33,9 @@ def stats_to_proto(
     block_size: int,
     worker_epoch: str,
     max_num_seqs: int,
+    dtype: str = "",
+    kv_cache_dtype: str = "",
+    quantization: str = "",
 ) -> engine_pb2.EngineStats:
     return engine_pb2.EngineStats(
         num_waiting=stats.num_waiting,
@@ -47,4 +50,7 @@ def stats_to_proto(
         worker_epoch=worker_epoch,
         max_num_seqs=max_num_seqs,
         num_pinned_blocks=stats.num_pinned_blocks,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
     )

@@ -129,6 +129,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             block_size=description.block_size,
             worker_epoch=description.worker_epoch,
             max_num_seqs=self.config.max_num_seqs,
+            dtype=description.dtype,
+            kv_cache_dtype=description.kv_cache_dtype,
+            quantization=description.quantization,
         )
 
     async def Pin(

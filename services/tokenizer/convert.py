@@ -115,10 +115,17 @@ def set_final_fields(
     return response
 
 
-def model_info(name: str, max_model_len: int, vocab_size: int) -> text_pb2.ModelInfo:
-    # dtype, KV cache dtype and quantization belong to the worker; empty until the
-    # scheduler's stats carry them.
-    return text_pb2.ModelInfo(name=name, max_model_len=max_model_len, vocab_size=vocab_size)
+def model_info(
+    name: str, max_model_len: int, vocab_size: int, stats: engine_pb2.EngineStats | None
+) -> text_pb2.ModelInfo:
+    """The served model; dtype, KV cache dtype and quantization are the workers', as a
+    scheduler's stats report them (empty while no scheduler has answered)."""
+    info = text_pb2.ModelInfo(name=name, max_model_len=max_model_len, vocab_size=vocab_size)
+    if stats is not None:
+        info.dtype = stats.dtype
+        info.kv_cache_dtype = stats.kv_cache_dtype
+        info.quantization = stats.quantization
+    return info
 
 
 def registered_prompt(

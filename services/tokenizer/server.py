@@ -477,7 +477,8 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         self, request: text_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> text_pb2.ListModelsResponse:
         model, _ = await self._ready(context)
-        info = convert.model_info(model.name, model.max_model_len, model.vocab_size)
+        stats = next((c.stats for c in self._pool.clients if c.stats is not None), None)
+        info = convert.model_info(model.name, model.max_model_len, model.vocab_size, stats)
         return text_pb2.ListModelsResponse(models=[info])
 
 

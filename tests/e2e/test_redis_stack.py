@@ -50,7 +50,10 @@ class RedisStack:
 @pytest.fixture(scope="module")
 def redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisStack]:
     redis = RedisServer().start()
+    # int8 weights: these tests compare the stack with itself (cache hit vs miss), so they
+    # also show a quantized model serving end to end (ListModels checks the format).
     extra = ["--workers", "2", "--tokenizer-replicas", "1", "--redis-url", redis.url]
+    extra += ["--quantization", "int8", "--kv-cache-dtype", "int8"]
     stack = start_stack(tmp_path_factory.mktemp("redis-stack"), extra)
     # A second tokenizer replica on its own port, so a test can address each replica.
     port = free_port("127.0.0.1")
@@ -115,6 +118,13 @@ def test_repeated_prefix_goes_to_the_scheduler_that_holds_it(redis_stack: RedisS
         again_ids, again = generate(stub, prompt=long_prompt(topic) + " Summary:")
         assert again_ids == cold_ids and again.cached_prompt_tokens > 0  # same greedy output
     assert len(warm_ids) > 0
+
+
+def test_list_models_reports_the_quantized_formats(redis_stack: RedisStack) -> None:
+    (model,) = redis_stack.stub().ListModels(text_pb2.ListModelsRequest()).models
+    assert (model.quantization, model.kv_cache_dtype, model.dtype) == ("int8", "int8", "float32")
+    ids, usage = generate(redis_stack.stub(), prompt="The capital of France is")
+    assert len(ids) == GREEDY.max_new_tokens and usage.completion_tokens == len(ids)
 
 
 def test_named_prompt_is_served_from_cache_by_every_replica(redis_stack: RedisStack) -> None:

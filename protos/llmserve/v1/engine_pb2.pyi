@@ -54,7 +54,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "prefix_hit_rate", "num_preemptions", "scheduler_id", "max_waiting_requests", "block_size", "worker_epoch", "max_num_seqs", "num_pinned_blocks")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "prefix_hit_rate", "num_preemptions", "scheduler_id", "max_waiting_requests", "block_size", "worker_epoch", "max_num_seqs", "num_pinned_blocks", "dtype", "kv_cache_dtype", "quantization")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,9 @@ class EngineStats(_message.Message):
     WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -79,7 +82,10 @@ class EngineStats(_message.Message):
     worker_epoch: str
     max_num_seqs: int
     num_pinned_blocks: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_epoch: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ...) -> None: ...
+    dtype: str
+    kv_cache_dtype: str
+    quantization: str
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_epoch: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("name", "token_ids", "cache_salt", "ttl_s")
