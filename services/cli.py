@@ -151,21 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from services.bench import capacity, hf_baseline, offline_table, serve
+    # Imported here: the benchmarks pull in modules the services never need.
+    from services.bench import (
+        capacity,
+        estimate_command,
+        hf_baseline,
+        offline_table,
+        prefix_cache,
+        quant_table,
+        serve,
+    )
 
-    offline_table.add_parser(bench_sub)
-    capacity.add_parser(bench_sub)
-    hf_baseline.add_parser(bench_sub)
-    serve.add_parser(bench_sub)
-    from services.bench import prefix_cache
-
-    prefix_cache.add_parser(bench_sub)
-    from services.bench import quant_table
-
-    quant_table.add_parser(bench_sub)
-
-    from services.bench import estimate_command
-
+    for benchmark in (offline_table, capacity, hf_baseline, serve, prefix_cache, quant_table):
+        benchmark.add_parser(bench_sub)
     estimate_command.add_parser(sub)
     return parser
 

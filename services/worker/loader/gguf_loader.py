@@ -99,7 +99,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     )
 
 
-def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of rotary halves.
 
     llama.cpp stores each head's rows as (pairs of) interleaved halves [x0, x_{d/2}, x1, ...];
@@ -129,15 +129,15 @@ def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, t
         # GGUF lists dims fastest-first; numpy wants them slowest-first.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = array.reshape(shape)
-        name = _hf_name(tensor.name)
+        name = hf_tensor_name(tensor.name)
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute_rows(array, config.num_heads)
+            array = unpermute_rows(array, config.num_heads)
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute_rows(array, config.num_kv_heads)
+            array = unpermute_rows(array, config.num_kv_heads)
         yield name, torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)

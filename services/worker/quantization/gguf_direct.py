@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from services.worker.loader.gguf_loader import _hf_name, _unpermute_rows, open_gguf
+from services.worker.loader.gguf_loader import hf_tensor_name, open_gguf, unpermute_rows
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.quantization.formats import InvalidFormatError
 from services.worker.quantization.linear import Int4Linear, Int8WeightOnlyLinear
@@ -44,9 +44,9 @@ class Int4Codes:
 
     def permute_rows(self, num_heads: int) -> Int4Codes:
         return Int4Codes(
-            _unpermute_rows(self.codes, num_heads),
-            _unpermute_rows(self.scale, num_heads),
-            _unpermute_rows(self.zero, num_heads),
+            unpermute_rows(self.codes, num_heads),
+            unpermute_rows(self.scale, num_heads),
+            unpermute_rows(self.zero, num_heads),
         )
 
 
@@ -73,7 +73,7 @@ def _layer_int4_codes(
     kinds: dict[str, str] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        name = _hf_name(tensor.name)
+        name = hf_tensor_name(tensor.name)
         kinds[name] = kind
         if kind not in ("Q4_0", "Q4_1"):
             continue
