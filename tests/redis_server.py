@@ -8,11 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from services.launcher import free_port
 
 
 class RedisServer:
@@ -23,7 +19,7 @@ class RedisServer:
                 "redis-server is not installed (scripts/setup.sh installs it from Debian)"
             )
         self.binary = binary
-        self.port = port or _free_port()
+        self.port = port or free_port("127.0.0.1")
         self.extra_args = list(extra_args)
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -53,8 +53,6 @@ class PrefixIndexPublisher:
         self._needs_resync = False
         self._next_refresh = 0.0
         self._seen_recoveries = store.num_recoveries
-        self.num_written = 0
-        self.num_dropped = 0
 
     # ---- the block pool's listener (step loop: record only) -----------------------------
 
@@ -70,7 +68,7 @@ class PrefixIndexPublisher:
         self._pending[block_hash] = cached
         if len(self._pending) > self.max_pending:
             # Redis cannot keep up: forget the diff, resync from the pool later.
-            self.num_dropped += len(self._pending)
+            log.warning("prefix index backlog dropped", extra={"entries": len(self._pending)})
             self._pending.clear()
             self._needs_resync = True
 
@@ -112,18 +110,17 @@ class PrefixIndexPublisher:
             changes, self._pending = list(self._pending.items()), {}
         else:
             return
-        written = await self._write(keys, epoch, list(changes))
-        if written is None:
+        if not await self._write(keys, epoch, list(changes)):
             self._needs_resync = True
             return
-        self.num_written += written
         if full:
             self._needs_resync = False
             self._next_refresh = self._clock() + self.refresh_s
 
     async def _write(
         self, keys: CacheKeys, epoch: str, changes: list[tuple[BlockHash, bool]]
-    ) -> int | None:
+    ) -> bool:
+        """False when Redis did not take every batch."""
         ttl_ms = int(self.ttl_s * 1000)
         for start in range(0, max(len(changes), 1), _BATCH):
             batch = changes[start : start + _BATCH]
@@ -139,5 +136,5 @@ class PrefixIndexPublisher:
                 return await pipe.execute()
 
             if await self.store.call("prefix index write", write_batch) is None:
-                return None
-        return len(changes)
+                return False
+        return True

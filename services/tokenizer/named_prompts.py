@@ -34,6 +34,7 @@ class PromptRegistry:
         *,
         default_ttl_s: int = 3600,
         max_ttl_s: int = 7 * 24 * 3600,
+        max_model_len: int | None = None,
         refresh_s: float = 1.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -42,6 +43,7 @@ class PromptRegistry:
         self.render_ids = render_ids
         self.default_ttl_s = default_ttl_s
         self.max_ttl_s = max_ttl_s
+        self.max_model_len = max_model_len
         self.refresh_s = refresh_s
         self._clock = clock
         self._copies: dict[tuple[str, str], _Copy] = {}
@@ -55,11 +57,17 @@ class PromptRegistry:
         if ttl_s > self.max_ttl_s:
             raise InvalidRequestError("ttl_s", f"must be at most {self.max_ttl_s} seconds")
         ttl = ttl_s or self.default_ttl_s
+        token_ids = tuple(self.render_ids(system_prompt))
+        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "system_prompt",
+                f"is {len(token_ids)} tokens; max_model_len is {self.max_model_len}",
+            )
         return NamedPrompt(
             name=name,
             tenant_id=tenant_id,
             system_prompt=system_prompt,
-            token_ids=tuple(self.render_ids(system_prompt)),
+            token_ids=token_ids,
             expires_unix_s=self._clock() + ttl,
             ttl_s=ttl,
         )

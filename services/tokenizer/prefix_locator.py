@@ -17,8 +17,6 @@ class PrefixLocator:
     def __init__(self, store: RedisStore, keys: CacheKeys) -> None:
         self.store = store
         self.keys = keys
-        self.num_lookups = 0
-        self.num_misses_redis_down = 0
 
     async def cached_blocks(
         self, block_hashes: Sequence[BlockHash], schedulers: Sequence[tuple[str, str]]
@@ -26,7 +24,6 @@ class PrefixLocator:
         """For each (scheduler_id, worker_epoch): how many leading blocks it holds. Entries of
         another epoch are stale (written before a worker restart) and do not count. All zeros
         when Redis does not answer: a routing miss, never an error."""
-        self.num_lookups += 1
         hashes = list(block_hashes[:MAX_LOOKUP_BLOCKS])
         if not hashes or not schedulers:
             return [0] * len(schedulers)
@@ -37,7 +34,6 @@ class PrefixLocator:
 
         values = await self.store.call("prefix lookup", read)
         if values is None:
-            self.num_misses_redis_down += 1
             return [0] * len(schedulers)
         counts: list[int] = []
         for index, (_, epoch) in enumerate(schedulers):

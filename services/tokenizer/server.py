@@ -212,6 +212,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             ),
             default_ttl_s=self._config.prompt_ttl_s,
             max_ttl_s=self._config.max_prompt_ttl_s,
+            max_model_len=model.max_model_len,
         )
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[ServedModel, Limits]:
@@ -395,17 +396,12 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
     async def RegisterPrompt(
         self, request: text_pb2.RegisterPromptRequest, context: grpc.aio.ServicerContext
     ) -> text_pb2.RegisteredPrompt:
-        _, limits = await self._ready(context)
+        await self._ready(context)
         assert self._prompts is not None
         try:
             prompt = self._prompts.build(
                 request.name, request.system_prompt, request.ttl_s, request.tenant_id
             )
-            if len(prompt.token_ids) >= limits.max_model_len:
-                raise InvalidRequestError(
-                    "system_prompt",
-                    f"is {len(prompt.token_ids)} tokens; max_model_len is {limits.max_model_len}",
-                )
             await self._prompts.save(prompt)
         except LLMServeError as exc:
             await _abort(context, *status_for(exc))

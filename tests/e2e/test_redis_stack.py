@@ -127,6 +127,27 @@ def test_list_models_reports_the_quantized_formats(redis_stack: RedisStack) -> N
     assert len(ids) == GREEDY.max_new_tokens and usage.completion_tokens == len(ids)
 
 
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"name": "", "token_ids": [1, 2], "ttl_s": 60.0}, "name"),
+        ({"name": "p", "token_ids": [], "ttl_s": 60.0}, "token_ids"),
+        ({"name": "p", "token_ids": [1, 2], "ttl_s": 0.0}, "ttl_s"),
+        ({"name": "p", "token_ids": [10**7], "ttl_s": 60.0}, "token_ids"),
+    ],
+)
+def test_pin_rejects_bad_input_naming_the_field(
+    redis_stack: RedisStack,
+    fields: dict,  # type: ignore[type-arg]
+    field: str,
+) -> None:
+    address = redis_stack.stack.info["schedulers"][0]
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as error:
+        engine_pb2_grpc.EngineStub(channel).Pin(engine_pb2.PinRequest(**fields), timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith(f"{field}:")
+
+
 def test_named_prompt_is_served_from_cache_by_every_replica(redis_stack: RedisStack) -> None:
     stub_a, stub_b = redis_stack.stub(), redis_stack.stub(redis_stack.replica_b_address)
     registered = stub_a.RegisterPrompt(
@@ -244,4 +265,4 @@ def test_restarted_worker_stale_entries_are_not_trusted(redis_stack: RedisStack)
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
             time.sleep(0.5)
-    assert len(ids) == GREEDY.max_new_tokens or usage.completion_tokens > 0
+    assert usage.completion_tokens == len(ids) == GREEDY.max_new_tokens

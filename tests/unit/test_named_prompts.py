@@ -80,6 +80,10 @@ def test_validation_with_a_named_prompt(tokenizer: ModelTokenizer) -> None:
         with pytest.raises(InvalidRequestError) as error:
             registry.build(name, text, ttl, "")
         assert error.value.field == field
+    short_context = PromptRegistry(None, render_ids(tokenizer), max_model_len=len(prompt.token_ids))
+    with pytest.raises(InvalidRequestError) as error:
+        short_context.build("terse", SYSTEM, 0, "")  # leaves no room for a question
+    assert error.value.field == "system_prompt"
 
 
 def test_registry_shared_through_redis_and_serving_on_when_it_is_down(
@@ -106,6 +110,12 @@ def test_registry_shared_through_redis_and_serving_on_when_it_is_down(
         fresh = registry()
         with pytest.raises(DependencyUnavailableError):
             await fresh.get("acme", "terse")  # never seen here, Redis down: retryable error
+        with pytest.raises(DependencyUnavailableError):
+            await fresh.save(fresh.build("other", SYSTEM, 30, "acme"))  # not shared: refused
+        with pytest.raises(DependencyUnavailableError):
+            await fresh.delete("acme", "terse")
+        with pytest.raises(DependencyUnavailableError):
+            await fresh.list("acme")
         now[0] += 60.0
         with pytest.raises(DependencyUnavailableError):
             await replica_b.get("acme", "terse")  # expired copies are never served
