@@ -47,4 +47,4 @@ def use_cpu_extension(tensor: torch.Tensor) -> bool:
         return False
     from kernels import cpu_extension
 
-    return cpu_extension.load() is not None
+    return cpu_extension.load()

@@ -1,8 +1,13 @@
-"""CPU kernels in C++ (kernels/csrc), compiled on first use with the machine's compiler and
-cached per CPU; when the build is impossible the torch reference takes over, with a log line.
+"""CPU kernels in C++ (kernels/csrc/*.cpp), built into one library of torch ops under the
+`llmserve` namespace (`torch.ops.llmserve.<op>`), so that they also sit inside compiled step
+graphs. Every source file declares its ops with TORCH_LIBRARY_FRAGMENT(llmserve, m), its CPU
+implementation with TORCH_LIBRARY_IMPL(llmserve, CPU, m) and its shape function with
+TORCH_LIBRARY_IMPL(llmserve, Meta, m) (what torch.compile traces with).
 
-The paged decode attention reads the cache in place: the torch path must first gather every
-sequence's blocks into a dense copy, which at batch 32 costs more than the attention itself.
+The library is built with the machine's compiler the first time a process asks for it (the
+worker does so at start-up, before it reports SERVING; `llmserve build-kernels` does it ahead
+of time) and cached per CPU and source hash. When the build is impossible (no compiler, no
+headers) the torch reference takes over, with one log line.
 """
 
 from __future__ import annotations
@@ -12,16 +17,22 @@ import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
-from types import ModuleType
+
+import torch
 
 log = logging.getLogger(__name__)
 
 DISABLE_ENV_VAR = "LLMSERVE_CPU_EXTENSION"  # "0" turns the C++ kernels off
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"]
+SOURCE_DIR = Path(__file__).parent / "csrc"
 _lock = threading.Lock()
-_module: ModuleType | None = None
+_loaded = False
 _failed = False
+
+
+def sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.cpp"))
 
 
 def _cpu_fingerprint() -> str:
@@ -37,37 +48,65 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-def load() -> ModuleType | None:
-    """The compiled module, or None when disabled or when it cannot be built here."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
+def library_name() -> str:
+    files = sources()
+    digest = hashlib.sha1()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    for header in sorted(SOURCE_DIR.glob("*.h")):
+        digest.update(header.read_bytes())
+    return f"llmserve_cpu_{_cpu_fingerprint()}_{digest.hexdigest()[:10]}"
+
+
+def load() -> bool:
+    """Build (first time only) and load the kernels; False when disabled or unbuildable."""
+    global _loaded, _failed
+    if _loaded or _failed:
+        return _loaded
     if os.environ.get(DISABLE_ENV_VAR, "1") == "0":
         _failed = True
-        return None
+        return False
     with _lock:
-        if _module is not None or _failed:
-            return _module
+        if _loaded or _failed:
+            return _loaded
         try:
+            from torch.utils.cpp_extension import _get_build_directory
             from torch.utils.cpp_extension import load as load_extension
 
-            source_hash = hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:10]
-            _module = load_extension(
-                name=f"llmserve_cpu_{_cpu_fingerprint()}_{source_hash}",
-                sources=[str(p) for p in _SOURCES],
+            name = library_name()
+            built = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+            if not built:
+                log.info("building the C++ CPU kernels (once per machine)", extra={"name": name})
+            start = time.perf_counter()
+            load_extension(
+                name=name,
+                sources=[str(p) for p in sources()],
+                extra_include_paths=[str(SOURCE_DIR)],
                 extra_cflags=[
                     "-O3",
                     "-march=native",
                     "-fopenmp",
-                    "-ffast-math",
                     "-fno-strict-aliasing",
                 ],
                 extra_ldflags=["-fopenmp"],
+                is_python_module=False,
                 verbose=False,
             )
+            if not built:
+                log.info(
+                    "C++ CPU kernels built",
+                    extra={"seconds": round(time.perf_counter() - start, 1)},
+                )
+            _loaded = True
         except Exception as exc:  # no compiler, no headers, no ninja: fall back, loudly once
             log.warning(
                 "CPU C++ kernels unavailable; using the torch path", extra={"error": str(exc)}
             )
             _failed = True
-    return _module
+    return _loaded
+
+
+def ops() -> torch._ops._OpNamespace:
+    """`torch.ops.llmserve`; call `load()` first."""
+    return torch.ops.llmserve

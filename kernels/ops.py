@@ -83,11 +83,7 @@ def paged_decode_attention(
     # The C++ kernel wins in fp32 (decode step, batch 32, context 128: 159 vs 179 ms) but its
     # bf16 path does not vectorize the widening yet and loses (77 vs 59 ms): fp32 only.
     if k_scale is None and query.dtype == torch.float32 and use_cpu_extension(query):
-        from kernels import cpu_extension
-
-        module = cpu_extension.load()
-        assert module is not None
-        return module.paged_decode_attention(  # type: ignore[no-any-return]
+        return torch.ops.llmserve.paged_decode_attention(  # type: ignore[no-any-return]
             query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale
         )
     return attention_torch.paged_decode_attention(

@@ -4,7 +4,8 @@
 // For each (b, h): the G = Hq / Hkv query heads that share KV head h are scored against the
 // sequence's keys block by block (pass 1), softmaxed (pass 2), and the values are summed with
 // those weights (pass 3). Keys and values are each read once.
-#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -96,13 +97,13 @@ void decode_one(
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(
-    torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-    torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode_attention(
+    at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+    at::Tensor block_tables, at::Tensor context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [B, Hq, D], cache [N, bs, Hkv, D]");
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "query and caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type(), "cache dtype must match the query's");
   auto tables = block_tables.contiguous();
@@ -111,7 +112,7 @@ torch::Tensor paged_decode_attention(
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t max_blocks = tables.size(1);
   TORCH_CHECK(num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -133,7 +134,22 @@ torch::Tensor paged_decode_attention(
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention over the KV cache in place (CPU)");
+at::Tensor paged_decode_attention_meta(
+    at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+    at::Tensor block_tables, at::Tensor context_lens, double scale) {
+  return at::empty_like(query);
+}
+
+TORCH_LIBRARY_FRAGMENT(llmserve, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,"
+      " Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
+
+TORCH_LIBRARY_IMPL(llmserve, Meta, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention_meta);
 }

@@ -43,6 +43,8 @@ class EngineConfig:
     """Seed of the sampler's shared generator (requests without their own seed)."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None = torch's default (one per core)."""
+    enforce_eager: bool = False
+    """Run every step eagerly (no compiled step graphs): slower, starts faster."""
 
     def __post_init__(self) -> None:
         from services.worker.quantization.formats import (

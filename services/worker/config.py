@@ -40,6 +40,8 @@ class WorkerConfig:
     """Seed of the sampler's shared generator."""
     threads: int | None = None
     """torch CPU threads; unset = one per core."""
+    enforce_eager: bool = False
+    """Run every step eagerly (no compiled step graphs): slower, starts faster."""
     drain_s: float = 10.0
     """On SIGTERM, how long an in-flight step stream may take to finish."""
     metrics_port: int | None = None
