@@ -77,7 +77,7 @@ def load() -> bool:
             name = library_name()
             built = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
             if not built:
-                log.info("building the C++ CPU kernels (once per machine)", extra={"name": name})
+                log.info("building the C++ CPU kernels (once per machine)", extra={"library": name})
             start = time.perf_counter()
             load_extension(
                 name=name,

@@ -60,6 +60,13 @@ def write_kv_cache(
 
         triton_kv_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
+    if use_cpu_extension(key):
+        # In place, no quantized copy of the whole step; also skips slot -1 (padding tokens).
+        # K and V in two calls: K and V caches are views of one storage, and in a compiled
+        # graph one op mutating both makes functionalization copy a whole cache every call.
+        torch.ops.llmserve.write_cache(key, k_cache, slot_mapping, k_scale)
+        torch.ops.llmserve.write_cache(value, v_cache, slot_mapping, v_scale)
+        return
     kv_cache_torch.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -80,11 +87,11 @@ def paged_decode_attention(
         return triton_decode_attention.paged_decode_attention(
             query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
         )
-    # The C++ kernel wins in fp32 (decode step, batch 32, context 128: 159 vs 179 ms) but its
-    # bf16 path does not vectorize the widening yet and loses (77 vs 59 ms): fp32 only.
-    if k_scale is None and query.dtype == torch.float32 and use_cpu_extension(query):
+    # The C++ kernel reads K/V in place (the torch path gathers a dense copy first) and is
+    # faster in every cell of kernels/bench_decode_cpu.py: bf16, bf16 + int8 KV, fp32.
+    if use_cpu_extension(query):
         return torch.ops.llmserve.paged_decode_attention(  # type: ignore[no-any-return]
-            query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale
+            query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
         )
     return attention_torch.paged_decode_attention(
         query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
@@ -236,3 +243,27 @@ def int4_packed_gemm(
 def nf4_gemm(x: Tensor, packed: Tensor, absmax: Tensor) -> Tensor:
     """Weight-only NF4 (grouped absmax) -> [M, N]."""
     return quant_weight_only_torch.nf4_gemm(x, packed, absmax)
+
+
+# GGUF Q4_0 / Q4_1 / Q8_0 weights kept as the file's blocks: the C++ kernels on CPU
+# (kernels/csrc/gguf_gemm.cpp), dequantize + matmul elsewhere. Imported here, below the
+# functions above, so this section stays self-contained.
+from kernels import gguf_blocks_torch  # noqa: E402
+
+__all__ += ["gguf_embedding", "gguf_linear"]
+
+
+def gguf_linear(x: Tensor, blocks: Tensor, kind: int) -> Tensor:
+    """x [M, K] @ W^T, W = GGUF blocks uint8 [N, K / 32 * bytes] of ggml kind 2 (Q4_0),
+    3 (Q4_1) or 8 (Q8_0) -> [M, N] in x.dtype. fp32: exact weights, fp32 sums. bf16/fp16 on
+    CPU: activations rounded to int8 per 32 values, integer block dot products."""
+    if use_cpu_extension(x):
+        return torch.ops.llmserve.gguf_linear(x.contiguous(), blocks, kind)  # type: ignore[no-any-return]
+    return gguf_blocks_torch.gguf_linear(x, blocks, kind)
+
+
+def gguf_embedding(token_ids: Tensor, blocks: Tensor, kind: int, dtype: torch.dtype) -> Tensor:
+    """Rows token_ids of a GGUF-block table, dequantized exactly, in dtype -> [*ids, K]."""
+    if use_cpu_extension(blocks):
+        return torch.ops.llmserve.gguf_embedding(token_ids, blocks, kind, dtype)  # type: ignore[no-any-return]
+    return gguf_blocks_torch.gguf_embedding(token_ids, blocks, kind, dtype)

@@ -33,8 +33,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        default="none",
-        help="weights: none, int8, w8a8, int4, nf4, gguf (see docs/quantization.md)",
+        default="auto",
+        help="weights: auto (the file's own format), none, int8, w8a8, int4, nf4, gguf"
+        " (see docs/quantization.md)",
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
@@ -42,6 +43,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly (no compiled decode graphs): slower, starts faster",
+    )
 
 
 def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -60,6 +66,7 @@ def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         num_threads=args.threads,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -157,12 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
         estimate_command,
         hf_baseline,
         offline_table,
+        peers,
         prefix_cache,
         quant_table,
         serve,
+        step_profile,
     )
 
-    for benchmark in (offline_table, capacity, hf_baseline, serve, prefix_cache, quant_table):
+    for benchmark in (
+        offline_table,
+        capacity,
+        hf_baseline,
+        serve,
+        prefix_cache,
+        quant_table,
+        peers,
+        step_profile,
+    ):
         benchmark.add_parser(bench_sub)
     estimate_command.add_parser(sub)
     return parser

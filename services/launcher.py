@@ -49,8 +49,8 @@ class StackConfig:
     """Memory for the paged KV cache, GiB."""
     kv_cache_dtype: str = "auto"
     """Worker KV cache: auto (the model dtype) or int8 (per-group scales)."""
-    quantization: str = "none"
-    """Worker weights: none, int8, w8a8, int4, nf4 or gguf."""
+    quantization: str = "auto"
+    """Worker weights: auto (the model file's own format), none, int8, w8a8, int4, nf4 or gguf."""
     max_num_seqs: int = 128
     """Most sequences in one step."""
     max_num_batched_tokens: int = 1024
@@ -59,6 +59,8 @@ class StackConfig:
     """Waiting-queue bound; beyond it requests fail at once with RESOURCE_EXHAUSTED."""
     worker_threads: int | None = None
     """torch threads per worker; unset = the cores divided among the workers."""
+    enforce_eager: bool = False
+    """Workers run every step eagerly (no compiled decode graphs): slower, start faster."""
     redis_url: str | None = None
     """An existing Redis (redis://[user:password@]host:port, rediss:// for TLS); unset = start
     a private redis-server on loopback when one is installed."""
@@ -182,6 +184,9 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
             config.quantization,
             "--threads",
             str(threads),
+            "--max-num-seqs",
+            str(config.max_num_seqs),
+            "--enforce-eager" if config.enforce_eager else "--no-enforce-eager",
             *model,
         ]
         workers.append(child(f"worker-{index}", worker_args, f"{host}:{worker_port}"))

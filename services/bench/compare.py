@@ -1,385 +1,582 @@
-"""llmserve against llama.cpp's OpenAI-compatible server (llama-cpp-python), on the same GGUF
-file, the same cores and the same client: `llmserve bench serve` at each concurrency.
+"""llmserve against llama.cpp's own C++ tools, the pure part: which engines and workloads, the
+command lines of `llama-server`, `llama-bench`, `llama-batched-bench` and of our own
+benchmarks, parsers for what they print, and the one table with ratio columns.
+`llmserve bench peers` (peers.py) starts the processes; nothing here does.
 
-    python -m services.bench.compare --llamacpp-python /work/llamacpp-venv/bin/python
+Workloads (letters as in docs/benchmarks.md):
 
-The engines run one after the other, never both loaded at once: start one, wait until it
-answers, run every concurrency against it, stop it, then the next. Each run is a separate
-`llmserve bench serve` process writing its own JSON; this module only starts servers and
-tabulates. Both engines get the same prompts and a fixed output length (ignore_eos for
-llmserve, min_tokens for llama-cpp-python), so only the engine differs. The prompts are random
-tokens sent as text (`--dataset synthetic-text`), since llama-cpp-python takes no token ids.
+    a  one user      128-token prompt, 128 greedy tokens, EOS ignored  -> TPOT p50, TTFT p50
+    b  many users    16 users x 2 requests each, concurrency 16        -> output tok/s, TTFT p50
+    c  offline       32 sequences x 128/128 in one batch               -> output (total) tok/s
+    d  prefill       batch 1, 128 and 1024-token prompts               -> prompt tok/s
 
-llama-cpp-python's server runs one request at a time (one Llama object behind a lock; it has no
-parallel slots, unlike llama.cpp's C++ `llama-server --parallel N`), so at concurrency > 1 its
-requests queue: TTFT grows with the queue while TPOT stays that of batch 1. It is started with
-`--interrupt_requests False`: by default a new request cuts the streaming one short.
+a and b go through the same client (`bench serve`) for both: llama-server over its OpenAI
+API, llmserve in-process (or its stack over gRPC). c and d use each side's own offline tool:
+llama-batched-bench / llama-bench against `bench offline`'s cell runner on the same shapes.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import shlex
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from services.bench.common import format_table, load_average, parse_int_list
+from services.bench.common import format_table, median
 
-ENGINES = ("llmserve", "llamacpp")
-ENGINE_TITLES = {"llmserve": "llmserve", "llamacpp": "llama.cpp"}
-DEFAULT_LLAMACPP_PYTHON = "/work/llamacpp-venv/bin/python"
-STARTUP_TIMEOUT_S = 300.0
+WORKLOADS = ("a", "b", "c", "d")
+SERVE_WORKLOADS = ("a", "b")
+EngineKind = Literal["llamacpp", "llmserve", "llmserve-stack"]
+LLAMACPP_QUANTS = ("Q4_0", "Q4_1")
+# llama-server splits its context evenly over the slots (-np N without --kv-unified); each slot
+# holds prompt + output, plus room for a BOS or a tokenizer disagreement, rounded up to
+# llama.cpp's own padding of 256 cells.
+SLOT_MARGIN_TOKENS = 16
+CTX_PADDING = 256
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True, slots=True)
-class CompareConfig:
+class PeersConfig:
+    """The workload shapes and per-engine settings, the same for every engine."""
+
+    input_len: int = 128
+    output_len: int = 128
+    single_user_prompts: int = 8
+    """a: requests, one at a time."""
+    num_users: int = 16
+    """b: concurrency, and llama-server's parallel slots."""
+    requests_per_user: int = 2
+    offline_batch: int = 32
+    """c: sequences in the one offline batch."""
+    prefill_lens: tuple[int, ...] = (128, 1024)
+    """d: prompt lengths prefilled at batch 1."""
+    threads: int = 2
+    """Compute threads of every engine."""
+    repeats: int = 3
+    """c, d: runs per shape; the median counts."""
+    warmup: int | None = None
+    """a, b: untimed requests first; None = 2 for one user, one per user for many."""
+    seed: int = 0
+    dtype: str = "auto"
+    """llmserve weights/activations."""
+    enforce_eager: bool = False
+    """llmserve: no compiled step graphs."""
+
+    @property
+    def multi_user_prompts(self) -> int:
+        return self.num_users * self.requests_per_user
+
+    def serve_prompts(self, workload: str) -> int:
+        return self.single_user_prompts if workload == "a" else self.multi_user_prompts
+
+    def serve_concurrency(self, workload: str) -> int:
+        return 1 if workload == "a" else self.num_users
+
+    def serve_warmup(self, workload: str) -> int:
+        # A full wave of users for b, so every batch size up to it has run once untimed.
+        if self.warmup is not None:
+            return self.warmup
+        return 2 if workload == "a" else self.num_users
+
+    def serve_seed(self, workload: str) -> int:
+        """A prompt seed per workload: a server that outlives one workload (llama-server, the
+        stack) must not meet the same prompts again in the next and serve them from a cache."""
+        return self.seed + WORKLOADS.index(workload)
+
+    @property
+    def server_ctx_per_slot(self) -> int:
+        return round_up(self.input_len + self.output_len + SLOT_MARGIN_TOKENS, CTX_PADDING)
+
+    @property
+    def server_ctx(self) -> int:
+        return self.num_users * self.server_ctx_per_slot
+
+    @property
+    def batched_bench_ctx(self) -> int:
+        return round_up(self.offline_batch * (self.input_len + self.output_len), CTX_PADDING)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One column of the table."""
+
+    kind: EngineKind
     model: Path
-    concurrencies: tuple[int, ...]
-    input_len: int
-    output_len: int
-    min_prompts: int
-    prompts_per_concurrency: int
-    warmup: int
-    threads: int
-    seed: int
-    out_dir: Path
-    llamacpp_python: str
-    llamacpp_ctx: int
-    llmserve_dtype: str
+    quantization: str
+    """llama.cpp: the GGUF's type (Q4_0, Q4_1); llmserve: its --quantization value."""
 
-    def num_prompts(self, concurrency: int) -> int:
-        """Enough requests for a few waves at the concurrency, at least `min_prompts`."""
-        return max(self.min_prompts, self.prompts_per_concurrency * concurrency)
+    @property
+    def name(self) -> str:
+        """Key in the JSON and in file names."""
+        if self.kind == "llamacpp":
+            return f"llamacpp-{self.quantization.lower()}"
+        return f"{self.kind}-{self.quantization}"
 
+    @property
+    def title(self) -> str:
+        if self.kind == "llamacpp":
+            return f"llama.cpp {self.quantization}"
+        stack = " stack" if self.kind == "llmserve-stack" else ""
+        return f"llmserve{stack} {self.quantization}"
 
-@dataclass(slots=True)
-class Server:
-    name: str
-    command: list[str]
-    target: str
-    process: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
+    @property
+    def is_llmserve(self) -> bool:
+        return self.kind != "llamacpp"
 
-    def start(self, out_dir: Path) -> None:
-        # A ready file left by an earlier run would make the wait return before this start.
-        (out_dir / "llmserve-ready.json").unlink(missing_ok=True)
-        self.log_path = out_dir / f"{self.name}-server.log"
-        with self.log_path.open("wb") as log:
-            # Its own process group (setsid), so stopping it reaches every process it spawned.
-            self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def fail_if_dead(self) -> None:
-        if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(
-                f"{self.name} exited with {self.process.returncode}; see {self.log_path}"
-            )
+    def runs(self, workload: str) -> bool:
+        """The stack is measured on the serving workloads only: offline and prefill runs are
+        the engine itself, which the in-process column already covers."""
+        return self.kind != "llmserve-stack" or workload in SERVE_WORKLOADS
 
 
-def free_port() -> int:
-    import socket
+def parse_list(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [value for value in values if value not in allowed]
+    if not values or unknown:
+        raise ValueError(f"{flag} takes some of {', '.join(allowed)}; got {text!r}")
+    return list(dict.fromkeys(values))
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+
+def engine_specs(
+    llamacpp_quants: Sequence[str],
+    llmserve_quantizations: Sequence[str],
+    stack_quantizations: Sequence[str],
+    llamacpp_models: Mapping[str, Path],
+    llmserve_model: Path,
+) -> list[EngineSpec]:
+    """llama.cpp columns first (in `llamacpp_quants` order), then llmserve's in-process
+    columns, then the stack's, one per quantization each."""
+    specs = [EngineSpec("llamacpp", llamacpp_models[q], q) for q in llamacpp_quants]
+    specs += [EngineSpec("llmserve", llmserve_model, q) for q in llmserve_quantizations]
+    specs += [EngineSpec("llmserve-stack", llmserve_model, q) for q in stack_quantizations]
+    return specs
 
 
-def llmserve_server(config: CompareConfig) -> Server:
-    port = free_port()
-    max_num_seqs = max(config.concurrencies)
-    command = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "--port",
-        str(port),
-        "--model",
-        str(config.model),
-        "--dtype",
-        config.llmserve_dtype,
-        "--worker-threads",
-        str(config.threads),
-        "--max-num-seqs",
-        str(max_num_seqs),
-        "--ready-file",
-        str(config.out_dir / "llmserve-ready.json"),
+# ---- measures and the table ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """One row of the table."""
+
+    key: str
+    workload: str
+    label: str
+    higher_is_better: bool
+
+
+def measures(config: PeersConfig, workloads: Sequence[str] = WORKLOADS) -> list[Measure]:
+    shape = f"{config.input_len}/{config.output_len}"
+    users = f"{config.num_users} users x {config.requests_per_user}"
+    rows = [
+        Measure("a_tpot_ms", "a", f"a. 1 user {shape}: TPOT p50 ms", False),
+        Measure("a_ttft_ms", "a", f"a. 1 user {shape}: TTFT p50 ms", False),
+        Measure("b_output_tok_s", "b", f"b. {users} {shape}: output tok/s", True),
+        Measure("b_ttft_ms", "b", f"b. {users} {shape}: TTFT p50 ms", False),
+        Measure(
+            "c_output_tok_s",
+            "c",
+            f"c. offline {config.offline_batch} x {shape}: output tok/s",
+            True,
+        ),
+        Measure(
+            "c_total_tok_s", "c", f"c. offline {config.offline_batch} x {shape}: total tok/s", True
+        ),
     ]
-    return Server("llmserve", command, f"grpc://127.0.0.1:{port}")
-
-
-def llamacpp_server(config: CompareConfig) -> Server:
-    port = free_port()
-    command = [
-        config.llamacpp_python,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(config.model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_threads",
-        str(config.threads),
-        "--n_threads_batch",
-        str(config.threads),
-        "--n_ctx",
-        str(config.llamacpp_ctx),
-        "--interrupt_requests",
-        "False",
+    rows += [
+        Measure(f"d_prefill_{n}_tok_s", "d", f"d. prefill {n} tokens, batch 1: tok/s", True)
+        for n in config.prefill_lens
     ]
-    return Server("llamacpp", command, f"http://127.0.0.1:{port}/v1")
+    return [measure for measure in rows if measure.workload in workloads]
 
 
-def wait_ready(server: Server, config: CompareConfig) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        server.fail_if_dead()
-        if server.name == "llmserve":
-            if (config.out_dir / "llmserve-ready.json").exists():
-                return
-        else:
-            try:
-                with urllib.request.urlopen(server.target + "/models", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{server.name} not ready after {STARTUP_TIMEOUT_S:.0f} s")
+def advantage(ours: float, theirs: float, higher_is_better: bool) -> float:
+    """How many times better llmserve is: > 1 means llmserve ahead, whichever the direction
+    (ours/theirs for throughputs, theirs/ours for latencies)."""
+    if not (math.isfinite(ours) and math.isfinite(theirs)) or ours <= 0 or theirs <= 0:
+        return math.nan
+    return ours / theirs if higher_is_better else theirs / ours
 
 
-def bench_command(server: Server, config: CompareConfig, concurrency: int, out: Path) -> list[str]:
-    # `python -m services.bench.serve` is `llmserve bench serve` without importing every other
-    # subcommand, so a half-edited module elsewhere in the tree cannot stop the client.
-    return [
-        sys.executable,
-        "-m",
-        "services.bench.serve",
-        "--target",
-        server.target,
-        "--dataset",
-        "synthetic-text",
-        "--tokenizer",
-        str(config.model),
-        "--concurrency",
-        str(concurrency),
-        "--num-prompts",
-        str(config.num_prompts(concurrency)),
-        "--input-len",
-        str(config.input_len),
-        "--output-len",
-        str(config.output_len),
-        "--warmup",
-        str(config.warmup),
-        "--seed",
-        str(config.seed),
-        "--json-out",
-        str(out),
-    ]
+def best_llmserve(
+    measure: Measure, engines: Sequence[EngineSpec], values: Mapping[str, Mapping[str, float]]
+) -> tuple[EngineSpec | None, float]:
+    """The llmserve column with the best value of this measure, and that value."""
+    best: tuple[EngineSpec | None, float] = (None, math.nan)
+    for engine in engines:
+        if not engine.is_llmserve:
+            continue
+        value = values.get(engine.name, {}).get(measure.key, math.nan)
+        if not math.isfinite(value):
+            continue
+        current = best[1]
+        better = value > current if measure.higher_is_better else value < current
+        if best[0] is None or better:
+            best = (engine, value)
+    return best
 
 
-def read_run(path: Path, exit_code: int) -> dict[str, Any]:
-    """The part of one `bench serve` JSON the comparison keeps."""
-    if not path.exists():
-        return {"exit_code": exit_code, "json": None, "summary": None}
-    document = json.loads(path.read_text())
-    return {
-        "exit_code": exit_code,
-        "json": str(path),
-        "load_average_at_start": document["load_average_at_start"],
-        "summary": document["points"][0]["summary"],
-    }
-
-
-def run_engine(name: str, config: CompareConfig) -> dict[int, dict[str, Any]]:
-    """Start the engine, bench it at every concurrency, stop it. Returns the summary of each
-    concurrency (a failed run is recorded with its error, the others still run)."""
-    server = llmserve_server(config) if name == "llmserve" else llamacpp_server(config)
-    print(f"\n# {ENGINE_TITLES[name]}: {shlex.join(server.command)}", flush=True)
-    results: dict[int, dict[str, Any]] = {}
-    server.start(config.out_dir)
-    try:
-        started = time.monotonic()
-        wait_ready(server, config)
-        print(f"ready after {time.monotonic() - started:.1f} s", flush=True)
-        for concurrency in config.concurrencies:
-            out = config.out_dir / f"{name}-c{concurrency}.json"
-            command = bench_command(server, config, concurrency, out)
-            print(f"\n$ {shlex.join(command)}", flush=True)
-            out.unlink(missing_ok=True)  # never tabulate an earlier run's file
-            code = subprocess.call(command)
-            server.fail_if_dead()
-            results[concurrency] = read_run(out, code)
-    finally:
-        server.stop()
-    return results
-
-
-# The side-by-side table: one row per concurrency, each metric once per engine.
-METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("output tok/s", ("output_tokens_per_s",)),
-    ("TTFT p50 ms", ("ttft", "p50_ms")),
-    ("TTFT p99 ms", ("ttft", "p99_ms")),
-    ("TPOT p50 ms", ("tpot", "p50_ms")),
-    ("E2E p50 ms", ("e2e", "p50_ms")),
+RATIO_LEGEND = (
+    "best llmserve: the llmserve column with the best value of the row. best vs llama.cpp (x): "
+    "how many times better that value is than llama.cpp's, > 1 = llmserve ahead (throughputs: "
+    "ours / theirs; latencies: theirs / ours). '-': not measured or failed."
 )
 
 
-def _metric(summary: dict[str, Any] | None, path: Sequence[str]) -> float:
-    value: Any = summary
-    for key in path:
-        if not isinstance(value, dict):
-            return float("nan")
-        value = value.get(key)
-    return float("nan") if value is None else float(value)
-
-
-def comparison_table(
-    results: dict[str, dict[int, dict[str, Any]]], concurrencies: Sequence[int]
+def peers_table(
+    table_measures: Sequence[Measure],
+    engines: Sequence[EngineSpec],
+    values: Mapping[str, Mapping[str, float]],
 ) -> str:
-    engines = [engine for engine in ENGINES if engine in results]
-    headers = ["concurrency", "requests ok"]
-    for title, _ in METRICS:
-        headers += [f"{title} {ENGINE_TITLES[engine]}" for engine in engines]
+    """Rows = measures, columns = engines, then which llmserve column is best and its ratio
+    to each llama.cpp column (> 1: llmserve better). A missing value prints as '-'."""
+    references = [engine for engine in engines if not engine.is_llmserve]
+    has_llmserve = any(engine.is_llmserve for engine in engines)
+    headers = ["measure", "better", *(engine.title for engine in engines)]
+    if has_llmserve and references:
+        headers.append("best llmserve")
+        headers += [f"best vs {engine.title} (x)" for engine in references]
     rows: list[list[object]] = []
-    for concurrency in concurrencies:
-        summaries = {e: (results[e].get(concurrency) or {}).get("summary") for e in engines}
-        completed = "/".join(str((summaries[e] or {}).get("num_completed", 0)) for e in engines)
-        row: list[object] = [concurrency, completed]
-        for _, path in METRICS:
-            row += [_metric(summaries[e], path) for e in engines]
+    for measure in table_measures:
+        row: list[object] = [measure.label, "higher" if measure.higher_is_better else "lower"]
+        row += [values.get(e.name, {}).get(measure.key, math.nan) for e in engines]
+        if has_llmserve and references:
+            best, ours = best_llmserve(measure, engines, values)
+            row.append(best.title if best is not None else "-")
+            for reference in references:
+                theirs = values.get(reference.name, {}).get(measure.key, math.nan)
+                row.append(advantage(ours, theirs, measure.higher_is_better))
         rows.append(row)
     return format_table(headers, rows)
 
 
-def run(args: argparse.Namespace) -> int:
-    from services.common.model_source import resolve_model_path
+# ---- command lines ---------------------------------------------------------------------
 
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if not engines or any(e not in ENGINES for e in engines):
-        print(f"compare: --engines takes {', '.join(ENGINES)}", file=sys.stderr)
-        return 2
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = CompareConfig(
-        model=resolve_model_path(args.model),
-        concurrencies=tuple(parse_int_list(args.concurrency)),
-        input_len=args.input_len,
-        output_len=args.output_len,
-        min_prompts=args.min_prompts,
-        prompts_per_concurrency=args.prompts_per_concurrency,
-        warmup=args.warmup,
-        threads=args.threads,
-        seed=args.seed,
-        out_dir=out_dir,
-        llamacpp_python=args.llamacpp_python,
-        llamacpp_ctx=args.llamacpp_ctx,
-        llmserve_dtype=args.dtype,
-    )
-    print(f"model: {config.model}\n{load_average()}", flush=True)
-    results: dict[str, dict[int, dict[str, Any]]] = {}
-    errors: dict[str, str] = {}
-    for engine in engines:
-        if args.tabulate_only:
-            files = {c: out_dir / f"{engine}-c{c}.json" for c in config.concurrencies}
-            results[engine] = {c: read_run(path, 0) for c, path in files.items()}
-            continue
+
+def llama_server_command(server: Path, model: Path, port: int, config: PeersConfig) -> list[str]:
+    """llama-server as the many-user peer: one slot per user, continuous batching, and no
+    prompt reuse across requests (--no-cache-prompt, --cache-ram 0): every request's prompt
+    is prefilled, as it is in llmserve for these random, prefix-free prompts."""
+    return [
+        str(server),
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        str(config.threads),
+        "--threads-batch",
+        str(config.threads),
+        "--parallel",
+        str(config.num_users),
+        "--ctx-size",
+        str(config.server_ctx),
+        "--cont-batching",
+        "--no-cache-prompt",
+        "--cache-ram",
+        "0",
+    ]
+
+
+def llama_bench_command(bench: Path, model: Path, config: PeersConfig) -> list[str]:
+    """Prompt processing only (-n 0), at each prefill length, JSON on stdout."""
+    return [
+        str(bench),
+        "--model",
+        str(model),
+        "-p",
+        ",".join(str(n) for n in config.prefill_lens),
+        "-n",
+        "0",
+        "--threads",
+        str(config.threads),
+        "--repetitions",
+        str(config.repeats),
+        "-o",
+        "json",
+    ]
+
+
+def batched_bench_command(batched_bench: Path, model: Path, config: PeersConfig) -> list[str]:
+    """One batch of `offline_batch` sequences, each its own prompt (no -pps)."""
+    return [
+        str(batched_bench),
+        "--model",
+        str(model),
+        "--ctx-size",
+        str(config.batched_bench_ctx),
+        "-npp",
+        str(config.input_len),
+        "-ntg",
+        str(config.output_len),
+        "-npl",
+        str(config.offline_batch),
+        "--threads",
+        str(config.threads),
+        "--threads-batch",
+        str(config.threads),
+        "--output-format",
+        "jsonl",
+    ]
+
+
+def _llmserve_engine_flags(engine: EngineSpec, config: PeersConfig) -> list[str]:
+    flags = ["--model", str(engine.model), "--quantization", engine.quantization]
+    flags += ["--threads", str(config.threads)]
+    return flags + (["--enforce-eager"] if config.enforce_eager else [])
+
+
+def serve_command(
+    python: str, engine: EngineSpec, target: str, config: PeersConfig, workload: str, out: Path
+) -> list[str]:
+    """`bench serve` for workload a or b. Token-id prompts (--dataset synthetic) for every
+    target: llama-server takes them too, so both sides see the same 128 ids, not text that
+    each tokenizer might cut differently."""
+    # `python -m services.bench.serve` is `llmserve bench serve` without importing every other
+    # subcommand, so a half-edited module elsewhere in the tree cannot stop the client.
+    command = [python, "-m", "services.bench.serve", "--target", target]
+    command += ["--dataset", "synthetic", "--input-len", str(config.input_len)]
+    command += ["--output-len", str(config.output_len)]
+    command += ["--seed", str(config.serve_seed(workload))]
+    command += ["--concurrency", str(config.serve_concurrency(workload))]
+    command += ["--num-prompts", str(config.serve_prompts(workload))]
+    command += ["--warmup", str(config.serve_warmup(workload)), "--json-out", str(out)]
+    if target == "inprocess":
+        # As many sequences as llama-server has slots, for a and b alike (one engine shape).
+        command += _llmserve_engine_flags(engine, config)
+        command += ["--dtype", config.dtype, "--max-num-seqs", str(config.num_users)]
+    return command
+
+
+def offline_command(
+    python: str, engine: EngineSpec, config: PeersConfig, workload: str, out: Path
+) -> list[str]:
+    """`bench offline` for workload c (one batch) or d (batch 1, one output token: the time
+    to the first token is the prefill)."""
+    if workload == "c":
+        batch, shapes = config.offline_batch, f"{config.input_len}x{config.output_len}"
+    else:
+        batch, shapes = 1, ",".join(f"{n}x1" for n in config.prefill_lens)
+    command = [python, "-m", "services.bench.offline_table", "--dtypes", config.dtype]
+    command += ["--batch-sizes", str(batch), "--shapes", shapes]
+    command += ["--repeats", str(config.repeats), "--json-out", str(out)]
+    return command + _llmserve_engine_flags(engine, config)
+
+
+def stack_flags(engine: EngineSpec, config: PeersConfig) -> list[str]:
+    """`llmserve up` flags for the stack column (its workers get the compute threads)."""
+    return [
+        "--model",
+        str(engine.model),
+        "--dtype",
+        config.dtype,
+        "--quantization",
+        engine.quantization,
+        "--worker-threads",
+        str(config.threads),
+        "--max-num-seqs",
+        str(config.num_users),
+    ]
+
+
+# ---- parsing the tools' output -----------------------------------------------------------
+
+
+def _json_objects(text: str) -> list[dict[str, Any]]:
+    """Every JSON object in `text`, whether it holds one array (`-o json`), one object per
+    line (JSONL) or either among log lines: a value is decoded wherever a line starts with
+    '[' or '{', and lines that do not decode (log lines such as '[1/3] ...') are skipped."""
+    decoder = json.JSONDecoder()
+    objects: list[dict[str, Any]] = []
+    decoded_until = 0
+    for match in re.finditer(r"^[ \t]*[\[{]", text, re.MULTILINE):
+        start = match.end() - 1
+        if start < decoded_until:
+            continue  # inside a value already decoded
         try:
-            results[engine] = run_engine(engine, config)
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            errors[engine] = str(exc)
-            print(f"compare: {engine} failed: {exc}", file=sys.stderr)
-    table = comparison_table(results, config.concurrencies) if results else "(no results)"
-    settings = (
-        f"{config.input_len}-token random prompts (as text), {config.output_len} output tokens "
-        f"(ignore_eos / min_tokens), num_prompts = max({config.min_prompts}, "
-        f"{config.prompts_per_concurrency} x concurrency), warm-up {config.warmup}, "
-        f"{config.threads} threads each; llmserve dtype {config.llmserve_dtype}"
-    )
-    print(f"\n{settings}\n\n{table}")
-    document = {
-        "model": str(config.model),
-        "settings": {
-            "concurrencies": list(config.concurrencies),
-            "num_prompts": {c: config.num_prompts(c) for c in config.concurrencies},
-            "input_len": config.input_len,
-            "output_len": config.output_len,
-            "warmup": config.warmup,
-            "threads": config.threads,
-            "seed": config.seed,
-            "llmserve_dtype": config.llmserve_dtype,
-            "llamacpp_ctx": config.llamacpp_ctx,
-        },
-        "results": {
-            engine: {str(c): r for c, r in runs.items()} for engine, runs in results.items()
-        },
-        "errors": errors,
-        "table": table,
+            value, decoded_until = decoder.raw_decode(text, start)
+        except ValueError:
+            continue
+        items = value if isinstance(value, list) else [value]
+        objects += [item for item in items if isinstance(item, dict)]
+    return objects
+
+
+def parse_llama_bench(text: str) -> dict[int, float]:
+    """Prompt tokens/s by prompt length from `llama-bench -o json` (or -o jsonl): the
+    median of the per-repetition samples (`samples_ts`), else `avg_ts`. Generation tests
+    (n_gen > 0) are left out."""
+    speeds: dict[int, float] = {}
+    for test in _json_objects(text):
+        n_prompt = int(test.get("n_prompt") or 0)
+        if n_prompt <= 0 or int(test.get("n_gen") or 0) != 0:
+            continue
+        samples = [float(s) for s in test.get("samples_ts") or [] if s is not None]
+        speed = median(samples) if samples else float(test.get("avg_ts", math.nan))
+        speeds[n_prompt] = speed
+    return speeds
+
+
+@dataclass(frozen=True, slots=True)
+class BatchedBenchRow:
+    """One (prompt, generation, parallel) line of llama-batched-bench. It prefills `pl`
+    prompts of `pp` tokens, then runs `tg` decode steps of `pl` tokens each; times in s."""
+
+    pp: int
+    tg: int
+    pl: int
+    t_pp_s: float
+    t_tg_s: float
+    t_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        """Generated tokens over the whole time, prefill included (as `bench offline`)."""
+        return self.pl * self.tg / self.t_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return self.pl * (self.pp + self.tg) / self.t_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.pl * self.tg / self.t_tg_s
+
+
+BATCHED_BENCH_MD_ROW = re.compile(
+    r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*"  # PP, TG, B, N_KV
+    r"\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*"  # T_PP, S_PP, T_TG, S_TG
+    r"\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*$"  # T, S
+)
+
+
+def parse_batched_bench(text: str) -> list[BatchedBenchRow]:
+    """Rows from llama-batched-bench's `--output-format jsonl` or its default markdown table,
+    whichever the text holds; log lines around them are skipped."""
+    rows = []
+    for item in _json_objects(text):
+        if not {"pp", "tg", "pl", "t_pp", "t_tg", "t"} <= item.keys():
+            continue
+        known = {"pp", "tg", "pl", "t_pp", "t_tg", "t"}
+        rows.append(
+            BatchedBenchRow(
+                pp=int(item["pp"]),
+                tg=int(item["tg"]),
+                pl=int(item["pl"]),
+                t_pp_s=float(item["t_pp"]),
+                t_tg_s=float(item["t_tg"]),
+                t_s=float(item["t"]),
+                extra={k: v for k, v in item.items() if k not in known},
+            )
+        )
+    if rows:
+        return rows
+    for line in text.splitlines():
+        match = BATCHED_BENCH_MD_ROW.match(line.strip())
+        if match:
+            pp, tg, pl, _, t_pp, _, t_tg, _, t, _ = match.groups()
+            rows.append(
+                BatchedBenchRow(int(pp), int(tg), int(pl), float(t_pp), float(t_tg), float(t))
+            )
+    return rows
+
+
+# ---- measures from each run ------------------------------------------------------------
+
+
+def serve_measures(document: Mapping[str, Any], workload: str) -> dict[str, float]:
+    """Workload a or b's measures from a `bench serve --json-out` document."""
+    summary = document["points"][0]["summary"]
+
+    def p50(metric: str) -> float:
+        value = (summary.get(metric) or {}).get("p50_ms")
+        return math.nan if value is None else float(value)
+
+    if workload == "a":
+        return {"a_tpot_ms": p50("tpot"), "a_ttft_ms": p50("ttft")}
+    tok_s = summary.get("output_tokens_per_s")
+    return {
+        "b_output_tok_s": math.nan if tok_s is None else float(tok_s),
+        "b_ttft_ms": p50("ttft"),
     }
-    json_out = Path(args.json_out) if args.json_out else out_dir / "comparison.json"
-    json_out.write_text(json.dumps(document, indent=1))
-    (out_dir / "comparison.md").write_text(settings + "\n\n" + table + "\n")
-    print(f"\nwrote {json_out} and {out_dir / 'comparison.md'}")
-    return 1 if errors else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default=None, help=".gguf file (default: embedded model)")
-    parser.add_argument("--engines", default="llmserve,llamacpp", help="which, in this order")
-    parser.add_argument("--concurrency", default="1,8,32,64")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--min-prompts", type=int, default=8)
-    parser.add_argument("--prompts-per-concurrency", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=2, help="untimed requests per run")
-    parser.add_argument("--threads", type=int, default=2, help="compute threads per engine")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto", help="llmserve weights/activations")
-    parser.add_argument(
-        "--llamacpp-python",
-        default=os.environ.get("LLAMACPP_PYTHON", DEFAULT_LLAMACPP_PYTHON),
-        help="a python with llama-cpp-python[server] installed (env LLAMACPP_PYTHON)",
-    )
-    parser.add_argument("--llamacpp-ctx", type=int, default=2048, help="llama.cpp --n_ctx")
-    parser.add_argument("--out-dir", default="bench-results/vs-llamacpp")
-    parser.add_argument("--json-out", default=None, help="default: OUT_DIR/comparison.json")
-    parser.add_argument(
-        "--tabulate-only",
-        action="store_true",
-        help="start nothing: rebuild the table from the runs' JSON files already in OUT_DIR",
-    )
-    return parser
+def serve_checks(document: Mapping[str, Any], config: PeersConfig) -> list[str]:
+    """What would make a serving run unfair: failures, a request that did not get exactly the
+    prompt and output lengths asked for, prompt tokens served from a cache."""
+    point = document["points"][0]
+    requests = point.get("requests") or []
+    problems = []
+    failed = [r for r in requests if r.get("error")]
+    if failed:
+        errors = sorted({str(r["error"]) for r in failed})
+        problems.append(f"{len(failed)} of {len(requests)} requests failed: {', '.join(errors)}")
+    done = [r for r in requests if not r.get("error")]
+    wrong_output = [r["output_tokens"] for r in done if r["output_tokens"] != config.output_len]
+    if wrong_output:
+        problems.append(
+            f"{len(wrong_output)} requests got {sorted(set(wrong_output))} output tokens, "
+            f"not {config.output_len}"
+        )
+    wrong_prompt = [r["prompt_tokens"] for r in done if r["prompt_tokens"] != config.input_len]
+    if wrong_prompt:
+        problems.append(
+            f"{len(wrong_prompt)} prompts counted {sorted(set(wrong_prompt))} tokens by the "
+            f"server, not {config.input_len}"
+        )
+    cached = sum(int(r.get("cached_prompt_tokens") or 0) for r in done)
+    if cached:
+        problems.append(f"{cached} prompt tokens were served from a cache")
+    return problems
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+def offline_measures(
+    document: Mapping[str, Any], config: PeersConfig, workload: str
+) -> dict[str, float]:
+    """Workload c or d's measures from a `bench offline --json-out` document. c also gets
+    the decode-only speed (batch / median pure-decode step), kept in the JSON beside
+    llama-batched-bench's S_TG; the table shows the whole-run speeds."""
+    values: dict[str, float] = {}
+    for cell in document.get("cells", []):
+        result = cell["median"]
+        if workload == "c" and (
+            cell["batch_size"],
+            cell["input_len"],
+            cell["output_len"],
+        ) == (config.offline_batch, config.input_len, config.output_len):
+            values["c_output_tok_s"] = float(result["output_tokens_per_s"])
+            values["c_total_tok_s"] = float(result["total_tokens_per_s"])
+            decode_ms = float(result.get("decode_ms_per_step") or math.nan)
+            values["c_decode_tok_s"] = 1e3 * config.offline_batch / decode_ms
+        if workload == "d" and cell["batch_size"] == 1 and cell["input_len"] in config.prefill_lens:
+            prefill_ms = float(result["prefill_ms"])
+            tok_s = 1e3 * cell["input_len"] / prefill_ms if prefill_ms > 0 else math.nan
+            values[f"d_prefill_{cell['input_len']}_tok_s"] = tok_s
+    return values
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def batched_bench_measures(
+    rows: Sequence[BatchedBenchRow], config: PeersConfig
+) -> dict[str, float]:
+    for row in rows:
+        if (row.pp, row.tg, row.pl) == (config.input_len, config.output_len, config.offline_batch):
+            return {
+                "c_output_tok_s": row.output_tokens_per_s,
+                "c_total_tok_s": row.total_tokens_per_s,
+                "c_decode_tok_s": row.decode_tokens_per_s,
+            }
+    return {}
+
+
+def llama_bench_measures(speeds: Mapping[int, float], config: PeersConfig) -> dict[str, float]:
+    return {f"d_prefill_{n}_tok_s": speeds[n] for n in config.prefill_lens if n in speeds}

@@ -38,7 +38,7 @@ BLOCK_SIZE = 16
 WARMUP_PROMPT_LEN = 128
 WARMUP_OUTPUT_LEN = 8
 WARMUP_KV_CACHE_BYTES = 64 * MiB
-DTYPES: tuple[DTypeName, ...] = ("float32", "bfloat16", "float16")
+DTYPES: tuple[DTypeName, ...] = ("auto", "float32", "bfloat16", "float16")
 HEADERS = [
     "batch",
     "input",
@@ -147,9 +147,12 @@ def engine_config(loaded: LoadedModel, cell: Cell, args: argparse.Namespace) -> 
         dtype=cell.dtype,
         kv_cache_bytes=kv_cache_bytes,
         block_size=BLOCK_SIZE,
-        max_num_seqs=max(128, cell.batch_size),
+        # Exactly the batch: step graphs are compiled at start for every batch-size bucket up
+        # to max_num_seqs, and buckets above the batch would never run.
+        max_num_seqs=cell.batch_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
+        enforce_eager=args.enforce_eager,
         seed=0,
     )
 
@@ -157,7 +160,11 @@ def engine_config(loaded: LoadedModel, cell: Cell, args: argparse.Namespace) -> 
 def warm_up(loaded: LoadedModel, args: argparse.Namespace) -> None:
     """One short request, so one-off costs (allocator growth, kernel selection) stay untimed."""
     config = EngineConfig(
-        model=args.model, kv_cache_bytes=WARMUP_KV_CACHE_BYTES, num_threads=args.threads, seed=0
+        model=args.model,
+        kv_cache_bytes=WARMUP_KV_CACHE_BYTES,
+        num_threads=args.threads,
+        enforce_eager=args.enforce_eager,
+        seed=0,
     )
     engine = LLMEngine(config, loaded=loaded)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True)
@@ -218,12 +225,20 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(machine_header(torch.get_num_threads()))
-    print(f"max_num_batched_tokens: {args.max_num_batched_tokens}; repeats: {args.repeats}\n")
+    # The weights are quantized at load, once per dtype; EngineConfig.quantization is not
+    # consulted when the engine is handed a loaded model.
+    quantization = args.quantization or EngineConfig().quantization
+    print(
+        f"max_num_batched_tokens: {args.max_num_batched_tokens}; repeats: {args.repeats}; "
+        f"quantization: {quantization}; enforce_eager: {args.enforce_eager}\n"
+    )
     cells = [Cell(d, b, i, o) for d in dtypes for b in batch_sizes for i, o in shapes]
     records: list[dict[str, object]] = []
     progress = tqdm(total=len(cells) * args.repeats, desc="cells", file=sys.stderr)
     for dtype in dtypes:
-        loaded = LoadedModel.load(args.model, resolve_dtype(dtype, "cpu"))
+        loaded = LoadedModel.load(
+            args.model, resolve_dtype(dtype, "cpu"), quantization=quantization
+        )
         progress.set_postfix_str(f"{dtype} warm-up")
         warm_up(loaded, args)
         rows = []
@@ -264,6 +279,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, default=1, help="runs per cell; the median counts")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="weight format, as `llmserve up --quantization` (default: the engine's)",
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no compiled step graphs")
     parser.add_argument("--json-out", default=None, help="also write every run here")
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: embedded)"

@@ -28,7 +28,7 @@ import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -374,6 +374,8 @@ class OpenAIClient:
         if usage:
             record.output_tokens = int(usage.get("completion_tokens", record.output_tokens))
             record.prompt_tokens = int(usage.get("prompt_tokens", record.prompt_tokens))
+            details = usage.get("prompt_tokens_details") or {}
+            record.cached_prompt_tokens = int(details.get("cached_tokens") or 0)
         if record.error is None and finish_reason is None:
             record.error = "no finish_reason"
         return record
@@ -639,17 +641,20 @@ def make_target(args: argparse.Namespace, generation: Generation) -> Target:
         from services.engine.config import EngineConfig, GiB
         from services.engine.engine import LLMEngine
 
-        engine = LLMEngine(
-            EngineConfig(
-                model=args.model,
-                dtype=args.dtype,
-                kv_cache_bytes=int(args.kv_cache_gib * GiB),
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
-                num_threads=args.threads,
-                seed=0,
-            )
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            kv_cache_bytes=int(args.kv_cache_gib * GiB),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            num_threads=args.threads,
+            enforce_eager=args.enforce_eager,
+            seed=0,
         )
+        # Without --quantization the engine's own default applies.
+        if args.quantization is not None:
+            config = replace(config, quantization=args.quantization)
+        engine = LLMEngine(config)
         return InProcessTarget(engine, generation)
     if target.startswith("grpc://"):
         address = target.removeprefix("grpc://")
@@ -906,6 +911,16 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=128)
     engine.add_argument("--kv-cache-gib", type=float, default=1.0)
     engine.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    engine.add_argument(
+        "--quantization",
+        default=None,
+        help="weight format, as `llmserve up --quantization` (default: the engine's)",
+    )
+    engine.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly, without compiled step graphs",
+    )
     parser.add_argument(
         "--json-out", default=None, help="also write every point's summary and requests"
     )

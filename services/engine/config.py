@@ -25,8 +25,9 @@ class EngineConfig:
     """auto (the model dtype) or int8 (per-group scales: more blocks in the same bytes)."""
     kv_cache_group_size: int = 8
     """int8 KV cache: values of head_dim sharing one fp16 scale."""
-    quantization: str = "none"
-    """Weights: none, int8, w8a8, int4, nf4 or gguf (ignored when a loaded model is given)."""
+    quantization: str = "auto"
+    """Weights: auto (a GGUF keeps its own Q4/Q8 blocks, a HF directory its dtype), none,
+    int8, w8a8, int4, nf4 or gguf (ignored when a loaded model is given)."""
     block_size: int = 16
     """Tokens per KV block."""
     max_model_len: int | None = None

@@ -81,7 +81,11 @@ class LLMEngine:
             seed=config.seed,
             kv_cache_dtype=config.kv_cache_dtype,
             kv_cache_group_size=config.kv_cache_group_size,
+            enforce_eager=config.enforce_eager,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
         )
+        self.runner.compile_step_graphs()
         self.kv_cache = self.runner.kv_cache
         self.num_kv_blocks = self.kv_cache.num_blocks
         self.scheduler = Scheduler(

@@ -30,8 +30,9 @@ class WorkerConfig:
     """auto (the model dtype) or int8 (per-group fp16 scales; about 1.6x the blocks of bf16)."""
     kv_cache_group_size: int = DEFAULT_KV_GROUP_SIZE
     """int8 KV cache: values of head_dim sharing one scale (8: 1.25 B/value, 64: 1.03)."""
-    quantization: str = "none"
-    """Weights: none, int8, w8a8, int4, nf4, or gguf (a GGUF file's own Q4/Q8 blocks)."""
+    quantization: str = "auto"
+    """Weights: auto (a GGUF keeps its own Q4/Q8 blocks, a HF directory its dtype), none, int8,
+    w8a8, int4, nf4, or gguf."""
     block_size: int = 16
     """Tokens per KV block."""
     max_model_len: int | None = None
@@ -40,6 +41,9 @@ class WorkerConfig:
     """Seed of the sampler's shared generator."""
     threads: int | None = None
     """torch CPU threads; unset = one per core."""
+    max_num_seqs: int = 128
+    """Largest decode batch that replays a compiled step graph (the scheduler's
+    --max-num-seqs); larger batches run eagerly."""
     enforce_eager: bool = False
     """Run every step eagerly (no compiled step graphs): slower, starts faster."""
     drain_s: float = 10.0

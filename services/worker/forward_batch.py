@@ -34,5 +34,30 @@ class ForwardBatch:
     """[B, max_blocks] int32."""
     decode_context_lens: torch.Tensor
     """[B] int32 context length including the token being decoded."""
-    logits_indices: torch.Tensor
-    """[R] int64 rows of the hidden states to turn into logits (the sampled positions)."""
+    logits_indices: torch.Tensor | None
+    """[R] int64 rows of the hidden states to turn into logits (the sampled positions);
+    None = every row (a decode step samples every sequence)."""
+
+    @classmethod
+    def for_decode(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> ForwardBatch:
+        """A batch of decodes only (one token per sequence, every row sampled)."""
+        no_prefill = torch.zeros(0, dtype=torch.int32, device=input_ids.device)
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            num_prefill_tokens=0,
+            prefill_cu_seqlens=no_prefill,
+            prefill_prefix_lens=no_prefill,
+            prefill_block_tables=block_tables[:0],
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
+            logits_indices=None,
+        )

@@ -13,6 +13,7 @@ from services.tokenizer.model_tokenizer import ModelTokenizer
 from services.worker.loader.model_loader import load_model
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.quantization import apply_quantization
+from services.worker.quantization.formats import resolve_quantization
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +22,7 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: ModelTokenizer
     quantization: str = "none"
-    """The weight format (--quantization) the layers were swapped to at load."""
+    """The weight format the layers were swapped to at load (--quantization, auto resolved)."""
 
     @classmethod
     def load(
@@ -35,7 +36,7 @@ class LoadedModel:
         tokenizer = ModelTokenizer.from_path(path)
         network = load_model(path, dtype=dtype, device=device)
         apply_quantization(network, quantization, path)
-        return cls(path, network, tokenizer, quantization)
+        return cls(path, network, tokenizer, resolve_quantization(quantization, path))
 
     @property
     def name(self) -> str:

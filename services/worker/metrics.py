@@ -24,11 +24,17 @@ BATCH_TOKENS = REGISTRY.histogram(
     "Tokens computed in one step (prefill chunks + decodes).",
     buckets=SIZE_BUCKETS,
 )
+STEPS = REGISTRY.counter(
+    "llmserve_worker_steps_total",
+    "Forward steps by how they ran: a compiled decode graph or eager ops.",
+    ["mode"],
+)
 
 
-def on_step(plan: BatchPlan, forward_s: float) -> None:
+def on_step(plan: BatchPlan, forward_s: float, compiled: bool) -> None:
     if plan.is_empty:
         return  # a plan that only drops sequences runs no forward
+    STEPS.labels("compiled" if compiled else "eager").inc()
     FORWARD_DURATION.observe(forward_s)
     BATCH_SEQUENCES.observe(len(plan.num_scheduled_tokens))
     BATCH_TOKENS.observe(plan.total_num_scheduled_tokens)

@@ -17,6 +17,7 @@ from services.worker.quantization.formats import (
     kv_cache_torch_dtype,
 )
 from services.worker.sampler import Sampler, build_sampling_metadata
+from services.worker.step_graphs import DEFAULT_BATCH_BUCKETS, DecodeGraphs, buckets_up_to
 
 
 class ModelRunner:
@@ -27,9 +28,13 @@ class ModelRunner:
         *,
         eos_token_ids: tuple[int, ...],
         seed: int | None = None,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         if kv_cache.storage.device.type == "cpu":
             keep_freed_memory()
+        self.decode_graphs = decode_graphs
+        self.last_step_compiled = False
+        """Whether the last forward replayed a compiled decode graph (for metrics)."""
         self.model = model
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
@@ -48,9 +53,14 @@ class ModelRunner:
         seed: int | None,
         kv_cache_dtype: str = "auto",
         kv_cache_group_size: int = DEFAULT_KV_GROUP_SIZE,
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+        max_num_seqs: int = DEFAULT_BATCH_BUCKETS[-1],
     ) -> ModelRunner:
         """A runner with a KV cache of as many blocks as `kv_cache_bytes` holds (an int8 cache
-        holds more: its blocks are smaller)."""
+        holds more: its blocks are smaller). Unless `enforce_eager`, decode steps of up to
+        `max_num_seqs` sequences replay compiled graphs: call `compile_step_graphs()` before
+        serving."""
         spec = KVCacheSpec.for_model(
             loaded.model.config,
             block_size,
@@ -58,7 +68,31 @@ class ModelRunner:
             check_kv_cache_group_size(kv_cache_group_size),
         )
         kv_cache = PagedKVCache(spec, spec.num_blocks_for_budget(kv_cache_bytes), loaded.device)
-        return cls(loaded.model, kv_cache, eos_token_ids=loaded.eos_token_ids, seed=seed)
+        decode_graphs = None
+        if not enforce_eager:
+            decode_graphs = DecodeGraphs(
+                loaded.model,
+                kv_cache,
+                max_model_len=loaded.max_model_len(max_model_len),
+                buckets=buckets_up_to(max_num_seqs),
+            )
+        return cls(
+            loaded.model,
+            kv_cache,
+            eos_token_ids=loaded.eos_token_ids,
+            seed=seed,
+            decode_graphs=decode_graphs,
+        )
+
+    def compile_step_graphs(self, show_progress: bool = True) -> None:
+        """Build the C++ kernels and compile every decode bucket (from the disk cache when a
+        previous start compiled them); a no-op when running eagerly."""
+        if self.device.type == "cpu":
+            from kernels import cpu_extension
+
+            cpu_extension.load()
+        if self.decode_graphs is not None and not self.decode_graphs.is_compiled:
+            self.decode_graphs.compile_all(show_progress)
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler session); the KV bytes are simply reused."""
@@ -69,12 +103,21 @@ class ModelRunner:
         self.batch.apply(plan)
         self.kv_cache.copy_blocks(plan.block_copies)
         result = StepResult(step_id=plan.step_id)
+        self.last_step_compiled = False
         if plan.is_empty:
             return result
         inputs = self.batch.prepare(plan)
         sampled: dict[str, int] = {}
         if inputs.sampled_ids:
-            logits = self.model(inputs.forward, self.kv_cache.layers)
+            graphs = self.decode_graphs
+            self.last_step_compiled = (
+                graphs is not None and graphs.is_compiled and graphs.can_run(inputs.forward)
+            )
+            if self.last_step_compiled:
+                assert graphs is not None
+                logits = graphs.run(inputs.forward)
+            else:
+                logits = self.model(inputs.forward, self.kv_cache.layers)
             rows = [
                 self.batch.sequences[rid].sampler_row(self.eos_token_ids)
                 for rid in inputs.sampled_ids

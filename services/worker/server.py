@@ -100,7 +100,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     )
                     raise
                 forward_ms = (time.perf_counter() - started) * 1000
-            metrics.on_step(plan, forward_ms / 1000)
+            metrics.on_step(plan, forward_ms / 1000, runner.last_step_compiled)
             yield result_to_proto(result, forward_ms)
         log.info("step stream closed", extra={"session": session})
 
@@ -159,7 +159,11 @@ async def serve(config: WorkerConfig) -> None:
         seed=config.seed,
         kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_group_size=config.kv_cache_group_size,
+        enforce_eager=config.enforce_eager,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
     )
+    await asyncio.to_thread(runner.compile_step_graphs)
     await asyncio.to_thread(warm_up, runner)
     servicer.attach(loaded, runner)
     await service.set_serving()

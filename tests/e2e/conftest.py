@@ -33,6 +33,8 @@ STACK_FLAGS = [
     "32",
     "--metrics-port",  # the merged page's URL is in the ready file ("metrics")
     "0",
+    # Eager workers start in seconds; tests/e2e/test_compiled_stack.py runs a compiled one.
+    "--enforce-eager",
 ]
 
 
@@ -113,4 +115,4 @@ def reference_engine():  # type: ignore[no-untyped-def]
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(dtype="float32", kv_cache_bytes=128 << 20))
+    return LLMEngine(EngineConfig(dtype="float32", kv_cache_bytes=128 << 20, enforce_eager=True))

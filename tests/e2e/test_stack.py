@@ -235,11 +235,12 @@ def test_tokenize_detokenize_list_models(stack: Stack) -> None:
     models = stub.ListModels(text_pb2.ListModelsRequest()).models
     assert models[0].name == "SmolLM2-135M-Instruct"
     assert models[0].max_model_len == 8192
-    # The worker's formats, as its scheduler reports them (this stack: fp32, no quantization).
+    # The worker's formats, as its scheduler reports them (this stack: fp32 activations over
+    # the GGUF file's own blocks, what --quantization auto keeps).
     assert (models[0].dtype, models[0].kv_cache_dtype, models[0].quantization) == (
         "float32",
         "float32",
-        "none",
+        "gguf",
     )
 
 

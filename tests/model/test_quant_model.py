@@ -1,6 +1,7 @@
 """Quantized formats on the embedded model: an int8 KV cache against the float cache, each
 weight format served by the engine and reported by the worker's Describe, and a GGUF file's
-Q4_1 blocks loaded directly (bit-for-bit the weights the float loader dequantizes).
+own Q4_1/Q8_0 blocks served directly (bit-for-bit the weights the float loader dequantizes,
+and in fp32 the float model's greedy tokens).
 
 The quantized models are copies of the session's fp32 model, cast to bf16 (the dtype the
 packed CPU kernels serve) and swapped in place, so no test reloads the file.
@@ -10,18 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
+from kernels.gguf_blocks_torch import dequantize_blocks
 from protos.llmserve.v1 import worker_pb2
+from services.bench.quant_accuracy import EVAL_PROMPTS
 from services.common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker.config import WorkerConfig
 from services.worker.loaded_model import LoadedModel
 from services.worker.quantization.gguf_direct import load_gguf_quantized
-from services.worker.quantization.linear import Int4Linear, Int8Embedding
+from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear
+from services.worker.quantization.linear import Int8Embedding
 from services.worker.quantization.swap import quantize_model
 from services.worker.runner import ModelRunner
 from services.worker.server import WorkerServicer
@@ -42,6 +47,9 @@ MIN_IDENTICAL_PROMPTS = 7
 # KL ~0.8 nats): its bound only says "not garbage" (a wrong layout agrees on 0 or 1).
 MIN_FIRST_TOKEN_AGREEMENT = {"int8": 8, "w8a8": 8, "int4": 7, "nf4": 4}
 TOP_N = 5
+# 32 greedy tokens on the 12 held-out prompts: enough to separate exact weights (12 of 12)
+# from the int4 conversion gguf used before (6 of 12; 4 of 12 at 64 tokens), measured.
+HELD_OUT_TOKENS = 32
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -80,7 +88,11 @@ def test_int8_kv_cache_greedy_matches_float_kv(
     float_tokens: list[list[int]],
 ) -> None:
     config = EngineConfig(
-        dtype="float32", kv_cache_bytes=FP32.kv_cache_bytes, kv_cache_dtype="int8", seed=0
+        dtype="float32",
+        kv_cache_bytes=FP32.kv_cache_bytes,
+        kv_cache_dtype="int8",
+        seed=0,
+        enforce_eager=True,
     )
     int8_engine = LLMEngine(config, loaded=loaded_fp32)
     # Same bytes, smaller blocks: fp32 K/V is 4 bytes a value, int8 + fp16 scale / 8 is 1.25.
@@ -100,7 +112,8 @@ def test_weight_format_serves_close_to_float(
     loaded = quantized_copy(loaded_fp32, quantization)
     assert isinstance(loaded.model.embed_tokens, Int8Embedding)
     assert loaded.dtype == torch.bfloat16
-    engine = LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, seed=0), loaded=loaded)
+    config = EngineConfig(kv_cache_bytes=16 << 20, seed=0, enforce_eager=True)
+    engine = LLMEngine(config, loaded=loaded)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=1)
     first = [result.token_ids[0] for result in engine.generate(prompt_ids, sampling)]
     # Never garbage: every first token is among the float model's five most likely.
@@ -126,9 +139,10 @@ def test_describe_reports_the_formats(loaded_fp32: LoadedModel) -> None:
     assert description.num_kv_blocks == (16 << 20) // runner.kv_cache.spec.bytes_per_block
 
 
-def test_gguf_q4_1_blocks_load_as_the_float_loader_reads_them(loaded_fp32: LoadedModel) -> None:
-    """fp32 keeps the int4 codes unpacked, so each layer's dequantized weight can be compared
-    with the float model's (which the gguf package dequantized from the same blocks)."""
+def test_gguf_blocks_load_as_the_float_loader_reads_them(loaded_fp32: LoadedModel) -> None:
+    """Every decoder linear keeps the file's Q4_1 block rows (q|k|v and gate|up stacked), the
+    Q8_0 embedding is shared with the tied head, and each decodes to exactly the float
+    model's weight (which the gguf package dequantized from the same blocks)."""
     model = copy.deepcopy(loaded_fp32.model)
     load_gguf_quantized(model, loaded_fp32.path)
     for index in (0, 29):
@@ -140,7 +154,33 @@ def test_gguf_q4_1_blocks_load_as_the_float_loader_reads_them(loaded_fp32: Loade
             (ours.mlp.down_proj, theirs.mlp.down_proj),
         ]
         for quantized, float_linear in pairs:
-            assert isinstance(quantized, Int4Linear) and quantized.codes is not None
+            assert isinstance(quantized, GGUFLinear) and quantized.kind == 3  # Q4_1
+            weight = dequantize_blocks(quantized.blocks, quantized.kind)
+            assert torch.equal(weight, float_linear.weight)
             eye = torch.eye(quantized.in_features)
-            weight = quantized(eye).t()  # W = (I @ W^T)^T, through the layer's own kernel
-            torch.testing.assert_close(weight, float_linear.weight, atol=1e-5, rtol=0)
+            # I @ W^T through the layer's own kernel: one nonzero product per output.
+            assert torch.equal(quantized(eye).t(), float_linear.weight)
+    table, head = model.embed_tokens, model.lm_head
+    assert isinstance(table, GGUFEmbedding) and isinstance(head, GGUFLinear)
+    assert table.kind == head.kind == 8 and head.blocks is table.blocks  # Q8_0, one copy
+    token_ids = torch.tensor([0, 1, 17, 49151])
+    assert torch.equal(table(token_ids), loaded_fp32.model.embed_tokens.weight[token_ids])
+
+
+def test_gguf_blocks_in_fp32_give_the_float_greedy_tokens(
+    loaded_fp32: LoadedModel, engine: LLMEngine
+) -> None:
+    """With fp32 activations the file's blocks are the float model's weights exactly and only
+    the summation order differs, so greedy decoding on the held-out prompts of the accuracy
+    benchmark matches the dense fp32 load on all of them (the int4 conversion this replaced
+    rounded Q4_1's zero m + 8d to the activation dtype and re-quantized Q8_0 per row)."""
+    model = copy.deepcopy(loaded_fp32.model)
+    load_gguf_quantized(model, loaded_fp32.path)
+    loaded = LoadedModel(loaded_fp32.path, model, loaded_fp32.tokenizer, "gguf")
+    gguf_engine = LLMEngine(replace(FP32, kv_cache_bytes=64 << 20), loaded=loaded)
+    prompts = [engine.tokenizer.encode(text) for text in EVAL_PROMPTS]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=HELD_OUT_TOKENS, ignore_eos=True)
+    expected = [result.token_ids for result in engine.generate(prompts, sampling)]
+    got = [result.token_ids for result in gguf_engine.generate(prompts, sampling)]
+    identical = sum(a == b for a, b in zip(got, expected, strict=True))
+    assert identical == len(EVAL_PROMPTS), f"{identical} of {len(EVAL_PROMPTS)} identical"

@@ -162,7 +162,12 @@ class FakeOpenAIHandler(BaseHTTPRequestHandler):
         n = request["max_tokens"]
         events = [{"choices": [{"text": f"t{i}", "finish_reason": None}]} for i in range(n - 1)]
         events.append({"choices": [{"text": "end", "finish_reason": "length"}]})
-        events.append({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}})
+        usage = {
+            "prompt_tokens": 7,
+            "completion_tokens": n,
+            "prompt_tokens_details": {"cached_tokens": 2},  # llama-server's field
+        }
+        events.append({"choices": [], "usage": usage})
         for event in [*(json.dumps(e) for e in events), "[DONE]"]:
             data = f"data: {event}\n\n".encode()
             self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
@@ -194,12 +199,15 @@ def test_openai_client_streams_and_records_every_chunk(openai_url: str) -> None:
     assert [c.num_tokens for c in first.chunks] == [1] * 5
     assert first.output_tokens == 5
     assert first.prompt_tokens == 7  # the server's usage wins over the local count
+    assert first.cached_prompt_tokens == 2
     assert first.send_time_s < first.chunks[0].time_s <= first.end_time_s
     assert failed.error == "HTTP 400"
     body = FakeOpenAIHandler.bodies[0]
     assert body["model"] == "fake-model"
     assert body["stream"] is True
     assert body["ignore_eos"] is True
+    # llama-server reads max_tokens as n_predict; requests race, so compare them unordered.
+    assert sorted(b["max_tokens"] for b in FakeOpenAIHandler.bodies) == [3, 5, 500]
     assert sorted(tuple(b["prompt"]) for b in FakeOpenAIHandler.bodies)[:2] == [
         (101, 102, 103),
         (104,),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,11 @@ from services.cli import main
 from services.engine.config import EngineConfig
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
-from services.worker.quantization.formats import InvalidFormatError, kv_cache_torch_dtype
+from services.worker.quantization.formats import (
+    InvalidFormatError,
+    kv_cache_torch_dtype,
+    resolve_quantization,
+)
 from services.worker.quantization.gguf_direct import decode_q4
 
 
@@ -20,8 +26,8 @@ def smollm2_spec(dtype: torch.dtype, group_size: int = 8) -> KVCacheSpec:
 
 
 def test_defaults_keep_the_model_dtype_and_float_weights() -> None:
-    assert EngineConfig().kv_cache_dtype == "auto" and EngineConfig().quantization == "none"
-    assert WorkerConfig().kv_cache_dtype == "auto" and WorkerConfig().quantization == "none"
+    assert EngineConfig().kv_cache_dtype == "auto" and EngineConfig().quantization == "auto"
+    assert WorkerConfig().kv_cache_dtype == "auto" and WorkerConfig().quantization == "auto"
     assert kv_cache_torch_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_cache_torch_dtype("int8", torch.bfloat16) == torch.int8
 
@@ -44,6 +50,13 @@ def test_cli_reports_a_bad_flag_in_one_line(capsys: pytest.CaptureFixture[str]) 
     assert main(["demo", "--quantization", "int3"]) == 2
     error = capsys.readouterr().err
     assert "--quantization must be one of none, int8, w8a8, int4, nf4, gguf" in error
+
+
+def test_auto_quantization_keeps_the_model_files_format(tmp_path: Path) -> None:
+    assert resolve_quantization("auto", Path("model.Q4_1.gguf")) == "gguf"
+    assert resolve_quantization("auto", tmp_path) == "none"  # a Hugging Face directory
+    assert resolve_quantization("int4", Path("model.Q4_1.gguf")) == "int4"
+    assert EngineConfig(quantization="auto").quantization == "auto"
 
 
 def test_int8_kv_bytes_and_block_counts() -> None:

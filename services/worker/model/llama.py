@@ -171,7 +171,13 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None
         # Only the sampled rows need the final norm and the (large) vocabulary projection.
         rows = batch.logits_indices
-        last = ops.rms_norm(hidden[rows] + residual[rows], self.norm, self.config.rms_norm_eps)
+        if rows is not None:
+            hidden, residual = hidden[rows], residual[rows]
+        return self.logits(hidden, residual)
+
+    def logits(self, hidden: Tensor, residual: Tensor) -> Tensor:
+        """The last layer's output (hidden + residual) -> fp32 logits [R, vocab]."""
+        last = ops.rms_norm(hidden + residual, self.norm, self.config.rms_norm_eps)
         return self.lm_head(last).float()
 
     # --- weights -------------------------------------------------------------------------

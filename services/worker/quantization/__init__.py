@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.worker.quantization.formats import check_quantization
+from services.worker.quantization.formats import resolve_quantization
 
 if TYPE_CHECKING:  # the model imports the KV cache, which imports the format names from here
     from services.worker.model.llama import LlamaForCausalLM
@@ -14,7 +14,8 @@ if TYPE_CHECKING:  # the model imports the KV cache, which imports the format na
 
 def apply_quantization(model: LlamaForCausalLM, quantization: str, path: Path) -> None:
     """Quantize a freshly loaded float model in place (`path`: the file it came from)."""
-    if check_quantization(quantization) == "none":
+    quantization = resolve_quantization(quantization, path)
+    if quantization == "none":
         return
     if quantization == "gguf":
         from services.worker.quantization.gguf_direct import load_gguf_quantized

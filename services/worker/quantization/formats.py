@@ -1,11 +1,12 @@
 """The names of the KV cache and weight formats, their validation, and what they resolve to.
 
 --kv-cache-dtype  auto (the model dtype) | int8 (per-group scales, --kv-cache-group-size)
---quantization    none | int8 | w8a8 | int4 | nf4 | gguf
+--quantization    none | int8 | w8a8 | int4 | nf4 | gguf | auto
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -13,18 +14,28 @@ import torch
 from services.common.errors import LLMServeError
 
 KVCacheDType = Literal["auto", "int8"]
-Quantization = Literal["none", "int8", "w8a8", "int4", "nf4", "gguf"]
+Quantization = Literal["none", "int8", "w8a8", "int4", "nf4", "gguf", "auto"]
 
 KV_CACHE_DTYPES: tuple[KVCacheDType, ...] = ("auto", "int8")
-QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "w8a8", "int4", "nf4", "gguf")
+QUANTIZATIONS: tuple[Quantization, ...] = (
+    "none",
+    "int8",
+    "w8a8",
+    "int4",
+    "nf4",
+    "gguf",
+    "auto",
+)
 QUANTIZATION_HELP = {
     "none": "float weights in the model dtype",
     "int8": "int8 weight-only, one scale per output channel",
     "w8a8": "int8 weights per channel, int8 activations per token (dynamic); o_proj stays float",
     "int4": "int4 weight-only, asymmetric, one scale and zero per group of 32 along K",
     "nf4": "4-bit normal-float codes, one absmax per group of 64 along K",
-    "gguf": "keep a GGUF file's Q4_0/Q4_1 (as int4) and Q8_0 (as int8) tensors without"
-    " going through float",
+    "gguf": "keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored and compute on them (fp32:"
+    " exact; bf16: int8 activation blocks); other tensor kinds stay float",
+    "auto": "the model file's own format: a GGUF file as gguf, a Hugging Face directory in its"
+    " dtype (as none)",
 }
 DEFAULT_KV_GROUP_SIZE = 8
 INT4_GROUP_SIZE = 32
@@ -57,6 +68,15 @@ def check_quantization(value: str) -> Quantization:
             f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {value!r}"
         )
     return value  # type: ignore[return-value]
+
+
+def resolve_quantization(value: str, path: Path) -> Quantization:
+    """The format a --quantization value serves for the model at `path` (auto -> gguf for a
+    .gguf file, none otherwise; every other value is itself)."""
+    quantization = check_quantization(value)
+    if quantization == "auto":
+        return "gguf" if path.suffix == ".gguf" else "none"
+    return quantization
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -1,18 +1,18 @@
-"""Keep a GGUF file's quantized tensors quantized: Q4_0 / Q4_1 blocks become our int4 layer
-with the file's own codes and scales, Q8_0 becomes int8; nothing is re-rounded through
-float except where noted.
+"""Serve a GGUF file's quantized tensors as the file stores them: Q4_0, Q4_1 and Q8_0 blocks
+are kept byte for byte and read by the GGUF kernels (kernels/csrc/gguf_gemm.cpp), so the
+weights in memory are the file's and nothing is rounded a second time.
 
-    GGUF block (32 values)        -> our format (group 32 along K)
-    Q4_1: d f16, m f16, 16 B      -> int4: code q, scale d, zero m + 8d      (exact up to the
-                                     rounding of zero to the activation dtype)
-    Q4_0: d f16, 16 B             -> int4: code q, scale d, zero 0            (exact)
-    Q8_0: d f16, 32 x int8        -> int8 per output channel (re-quantized: our int8 kernel
-                                     has one scale per row, not per 32 values)
+    tensors of a layer                       becomes
+    one kind of Q4_0 / Q4_1 / Q8_0           GGUFLinear over the file's block rows
+    Q4_0 mixed with Q4_1                     Int4Linear: code q, scale d, zero m + 8d (the
+                                             zero rounded to the activation dtype)
+    anything else (K-quants, F16, F32, ...)  stays as the float loader made it
 
-A Q4 block stores value j in the low nibble of byte j and value j + 16 in its high nibble.
-A fused layer (q|k|v, gate|up) is int4 when every part is Q4_0/Q4_1, int8 when every part is
-Q8_0, and otherwise (float tensors, K-quants, a mix) stays as the float loader made it. The
-output layer and the embedding become int8 per row (most small GGUFs store them as Q8_0).
+A fused layer (q|k|v, gate|up) stacks its parts' block rows: rows are independent, and the
+q/k row order fix of the float loader (`unpermute_rows`) moves whole block rows. A Q4_0 /
+Q4_1 / Q8_0 token_embd becomes a GGUFEmbedding and, in a tied model, the output layer is a
+GGUFLinear over the same buffer (one copy). Otherwise the embedding and output layer become
+int8 per row, as for the other formats.
 """
 
 from __future__ import annotations
@@ -25,13 +25,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kernels.gguf_blocks_torch import GGUF_KINDS
 from services.worker.loader.gguf_loader import hf_tensor_name, open_gguf, unpermute_rows
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.quantization.formats import InvalidFormatError
+from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear
 from services.worker.quantization.linear import Int4Linear, Int8WeightOnlyLinear
 from services.worker.quantization.swap import quantize_output_and_embedding
 
 GGUF_BLOCK = 32
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRows:
+    """One tensor as the file stores it: `rows` uint8 [N, K / 32 * block bytes]."""
+
+    kind: str
+    rows: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +51,6 @@ class Int4Codes:
     codes: Tensor
     scale: Tensor
     zero: Tensor
-
-    def permute_rows(self, num_heads: int) -> Int4Codes:
-        return Int4Codes(
-            unpermute_rows(self.codes, num_heads),
-            unpermute_rows(self.scale, num_heads),
-            unpermute_rows(self.zero, num_heads),
-        )
 
 
 def decode_q4(raw: np.ndarray, rows: int, kind: str) -> Int4Codes:
@@ -65,37 +68,38 @@ def decode_q4(raw: np.ndarray, rows: int, kind: str) -> Int4Codes:
     return Int4Codes(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero))
 
 
-def _layer_int4_codes(
-    reader: Any, num_heads: int, num_kv_heads: int
-) -> tuple[dict[str, Int4Codes], dict[str, str]]:
-    """(HF weight name -> its int4 codes for every Q4_0 / Q4_1 weight, name -> GGUF type)."""
-    found: dict[str, Int4Codes] = {}
-    kinds: dict[str, str] = {}
+def read_block_rows(reader: Any, num_heads: int, num_kv_heads: int) -> dict[str, BlockRows]:
+    """HF weight name -> its rows of blocks, for every tensor of a kind the kernels read."""
+    found: dict[str, BlockRows] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        name = hf_tensor_name(tensor.name)
-        kinds[name] = kind
-        if kind not in ("Q4_0", "Q4_1"):
+        if kind not in GGUF_KINDS:
             continue
-        rows = int(tensor.shape[-1])
-        codes = decode_q4(np.asarray(tensor.data), rows, kind)
+        name = hf_tensor_name(tensor.name)
+        rows = np.asarray(tensor.data)  # [N, row bytes], mapped read-only from the file
         # The same row order fix as the float loader (llama.cpp interleaves rotary halves).
         if name.endswith("q_proj.weight"):
-            codes = codes.permute_rows(num_heads)
+            rows = unpermute_rows(rows, num_heads)
         elif name.endswith("k_proj.weight"):
-            codes = codes.permute_rows(num_kv_heads)
-        found[name] = codes
-    return found, kinds
+            rows = unpermute_rows(rows, num_kv_heads)
+        found[name] = BlockRows(kind, rows)
+    return found
 
 
-def _fused(parts: list[Int4Codes | None]) -> Int4Codes | None:
-    if any(p is None for p in parts):
-        return None
-    present = [p for p in parts if p is not None]
-    return Int4Codes(
-        torch.cat([p.codes for p in present]),
-        torch.cat([p.scale for p in present]),
-        torch.cat([p.zero for p in present]),
+def _buffer(rows: list[np.ndarray]) -> Tensor:
+    """The parts' rows stacked into one writable, contiguous uint8 tensor (a copy)."""
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(rows, axis=0)))
+
+
+def _int4_layer(parts: list[BlockRows], bias: Tensor | None, dtype: torch.dtype) -> Int4Linear:
+    """Q4_0 and Q4_1 parts in one fused layer: the int4 layer with the file's codes."""
+    decoded = [decode_q4(p.rows, p.rows.shape[0], p.kind) for p in parts]
+    return Int4Linear(
+        torch.cat([c.codes for c in decoded]),
+        torch.cat([c.scale for c in decoded]),
+        torch.cat([c.zero for c in decoded]),
+        bias,
+        dtype,
     )
 
 
@@ -108,17 +112,21 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path) -> None:
         raise InvalidFormatError(
             f"--quantization gguf supports llama and mistral GGUF files, not {config.architecture}"
         )
-    codes, kinds = _layer_int4_codes(open_gguf(path), config.num_heads, config.num_kv_heads)
+    found = read_block_rows(open_gguf(path), config.num_heads, config.num_kv_heads)
     dtype = model.norm.dtype
 
-    def from_file_type(linear: torch.nn.Module, parts: list[str]) -> torch.nn.Module:
+    def from_file_type(linear: torch.nn.Module, names: list[str]) -> torch.nn.Module:
         assert isinstance(linear, torch.nn.Linear)
         bias = None if linear.bias is None else linear.bias.data
-        fused = _fused([codes.get(p) for p in parts])
-        if fused is not None:
-            return Int4Linear(fused.codes, fused.scale, fused.zero, bias, dtype)
-        if all(kinds.get(p) == "Q8_0" for p in parts):
-            return Int8WeightOnlyLinear.from_float(linear.weight.data, bias)
+        parts = [found.get(name) for name in names]
+        present = [p for p in parts if p is not None]
+        if len(present) < len(parts):
+            return linear
+        kinds = {p.kind for p in present}
+        if len(kinds) == 1:
+            return GGUFLinear(_buffer([p.rows for p in present]), GGUF_KINDS[kinds.pop()], bias)
+        if kinds <= {"Q4_0", "Q4_1"}:
+            return _int4_layer(present, bias, dtype)
         return linear
 
     for index, layer in enumerate(model.layers):
@@ -132,5 +140,17 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path) -> None:
             mlp.gate_up_proj, [f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up")]
         )
         mlp.down_proj = from_file_type(mlp.down_proj, [f"{prefix}.mlp.down_proj.weight"])
-    # The embedding is Q8_0 in most small GGUFs: int8 per row (and shared with a tied head).
-    quantize_output_and_embedding(model, Int8WeightOnlyLinear.from_float)
+
+    embedding = found.get("model.embed_tokens.weight")
+    if embedding is None:
+        quantize_output_and_embedding(model, Int8WeightOnlyLinear.from_float)
+        return
+    table = GGUFEmbedding(_buffer([embedding.rows]), GGUF_KINDS[embedding.kind], dtype)
+    if config.tie_word_embeddings:
+        model.lm_head = GGUFLinear(table.blocks, table.kind, None)
+    else:
+        model.lm_head = from_file_type(model.lm_head, ["lm_head.weight"])
+        if isinstance(model.lm_head, torch.nn.Linear):
+            weight = model.lm_head.weight.data
+            model.lm_head = Int8WeightOnlyLinear.from_float(weight, None)
+    model.embed_tokens = table

@@ -1,0 +1,837 @@
+// GGUF Q4_0 / Q4_1 / Q8_0 linear layers and embeddings computed straight from the file's
+// blocks (no conversion at load, no second copy of the weights).
+//
+//   weight [N, K] = blocks uint8 [N, K / 32 * bytes]: the file's blocks, row after row
+//     Q4_0 (ggml id 2, 18 B)  d fp16 | 16 B nibbles            w_j = d * (q_j - 8)
+//     Q4_1 (ggml id 3, 20 B)  d fp16 | m fp16 | 16 B nibbles   w_j = d * q_j + m
+//     Q8_0 (ggml id 8, 34 B)  d fp16 | 32 x int8               w_j = d * q_j
+//   (a Q4 block keeps q_j in the low nibble of byte j and q_{j+16} in the high nibble)
+//
+// Every kind is written as w_j = d * q_j + o with o = -8 d (Q4_0), m (Q4_1) or 0 (Q8_0).
+//
+// fp32 activations take the EXACT path: each weight is dequantized as the file defines it
+// (d * q_j is exact in fp32; Q4_1 rounds once adding m, like ggml) and multiplied in fp32, so
+// the result is x @ W^T up to summation order.
+//
+// bf16 / fp16 activations take the FAST path: each 32-value block of an activation row is
+// rounded to int8 codes c_j with one scale s = amax / 127, and a block's dot product becomes
+//     sum_j w_j x_j ~= d s (sum_j q_j c_j) + o (s sum_j c_j)
+// with the bracket an exact integer: u8 x s8 pair products (vpmaddubsw + vpmaddwd, or vpdpbusd
+// where VNNI exists). Q4 codes 0..15 are the unsigned operand as they are; Q8_0 codes are
+// signed, so |q| is the unsigned operand and c takes q's sign (|q| <= 128, |c| <= 127: a pair
+// sums to at most 32512, below the int16 saturation). The o term needs only the block sums of
+// the codes, once per activation row. Its only error is the activation rounding
+// (|x_j - s c_j| <= s / 2); kernels/gguf_blocks_torch.quantize_activation_blocks is the same
+// rounding in torch. From kHalfPanelMinRows activation rows on, Q4 layers compute in fp32 on
+// a dequantized panel instead (measured faster there without VNNI; exact weights too).
+//
+// Parallel over output rows (chunks of kChunkN, at::parallel_for); within a chunk, activation
+// rows go in tiles of up to kTileM so each weight block is unpacked once per tile, against NR
+// weight rows at a time (register tiles: MR x NR accumulators).
+//
+// LLMSERVE_GGUF_SCALAR forces the portable scalar code and LLMSERVE_GGUF_EMULATE_VNNI runs the
+// VNNI code path on AVX2 (the tests build both); LLMSERVE_GGUF_NAMESPACE renames the op
+// namespace so such a build can load beside the main library.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(LLMSERVE_GGUF_SCALAR)
+#define GGUF_AVX2 1
+#include <immintrin.h>
+#if defined(LLMSERVE_GGUF_EMULATE_VNNI)
+// Test builds on CPUs without VNNI: vpdpbusd's arithmetic in AVX2, so the VNNI code path
+// runs here too. Each int32 lane gets the sum of its four u8 x s8 products, with no int16
+// saturation in between (vpmaddubsw would saturate; vpmaddwd on 16-bit halves cannot).
+#define GGUF_VNNI 1
+#define GGUF_VNNI_EMULATED 1
+#define GGUF_DPBUSD emulated_dpbusd
+inline __m256i emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
+  const __m256i u_even = _mm256_and_si256(u, _mm256_set1_epi16(0xFF));
+  const __m256i u_odd = _mm256_srli_epi16(u, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8);
+  const __m256i s_odd = _mm256_srai_epi16(s, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even),
+                                                _mm256_madd_epi16(u_odd, s_odd)));
+}
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GGUF_VNNI 1
+#define GGUF_DPBUSD _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define GGUF_VNNI 1
+#define GGUF_DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+#endif
+
+#ifndef LLMSERVE_GGUF_NAMESPACE
+#define LLMSERVE_GGUF_NAMESPACE llmserve
+#endif
+
+namespace {
+
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kBlock = 32;
+constexpr int kTileM = 4;
+// 16 rows: enough chunks to balance two threads on the smallest layer (576 rows), and a
+// chunk's weights (16 x 960 B for K = 1536, Q4_1) stay in L1 while every M tile reads them.
+constexpr int64_t kChunkN = 16;
+
+template <int64_t KIND>
+struct Layout;
+template <>
+struct Layout<kQ4_0> {
+  static constexpr int64_t bytes = 18, codes = 2;
+};
+template <>
+struct Layout<kQ4_1> {
+  static constexpr int64_t bytes = 20, codes = 4;
+};
+template <>
+struct Layout<kQ8_0> {
+  static constexpr int64_t bytes = 34, codes = 2;
+};
+
+int64_t block_bytes(int64_t kind) {
+  switch (kind) {
+    case kQ4_0: return Layout<kQ4_0>::bytes;
+    case kQ4_1: return Layout<kQ4_1>::bytes;
+    case kQ8_0: return Layout<kQ8_0>::bytes;
+    default: TORCH_CHECK(false, "gguf kind must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", kind);
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+#ifdef GGUF_AVX2
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+// w_j = d * q_j + o for the block at `block`.
+template <int64_t KIND>
+inline void block_scale(const uint8_t* block, float& d, float& o) {
+  d = half_at(block);
+  if constexpr (KIND == kQ4_1) {
+    o = half_at(block + 2);
+  } else if constexpr (KIND == kQ4_0) {
+    o = -8.f * d;  // exact; d * q + (-8 d) then rounds to d * (q - 8), itself exact
+  } else {
+    o = 0.f;
+  }
+}
+
+// The block's codes in value order: Q4 0..15, Q8_0 -128..127.
+template <int64_t KIND>
+inline void block_codes(const uint8_t* block, int32_t* q) {
+  const uint8_t* bytes = block + Layout<KIND>::codes;
+  if constexpr (KIND == kQ8_0) {
+    for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(bytes[j]);
+  } else {
+    for (int j = 0; j < kBlock / 2; ++j) {
+      q[j] = bytes[j] & 0xF;
+      q[j + kBlock / 2] = bytes[j] >> 4;
+    }
+  }
+}
+
+template <int64_t KIND>
+inline void dequantize_block(const uint8_t* block, float* w) {
+  float d, o;
+  block_scale<KIND>(block, d, o);
+  int32_t q[kBlock];
+  block_codes<KIND>(block, q);
+  for (int j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(q[j]) + o;
+}
+
+template <int64_t KIND>
+void dequantize_row(const uint8_t* row, int64_t num_blocks, float* out) {
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    dequantize_block<KIND>(row + b * Layout<KIND>::bytes, out + b * kBlock);
+  }
+}
+
+// ---- activations -> int8 blocks (fast path) -------------------------------------------
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  // bf16 is the top half of an fp32: a shift widens it (and vectorizes).
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* wide = reinterpret_cast<uint32_t*>(dst);  // built with -fno-strict-aliasing
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+struct Activations {
+  int64_t rows = 0, in_features = 0, num_blocks = 0;
+  std::vector<int8_t> codes;  // [rows, K]
+  std::vector<float> scale;   // [rows, K / 32]: s
+  std::vector<float> sum;     // [rows, K / 32]: s * sum_j c_j
+  // [rows, K / 32, 2]: (s, f * s * sum_j c_j), f = 1 (Q4_1), -8 (Q4_0), 0 (Q8_0): one 8-byte
+  // load gives a block's two activation factors to the small-M kernel.
+  std::vector<float> pair;
+};
+
+template <typename scalar_t>
+Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, float sum_factor) {
+  Activations a;
+  a.rows = rows;
+  a.in_features = k;
+  a.num_blocks = k / kBlock;
+  a.codes.resize(rows * k);
+  a.scale.resize(rows * a.num_blocks);
+  a.sum.resize(rows * a.num_blocks);
+  a.pair.resize(rows * a.num_blocks * 2);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(k);
+    for (int64_t m = begin; m < end; ++m) {
+      to_float(x + m * k, row.data(), k);
+      for (int64_t b = 0; b < a.num_blocks; ++b) {
+        const float* v = row.data() + b * kBlock;
+        float amax = 0.f;
+        for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+        // Same fp32 operations as quantize_activation_blocks: amax / 127, then 1 / s.
+        const float s = amax / 127.f;
+        const float inverse = s != 0.f ? 1.f / s : 0.f;
+        int8_t* c = a.codes.data() + m * k + b * kBlock;
+        int32_t total = 0;
+        for (int j = 0; j < kBlock; ++j) {
+          const int32_t code = static_cast<int32_t>(std::nearbyint(v[j] * inverse));
+          c[j] = static_cast<int8_t>(code);
+          total += code;
+        }
+        a.scale[m * a.num_blocks + b] = s;
+        a.sum[m * a.num_blocks + b] = s * static_cast<float>(total);
+        a.pair[(m * a.num_blocks + b) * 2] = s;
+        a.pair[(m * a.num_blocks + b) * 2 + 1] = sum_factor * a.sum[m * a.num_blocks + b];
+      }
+    }
+  });
+  return a;
+}
+
+// ---- scalar kernels (the portable path, and the reference for the SIMD ones) ------------
+
+// One weight row against `mr` activation rows: out[m * ldo] for m < mr.
+template <int64_t KIND>
+void exact_row_scalar(const float* x, int mr, int64_t k, const uint8_t* w_row, float* out,
+                      int64_t ldo) {
+  float acc[kTileM] = {};
+  float w[kBlock];
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    dequantize_block<KIND>(w_row + b * Layout<KIND>::bytes, w);
+    for (int m = 0; m < mr; ++m) {
+      const float* xb = x + m * k + b * kBlock;
+      float partial = 0.f;
+      for (int j = 0; j < kBlock; ++j) partial += w[j] * xb[j];
+      acc[m] += partial;
+    }
+  }
+  for (int m = 0; m < mr; ++m) out[m * ldo] = acc[m];
+}
+
+template <int64_t KIND>
+void fast_row_scalar(const Activations& a, int64_t m0, int mr, const uint8_t* w_row,
+                     float* out, int64_t ldo) {
+  float acc[kTileM] = {}, offset[kTileM] = {};
+  int32_t q[kBlock];
+  const int64_t k = a.in_features, nb = a.num_blocks;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = w_row + b * Layout<KIND>::bytes;
+    float d, o;
+    block_scale<KIND>(block, d, o);
+    block_codes<KIND>(block, q);
+    for (int m = 0; m < mr; ++m) {
+      const int8_t* c = a.codes.data() + (m0 + m) * k + b * kBlock;
+      int32_t dot = 0;
+      for (int j = 0; j < kBlock; ++j) dot += q[j] * static_cast<int32_t>(c[j]);
+      acc[m] += static_cast<float>(dot) * (d * a.scale[(m0 + m) * nb + b]);
+      offset[m] += o * a.sum[(m0 + m) * nb + b];
+    }
+  }
+  for (int m = 0; m < mr; ++m) out[m * ldo] = acc[m] + offset[m];
+}
+
+// ---- AVX2 kernels ---------------------------------------------------------------------
+
+#ifdef GGUF_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One block's weights as 4 x 8 fp32, exactly as the file defines them.
+template <int64_t KIND>
+inline void dequantize_block_avx2(const uint8_t* block, __m256* v) {
+  float d, o;
+  block_scale<KIND>(block, d, o);
+  const __m256 scale = _mm256_set1_ps(d);
+  const uint8_t* bytes = block + Layout<KIND>::codes;
+  if constexpr (KIND == kQ8_0) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16));
+    v[0] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+    v[1] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+    v[2] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+    v[3] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+  } else {
+    const __m256 offset = _mm256_set1_ps(o);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i lo = _mm_and_si128(packed, mask);                      // q_0 .. q_15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);   // q_16 .. q_31
+    v[0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), offset);
+    v[1] = _mm256_fmadd_ps(
+        scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), offset);
+    v[2] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), offset);
+    v[3] = _mm256_fmadd_ps(
+        scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), offset);
+  }
+}
+
+// MR activation rows x NR weight rows. With few accumulators the FMA latency (4 cycles)
+// would bound the loop, so small tiles keep two partial sums per output.
+template <int64_t KIND, int MR, int NR>
+void exact_tile_avx2(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
+                     float* out, int64_t ldo) {
+  constexpr int A = MR * NR >= 8 ? 1 : 2;
+  __m256 acc[MR][NR][A];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < A; ++i) acc[m][r][i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    for (int r = 0; r < NR; ++r) {
+      __m256 v[4];
+      dequantize_block_avx2<KIND>(w + r * row_bytes + b * Layout<KIND>::bytes, v);
+      for (int m = 0; m < MR; ++m) {
+        const float* xb = x + m * k + b * kBlock;
+        for (int i = 0; i < 4; ++i) {
+          acc[m][r][i % A] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + 8 * i), acc[m][r][i % A]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) {
+      __m256 total = acc[m][r][0];
+      if constexpr (A == 2) total = _mm256_add_ps(total, acc[m][r][1]);
+      out[m * ldo + r] = hsum(total);
+    }
+  }
+}
+
+// MR activation rows x NR rows of an already dequantized fp32 panel (row stride k): the
+// inner product of an fp32 GEMM, 8 independent FMA chains for the 4 x 2 tile.
+template <int MR, int NR>
+void panel_tile_avx2(const float* x, int64_t k, const float* w, float* out, int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 8) {
+    __m256 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = _mm256_loadu_ps(w + r * k + j);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * k + j);
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out[m * ldo + r] = hsum(acc[m][r]);
+}
+
+// A weight block as the unsigned operand of the byte dot product (and, for Q8_0, the signed
+// codes whose sign moves onto the activations).
+struct Codes {
+  __m256i u;
+  __m256i s;
+};
+
+template <int64_t KIND>
+inline Codes unpack_avx2(const uint8_t* block) {
+  const uint8_t* bytes = block + Layout<KIND>::codes;
+  if constexpr (KIND == kQ8_0) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    return {_mm256_abs_epi8(q), q};
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(packed),
+                                                 _mm_srli_epi16(packed, 4), 1);
+    const __m256i q = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    return {q, q};
+  }
+}
+
+// 8 int32 lanes whose sum is sum_j q_j c_j.
+template <int64_t KIND>
+inline __m256i dot_avx2(const Codes& w, __m256i c) {
+  const __m256i signed_c = KIND == kQ8_0 ? _mm256_sign_epi8(c, w.s) : c;
+#ifdef GGUF_VNNI
+  return GGUF_DPBUSD(_mm256_setzero_si256(), w.u, signed_c);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, signed_c), _mm256_set1_epi16(1));
+#endif
+}
+
+// scratch: (2 NR + MR NR) * num_blocks floats.
+template <int64_t KIND, int MR, int NR>
+void fast_tile_avx2(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
+                    float* out, int64_t ldo, float* scratch) {
+  const int64_t k = a.in_features, nb = a.num_blocks;
+  float* d = scratch;        // [NR][nb]
+  float* o = d + NR * nb;    // [NR][nb]
+  float* ds = o + NR * nb;   // [MR][NR][nb]: d * s, the scale of each block's integer dot
+  for (int r = 0; r < NR; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      block_scale<KIND>(w + r * row_bytes + b * Layout<KIND>::bytes, d[r * nb + b],
+                        o[r * nb + b]);
+    }
+  }
+  float offset[MR][NR];
+  for (int m = 0; m < MR; ++m) {
+    const float* s = a.scale.data() + (m0 + m) * nb;
+    const float* sums = a.sum.data() + (m0 + m) * nb;
+    for (int r = 0; r < NR; ++r) {
+      float* dsr = ds + (m * NR + r) * nb;
+      const float* dr = d + r * nb;
+      const float* orow = o + r * nb;
+#pragma omp simd
+      for (int64_t b = 0; b < nb; ++b) dsr[b] = dr[b] * s[b];
+      float total = 0.f;
+      if constexpr (KIND != kQ8_0) {
+#pragma omp simd reduction(+ : total)
+        for (int64_t b = 0; b < nb; ++b) total += orow[b] * sums[b];
+      }
+      offset[m][r] = total;
+    }
+  }
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int8_t* codes = a.codes.data() + m0 * k;
+  for (int64_t b = 0; b < nb; ++b) {
+    Codes wq[NR];
+    for (int r = 0; r < NR; ++r) {
+      wq[r] = unpack_avx2<KIND>(w + r * row_bytes + b * Layout<KIND>::bytes);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256i c =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + m * k + b * kBlock));
+      for (int r = 0; r < NR; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(dot_avx2<KIND>(wq[r], c));
+        acc[m][r] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(ds + (m * NR + r) * nb + b),
+                                    acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out[m * ldo + r] = hsum(acc[m][r]) + offset[m][r];
+}
+
+// (d, d) for Q4_0, (d, m) for Q4_1, (d, 0) for Q8_0 in lanes 0 and 1: times a block's
+// activation pair (s, f s sum c) it gives the dot's scale d s and the offset term o s sum c.
+template <int64_t KIND>
+inline __m128 block_factors(const uint8_t* block) {
+  if constexpr (KIND == kQ4_1) {
+    int32_t bits;
+    std::memcpy(&bits, block, sizeof(bits));
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+  } else {
+    uint16_t half;
+    std::memcpy(&half, block, sizeof(half));
+    const uint32_t bits = KIND == kQ4_0 ? half * 0x10001u : half;
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(bits)));
+  }
+}
+
+// The small-M tile (decode): scales folded in per block, so no per-tile set-up pass; it is
+// what keeps M = 1 close to the cost of reading the blocks.
+template <int64_t KIND, int MR, int NR>
+void fast_tile_small_avx2(const Activations& a, int64_t m0, const uint8_t* w,
+                          int64_t row_bytes, float* out, int64_t ldo) {
+  const int64_t k = a.in_features, nb = a.num_blocks;
+  __m256 acc[MR][NR];
+  __m128 offset[MR][NR];
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) {
+      acc[m][r] = _mm256_setzero_ps();
+      offset[m][r] = _mm_setzero_ps();
+    }
+  }
+  const int8_t* codes = a.codes.data() + m0 * k;
+  const float* pairs = a.pair.data() + m0 * nb * 2;
+  for (int64_t b = 0; b < nb; ++b) {
+    Codes wq[NR];
+    __m128 factors[NR];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* block = w + r * row_bytes + b * Layout<KIND>::bytes;
+      wq[r] = unpack_avx2<KIND>(block);
+      factors[r] = block_factors<KIND>(block);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256i c =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + m * k + b * kBlock));
+      const __m128 pair = _mm_castpd_ps(
+          _mm_load_sd(reinterpret_cast<const double*>(pairs + (m * nb + b) * 2)));
+      for (int r = 0; r < NR; ++r) {
+        const __m128 scaled = _mm_mul_ps(factors[r], pair);  // (d s, o s sum c)
+        offset[m][r] = _mm_add_ps(offset[m][r], scaled);
+        const __m256 dot = _mm256_cvtepi32_ps(dot_avx2<KIND>(wq[r], c));
+        acc[m][r] = _mm256_fmadd_ps(dot, _mm256_broadcastss_ps(scaled), acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) {
+      const __m128 o = offset[m][r];
+      out[m * ldo + r] = hsum(acc[m][r]) + _mm_cvtss_f32(_mm_shuffle_ps(o, o, 1));
+    }
+  }
+}
+
+#endif  // GGUF_AVX2
+
+// One row of blocks -> K exact fp32 values (the same values on every path: d * q is exact,
+// so a fused multiply-add and a multiply then add round alike).
+template <int64_t KIND>
+void dequantize_row_fast(const uint8_t* row, int64_t num_blocks, float* out) {
+#ifdef GGUF_AVX2
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m256 v[4];
+    dequantize_block_avx2<KIND>(row + b * Layout<KIND>::bytes, v);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * kBlock + 8 * i, v[i]);
+  }
+#else
+  dequantize_row<KIND>(row, num_blocks, out);
+#endif
+}
+
+// NR for an MR-row tile: enough independent accumulators, few enough registers (16 ymm).
+constexpr int rows_per_tile(int mr) { return mr <= 2 ? 4 : 2; }
+
+// Weight rows [n0, n1) against activation rows [m0, m0 + MR): out is [M, N] fp32.
+template <int64_t KIND, int MR>
+void exact_rows(const float* x, int64_t m0, int64_t k, const uint8_t* w, int64_t row_bytes,
+                int64_t n0, int64_t n1, float* out, int64_t n_total) {
+  const float* xt = x + m0 * k;
+  float* ot = out + m0 * n_total;
+  int64_t n = n0;
+#ifdef GGUF_AVX2
+  constexpr int NR = rows_per_tile(MR);
+  for (; n + NR <= n1; n += NR) {
+    exact_tile_avx2<KIND, MR, NR>(xt, k, w + n * row_bytes, row_bytes, ot + n, n_total);
+  }
+  for (; n < n1; ++n) {
+    exact_tile_avx2<KIND, MR, 1>(xt, k, w + n * row_bytes, row_bytes, ot + n, n_total);
+  }
+#else
+  for (; n < n1; ++n) exact_row_scalar<KIND>(xt, MR, k, w + n * row_bytes, ot + n, n_total);
+#endif
+}
+
+template <int64_t KIND, int MR>
+void fast_rows(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
+               int64_t n0, int64_t n1, float* out, int64_t n_total, float* scratch) {
+  float* ot = out + m0 * n_total;
+  int64_t n = n0;
+#ifdef GGUF_AVX2
+  if constexpr (MR <= 2) {
+    // Registers: MR x NR ymm sums and as many xmm offsets, NR unpacked blocks.
+    constexpr int NR = MR == 1 ? 4 : 2;
+    for (; n + NR <= n1; n += NR) {
+      fast_tile_small_avx2<KIND, MR, NR>(a, m0, w + n * row_bytes, row_bytes, ot + n, n_total);
+    }
+    for (; n < n1; ++n) {
+      fast_tile_small_avx2<KIND, MR, 1>(a, m0, w + n * row_bytes, row_bytes, ot + n, n_total);
+    }
+  } else {
+    constexpr int NR = rows_per_tile(MR);
+    for (; n + NR <= n1; n += NR) {
+      fast_tile_avx2<KIND, MR, NR>(a, m0, w + n * row_bytes, row_bytes, ot + n, n_total,
+                                   scratch);
+    }
+    for (; n < n1; ++n) {
+      fast_tile_avx2<KIND, MR, 1>(a, m0, w + n * row_bytes, row_bytes, ot + n, n_total,
+                                  scratch);
+    }
+  }
+#else
+  (void)scratch;
+  for (; n < n1; ++n) fast_row_scalar<KIND>(a, m0, MR, w + n * row_bytes, ot + n, n_total);
+#endif
+}
+
+// Chunks of output rows over the threads; M in tiles of kTileM inside each chunk.
+template <typename Tile>
+void over_tiles(int64_t m_total, int64_t n_total, const Tile& tile) {
+  const int64_t num_chunks = (n_total + kChunkN - 1) / kChunkN;
+  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t n0 = chunk * kChunkN, n1 = std::min(n_total, n0 + kChunkN);
+      for (int64_t m0 = 0; m0 < m_total; m0 += kTileM) {
+        tile(m0, static_cast<int>(std::min<int64_t>(kTileM, m_total - m0)), n0, n1);
+      }
+    }
+  });
+}
+
+// Rows [n0, n1) of an fp32 panel (row r at panel + (r - n0) * k) against every activation row.
+template <int MR>
+void panel_rows(const float* x, int64_t m0, int64_t k, const float* panel, int64_t n0,
+                int64_t n1, float* out, int64_t n_total) {
+  const float* xt = x + m0 * k;
+  float* ot = out + m0 * n_total;
+  int64_t n = n0;
+#ifdef GGUF_AVX2
+  for (; n + 2 <= n1; n += 2) panel_tile_avx2<MR, 2>(xt, k, panel + (n - n0) * k, ot + n, n_total);
+  for (; n < n1; ++n) panel_tile_avx2<MR, 1>(xt, k, panel + (n - n0) * k, ot + n, n_total);
+#else
+  for (; n < n1; ++n) {
+    const float* wr = panel + (n - n0) * k;
+    for (int m = 0; m < MR; ++m) {
+      float total = 0.f;
+      for (int64_t j = 0; j < k; ++j) total += xt[m * k + j] * wr[j];
+      ot[m * n_total + n] = total;
+    }
+  }
+#endif
+}
+
+// From this many activation rows, a chunk of weight rows is dequantized once into an fp32
+// panel (L1/L2 resident) that every row tile reads, instead of each tile of 4 unpacking the
+// blocks again. Measured on gate|up (576 x 3072), one thread, AVX2: M = 64 5.1 -> 3.9 ms.
+constexpr int64_t kPanelMinRows = 8;
+// bf16/fp16 Q4 layers take the fp32 panel path from this many rows: measured against the
+// int8 blocks, one thread, AVX2 without VNNI (ms, panel vs int8), M = 16: q|k|v 0.35 / 0.45,
+// gate|up 1.12 / 1.40, down 0.55 / 0.52; M = 32: 0.64 / 0.88, 2.66 / 2.82, 1.00 / 1.03.
+// Q8_0 keeps the int8 path (lm_head, M = 32: 34.5 int8 vs 44.0 panel).
+constexpr int64_t kHalfPanelMinRows = 16;
+
+template <int64_t KIND>
+void exact_linear_panel(const float* x, int64_t m_total, int64_t k, const uint8_t* w,
+                        int64_t row_bytes, int64_t n_total, float* out) {
+  const int64_t num_chunks = (n_total + kChunkN - 1) / kChunkN;
+  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(kChunkN * k);
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t n0 = chunk * kChunkN, n1 = std::min(n_total, n0 + kChunkN);
+      for (int64_t n = n0; n < n1; ++n) {
+        dequantize_row_fast<KIND>(w + n * row_bytes, k / kBlock, panel.data() + (n - n0) * k);
+      }
+      for (int64_t m0 = 0; m0 < m_total; m0 += kTileM) {
+        const float* p = panel.data();
+        switch (std::min<int64_t>(kTileM, m_total - m0)) {
+          case 1: panel_rows<1>(x, m0, k, p, n0, n1, out, n_total); break;
+          case 2: panel_rows<2>(x, m0, k, p, n0, n1, out, n_total); break;
+          case 3: panel_rows<3>(x, m0, k, p, n0, n1, out, n_total); break;
+          default: panel_rows<4>(x, m0, k, p, n0, n1, out, n_total); break;
+        }
+      }
+    }
+  });
+}
+
+template <int64_t KIND>
+void exact_linear(const float* x, int64_t m_total, int64_t k, const uint8_t* w,
+                  int64_t row_bytes, int64_t n_total, float* out) {
+  if (m_total >= kPanelMinRows) {
+    exact_linear_panel<KIND>(x, m_total, k, w, row_bytes, n_total, out);
+    return;
+  }
+  over_tiles(m_total, n_total, [&](int64_t m0, int mr, int64_t n0, int64_t n1) {
+    switch (mr) {
+      case 1: exact_rows<KIND, 1>(x, m0, k, w, row_bytes, n0, n1, out, n_total); break;
+      case 2: exact_rows<KIND, 2>(x, m0, k, w, row_bytes, n0, n1, out, n_total); break;
+      case 3: exact_rows<KIND, 3>(x, m0, k, w, row_bytes, n0, n1, out, n_total); break;
+      default: exact_rows<KIND, 4>(x, m0, k, w, row_bytes, n0, n1, out, n_total); break;
+    }
+  });
+}
+
+template <int64_t KIND>
+void fast_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_total,
+                 float* out) {
+  const int64_t num_chunks = (n_total + kChunkN - 1) / kChunkN;
+  const int64_t scratch_size = (2 * 4 + kTileM * 4) * a.num_blocks;
+  at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(scratch_size);
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t n0 = chunk * kChunkN, n1 = std::min(n_total, n0 + kChunkN);
+      for (int64_t m0 = 0; m0 < a.rows; m0 += kTileM) {
+        float* s = scratch.data();
+        switch (std::min<int64_t>(kTileM, a.rows - m0)) {
+          case 1: fast_rows<KIND, 1>(a, m0, w, row_bytes, n0, n1, out, n_total, s); break;
+          case 2: fast_rows<KIND, 2>(a, m0, w, row_bytes, n0, n1, out, n_total, s); break;
+          case 3: fast_rows<KIND, 3>(a, m0, w, row_bytes, n0, n1, out, n_total, s); break;
+          default: fast_rows<KIND, 4>(a, m0, w, row_bytes, n0, n1, out, n_total, s); break;
+        }
+      }
+    }
+  });
+}
+
+template <typename Fn>
+void dispatch_kind(int64_t kind, const Fn& fn) {
+  switch (kind) {
+    case kQ4_0: fn(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ8_0: fn(std::integral_constant<int64_t, kQ8_0>{}); break;
+    default: TORCH_CHECK(false, "gguf kind must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", kind);
+  }
+}
+
+void check_blocks(const at::Tensor& blocks, int64_t kind) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
+              "gguf blocks must be uint8 [N, K / 32 * block bytes], got ", blocks.scalar_type(),
+              " with ", blocks.dim(), " dims");
+  const int64_t bytes = block_bytes(kind);
+  TORCH_CHECK(blocks.size(1) % bytes == 0, "gguf blocks: a row of ", blocks.size(1),
+              " bytes is not a whole number of ", bytes, "-byte blocks");
+}
+
+}  // namespace
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
+  check_blocks(blocks, kind);
+  TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K], got ", x.dim(), " dims");
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
+  const int64_t m_total = x.size(0), k = x.size(1), n_total = blocks.size(0);
+  TORCH_CHECK(k % kBlock == 0, "gguf_linear: K = ", k, " is not a multiple of 32");
+  const int64_t row_bytes = blocks.size(1);
+  TORCH_CHECK(row_bytes == k / kBlock * block_bytes(kind), "gguf_linear: x has K = ", k,
+              " but a row of blocks holds ", row_bytes / block_bytes(kind) * kBlock, " values");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "gguf_linear: x must be float32, bfloat16 or float16, got ", dtype);
+  auto xc = x.contiguous();
+  auto wc = blocks.contiguous();
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  if (dtype == at::kFloat) {
+    auto out = at::empty({m_total, n_total}, x.options());
+    if (m_total == 0 || n_total == 0) return out;
+    dispatch_kind(kind, [&](auto kind_constant) {
+      exact_linear<decltype(kind_constant)::value>(xc.data_ptr<float>(), m_total, k, w,
+                                                   row_bytes, n_total, out.data_ptr<float>());
+    });
+    return out;
+  }
+  auto out32 = at::empty({m_total, n_total}, x.options().dtype(at::kFloat));
+  if (m_total == 0 || n_total == 0) return out32.to(dtype);
+  if (kind != kQ8_0 && m_total >= kHalfPanelMinRows) {
+    // Enough rows to amortize a dequantized fp32 panel: exact weights and fp32 sums beat the
+    // int8 blocks here (see kHalfPanelMinRows), and are more accurate too.
+    auto x32 = xc.to(at::kFloat);
+    dispatch_kind(kind, [&](auto kind_constant) {
+      exact_linear_panel<decltype(kind_constant)::value>(
+          x32.data_ptr<float>(), m_total, k, w, row_bytes, n_total, out32.data_ptr<float>());
+    });
+    return out32.to(dtype);
+  }
+  Activations a;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "gguf_linear", [&] {
+    const float sum_factor = kind == kQ4_1 ? 1.f : kind == kQ4_0 ? -8.f : 0.f;
+    a = quantize_activations(xc.data_ptr<scalar_t>(), m_total, k, sum_factor);
+  });
+  dispatch_kind(kind, [&](auto kind_constant) {
+    fast_linear<decltype(kind_constant)::value>(a, w, row_bytes, n_total,
+                                                out32.data_ptr<float>());
+  });
+  return out32.to(dtype);
+}
+
+at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks, int64_t kind,
+                          at::ScalarType dtype) {
+  check_blocks(blocks, kind);
+  TORCH_CHECK(token_ids.scalar_type() == at::kLong || token_ids.scalar_type() == at::kInt,
+              "gguf_embedding: token ids must be int64 or int32");
+  const int64_t bytes = block_bytes(kind);
+  const int64_t num_blocks = blocks.size(1) / bytes, k = num_blocks * kBlock;
+  const int64_t vocab = blocks.size(0);
+  auto ids = token_ids.contiguous().to(at::kLong);
+  auto wc = blocks.contiguous();
+  std::vector<int64_t> shape(token_ids.sizes().begin(), token_ids.sizes().end());
+  shape.push_back(k);
+  auto out = at::empty(shape, blocks.options().dtype(dtype));
+  const int64_t count = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < vocab, "gguf_embedding: token id ", id[t],
+                " is outside the table of ", vocab, " rows");
+  }
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "gguf_embedding", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(k);
+      for (int64_t t = begin; t < end; ++t) {
+        dispatch_kind(kind, [&](auto kind_constant) {
+          dequantize_row_fast<decltype(kind_constant)::value>(w + id[t] * blocks.size(1),
+                                                              num_blocks, row.data());
+        });
+        for (int64_t j = 0; j < k; ++j) o[t * k + j] = static_cast<scalar_t>(row[j]);
+      }
+    });
+  });
+  return out;
+}
+
+// Shape functions for torch.compile (symbolic M and token counts).
+at::Tensor gguf_linear_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
+  check_blocks(blocks, kind);
+  TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K], got ", x.dim(), " dims");
+  return at::empty_symint({x.sym_size(0), blocks.sym_size(0)}, x.options());
+}
+
+at::Tensor gguf_embedding_meta(const at::Tensor& token_ids, const at::Tensor& blocks,
+                               int64_t kind, at::ScalarType dtype) {
+  check_blocks(blocks, kind);
+  std::vector<c10::SymInt> shape(token_ids.sym_sizes().begin(), token_ids.sym_sizes().end());
+  shape.push_back(blocks.sym_size(1) / block_bytes(kind) * kBlock);
+  return at::empty_symint(shape, token_ids.options().dtype(dtype));
+}
+
+std::string gguf_kernel_isa() {
+#if defined(GGUF_AVX2) && defined(GGUF_VNNI_EMULATED)
+  return "avx2+vnni-emulated";
+#elif defined(GGUF_AVX2) && defined(GGUF_VNNI)
+  return "avx2+vnni";
+#elif defined(GGUF_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(LLMSERVE_GGUF_NAMESPACE, m) {
+  m.def("gguf_linear(Tensor x, Tensor blocks, int kind) -> Tensor");
+  m.def("gguf_embedding(Tensor token_ids, Tensor blocks, int kind, ScalarType dtype) -> Tensor");
+  m.def("gguf_kernel_isa() -> str", &gguf_kernel_isa);
+}
+
+TORCH_LIBRARY_IMPL(LLMSERVE_GGUF_NAMESPACE, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_embedding", &gguf_embedding);
+}
+
+TORCH_LIBRARY_IMPL(LLMSERVE_GGUF_NAMESPACE, Meta, m) {
+  m.impl("gguf_linear", &gguf_linear_meta);
+  m.impl("gguf_embedding", &gguf_embedding_meta);
+}

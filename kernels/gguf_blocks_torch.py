@@ -1,0 +1,95 @@
+"""GGUF's Q4_0 / Q4_1 / Q8_0 blocks in torch: decoded to float exactly as the file defines
+them, and the linear layer and embedding on top (dequantize, then one matmul). This is the
+path when the C++ kernels (kernels/csrc/gguf_gemm.cpp) cannot build, and their test oracle.
+
+    kind (ggml id)  bytes  one block = 32 values along K             value j
+    Q4_0 (2)        18     d fp16 | 16 B of nibbles                  d * (q_j - 8)
+    Q4_1 (3)        20     d fp16 | m fp16 | 16 B of nibbles         d * q_j + m
+    Q8_0 (8)        34     d fp16 | 32 x int8                        d * q_j
+
+A Q4 block stores q_j in the low nibble of byte j and q_{j+16} in its high nibble. A weight
+[N, K] is `blocks` uint8 [N, K / 32 * bytes]: the file's blocks, row after row. d * q is
+exact in fp32 (11-bit d times a 4- or 8-bit code); Q4_1 rounds once when adding m, as
+ggml and the gguf package do.
+
+The C++ op's bf16/fp16 path quantizes each 32-value block of an activation row to int8 with
+one scale (`quantize_activation_blocks` is that rounding, written the same way, so the tests
+can tell the kernel's arithmetic from the rounding it chooses), except for Q4 weights with at
+least HALF_PANEL_MIN_ROWS rows of activations, where it computes in fp32 on exact weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+GGUF_Q4_0 = 2
+GGUF_Q4_1 = 3
+GGUF_Q8_0 = 8
+GGUF_KINDS = {"Q4_0": GGUF_Q4_0, "Q4_1": GGUF_Q4_1, "Q8_0": GGUF_Q8_0}
+BLOCK_VALUES = 32
+BLOCK_BYTES = {GGUF_Q4_0: 18, GGUF_Q4_1: 20, GGUF_Q8_0: 34}
+ACTIVATION_LEVELS = 127.0
+HALF_PANEL_MIN_ROWS = 16
+"""kHalfPanelMinRows of kernels/csrc/gguf_gemm.cpp (the tests hold the two equal)."""
+
+
+def block_bytes(kind: int) -> int:
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"GGUF block kind {kind} is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)")
+    return BLOCK_BYTES[kind]
+
+
+def in_features(blocks: Tensor, kind: int) -> int:
+    """K of a weight stored as `blocks` [N, K / 32 * bytes]."""
+    return blocks.shape[-1] // block_bytes(kind) * BLOCK_VALUES
+
+
+def _fp16_field(blocks: Tensor, offset: int) -> Tensor:
+    """The fp16 at byte `offset` of every block [..., bytes] -> fp32 [..., 1]."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def dequantize_blocks(blocks: Tensor, kind: int) -> Tensor:
+    """blocks uint8 [N, K / 32 * bytes] -> fp32 [N, K], the values the file defines."""
+    n = blocks.shape[0]
+    size = block_bytes(kind)
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] % size:
+        raise ValueError(f"blocks must be uint8 [N, K / 32 * {size}], got {blocks.dtype}")
+    grouped = blocks.view(n, -1, size)
+    d = _fp16_field(grouped, 0)
+    if kind == GGUF_Q8_0:
+        return (grouped[..., 2:].view(torch.int8).float() * d).view(n, -1)
+    header = 4 if kind == GGUF_Q4_1 else 2
+    nibbles = grouped[..., header:]
+    codes = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).float()
+    if kind == GGUF_Q4_1:
+        return (d * codes + _fp16_field(grouped, 2)).view(n, -1)
+    return (d * (codes - 8)).view(n, -1)
+
+
+def gguf_linear(x: Tensor, blocks: Tensor, kind: int) -> Tensor:
+    """x [M, K] @ dequant(blocks [N, ...])^T -> [M, N] in x.dtype, accumulated in fp32."""
+    k = in_features(blocks, kind)
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the blocks hold {k}")
+    weight = dequantize_blocks(blocks, kind).to(x.device)
+    return (x.float() @ weight.t()).to(x.dtype)
+
+
+def gguf_embedding(token_ids: Tensor, blocks: Tensor, kind: int, dtype: torch.dtype) -> Tensor:
+    """Rows `token_ids` of the table, dequantized exactly (then cast) -> [*ids, K]."""
+    rows = blocks.index_select(0, token_ids.reshape(-1))
+    values = dequantize_blocks(rows, kind).to(dtype)
+    return values.view(*token_ids.shape, values.shape[-1])
+
+
+def quantize_activation_blocks(x: Tensor) -> Tensor:
+    """The fast path's activations: each 32-value block of a row rounded to int8 codes with
+    one fp32 scale amax / 127 (round half to even), returned dequantized in fp32."""
+    m, k = x.shape
+    groups = x.float().view(m, k // BLOCK_VALUES, BLOCK_VALUES)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / ACTIVATION_LEVELS
+    inverse = torch.where(scale == 0, 0.0, 1.0 / scale)
+    codes = torch.round(groups * inverse)
+    return (codes * scale).view(m, k)

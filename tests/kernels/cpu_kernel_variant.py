@@ -1,0 +1,117 @@
+"""Builds the attention and KV-write kernels of kernels/csrc with other compile flags, as a
+library of their own, and checks it against the torch references.
+
+    python -m tests.kernels.cpu_kernel_variant scalar|avx512-emulated|avx2
+
+Variants: `scalar` is the portable build (-DLLMSERVE_SCALAR_KERNELS, no SIMD code compiled),
+`avx512-emulated` runs the AVX-512 backend on tests/kernels/avx512_emulation.h (for CPUs
+without AVX-512), `avx2` leaves AVX-512 out (for CPUs with it, where the main build never
+runs the AVX2 backend). Each runs in its own process: the library registers the same
+llmserve ops as the main one. Exits non-zero on the first mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_extension import SOURCE_DIR
+
+TESTS_DIR = Path(__file__).resolve().parent
+SOURCES = [SOURCE_DIR / "paged_decode_attention.cpp", SOURCE_DIR / "write_kv_cache.cpp"]
+# variant -> (extra compiler flags, the ISA the kernels must then report)
+VARIANTS: dict[str, tuple[list[str], str]] = {
+    "scalar": (["-DLLMSERVE_SCALAR_KERNELS"], "scalar"),
+    "avx512-emulated": (["-DLLMSERVE_EMULATE_AVX512", f"-I{TESTS_DIR}"], "avx512"),
+    "avx2": (["-mno-avx512f"], "avx2"),
+}
+
+
+def build(variant: str) -> None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    flags, _ = VARIANTS[variant]
+    digest = hashlib.sha1(" ".join(flags).encode())
+    for path in [*SOURCES, *SOURCE_DIR.glob("*.h"), TESTS_DIR / "avx512_emulation.h"]:
+        digest.update(path.read_bytes())
+    load_extension(
+        name=f"llmserve_cpu_{variant.replace('-', '_')}_{digest.hexdigest()[:10]}",
+        sources=[str(p) for p in SOURCES],
+        extra_include_paths=[str(SOURCE_DIR)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", *flags],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def check(variant: str) -> int:
+    """Every shape family of test_cpu_extension, fewer combinations; returns cases run."""
+    from tests.kernels.test_cpu_extension import (
+        GQA,
+        check_decode,
+        check_write,
+        make_decode_case,
+        seeded,
+    )
+
+    ops = torch.ops.llmserve
+    expected_isa = VARIANTS[variant][1]
+    assert ops.cpu_kernel_isa() == expected_isa, f"built {ops.cpu_kernel_isa()}, not {expected_isa}"
+    torch.set_num_threads(2)  # so long contexts take the split path
+    cases = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for head_dim in (64, 128):
+            for num_q_heads, num_kv_heads in GQA:
+                for lengths in ([1], [17, 0, 40, 16], [129, 3, 64]):
+                    g = seeded(variant, dtype, head_dim, num_q_heads, len(lengths))
+                    case = make_decode_case(lengths, num_q_heads, num_kv_heads, head_dim, dtype, g)
+                    check_decode(ops, case, dtype)
+                    cases += 1
+    for quant_group in (8, 16, 64):
+        for dtype in (torch.float32, torch.bfloat16):
+            for head_dim in (64, 128):
+                g = seeded(variant, "int8", quant_group, dtype, head_dim)
+                case = make_decode_case(
+                    [33, 0, 1, 100], 9, 3, head_dim, dtype, g, quant_group=quant_group
+                )
+                check_decode(ops, case, dtype)
+                cases += 1
+    for dtype, quant_group in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, 8)):
+        g = seeded(variant, "long", dtype, quant_group)
+        case = make_decode_case([2100, 7, 0], 9, 3, 64, dtype, g, quant_group=quant_group)
+        check_decode(ops, case, dtype)
+        cases += 1
+    for case_g, block_size in enumerate((1, 5, 32)):
+        case = make_decode_case(
+            [70, 1, 33], 9, 3, 64, torch.float32, seeded(variant, case_g), block_size=block_size
+        )
+        check_decode(ops, case, torch.float32)
+        cases += 1
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    for dtype in floats:
+        for cache_dtype in floats:
+            check_write(ops, seeded(variant, "write", dtype, cache_dtype), dtype, cache_dtype, None)
+            cases += 1
+        for quant_group in (8, 16, 64):
+            for head_dim in (64, 128):
+                g = seeded(variant, "write int8", dtype, quant_group, head_dim)
+                check_write(ops, g, dtype, torch.int8, quant_group, head_dim=head_dim)
+                cases += 1
+    check_write(ops, seeded(variant, "many"), torch.bfloat16, torch.int8, 8, num_tokens=140)
+    return cases + 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("variant", choices=sorted(VARIANTS))
+    args = parser.parse_args()
+    build(args.variant)
+    print(f"{args.variant}: {check(args.variant)} cases match the torch references")
+
+
+if __name__ == "__main__":
+    main()

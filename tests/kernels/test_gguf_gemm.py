@@ -1,0 +1,261 @@
+"""The GGUF block kernels (kernels/csrc/gguf_gemm.cpp: the main build, a forced-scalar build
+and one running the VNNI code path on AVX2) against the torch reference in fp64, on fresh
+random blocks: every kind, negative and zero scales.
+
+Tolerances, per output element, with B = |x| @ |W|^T (the sum of the magnitudes):
+- fp32 (exact weights, fp32 sums): 1e-6 B. Measured below 1e-7 B: only summation order
+  differs from the fp64 product.
+- bf16/fp16 (int8 activation blocks): the activation rounding, at most s_j / 2 per value
+  (s = block amax / 127), so |y - y_exact| <= sum_j |W_nj| s_j / 2 + the output rounding
+  (2^-8 relative for bf16, 2^-11 for fp16) + 1e-5 B. Against the reference fed the same
+  rounded activations only the output rounding and 1e-5 B remain. Q4 weights with at least
+  HALF_PANEL_MIN_ROWS activation rows are computed in fp32 on exact weights instead: there
+  the unrounded activations leave only the output rounding and 1e-5 B.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_extension, gguf_blocks_torch, ops
+from kernels.gguf_blocks_torch import (
+    BLOCK_BYTES,
+    BLOCK_VALUES,
+    GGUF_Q4_0,
+    GGUF_Q4_1,
+    GGUF_Q8_0,
+    HALF_PANEL_MIN_ROWS,
+    dequantize_blocks,
+    quantize_activation_blocks,
+)
+
+KINDS = [GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0]
+KIND_IDS = ["Q4_0", "Q4_1", "Q8_0"]
+EXACT_RTOL = 1e-6
+SUM_RTOL = 1e-5
+OUTPUT_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# (K, N): a single block, N not a multiple of the 4-row register tile, and two model shapes.
+SHAPES = [(32, 5), (96, 37), (576, 960), (1536, 64)]
+
+
+@pytest.fixture(scope="module")
+def extension():  # type: ignore[no-untyped-def]
+    assert cpu_extension.load(), "the C++ kernels must build on this machine (gcc, ninja)"
+    return torch.ops.llmserve
+
+
+# variant -> (compiler flags, the ISA its ops must report)
+VARIANTS = {
+    "scalar": (["-DLLMSERVE_GGUF_SCALAR"], "scalar"),
+    "vnni-emulated": (["-march=native", "-DLLMSERVE_GGUF_EMULATE_VNNI"], "avx2+vnni-emulated"),
+}
+
+
+def build_variant(variant: str):  # type: ignore[no-untyped-def]
+    """gguf_gemm.cpp alone with other flags, its ops under their own namespace (so the build
+    loads beside the main library): the scalar fallback, and the VNNI path on AVX2."""
+    from torch.utils.cpp_extension import load
+
+    flags, isa = VARIANTS[variant]
+    source = cpu_extension.SOURCE_DIR / "gguf_gemm.cpp"
+    namespace = f"llmserve_gguf_{variant.replace('-', '_')}"
+    digest = hashlib.sha1(Path(source).read_bytes() + " ".join(flags).encode()).hexdigest()
+    load(
+        name=f"{namespace}_{digest[:10]}",
+        sources=[str(source)],
+        extra_cflags=[
+            "-O2",
+            "-fopenmp",
+            "-fno-strict-aliasing",
+            f"-DLLMSERVE_GGUF_NAMESPACE={namespace}",
+            *flags,
+        ],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+    ops_namespace = getattr(torch.ops, namespace)
+    assert ops_namespace.gguf_kernel_isa() == isa
+    return ops_namespace
+
+
+@pytest.fixture(scope="module")
+def scalar_extension():  # type: ignore[no-untyped-def]
+    return build_variant("scalar")
+
+
+@pytest.fixture(scope="module")
+def vnni_emulated_extension():  # type: ignore[no-untyped-def]
+    if "avx2" not in cpu_extension.ops().gguf_kernel_isa():
+        pytest.skip("the VNNI path is AVX2 code")
+    return build_variant("vnni-emulated")
+
+
+BUILDS = {
+    "simd": "extension",
+    "scalar": "scalar_extension",
+    "vnni-emulated": "vnni_emulated_extension",
+}
+
+
+@pytest.fixture(params=list(BUILDS))
+def linear_op(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    return request.getfixturevalue(BUILDS[request.param]).gguf_linear
+
+
+@pytest.fixture(params=["simd", "scalar"])  # fp32 never reaches the VNNI code
+def exact_linear_op(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    return request.getfixturevalue(BUILDS[request.param]).gguf_linear
+
+
+def random_blocks(n: int, k: int, kind: int, seed: int) -> torch.Tensor:
+    """Random codes with finite fp16 scales of both signs, some exactly zero."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, size = k // BLOCK_VALUES, BLOCK_BYTES[kind]
+    raw = torch.randint(0, 256, (n, num_blocks, size), dtype=torch.uint8, generator=g)
+    d = torch.randn(n, num_blocks, 1, generator=g) * 0.02
+    d[torch.rand(n, num_blocks, 1, generator=g) < 0.05] = 0.0
+    raw[..., 0:2] = d.half().view(torch.uint8)
+    if kind == GGUF_Q4_1:
+        m = torch.randn(n, num_blocks, 1, generator=g) * 0.1
+        raw[..., 2:4] = m.half().view(torch.uint8)
+    if kind == GGUF_Q8_0:
+        raw[0, 0, 2] = 0x80  # -128: the one code whose magnitude does not fit int8
+    return raw.view(n, num_blocks * size)
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :BLOCK_VALUES] = 0.0  # an all-zero block: scale 0
+    return x
+
+
+def test_reference_decodes_like_the_gguf_package() -> None:
+    quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    for kind, name in zip(KINDS, KIND_IDS, strict=True):
+        blocks = random_blocks(7, 96, kind, seed=kind)
+        theirs = quants.dequantize(blocks.numpy(), GGMLQuantizationType[name])
+        torch.testing.assert_close(
+            dequantize_blocks(blocks, kind), torch.from_numpy(theirs), atol=0, rtol=0
+        )
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_fp32_is_exact_up_to_summation_order(  # type: ignore[no-untyped-def]
+    exact_linear_op, kind: int, m: int, k: int, n: int
+) -> None:
+    blocks = random_blocks(n, k, kind, seed=k + n + kind)
+    x = activations(m, k, seed=m)
+    weight = dequantize_blocks(blocks, kind).double()
+    expected = x.double() @ weight.t()
+    magnitude = x.double().abs() @ weight.abs().t()
+    got = exact_linear_op(x, blocks, kind)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    excess = (got.double() - expected).abs() - EXACT_RTOL * magnitude
+    assert excess.max() <= 1e-30, f"worst excess {excess.max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_fast_path_within_its_rounding_bound(  # type: ignore[no-untyped-def]
+    linear_op, dtype: torch.dtype, kind: int, m: int, k: int, n: int
+) -> None:
+    blocks = random_blocks(n, k, kind, seed=k + n + kind)
+    x = activations(m, k, seed=m).to(dtype)
+    weight = dequantize_blocks(blocks, kind).double()
+    got = linear_op(x, blocks, kind)
+    assert got.dtype == dtype and got.shape == (m, n)
+    got = got.double()
+
+    # 1. The kernel's arithmetic: the reference fed the same activations (int8 blocks, or
+    # the bf16/fp16 values themselves on the fp32 panel path).
+    int8_blocks = kind == GGUF_Q8_0 or m < HALF_PANEL_MIN_ROWS
+    rounded = (quantize_activation_blocks(x) if int8_blocks else x.float()).double()
+    same_input = rounded @ weight.t()
+    bound = OUTPUT_ROUNDING[dtype] * same_input.abs() + SUM_RTOL * (
+        rounded.abs() @ weight.abs().t()
+    )
+    assert ((got - same_input).abs() - bound).max() <= 1e-30
+
+    # 2. The stated tolerance against the exact product: the activation rounding bound.
+    x64 = x.double()
+    exact = x64 @ weight.t()
+    scale = x64.view(m, -1, BLOCK_VALUES).abs().amax(dim=-1) / 127
+    half_step = scale.repeat_interleave(BLOCK_VALUES, dim=1) / 2
+    bound = (
+        half_step @ weight.abs().t()
+        + OUTPUT_ROUNDING[dtype] * exact.abs()
+        + SUM_RTOL * (x64.abs() @ weight.abs().t())
+    )
+    assert ((got - exact).abs() - bound).max() <= 1e-30
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_embedding_rows_are_exact(extension, kind: int, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    blocks = random_blocks(50, 96, kind, seed=kind)
+    for ids in (torch.tensor([[0, 49, 7], [7, 3, 0]]), torch.tensor([5, 1], dtype=torch.int32)):
+        got = extension.gguf_embedding(ids, blocks, kind, dtype)
+        rows = dequantize_blocks(blocks, kind)[ids.long()].to(dtype)
+        assert got.dtype == dtype and torch.equal(got, rows)
+        assert torch.equal(gguf_blocks_torch.gguf_embedding(ids, blocks, kind, dtype), rows)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        extension.gguf_embedding(torch.tensor([50]), blocks, kind, dtype)
+
+
+def test_bad_shapes_raise_clear_errors(extension) -> None:  # type: ignore[no-untyped-def]
+    blocks = random_blocks(4, 64, GGUF_Q4_1, seed=0)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        extension.gguf_linear(torch.zeros(1, 48), blocks, GGUF_Q4_1)
+    with pytest.raises(RuntimeError, match="x has K = 96"):
+        extension.gguf_linear(torch.zeros(1, 96), blocks, GGUF_Q4_1)
+    with pytest.raises(RuntimeError, match="kind must be"):
+        extension.gguf_linear(torch.zeros(1, 64), blocks, 12)
+    with pytest.raises(RuntimeError, match="whole number"):
+        extension.gguf_linear(torch.zeros(1, 64), blocks, GGUF_Q8_0)
+
+
+def test_ops_dispatch_to_the_extension_or_the_reference(
+    extension,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kernels import backend
+
+    blocks = random_blocks(9, 64, GGUF_Q4_0, seed=1)
+    x = activations(2, 64, seed=2)
+    monkeypatch.delenv(backend.BACKEND_ENV_VAR, raising=False)
+    native = ops.gguf_linear(x, blocks, GGUF_Q4_0)
+    torch.testing.assert_close(native, extension.gguf_linear(x, blocks, GGUF_Q4_0))
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "torch")
+    reference = ops.gguf_linear(x, blocks, GGUF_Q4_0)
+    assert torch.equal(reference, gguf_blocks_torch.gguf_linear(x, blocks, GGUF_Q4_0))
+    torch.testing.assert_close(native, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_run_inside_a_full_compiled_graph(extension) -> None:  # type: ignore[no-untyped-def]
+    from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear
+
+    table = GGUFEmbedding(random_blocks(100, 64, GGUF_Q8_0, seed=3), GGUF_Q8_0, torch.float32)
+    head = GGUFLinear(table.blocks, GGUF_Q8_0, None)
+    proj = GGUFLinear(random_blocks(64, 64, GGUF_Q4_1, seed=4), GGUF_Q4_1, torch.ones(64))
+
+    def step(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = proj(table(token_ids))
+        return head(hidden), head(hidden.to(torch.bfloat16))
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    for count in (3, 5):  # two token counts: one graph with a symbolic M
+        token_ids = torch.arange(count) * 7
+        for got, expected in zip(compiled(token_ids), step(token_ids), strict=True):
+            assert got.dtype == expected.dtype and got.shape == expected.shape
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
