@@ -35,17 +35,21 @@ def sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.cpp"))
 
 
-def _cpu_fingerprint() -> str:
-    """Built with -march=native: a cached build must never run on another CPU."""
+def cpu_flags_line() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (the processor name elsewhere)."""
     try:
-        flags = next(
+        return next(
             line
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("flags")
         )
     except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+        return platform.processor()
+
+
+def _cpu_fingerprint() -> str:
+    """Built with -march=native: a cached build must never run on another CPU."""
+    return hashlib.sha1(cpu_flags_line().encode()).hexdigest()[:10]
 
 
 def library_name() -> str:

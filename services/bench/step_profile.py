@@ -34,7 +34,7 @@ KINDS: list[tuple[str, tuple[str, ...]]] = [
         ("gguf_linear", "aten::mm", "aten::addmm", "aten::bmm", "int4pack", "int8pack", "_int_mm"),
     ),
     ("attention", ("paged_decode_attention", "scaled_dot_product", "prefill_attention")),
-    ("KV-cache write", ("write_kv_cache", "index_copy")),
+    ("KV-cache write", ("write_kv_cache", "write_cache", "index_copy")),
     ("sampling", ("argmax", "topk", "softmax", "multinomial", "sort")),
 ]
 HEADERS = ["batch", "part", "ms / step", "share"]

@@ -13,19 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from kernels import cpu_extension
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cpu_has_avx512() -> bool:
-    try:
-        flags = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return False
-    return "avx512f" in flags.split()
+    return "avx512f" in cpu_extension.cpu_flags_line().split()
 
 
 @pytest.mark.slow
