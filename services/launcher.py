@@ -70,8 +70,10 @@ class StackConfig:
     """How tokenizers pick a scheduler: cache_aware, least_loaded or round_robin."""
     enable_prefix_caching: bool = True
     """Reuse cached KV across requests (--no-enable-prefix-caching to measure without)."""
-    startup_timeout_s: float = 300.0
-    """How long to wait for every process to become healthy."""
+    startup_timeout_s: float = 900.0
+    """How long to wait for every process to become healthy (a worker's first start builds
+    the C++ kernels and compiles its decode steps: minutes on 2 cores; later starts reuse
+    the caches)."""
     ready_file: str | None = None
     """Write the addresses and pids as JSON here once ready (for scripts and tests)."""
     metrics_port: int | None = None

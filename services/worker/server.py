@@ -146,7 +146,7 @@ async def serve(config: WorkerConfig) -> None:
     service.add(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
     # Listen first (health NOT_SERVING) so a supervisor sees the port while the model loads.
     port = await service.start(config.host, config.port)
-    log.warning("worker listening", extra={"address": f"{config.host}:{port}"})
+    log.info("worker listening", extra={"address": f"{config.host}:{port}"})
     start_metrics_server(metrics.REGISTRY.render, config.host, config.metrics_port, "worker")
     dtype = resolve_dtype(config.dtype, config.device)
     loaded = await asyncio.to_thread(
@@ -167,7 +167,7 @@ async def serve(config: WorkerConfig) -> None:
     await asyncio.to_thread(warm_up, runner)
     servicer.attach(loaded, runner)
     await service.set_serving()
-    log.warning(
+    log.info(
         "worker serving",
         extra={
             "model": loaded.name,
