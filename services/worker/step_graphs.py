@@ -21,11 +21,12 @@ at ~/.cache/llmserve/inductor), so a second start skips code generation and the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -70,6 +71,11 @@ class _StaticInputs:
     slot_mapping: Tensor
     block_tables: Tensor
     context_lens: Tensor
+    batch: ForwardBatch = field(init=False)
+    """The tensors above as one decode batch (built once: no allocation per step)."""
+
+    def __post_init__(self) -> None:
+        self.batch = ForwardBatch.for_decode(*self.as_args())
 
     @classmethod
     def empty(cls, bucket: int, max_blocks_per_seq: int, device: torch.device) -> _StaticInputs:
@@ -120,13 +126,11 @@ class DecodeGraphs:
         *,
         max_model_len: int,
         buckets: Sequence[int],
-        compile_options: dict[str, object] | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.buckets = sorted(buckets)
         self.max_blocks_per_seq = -(-max_model_len // kv_cache.spec.block_size)
-        self.compile_options = dict(compile_options or {})
         self._inputs = {
             bucket: _StaticInputs.empty(bucket, self.max_blocks_per_seq, kv_cache.storage.device)
             for bucket in self.buckets
@@ -156,7 +160,7 @@ class DecodeGraphs:
     ) -> Tensor:
         """The model's decode forward with every decoder layer replaced by the compiled one."""
         model = self.model
-        batch = ForwardBatch.for_decode(*inputs.as_args())
+        batch = inputs.batch
         hidden = model.embed_tokens(batch.input_ids)
         residual: Tensor | None = None
         for layer, kv_cache in zip(model.layers, self.kv_cache.layers, strict=True):
@@ -177,7 +181,7 @@ class DecodeGraphs:
         if not cpu_extension.load() and self.kv_cache.storage.device.type == "cpu":
             raise RuntimeError("compiled decode steps need the C++ CPU kernels")
         use_persistent_compile_cache()
-        self._compiled_layer = _compiled_layer_for(self.compile_options)
+        self._compiled_layer = _compiled_layer()
         started = time.perf_counter()
         bar = tqdm(
             sorted(self.buckets, reverse=True),
@@ -220,18 +224,11 @@ class DecodeGraphs:
 # Dynamo keeps one cache of compiled graphs per function: an entry per (bucket, first layer or
 # not, weight format). Engines built on the same model in one process (benchmarks, tests)
 # reuse the entries. Past the limit dynamo would quietly run the layer eagerly; fail instead.
-_COMPILED_LAYERS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {}
-
-
-def _compiled_layer_for(options: dict[str, object]) -> Callable[..., tuple[Tensor, Tensor]]:
-    key = repr(sorted(options.items()))
-    if key not in _COMPILED_LAYERS:
-        torch._dynamo.config.recompile_limit = 256
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
-        _COMPILED_LAYERS[key] = torch.compile(
-            _run_layer, fullgraph=True, dynamic=False, options=options or None
-        )
-    return _COMPILED_LAYERS[key]
+@functools.cache
+def _compiled_layer() -> Callable[..., tuple[Tensor, Tensor]]:
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    return torch.compile(_run_layer, fullgraph=True, dynamic=False)
 
 
 def _run_layer(

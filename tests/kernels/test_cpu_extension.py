@@ -553,3 +553,57 @@ def test_ops_use_the_extension_on_cpu(extension, monkeypatch: pytest.MonkeyPatch
     assert backend.use_cpu_extension(torch.zeros(1))
     monkeypatch.setenv(backend.BACKEND_ENV_VAR, "torch")
     assert not backend.use_cpu_extension(torch.zeros(1))
+
+
+# --- one cache per call (what the model's layers use) ----------------------------------------
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_write_cache_writes_only_its_own_half(extension, int8: bool) -> None:  # type: ignore[no-untyped-def]
+    """K and V are views of one storage, as in the worker; writing K leaves V untouched."""
+    g = torch.Generator().manual_seed(7)
+    dtype = torch.int8 if int8 else torch.float32
+    storage = torch.zeros(2, 8, 4, 3, 16, dtype=dtype)
+    scales = torch.zeros(2, 8, 4, 3, 2, dtype=torch.float16) if int8 else None
+    key = torch.randn(5, 3, 16, generator=g)
+    slots = torch.tensor([0, 5, -1, 17, 31])
+    k_scale = None if scales is None else scales[0]
+    extension.write_cache(key, storage[0], slots, k_scale)
+    expected_k = torch.zeros(8, 4, 3, 16, dtype=dtype)
+    expected_scale = None if scales is None else torch.zeros(8, 4, 3, 2, dtype=torch.float16)
+    kv_cache_torch.write_kv_cache(
+        key[[0, 1, 3, 4]],
+        key[[0, 1, 3, 4]],
+        expected_k,
+        expected_k.clone(),
+        slots[[0, 1, 3, 4]],
+        expected_scale,
+        None if expected_scale is None else expected_scale.clone(),
+    )
+    assert torch.equal(storage[0], expected_k)
+    assert not storage[1].any()
+    if scales is not None:
+        assert expected_scale is not None
+        assert torch.equal(scales[0], expected_scale) and not scales[1].any()
+
+
+def test_compiled_write_into_views_of_one_storage_equals_eager(extension) -> None:  # type: ignore[no-untyped-def]
+    """The worker's layout (K and V halves of one tensor) through kernels.ops, compiled."""
+    g = torch.Generator().manual_seed(11)
+    key, value = (torch.randn(3, 3, 64, generator=g) for _ in range(2))
+    query = torch.randn(3, 9, 64, generator=g)
+    slots = torch.tensor([3, 40, -1])
+    block_tables = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 2, 0]], dtype=torch.int32)
+    context_lens = torch.tensor([4, 9, 0], dtype=torch.int32)
+
+    def step(storage: Tensor) -> Tensor:
+        return _decode_step_via_ops(
+            key, value, query, storage[0], storage[1], slots, block_tables, context_lens, None, None
+        )
+
+    eager_storage = torch.randn(2, 3, 16, 3, 64, generator=g)
+    compiled_storage = eager_storage.clone()
+    want = step(eager_storage)
+    got = torch.compile(step, fullgraph=True)(compiled_storage)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(compiled_storage, eager_storage)
