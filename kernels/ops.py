@@ -253,12 +253,18 @@ from kernels import gguf_blocks_torch  # noqa: E402
 __all__ += ["gguf_embedding", "gguf_linear"]
 
 
-def gguf_linear(x: Tensor, blocks: Tensor, kind: int) -> Tensor:
+def gguf_linear(x: Tensor, blocks: Tensor, kind: int, int8_activations: bool = False) -> Tensor:
     """x [M, K] @ W^T, W = GGUF blocks uint8 [N, K / 32 * bytes] of ggml kind 2 (Q4_0),
     3 (Q4_1) or 8 (Q8_0) -> [M, N] in x.dtype. fp32: exact weights, fp32 sums. bf16/fp16 on
-    CPU: activations rounded to int8 per 32 values, integer block dot products."""
+    CPU, or any dtype with `int8_activations`: activations rounded to int8 per 32 values,
+    integer block dot products."""
     if use_cpu_extension(x):
-        return torch.ops.llmserve.gguf_linear(x.contiguous(), blocks, kind)  # type: ignore[no-any-return]
+        return torch.ops.llmserve.gguf_linear(x.contiguous(), blocks, kind, int8_activations)  # type: ignore[no-any-return]
+    if int8_activations and (
+        kind == gguf_blocks_torch.GGUF_Q8_0 or x.shape[0] < gguf_blocks_torch.HALF_PANEL_MIN_ROWS
+    ):
+        # The rows the C++ kernels round too (Q4 layers of many rows compute exactly there).
+        x = gguf_blocks_torch.quantize_activation_blocks(x).to(x.dtype)
     return gguf_blocks_torch.gguf_linear(x, blocks, kind)
 
 

@@ -61,6 +61,9 @@ class StackConfig:
     """torch threads per worker; unset = the cores divided among the workers."""
     enforce_eager: bool = False
     """Workers run every step eagerly (no compiled decode graphs): slower, start faster."""
+    fused_decode: bool = True
+    """Workers run pure-decode steps of a float32 GGUF model with every layer in one C++ call (no
+    compilation needed); --no-fused-decode uses compiled graphs or eager ops instead."""
     redis_url: str | None = None
     """An existing Redis (redis://[user:password@]host:port, rediss:// for TLS); unset = start
     a private redis-server on loopback when one is installed."""
@@ -189,6 +192,7 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
             "--max-num-seqs",
             str(config.max_num_seqs),
             "--enforce-eager" if config.enforce_eager else "--no-enforce-eager",
+            "--fused-decode" if config.fused_decode else "--no-fused-decode",
             *model,
         ]
         workers.append(child(f"worker-{index}", worker_args, f"{host}:{worker_port}"))

@@ -709,7 +709,8 @@ void check_blocks(const at::Tensor& blocks, int64_t kind) {
 
 }  // namespace
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                       bool int8_activations) {
   check_blocks(blocks, kind);
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K], got ", x.dim(), " dims");
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
@@ -724,7 +725,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
   auto xc = x.contiguous();
   auto wc = blocks.contiguous();
   const uint8_t* w = wc.data_ptr<uint8_t>();
-  if (dtype == at::kFloat) {
+  if (dtype == at::kFloat && !int8_activations) {
     auto out = at::empty({m_total, n_total}, x.options());
     if (m_total == 0 || n_total == 0) return out;
     dispatch_kind(kind, [&](auto kind_constant) {
@@ -745,11 +746,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
     });
     return out32.to(dtype);
   }
-  Activations a;
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "gguf_linear", [&] {
-    const float sum_factor = kind == kQ4_1 ? 1.f : kind == kQ4_0 ? -8.f : 0.f;
-    a = quantize_activations(xc.data_ptr<scalar_t>(), m_total, k, sum_factor);
-  });
+  const float sum_factor = kind == kQ4_1 ? 1.f : kind == kQ4_0 ? -8.f : 0.f;
+  const Activations a =
+      dtype == at::kFloat
+          ? quantize_activations(xc.data_ptr<float>(), m_total, k, sum_factor)
+      : dtype == at::kBFloat16
+          ? quantize_activations(xc.data_ptr<c10::BFloat16>(), m_total, k, sum_factor)
+          : quantize_activations(xc.data_ptr<c10::Half>(), m_total, k, sum_factor);
   dispatch_kind(kind, [&](auto kind_constant) {
     fast_linear<decltype(kind_constant)::value>(a, w, row_bytes, n_total,
                                                 out32.data_ptr<float>());
@@ -794,7 +797,8 @@ at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks,
 }
 
 // Shape functions for torch.compile (symbolic M and token counts).
-at::Tensor gguf_linear_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
+at::Tensor gguf_linear_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                            bool int8_activations) {
   check_blocks(blocks, kind);
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K], got ", x.dim(), " dims");
   return at::empty_symint({x.sym_size(0), blocks.sym_size(0)}, x.options());
@@ -821,7 +825,7 @@ std::string gguf_kernel_isa() {
 }
 
 TORCH_LIBRARY_FRAGMENT(LLMSERVE_GGUF_NAMESPACE, m) {
-  m.def("gguf_linear(Tensor x, Tensor blocks, int kind) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int kind, bool int8_activations=False) -> Tensor");
   m.def("gguf_embedding(Tensor token_ids, Tensor blocks, int kind, ScalarType dtype) -> Tensor");
   m.def("gguf_kernel_isa() -> str", &gguf_kernel_isa);
 }

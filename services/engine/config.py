@@ -46,6 +46,9 @@ class EngineConfig:
     """torch intra-op threads on CPU; None = torch's default (one per core)."""
     enforce_eager: bool = False
     """Run every step eagerly (no compiled step graphs): slower, starts faster."""
+    fused_decode: bool = True
+    """Pure-decode steps of a float32 GGUF model run every layer in one C++ call (no
+    compilation needed); --no-fused-decode uses compiled graphs or eager ops instead."""
 
     def __post_init__(self) -> None:
         from services.worker.quantization.formats import (

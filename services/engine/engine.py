@@ -84,6 +84,7 @@ class LLMEngine:
             enforce_eager=config.enforce_eager,
             max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs,
+            fused_decode=config.fused_decode,
         )
         self.runner.compile_step_graphs()
         self.kv_cache = self.runner.kv_cache

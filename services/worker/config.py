@@ -46,6 +46,9 @@ class WorkerConfig:
     --max-num-seqs); larger batches run eagerly."""
     enforce_eager: bool = False
     """Run every step eagerly (no compiled step graphs): slower, starts faster."""
+    fused_decode: bool = True
+    """Pure-decode steps of a float32 GGUF model run every layer in one C++ call (no
+    compilation needed); --no-fused-decode uses compiled graphs or eager ops instead."""
     drain_s: float = 10.0
     """On SIGTERM, how long an in-flight step stream may take to finish."""
     metrics_port: int | None = None

@@ -26,15 +26,15 @@ BATCH_TOKENS = REGISTRY.histogram(
 )
 STEPS = REGISTRY.counter(
     "llmserve_worker_steps_total",
-    "Forward steps by how they ran: a compiled decode graph or eager ops.",
+    "Forward steps by how they ran: a fused C++ decode, a compiled decode graph or eager ops.",
     ["mode"],
 )
 
 
-def on_step(plan: BatchPlan, forward_s: float, compiled: bool) -> None:
+def on_step(plan: BatchPlan, forward_s: float, mode: str) -> None:
     if plan.is_empty:
         return  # a plan that only drops sequences runs no forward
-    STEPS.labels("compiled" if compiled else "eager").inc()
+    STEPS.labels(mode).inc()
     FORWARD_DURATION.observe(forward_s)
     BATCH_SEQUENCES.observe(len(plan.num_scheduled_tokens))
     BATCH_TOKENS.observe(plan.total_num_scheduled_tokens)

@@ -3,9 +3,13 @@ batch and the sampler; knows nothing of scheduling or text."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from services.scheduler.plan import BatchPlan, StepResult
+from services.worker.forward_batch import ForwardBatch
+from services.worker.fused_decode import FusedDecode, unsupported_reason
 from services.worker.host_memory import keep_freed_memory
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
@@ -19,6 +23,8 @@ from services.worker.quantization.formats import (
 from services.worker.sampler import Sampler, build_sampling_metadata
 from services.worker.step_graphs import DEFAULT_BATCH_BUCKETS, DecodeGraphs, buckets_up_to
 
+StepMode = Literal["fused", "compiled", "eager"]
+
 
 class ModelRunner:
     def __init__(
@@ -29,12 +35,15 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         seed: int | None = None,
         decode_graphs: DecodeGraphs | None = None,
+        fused_decode: FusedDecode | None = None,
     ) -> None:
         if kv_cache.storage.device.type == "cpu":
             keep_freed_memory()
         self.decode_graphs = decode_graphs
-        self.last_step_compiled = False
-        """Whether the last forward replayed a compiled decode graph (for metrics)."""
+        self.fused_decode = fused_decode
+        self.last_step_mode: StepMode = "eager"
+        """How the last forward ran: a fused C++ decode, a compiled graph, or eager torch ops
+        (for metrics)."""
         self.model = model
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
@@ -56,11 +65,15 @@ class ModelRunner:
         enforce_eager: bool = True,
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_BATCH_BUCKETS[-1],
+        fused_decode: bool = True,
     ) -> ModelRunner:
         """A runner with a KV cache of as many blocks as `kv_cache_bytes` holds (an int8 cache
-        holds more: its blocks are smaller). Unless `enforce_eager`, decode steps of up to
-        `max_num_seqs` sequences replay compiled graphs: call `compile_step_graphs()` before
-        serving."""
+        holds more: its blocks are smaller).
+
+        Pure-decode steps run, in order of preference: fused in C++ (`fused_decode`, for the
+        models services/worker/fused_decode.py supports: GGUF blocks in float32 on a CPU);
+        else, unless `enforce_eager`, compiled graphs for up to `max_num_seqs` sequences (call
+        `compile_step_graphs()` before serving); else eagerly."""
         spec = KVCacheSpec.for_model(
             loaded.model.config,
             block_size,
@@ -68,8 +81,11 @@ class ModelRunner:
             check_kv_cache_group_size(kv_cache_group_size),
         )
         kv_cache = PagedKVCache(spec, spec.num_blocks_for_budget(kv_cache_bytes), loaded.device)
+        fused = None
+        if fused_decode and unsupported_reason(loaded.model, kv_cache) is None:
+            fused = FusedDecode(loaded.model, kv_cache)
         decode_graphs = None
-        if not enforce_eager:
+        if fused is None and not enforce_eager:
             decode_graphs = DecodeGraphs(
                 loaded.model,
                 kv_cache,
@@ -82,6 +98,7 @@ class ModelRunner:
             eos_token_ids=loaded.eos_token_ids,
             seed=seed,
             decode_graphs=decode_graphs,
+            fused_decode=fused,
         )
 
     def compile_step_graphs(self, show_progress: bool = True) -> None:
@@ -103,21 +120,13 @@ class ModelRunner:
         self.batch.apply(plan)
         self.kv_cache.copy_blocks(plan.block_copies)
         result = StepResult(step_id=plan.step_id)
-        self.last_step_compiled = False
+        self.last_step_mode = "eager"
         if plan.is_empty:
             return result
         inputs = self.batch.prepare(plan)
         sampled: dict[str, int] = {}
         if inputs.sampled_ids:
-            graphs = self.decode_graphs
-            self.last_step_compiled = (
-                graphs is not None and graphs.is_compiled and graphs.can_run(inputs.forward)
-            )
-            if self.last_step_compiled:
-                assert graphs is not None
-                logits = graphs.run(inputs.forward)
-            else:
-                logits = self.model(inputs.forward, self.kv_cache.layers)
+            logits = self._forward_sampled(inputs.forward)
             rows = [
                 self.batch.sequences[rid].sampler_row(self.eos_token_ids)
                 for rid in inputs.sampled_ids
@@ -135,3 +144,14 @@ class ModelRunner:
         self.batch.advance(plan, sampled)
         result.sampled_token_ids = sampled
         return result
+
+    def _forward_sampled(self, forward: ForwardBatch) -> torch.Tensor:
+        """Logits of a step that samples, by the fastest path that can run it."""
+        fused, graphs = self.fused_decode, self.decode_graphs
+        if fused is not None and fused.can_run(forward):
+            self.last_step_mode = "fused"
+            return fused.run(forward)
+        if graphs is not None and graphs.is_compiled and graphs.can_run(forward):
+            self.last_step_mode = "compiled"
+            return graphs.run(forward)
+        return self.model(forward, self.kv_cache.layers)

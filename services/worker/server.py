@@ -100,7 +100,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     )
                     raise
                 forward_ms = (time.perf_counter() - started) * 1000
-            metrics.on_step(plan, forward_ms / 1000, runner.last_step_compiled)
+            metrics.on_step(plan, forward_ms / 1000, runner.last_step_mode)
             yield result_to_proto(result, forward_ms)
         log.info("step stream closed", extra={"session": session})
 
@@ -162,6 +162,7 @@ async def serve(config: WorkerConfig) -> None:
         enforce_eager=config.enforce_eager,
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
+        fused_decode=config.fused_decode,
     )
     await asyncio.to_thread(runner.compile_step_graphs)
     await asyncio.to_thread(warm_up, runner)

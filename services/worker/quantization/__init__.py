@@ -17,10 +17,10 @@ def apply_quantization(model: LlamaForCausalLM, quantization: str, path: Path) -
     quantization = resolve_quantization(quantization, path)
     if quantization == "none":
         return
-    if quantization == "gguf":
+    if quantization in ("gguf", "gguf-a8"):
         from services.worker.quantization.gguf_direct import load_gguf_quantized
 
-        load_gguf_quantized(model, path)
+        load_gguf_quantized(model, path, int8_activations=quantization == "gguf-a8")
         return
     from services.worker.quantization.swap import quantize_model
 

@@ -103,8 +103,11 @@ def _int4_layer(parts: list[BlockRows], bias: Tensor | None, dtype: torch.dtype)
     )
 
 
-def load_gguf_quantized(model: LlamaForCausalLM, path: Path) -> None:
-    """Swap `model`'s (float, already loaded) layers for the file's own quantized tensors."""
+def load_gguf_quantized(
+    model: LlamaForCausalLM, path: Path, *, int8_activations: bool = False
+) -> None:
+    """Swap `model`'s (float, already loaded) layers for the file's own quantized tensors;
+    `int8_activations`: their products round activations to int8 blocks at every dtype."""
     if path.suffix != ".gguf":
         raise InvalidFormatError(f"--quantization gguf needs a .gguf model, got {path}")
     config = model.config
@@ -124,7 +127,12 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path) -> None:
             return linear
         kinds = {p.kind for p in present}
         if len(kinds) == 1:
-            return GGUFLinear(_buffer([p.rows for p in present]), GGUF_KINDS[kinds.pop()], bias)
+            return GGUFLinear(
+                _buffer([p.rows for p in present]),
+                GGUF_KINDS[kinds.pop()],
+                bias,
+                int8_activations=int8_activations,
+            )
         if kinds <= {"Q4_0", "Q4_1"}:
             return _int4_layer(present, bias, dtype)
         return linear
@@ -147,7 +155,9 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path) -> None:
         return
     table = GGUFEmbedding(_buffer([embedding.rows]), GGUF_KINDS[embedding.kind], dtype)
     if config.tie_word_embeddings:
-        model.lm_head = GGUFLinear(table.blocks, table.kind, None)
+        model.lm_head = GGUFLinear(
+            table.blocks, table.kind, None, int8_activations=int8_activations
+        )
     else:
         model.lm_head = from_file_type(model.lm_head, ["lm_head.weight"])
         if isinstance(model.lm_head, torch.nn.Linear):

@@ -20,19 +20,25 @@ class GGUFLinear(QuantizedLinear):
 
     blocks: Tensor
 
-    def __init__(self, blocks: Tensor, kind: int, bias: Tensor | None) -> None:
+    def __init__(
+        self, blocks: Tensor, kind: int, bias: Tensor | None, *, int8_activations: bool = False
+    ) -> None:
         super().__init__()
         self.kind = kind
+        self.int8_activations = int8_activations
+        """Round activations to int8 per 32 values at every dtype (llama.cpp's arithmetic);
+        otherwise only bf16/fp16 activations are, and fp32 ones get the exact product."""
         self.out_features = blocks.shape[0]
         self.in_features = in_features(blocks, kind)
         self.register_buffer("blocks", blocks)
         self.register_buffer("bias", bias)
 
     def _matmul(self, x: Tensor) -> Tensor:
-        return ops.gguf_linear(x, self.blocks, self.kind)
+        return ops.gguf_linear(x, self.blocks, self.kind, self.int8_activations)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, kind={_KIND_NAMES[self.kind]}"
+        activations = ", int8_activations=True" if self.int8_activations else ""
+        return f"{super().extra_repr()}, kind={_KIND_NAMES[self.kind]}{activations}"
 
 
 class GGUFEmbedding(nn.Module):

@@ -1,0 +1,24 @@
+// The C++ CPU ops that other kernels of this library call directly (not through the
+// dispatcher): one declaration each, defined in the .cpp file named beside it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+// gguf_gemm.cpp
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                       bool int8_activations);
+
+// paged_decode_attention.cpp
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale,
+                                  const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale);
+
+// write_kv_cache.cpp
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale);

@@ -1,0 +1,230 @@
+// A pure-decode step of a Llama-family model whose projections are GGUF blocks, all decoder
+// layers in one call: what services/worker/model/llama.py computes for one query token per
+// sequence, without going back to Python between ops.
+//
+// Why: at batch 1 a layer is ten small ops around four matrix-vector products; dispatched from
+// Python (eager) or from a compiled graph's wrapper, the calls between them cost as much as
+// the products themselves (~150 us a layer, measured). Here they are plain loops over [B, H]
+// rows, and the heavy parts are this library's own kernels called directly:
+//
+//   per layer   h, r = rms_norm(h + r)                 (layer 0: r = h, h = rms_norm(h))
+//               qkv = gguf_linear(h) (+ bias)          [B, (Hq + 2 Hkv) D]
+//               rotary(q, k) at positions; write k, v at slot_mapping
+//               a = paged_decode_attention(q)          [B, Hq D]
+//               h, r = rms_norm(gguf_linear(a) + r)
+//               h = gguf_linear(silu(gate) * up)       gate | up = gguf_linear(h)
+//   returns     (h, r) of the last layer; the final norm and the vocabulary stay in Python.
+//
+// Math is fp32 throughout, as the torch references do it (kernels/*_torch.py): the rotary
+// pairs (i, i + D/2) of the NeoX convention, rms_norm as x * (1 / sqrt(mean(x^2) + eps)) * w.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace {
+
+// Rows per task of the elementwise loops: a decode step of a small model is a few thousand
+// values per op, below what waking a second thread is worth.
+constexpr int64_t kMinParallelValues = 16384;
+
+int64_t row_grain(int64_t row_values) {
+  return std::max<int64_t>(1, kMinParallelValues / std::max<int64_t>(1, row_values));
+}
+
+// out[i] = x[i] * (1 / sqrt(mean(x^2) + eps)) * weight[i]
+inline void rms_norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
+  const float inverse = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inverse * weight[i];
+}
+
+// residual += delta (when there is one); hidden = rms_norm(residual): the fused add + norm
+// between sublayers.
+void add_rms_norm(const at::Tensor* delta, at::Tensor& residual, const at::Tensor& weight,
+                  float eps, at::Tensor& hidden) {
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  const float* d = delta != nullptr ? delta->data_ptr<float>() : nullptr;
+  const float* w = weight.data_ptr<float>();
+  float* r = residual.data_ptr<float>();
+  float* h = hidden.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* rr = r + m * n;
+      if (d != nullptr) {
+        const float* dr = d + m * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) rr[i] += dr[i];
+      }
+      rms_norm_row(rr, w, eps, n, h + m * n);
+    }
+  });
+}
+
+// Rotates the q and k heads of each qkv row in place at its position (cos | sin table rows).
+void rotate_qkv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& rope,
+                int64_t num_rotated_heads, int64_t head_dim) {
+  const int64_t rows = qkv.size(0), row_stride = qkv.size(1), half = head_dim / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_positions = rope.size(0);
+  for (int64_t m = 0; m < rows; ++m) {
+    TORCH_CHECK(pos[m] >= 0 && pos[m] < max_positions, "llama_decode_layers: position ",
+                pos[m], " is outside the rotary table of ", max_positions);
+  }
+  const float* table = rope.data_ptr<float>();
+  float* base = qkv.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(num_rotated_heads * head_dim),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* cos = table + pos[m] * head_dim;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < num_rotated_heads; ++h) {
+        float* x = base + m * row_stride + h * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * cos[i] - x2 * sin[i];
+          x[i + half] = x2 * cos[i] + x1 * sin[i];
+        }
+      }
+    }
+  });
+}
+
+// [B, 2I] = [gate | up] -> silu(gate) * up [B, I], silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inner}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(inner), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* gate = in + m * 2 * inner;
+      const float* up = gate + inner;
+      float* dst = o + m * inner;
+      for (int64_t i = 0; i < inner; ++i) dst[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+void check_layer_lists(size_t num_layers, at::TensorList list, const char* name) {
+  TORCH_CHECK(list.size() == num_layers, "llama_decode_layers: ", name, " has ", list.size(),
+              " tensors for ", num_layers, " layers");
+}
+
+void check_fp32_vector(const at::Tensor& t, int64_t size, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == size &&
+                  t.is_contiguous(),
+              "llama_decode_layers: ", name, " must be fp32 [", size, "], got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
+    const at::Tensor& hidden_in, at::TensorList input_norms, at::TensorList post_norms,
+    at::TensorList qkv_proj, at::TensorList o_proj, at::TensorList gate_up_proj,
+    at::TensorList down_proj, at::IntArrayRef kinds, at::TensorList qkv_bias,
+    at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales,
+    at::TensorList v_scales, const at::Tensor& positions_in, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
+    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations) {
+  const size_t num_layers = input_norms.size();
+  TORCH_CHECK(num_layers > 0, "llama_decode_layers: no layers");
+  for (auto [list, name] : {std::pair{post_norms, "post_norms"}, {qkv_proj, "qkv_proj"},
+                            {o_proj, "o_proj"}, {gate_up_proj, "gate_up_proj"},
+                            {down_proj, "down_proj"}, {k_caches, "k_caches"},
+                            {v_caches, "v_caches"}}) {
+    check_layer_lists(num_layers, list, name);
+  }
+  TORCH_CHECK(kinds.size() == 4 * num_layers, "llama_decode_layers: kinds must hold 4 per layer");
+  TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == num_layers,
+              "llama_decode_layers: qkv_bias is empty or one per layer");
+  const bool quantized_cache = !k_scales.empty();
+  if (quantized_cache) {
+    check_layer_lists(num_layers, k_scales, "k_scales");
+    check_layer_lists(num_layers, v_scales, "v_scales");
+  }
+  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kFloat,
+              "llama_decode_layers: hidden must be fp32 [B, H]");
+  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.dim() == 2 && rope.is_contiguous(),
+              "llama_decode_layers: rope must be a contiguous fp32 [max_positions, D] table");
+  const int64_t batch = hidden_in.size(0), hidden_size = hidden_in.size(1);
+  const int64_t head_dim = rope.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(positions_in.dim() == 1 && positions_in.size(0) == batch,
+              "llama_decode_layers: positions must be [B]");
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  const float epsilon = static_cast<float>(eps);
+
+  at::Tensor residual = hidden_in.contiguous().clone();
+  at::Tensor hidden = at::empty_like(residual);
+  at::Tensor delta;  // the last sublayer's output, added to the residual by the next norm
+  for (size_t l = 0; l < num_layers; ++l) {
+    check_fp32_vector(input_norms[l], hidden_size, "input_norms");
+    check_fp32_vector(post_norms[l], hidden_size, "post_norms");
+    // Layer 0 norms the embedding itself; later layers first add the MLP's output.
+    add_rms_norm(l == 0 ? nullptr : &delta, residual, input_norms[l], epsilon, hidden);
+    at::Tensor qkv = gguf_linear(hidden, qkv_proj[l], kinds[4 * l], int8_activations);
+    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layers: qkv_proj gives ",
+                qkv.size(1), " features, the heads need ", q_size + 2 * kv_size);
+    if (!qkv_bias.empty()) qkv.add_(qkv_bias[l]);
+    rotate_qkv(qkv, positions, rope, num_heads + num_kv_heads, head_dim);
+    const at::Tensor query = qkv.narrow(1, 0, q_size).view({batch, num_heads, head_dim});
+    const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({batch, num_kv_heads, head_dim});
+    const at::Tensor value =
+        qkv.narrow(1, q_size + kv_size, kv_size).view({batch, num_kv_heads, head_dim});
+    std::optional<at::Tensor> k_scale, v_scale;
+    if (quantized_cache) {
+      k_scale = k_scales[l];
+      v_scale = v_scales[l];
+    }
+    write_kv_cache(key, value, k_caches[l], v_caches[l], slot_mapping, k_scale, v_scale);
+    const at::Tensor attended = paged_decode_attention(query, k_caches[l], v_caches[l],
+                                                       block_tables, context_lens, scale,
+                                                       k_scale, v_scale);
+    delta = gguf_linear(attended.view({batch, q_size}), o_proj[l], kinds[4 * l + 1],
+                        int8_activations);
+    add_rms_norm(&delta, residual, post_norms[l], epsilon, hidden);
+    const at::Tensor gate_up = gguf_linear(hidden, gate_up_proj[l], kinds[4 * l + 2],
+                                           int8_activations);
+    delta = gguf_linear(silu_and_mul(gate_up), down_proj[l], kinds[4 * l + 3],
+                        int8_activations);
+  }
+  return {delta, residual};
+}
+
+std::tuple<at::Tensor, at::Tensor> llama_decode_layers_meta(
+    const at::Tensor& hidden, at::TensorList input_norms, at::TensorList post_norms,
+    at::TensorList qkv_proj, at::TensorList o_proj, at::TensorList gate_up_proj,
+    at::TensorList down_proj, at::IntArrayRef kinds, at::TensorList qkv_bias,
+    at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales,
+    at::TensorList v_scales, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
+    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations) {
+  return {at::empty_like(hidden), at::empty_like(hidden)};
+}
+
+TORCH_LIBRARY_FRAGMENT(llmserve, m) {
+  m.def(
+      "llama_decode_layers(Tensor hidden, Tensor[] input_norms, Tensor[] post_norms,"
+      " Tensor[] qkv_proj, Tensor[] o_proj, Tensor[] gate_up_proj, Tensor[] down_proj,"
+      " int[] kinds, Tensor[] qkv_bias, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches,"
+      " Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor positions, Tensor slot_mapping,"
+      " Tensor block_tables, Tensor context_lens, Tensor rope, int num_heads, int num_kv_heads,"
+      " float eps, float scale, bool int8_activations) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("llama_decode_layers", &llama_decode_layers); }
+
+TORCH_LIBRARY_IMPL(llmserve, Meta, m) {
+  m.impl("llama_decode_layers", &llama_decode_layers_meta);
+}

@@ -1,0 +1,142 @@
+"""Fused decode steps: a pure-decode batch of a model whose projections are all GGUF blocks
+runs every decoder layer in one C++ call (kernels/csrc/llama_decode.cpp, the op
+`llmserve::llama_decode_layers`); the embedding, the final norm and the vocabulary projection
+stay in the model's own code.
+
+Why: on a CPU at small batches the time between the matrix products (Python, dispatch, a
+compiled graph's wrapper) was as large as the products. The fused call has no per-op cost and
+needs no compilation, so it takes any batch size. It computes what
+`LlamaForCausalLM.forward` computes for one token per sequence (fp32, the same kernels); the
+tests hold its greedy tokens to the eager path's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels import cpu_extension
+from services.worker.forward_batch import ForwardBatch
+from services.worker.kv_cache import PagedKVCache
+from services.worker.model.llama import LlamaForCausalLM
+from services.worker.quantization.gguf_linear import GGUFLinear
+
+
+def unsupported_reason(model: LlamaForCausalLM, kv_cache: PagedKVCache) -> str | None:
+    """Why the fused step cannot run this model (None: it can)."""
+    if kv_cache.storage.device.type != "cpu":
+        return "the KV cache is not on the CPU"
+    if model.norm.dtype != torch.float32:
+        return f"the model computes in {model.norm.dtype}, the fused step in float32"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(linear, GGUFLinear):
+                return f"a projection is {type(linear).__name__}, not GGUF blocks"
+        if any(linear.bias is not None for linear in (attn.o_proj, mlp.gate_up_proj)):
+            return "o_proj or gate_up_proj has a bias"
+        if mlp.down_proj.bias is not None:
+            return "down_proj has a bias"
+    if not cpu_extension.load():
+        return "the C++ CPU kernels are unavailable"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerLists:
+    """The op's per-layer arguments, gathered once (the tensors are the model's own)."""
+
+    input_norms: list[Tensor]
+    post_norms: list[Tensor]
+    qkv_proj: list[Tensor]
+    o_proj: list[Tensor]
+    gate_up_proj: list[Tensor]
+    down_proj: list[Tensor]
+    kinds: list[int]
+    qkv_bias: list[Tensor]
+    k_caches: list[Tensor]
+    v_caches: list[Tensor]
+    k_scales: list[Tensor]
+    v_scales: list[Tensor]
+
+
+class FusedDecode:
+    """Runs pure-decode batches through `llmserve::llama_decode_layers`."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
+        reason = unsupported_reason(model, kv_cache)
+        if reason is not None:
+            raise ValueError(f"fused decode steps cannot run this model: {reason}")
+        self.model = model
+        config = model.config
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        projections = [
+            (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+            for layer in model.layers
+        ]
+        first_qkv = projections[0][0]
+        self.int8_activations = first_qkv.int8_activations
+        caches = kv_cache.layers
+        self._lists = _LayerLists(
+            input_norms=[layer.input_layernorm for layer in model.layers],
+            post_norms=[layer.post_attention_layernorm for layer in model.layers],
+            qkv_proj=[p[0].blocks for p in projections],
+            o_proj=[p[1].blocks for p in projections],
+            gate_up_proj=[p[2].blocks for p in projections],
+            down_proj=[p[3].blocks for p in projections],
+            kinds=[linear.kind for p in projections for linear in p],
+            qkv_bias=[p[0].bias for p in projections if p[0].bias is not None],
+            k_caches=[c.key for c in caches],
+            v_caches=[c.value for c in caches],
+            k_scales=[c.key_scale for c in caches if c.key_scale is not None],
+            v_scales=[c.value_scale for c in caches if c.value_scale is not None],
+        )
+        self.num_steps = 0
+        """Steps run fused (for tests and the step profile)."""
+
+    @staticmethod
+    def can_run(batch: ForwardBatch) -> bool:
+        return batch.num_prefill_tokens == 0 and batch.input_ids.shape[0] > 0
+
+    def run(self, batch: ForwardBatch) -> Tensor:
+        """Logits [B, vocab] (fp32) of a pure-decode batch."""
+        model = self.model
+        lists = self._lists
+        hidden = model.embed_tokens(batch.input_ids)
+        hidden, residual = torch.ops.llmserve.llama_decode_layers(
+            hidden,
+            lists.input_norms,
+            lists.post_norms,
+            lists.qkv_proj,
+            lists.o_proj,
+            lists.gate_up_proj,
+            lists.down_proj,
+            lists.kinds,
+            lists.qkv_bias,
+            lists.k_caches,
+            lists.v_caches,
+            lists.k_scales,
+            lists.v_scales,
+            batch.positions,
+            batch.slot_mapping,
+            batch.decode_block_tables,
+            batch.decode_context_lens,
+            model.rope,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+            self.scale,
+            self.int8_activations,
+        )
+        self.num_steps += 1
+        return model.logits(hidden, residual)

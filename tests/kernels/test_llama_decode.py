@@ -1,0 +1,183 @@
+"""The fused decode op (kernels/csrc/llama_decode.cpp) against the eager model it replaces:
+a small random Llama with GGUF-block projections of every kind, a paged KV cache of random
+contents (float and int8), ragged contexts. Its reference is `LlamaForCausalLM.forward`, the
+same layer code every other path runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import cpu_extension
+from kernels.gguf_blocks_torch import GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0
+from services.worker.forward_batch import ForwardBatch
+from services.worker.fused_decode import FusedDecode, unsupported_reason
+from services.worker.kv_cache import KVCacheSpec, PagedKVCache
+from services.worker.model.config import ModelConfig
+from services.worker.model.llama import LlamaForCausalLM
+from services.worker.quantization.gguf_linear import GGUFLinear
+from tests.kernels.test_gguf_gemm import random_blocks
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 48
+CONTEXT_LENS = [5, 13, 1, 8]
+
+pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="no C++ CPU kernels")
+
+
+def tiny_config(attention_bias: bool) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_bias=attention_bias,
+    )
+
+
+def random_model(
+    config: ModelConfig, seed: int, int8_activations: bool = False
+) -> LlamaForCausalLM:
+    """Random norms and embedding; every projection GGUF blocks, the kinds mixed by layer."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.embed_tokens.weight.normal_()
+    model.lm_head.weight.normal_(std=0.1)
+    kinds = [GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0]
+    for index, layer in enumerate(model.layers):
+        layer.input_layernorm.uniform_(0.5, 1.5)
+        layer.post_attention_layernorm.uniform_(0.5, 1.5)
+        attn, mlp = layer.self_attn, layer.mlp
+        for offset, (owner, name) in enumerate(
+            [(attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
+        ):
+            dense = getattr(owner, name)
+            kind = kinds[(index + offset) % len(kinds)]
+            blocks = random_blocks(dense.out_features, dense.in_features, kind, seed + offset)
+            bias = None if dense.bias is None else torch.randn(dense.out_features) * 0.1
+            setattr(owner, name, GGUFLinear(blocks, kind, bias, int8_activations=int8_activations))
+    return model
+
+
+@dataclass
+class DecodeCase:
+    batch: ForwardBatch
+    cache: PagedKVCache
+
+
+def decode_case(config: ModelConfig, kv_dtype: torch.dtype, seed: int) -> DecodeCase:
+    """Sequences at CONTEXT_LENS, each on its own shuffled blocks, caches full of noise."""
+    g = torch.Generator().manual_seed(seed)
+    spec = KVCacheSpec.for_model(config, BLOCK_SIZE, kv_dtype, quant_group_size=8)
+    cache = PagedKVCache(spec, NUM_BLOCKS, "cpu")
+    if kv_dtype == torch.int8:
+        cache.storage.copy_(torch.randint(-127, 128, cache.storage.shape, generator=g))
+        assert cache.scales is not None
+        cache.scales.copy_(torch.rand(cache.scales.shape, generator=g) * 0.02)
+    else:
+        cache.storage.copy_(torch.randn(cache.storage.shape, generator=g))
+    width = max(-(-n // BLOCK_SIZE) for n in CONTEXT_LENS) + 1
+    order = torch.randperm(NUM_BLOCKS, generator=g)
+    tables = order[: len(CONTEXT_LENS) * width].view(len(CONTEXT_LENS), width).to(torch.int32)
+    positions = torch.tensor([n - 1 for n in CONTEXT_LENS])
+    slots = torch.stack(
+        [
+            tables[i, p // BLOCK_SIZE].long() * BLOCK_SIZE + p % BLOCK_SIZE
+            for i, p in enumerate(positions.tolist())
+        ]
+    )
+    batch = ForwardBatch.for_decode(
+        torch.randint(0, config.vocab_size, (len(CONTEXT_LENS),), generator=g),
+        positions,
+        slots,
+        tables,
+        torch.tensor(CONTEXT_LENS, dtype=torch.int32),
+    )
+    return DecodeCase(batch, cache)
+
+
+def eager_then_fused(
+    model: LlamaForCausalLM, case: DecodeCase
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(eager logits, fused logits, the cache after eager, the cache after fused)."""
+    before = case.cache.storage.clone()
+    scales_before = None if case.cache.scales is None else case.cache.scales.clone()
+    with torch.inference_mode():
+        eager = model(case.batch, case.cache.layers)
+        after_eager = case.cache.storage.clone()
+        case.cache.storage.copy_(before)
+        if scales_before is not None:
+            assert case.cache.scales is not None
+            case.cache.scales.copy_(scales_before)
+        fused = FusedDecode(model, case.cache).run(case.batch)
+    return eager, fused, after_eager, case.cache.storage
+
+
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["no-bias", "qkv-bias"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_fused_step_matches_the_eager_model(attention_bias: bool, kv_dtype: torch.dtype) -> None:
+    config = tiny_config(attention_bias)
+    model = random_model(config, seed=3)
+    case = decode_case(config, kv_dtype, seed=5)
+    eager, fused, after_eager, after_fused = eager_then_fused(model, case)
+    assert fused.shape == eager.shape == (len(CONTEXT_LENS), config.vocab_size)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    # The step's keys and values land in the same slots, with the same values.
+    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(after_eager, decode_case(config, kv_dtype, seed=5).cache.storage)
+
+
+def test_int8_activations_follow_the_layers_setting() -> None:
+    """With int8 activation blocks the fused step computes what the eager layers compute: the
+    same rounding (only an activation sitting on a rounding boundary may round the other way,
+    so the check is loose), and measurably not the exact product."""
+    config = tiny_config(attention_bias=False)
+    exact = random_model(config, seed=11)
+    rounded = random_model(config, seed=11, int8_activations=True)
+    case = decode_case(config, torch.float32, seed=13)
+    eager_rounded, fused_rounded, _, _ = eager_then_fused(rounded, case)
+    case = decode_case(config, torch.float32, seed=13)
+    eager_exact, _, _, _ = eager_then_fused(exact, case)
+    gap = (eager_rounded - eager_exact).abs().max().item()
+    assert gap > 1e-3  # the rounding is really on
+    assert (fused_rounded - eager_rounded).abs().max().item() < 0.1 * gap + 1e-4
+
+
+def test_models_the_fused_step_cannot_run_say_why() -> None:
+    config = tiny_config(attention_bias=False)
+    dense = LlamaForCausalLM(config)
+    spec = KVCacheSpec.for_model(config, BLOCK_SIZE, torch.float32)
+    cache = PagedKVCache(spec, NUM_BLOCKS, "cpu")
+    assert "not GGUF blocks" in (unsupported_reason(dense, cache) or "")
+    with pytest.raises(ValueError, match="not GGUF blocks"):
+        FusedDecode(dense, cache)
+    half = random_model(config, seed=1).to(torch.bfloat16)
+    assert "bfloat16" in (unsupported_reason(half, cache) or "")
+    assert unsupported_reason(random_model(config, seed=1), cache) is None
+
+
+def test_bad_arguments_raise_clear_errors() -> None:
+    config = tiny_config(attention_bias=False)
+    model = random_model(config, seed=2)
+    case = decode_case(config, torch.float32, seed=2)
+    fused = FusedDecode(model, case.cache)
+    bad = ForwardBatch.for_decode(
+        case.batch.input_ids,
+        torch.full_like(case.batch.positions, 10_000),
+        case.batch.slot_mapping,
+        case.batch.decode_block_tables,
+        case.batch.decode_context_lens,
+    )
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        fused.run(bad)
