@@ -19,6 +19,7 @@
 // pairs (i, i + D/2) of the NeoX convention, rms_norm as x * (1 / sqrt(mean(x^2) + eps)) * w.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -27,6 +28,16 @@
 #include "cpu_ops.h"
 
 namespace {
+
+// Each kernel call records itself under its op's name when torch.profiler runs (a flag check
+// otherwise), so a step profile still sees matmuls, attention and KV writes apart.
+#define LLMSERVE_RECORD(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
+
+at::Tensor profiled_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                           bool int8_activations) {
+  LLMSERVE_RECORD("llmserve::gguf_linear");
+  return gguf_linear(x, blocks, kind, int8_activations);
+}
 
 // Rows per task of the elementwise loops: a decode step of a small model is a few thousand
 // values per op, below what waking a second thread is worth.
@@ -173,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     check_fp32_vector(post_norms[l], hidden_size, "post_norms");
     // Layer 0 norms the embedding itself; later layers first add the MLP's output.
     add_rms_norm(l == 0 ? nullptr : &delta, residual, input_norms[l], epsilon, hidden);
-    at::Tensor qkv = gguf_linear(hidden, qkv_proj[l], kinds[4 * l], int8_activations);
+    at::Tensor qkv = profiled_linear(hidden, qkv_proj[l], kinds[4 * l], int8_activations);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layers: qkv_proj gives ",
                 qkv.size(1), " features, the heads need ", q_size + 2 * kv_size);
     if (!qkv_bias.empty()) qkv.add_(qkv_bias[l]);
@@ -187,16 +198,22 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
       k_scale = k_scales[l];
       v_scale = v_scales[l];
     }
-    write_kv_cache(key, value, k_caches[l], v_caches[l], slot_mapping, k_scale, v_scale);
-    const at::Tensor attended = paged_decode_attention(query, k_caches[l], v_caches[l],
-                                                       block_tables, context_lens, scale,
-                                                       k_scale, v_scale);
-    delta = gguf_linear(attended.view({batch, q_size}), o_proj[l], kinds[4 * l + 1],
+    {
+      LLMSERVE_RECORD("llmserve::write_kv_cache");
+      write_kv_cache(key, value, k_caches[l], v_caches[l], slot_mapping, k_scale, v_scale);
+    }
+    at::Tensor attended;
+    {
+      LLMSERVE_RECORD("llmserve::paged_decode_attention");
+      attended = paged_decode_attention(query, k_caches[l], v_caches[l], block_tables,
+                                        context_lens, scale, k_scale, v_scale);
+    }
+    delta = profiled_linear(attended.view({batch, q_size}), o_proj[l], kinds[4 * l + 1],
                         int8_activations);
     add_rms_norm(&delta, residual, post_norms[l], epsilon, hidden);
-    const at::Tensor gate_up = gguf_linear(hidden, gate_up_proj[l], kinds[4 * l + 2],
+    const at::Tensor gate_up = profiled_linear(hidden, gate_up_proj[l], kinds[4 * l + 2],
                                            int8_activations);
-    delta = gguf_linear(silu_and_mul(gate_up), down_proj[l], kinds[4 * l + 3],
+    delta = profiled_linear(silu_and_mul(gate_up), down_proj[l], kinds[4 * l + 3],
                         int8_activations);
   }
   return {delta, residual};

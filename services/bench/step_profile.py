@@ -116,6 +116,12 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int) -> li
     return rows
 
 
+def decode_path(engine: LLMEngine, args: argparse.Namespace) -> str:
+    if engine.runner.fused_decode is not None:
+        return "fused (every layer in one C++ call)"
+    return "eager" if args.enforce_eager else "compiled graphs"
+
+
 def run(args: argparse.Namespace) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     # Compiled loops record themselves too (otherwise their time would count as host time).
@@ -131,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=max(batch_sizes),
             max_num_batched_tokens=max(2048, args.context),
             enforce_eager=args.enforce_eager,
+            fused_decode=args.fused_decode,
             num_threads=args.threads,
             seed=0,
         )
@@ -138,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     print(machine_header(torch.get_num_threads()))
     print(
         f"model: {engine.model_name}; dtype: {engine.dtype}; weights: "
-        f"{engine.loaded.quantization}; compiled decode: {not args.enforce_eager}; "
+        f"{engine.loaded.quantization}; decode steps: {decode_path(engine, args)}; "
         f"context {args.context}; {args.steps} steps\n"
     )
     rows: list[list[object]] = []
@@ -171,6 +178,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--fused-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the fused C++ decode step where the model allows it (its ops still show apart)",
+    )
     parser.set_defaults(func=run)
 
 
