@@ -17,29 +17,24 @@ from kernels import (
     quant_gemm_torch,
     quant_weight_only_torch,
     rotary_torch,
-    sampling_torch,
 )
 from kernels.backend import use_cpu_extension, use_triton
 from kernels.kv_cache_torch import dequantize_kv_int8, quantize_kv_int8
-from kernels.quant_gemm_torch import dequantize_int4, quantize_int4, quantize_int8_rows
+from kernels.quant_gemm_torch import quantize_int8_rows
 
 __all__ = [
     "apply_rotary",
-    "dequantize_int4",
     "dequantize_kv_int8",
     "fused_add_rms_norm",
-    "int4_gemm",
     "int4_packed_gemm",
     "int8_gemm",
     "int8_weight_only_gemm",
     "nf4_gemm",
     "paged_decode_attention",
     "prefill_attention",
-    "quantize_int4",
     "quantize_int8_rows",
     "quantize_kv_int8",
     "rms_norm",
-    "sample_tokens",
     "silu_and_mul",
     "write_kv_cache",
 ]
@@ -183,27 +178,6 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return activation_torch.silu_and_mul(x)
 
 
-def sample_tokens(
-    logits: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    min_p: Tensor,
-    exponentials: Tensor | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """One token per row of logits [B, V] with per-row temperature/top-k/top-p/min-p -> [B]."""
-    if use_triton(logits):
-        from kernels import triton_sampling
-
-        return triton_sampling.sample_tokens(
-            logits, temperature, top_k, top_p, min_p, exponentials, generator
-        )
-    return sampling_torch.sample_tokens(
-        logits, temperature, top_k, top_p, min_p, exponentials, generator
-    )
-
-
 def int8_gemm(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """W8A8 linear: x [M, K] (quantized per token here) @ w_q [N, K]^T int8 -> [M, N]."""
     if use_triton(x):
@@ -211,17 +185,6 @@ def int8_gemm(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = Non
 
         return triton_quant_gemm.int8_gemm(x, w_q, w_scale, bias)
     return quant_gemm_torch.int8_gemm(x, w_q, w_scale, bias)
-
-
-def int4_gemm(
-    x: Tensor, packed: Tensor, scale: Tensor, low: Tensor, bias: Tensor | None = None
-) -> Tensor:
-    """Weight-only int4 linear (grouped scale + min, two codes per byte) -> [M, N]."""
-    if use_triton(x):
-        from kernels import triton_quant_gemm
-
-        return triton_quant_gemm.int4_gemm(x, packed, scale, low, bias)
-    return quant_gemm_torch.int4_gemm(x, packed, scale, low, bias)
 
 
 # Weight-only formats served by torch's CPU packed kernels (no Triton kernel: on CUDA the same

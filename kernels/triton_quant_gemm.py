@@ -1,11 +1,8 @@
-"""Quantized GEMMs in Triton: W8A8 int8 (int32 accumulation) and int4 weight-only.
+"""W8A8 int8 GEMM in Triton (int32 accumulation).
 
-Same contracts and formats as `kernels.quant_gemm_torch` (see its docstring). The int8 path
-is two kernels: per-token activation quantization (one program per row), then an int8 x int8
--> int32 GEMM with the two scales applied in the epilogue. The int4 kernel unpacks two codes
-per byte and dequantizes a [BLOCK_N, BLOCK_K] weight tile in registers before the dot, so the
-weights cross memory at 4 bits plus 32 bits of fp16 scale and min per group (5 bits per
-weight at group 32, 4.25 at group 128) instead of 16.
+Same contract and format as `kernels.quant_gemm_torch` (see its docstring). Two kernels:
+per-token activation quantization (one program per row), then an int8 x int8 -> int32 GEMM
+with the two scales applied in the epilogue.
 """
 
 from __future__ import annotations
@@ -139,114 +136,6 @@ def int8_gemm(
         w_q.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-    )
-    return out
-
-
-@triton.jit
-def _int4_gemm_kernel(
-    x_ptr,  # [M, K] float
-    packed_ptr,  # [N, K / 2] uint8, two codes per byte (low nibble = even k)
-    scale_ptr,  # [N, K / GROUP]
-    low_ptr,  # [N, K / GROUP]
-    bias_ptr,  # [N] when HAS_BIAS
-    out_ptr,  # [M, N]
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_pn,
-    stride_sn,
-    stride_ln,
-    stride_om,
-    GROUP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_half = tl.arange(0, BLOCK_K // 2)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    rows_n = offs_n[:, None].to(tl.int64)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        k_mask = start + offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + start + offs_k[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        half_mask = start // 2 + offs_half < K // 2
-        packed = tl.load(
-            packed_ptr + rows_n * stride_pn + start // 2 + offs_half[None, :],
-            mask=n_mask[:, None] & half_mask[None, :],
-            other=0,
-        )
-        # [BN, BK/2] bytes -> [BN, BK/2, 2] (low, high) -> [BN, BK]: column 2j + t.
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
-        group = (start + offs_k[None, :]) // GROUP
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        scale = tl.load(scale_ptr + rows_n * stride_sn + group, mask=w_mask, other=0.0)
-        low = tl.load(low_ptr + rows_n * stride_ln + group, mask=w_mask, other=0.0)
-        w = codes.to(tl.float32) * scale.to(tl.float32) + low.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
-
-
-def int4_gemm(
-    x: Tensor,
-    packed: Tensor,
-    scale: Tensor,
-    low: Tensor,
-    bias: Tensor | None = None,
-    *,
-    block_m: int = 16,
-    block_n: int = 64,
-    block_k: int = 64,
-) -> Tensor:
-    """Same contract as `kernels.quant_gemm_torch.int4_gemm`."""
-    m, k = x.shape
-    n = packed.shape[0]
-    assert packed.shape == (n, k // 2) and packed.dtype == torch.uint8, f"{packed.shape}"
-    assert scale.shape == low.shape and scale.shape[0] == n and k % scale.shape[1] == 0
-    assert x.stride(1) == 1 and packed.stride(1) == 1 and scale.stride(1) == 1
-    assert low.stride(1) == 1 and block_k % 2 == 0
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int4_gemm_kernel[grid](
-        x,
-        packed,
-        scale,
-        low,
-        bias if bias is not None else scale,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        packed.stride(0),
-        scale.stride(0),
-        low.stride(0),
-        out.stride(0),
-        GROUP=k // scale.shape[1],
-        HAS_BIAS=bias is not None,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

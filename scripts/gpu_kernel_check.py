@@ -169,7 +169,6 @@ def compile_all(args: argparse.Namespace, torch) -> None:  # type: ignore[no-unt
         "triton_prefill_attention",
         "triton_quant_gemm",
         "triton_rotary",
-        "triton_sampling",
     ):
         module = importlib.import_module(f"kernels.{name}")
         for attr in dir(module):
@@ -210,7 +209,6 @@ def build_cases(  # type: ignore[no-untyped-def]
         norm_torch,
         quant_gemm_torch,
         rotary_torch,
-        sampling_torch,
         triton_activation,
         triton_decode_attention,
         triton_kv_cache,
@@ -218,11 +216,10 @@ def build_cases(  # type: ignore[no-untyped-def]
         triton_prefill_attention,
         triton_quant_gemm,
         triton_rotary,
-        triton_sampling,
     )
 
     hidden, heads, kv_heads, head_dim = dims.hidden, dims.heads, dims.kv_heads, dims.head_dim
-    inter, vocab = dims.intermediate, dims.vocab
+    inter = dims.intermediate
     block_size = 16
     elt = 2  # bytes per bf16/fp16 element
     g = torch.Generator(device=device).manual_seed(0)
@@ -365,31 +362,6 @@ def build_cases(  # type: ignore[no-untyped-def]
             )
         )
 
-        # --- sampling ----------------------------------------------------------------------
-        logits = randn(batch, vocab, dt=torch.float32) * 3
-        noise = torch.empty(batch, vocab, device=device).exponential_(generator=g)
-        params = (
-            torch.full((batch,), 0.8, device=device),
-            torch.full((batch,), 50, dtype=torch.int32, device=device),
-            torch.full((batch,), 0.9, device=device),
-            torch.full((batch,), 0.02, device=device),
-        )
-        sample_args = (logits, *params, noise)
-        cases.append(
-            Case(
-                "sample_tokens top-k/p/min-p",
-                f"B={batch} V={vocab}",
-                lambda a=sample_args: triton_sampling.sample_tokens(*a),
-                lambda a=sample_args: sampling_torch.sample_tokens(*a),
-                paired(
-                    lambda a=sample_args: triton_sampling.sample_tokens(*a),
-                    lambda a=sample_args: sampling_torch.sample_tokens(*a),
-                ),
-                2 * logits.numel() * 4,  # one read of logits + noise; the searches hit L2
-                0,
-            )
-        )
-
         # --- quantized GEMMs (MLP up projection: K = hidden, N = intermediate) --------------
         w = randn(inter, hidden)
         xg = randn(batch, hidden)
@@ -408,21 +380,6 @@ def build_cases(  # type: ignore[no-untyped-def]
                 w_q.numel() + act_bytes,
                 2 * batch * inter * hidden,
                 H100_INT8_OPS,
-            )
-        )
-        packed, s4, m4 = quant_gemm_torch.quantize_int4(w, group_size=128)
-        cases.append(
-            Case(
-                "int4_gemm (weight-only)",
-                f"M={batch} N={inter} K={hidden} G=128",
-                lambda a=(xg, packed, s4, m4): triton_quant_gemm.int4_gemm(*a),
-                lambda a=(xg, w): torch.nn.functional.linear(*a),
-                paired(
-                    lambda a=(xg, packed, s4, m4): triton_quant_gemm.int4_gemm(*a),
-                    lambda a=(xg, packed, s4, m4): quant_gemm_torch.int4_gemm(*a),
-                ),
-                packed.numel() + 2 * s4.numel() * elt + act_bytes,
-                2 * batch * inter * hidden,
             )
         )
 

@@ -22,9 +22,7 @@ TRITON_MODULES = {
     "fused_add_rms_norm": "triton_norm",
     "apply_rotary": "triton_rotary",
     "silu_and_mul": "triton_activation",
-    "sample_tokens": "triton_sampling",
     "int8_gemm": "triton_quant_gemm",
-    "int4_gemm": "triton_quant_gemm",
 }
 NUM_ARGS = {
     "write_kv_cache": 5,
@@ -34,9 +32,7 @@ NUM_ARGS = {
     "fused_add_rms_norm": 4,
     "apply_rotary": 4,
     "silu_and_mul": 1,
-    "sample_tokens": 5,
     "int8_gemm": 3,
-    "int4_gemm": 4,
 }
 
 
