@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from services.bench.common import random_prompts
 from services.bench.local_stack import LocalStack
-from services.bench.serve import AsyncTarget, Generation, GrpcClient
+from services.bench.serve_clients import GrpcClient
+from services.bench.serve_load import AsyncTarget, Generation
 from services.bench.serve_metrics import RequestRecord, summarize
 from services.bench.serve_workload import Sample, shared_prefix
 

@@ -14,20 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.bench.serve import (
-    Generation,
-    GrpcClient,
-    InProcessTarget,
-    Load,
-    OpenAIClient,
-    body_lines,
-    drive,
-    run_point,
-    sse_events,
-)
+from services.bench.serve_clients import GrpcClient, InProcessTarget, OpenAIClient, sse_events
+from services.bench.serve_load import Generation, Load, drive, run_point
 from services.bench.serve_metrics import Slo
 from services.bench.serve_workload import (
     Sample,
@@ -107,9 +99,9 @@ def test_sharegpt_takes_the_first_human_turn_and_its_reply_length(tmp_path: Path
 # ---- SSE parsing ----------------------------------------------------------------------------
 
 
-async def _lines(*lines: bytes) -> AsyncIterator[bytes]:
+async def _lines(*lines: bytes) -> AsyncIterator[str]:
     for line in lines:
-        yield line
+        yield line.decode()
 
 
 def test_sse_events_join_multiline_data_and_skip_comments() -> None:
@@ -121,13 +113,26 @@ def test_sse_events_join_multiline_data_and_skip_comments() -> None:
 
 
 def test_chunked_body_lines_reassemble_lines_split_across_chunks() -> None:
-    async def collect() -> list[bytes]:
-        reader = asyncio.StreamReader()
-        reader.feed_data(b"5\r\ndata:\r\n6\r\n 1\n\nda\r\n6\r\nta: 2\n\r\n0\r\n\r\n")
-        reader.feed_eof()
-        return [line async for line in body_lines(reader, chunked=True)]
+    # The lines the OpenAI client feeds to sse_events, from a body whose chunks split lines.
+    chunked = b"5\r\ndata:\r\n6\r\n 1\n\nda\r\n6\r\nta: 2\n\r\n0\r\n\r\n"
 
-    assert asyncio.run(collect()) == [b"data: 1\n", b"\n", b"data: 2\n"]
+    async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+        await writer.drain()
+        writer.close()
+
+    async def collect() -> list[str]:
+        server = await asyncio.start_server(respond, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with (
+            server,
+            httpx.AsyncClient() as http,
+            http.stream("GET", f"http://127.0.0.1:{port}/") as response,
+        ):
+            return [line async for line in response.aiter_lines()]
+
+    assert asyncio.run(collect()) == ["data: 1", "", "data: 2"]
 
 
 # ---- OpenAI-compatible HTTP against a fake server --------------------------------------------
