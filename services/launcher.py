@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.metrics_aggregate import ScrapeTarget, start_aggregate_server
@@ -121,14 +122,17 @@ def free_port(host: str) -> int:
 
 
 def redis_answers(address: str, timeout: float = 1.0) -> bool:
-    """PING over a plain socket (the private Redis has no password)."""
+    """Whether the private Redis (no password) answers a PING."""
     host, port = address.rsplit(":", 1)
+    client = redis.Redis(
+        host=host, port=int(port), socket_timeout=timeout, socket_connect_timeout=timeout
+    )
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
+        return bool(client.ping())
+    except redis.RedisError:  # refused or still loading: not ready yet
         return False
+    finally:
+        client.close()
 
 
 def healthy(address: str, timeout: float = 1.0) -> bool:

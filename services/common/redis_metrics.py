@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from services.common.metrics import Registry
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class RedisMetrics:
     """Registers the Redis families on a service's registry; the store reports to it."""
 
-    def __init__(self, registry: Registry) -> None:
-        self._errors = registry.counter(
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._errors = Counter(
             "llmserve_redis_errors_total",
             "Redis calls that failed or timed out (each is served as a cache miss).",
             ("operation",),
+            registry=registry,
         )
-        self._up = registry.gauge(
-            "llmserve_redis_up", "1 while Redis answers, 0 after a failed call until one succeeds."
+        self._up = Gauge(
+            "llmserve_redis_up",
+            "1 while Redis answers, 0 after a failed call until one succeeds.",
+            registry=registry,
         )
         self._up.set(1)
 

@@ -2,70 +2,87 @@
 
 Observed once per step from data the loop already has (the plan, the events, the stats) and
 once per request at admission; nothing per token. Process-wide, like the logging
-configuration: one Registry per process, scraped at /metrics.
+configuration: one registry per process, scraped at /metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from services.common.grpc_server import rejection_reason
-from services.common.metrics import Registry
+from services.common.metrics import LATENCY_BUCKETS_S
 from services.common.redis_metrics import RedisMetrics
 from services.scheduler.plan import BatchPlan, TokenEvent
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 
-REGISTRY = Registry()
+REGISTRY = CollectorRegistry()
 REDIS = RedisMetrics(REGISTRY)
 
-QUEUE_TIME = REGISTRY.histogram(
+QUEUE_TIME = Histogram(
     "llmserve_queue_time_seconds",
     "From a request's arrival at the scheduler to its first admission into a step.",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
 )
-STEP_DURATION = REGISTRY.histogram(
+STEP_DURATION = Histogram(
     "llmserve_step_duration_seconds",
     "One step as the scheduler sees it: plan out, worker forward and sampling, result back. "
     "step_kind: prefill (every slice > 1 token), decode (every slice 1 token) or mixed.",
     ("step_kind",),
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
 )
-RUNNING = REGISTRY.gauge("llmserve_scheduler_running_requests", "Requests holding KV blocks.")
-WAITING = REGISTRY.gauge(
-    "llmserve_scheduler_waiting_requests", "Requests queued (new or preempted)."
+RUNNING = Gauge(
+    "llmserve_scheduler_running_requests", "Requests holding KV blocks.", registry=REGISTRY
 )
-KV_BLOCKS_USED = REGISTRY.gauge(
+WAITING = Gauge(
+    "llmserve_scheduler_waiting_requests", "Requests queued (new or preempted).", registry=REGISTRY
+)
+KV_BLOCKS_USED = Gauge(
     "llmserve_kv_cache_blocks_used",
     "KV blocks held by requests (cached blocks nobody holds count as free).",
+    registry=REGISTRY,
 )
-KV_BLOCKS_TOTAL = REGISTRY.gauge(
-    "llmserve_kv_cache_blocks_total", "KV blocks the worker allocated."
+KV_BLOCKS_TOTAL = Gauge(
+    "llmserve_kv_cache_blocks_total", "KV blocks the worker allocated.", registry=REGISTRY
 )
-PROMPT_TOKENS = REGISTRY.counter(
-    "llmserve_prompt_tokens_total", "Prompt tokens of admitted requests."
+PROMPT_TOKENS = Counter(
+    "llmserve_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=REGISTRY
 )
-GENERATION_TOKENS = REGISTRY.counter(
-    "llmserve_generation_tokens_total", "Tokens sampled and delivered to requests."
+GENERATION_TOKENS = Counter(
+    "llmserve_generation_tokens_total",
+    "Tokens sampled and delivered to requests.",
+    registry=REGISTRY,
 )
-PREFIX_CACHE_QUERIED_TOKENS = REGISTRY.counter(
+PREFIX_CACHE_QUERIED_TOKENS = Counter(
     "llmserve_prefix_cache_queried_tokens_total",
     "Tokens looked up in the prefix cache at admission (resumed requests included).",
+    registry=REGISTRY,
 )
-PREFIX_CACHE_HIT_TOKENS = REGISTRY.counter(
+PREFIX_CACHE_HIT_TOKENS = Counter(
     "llmserve_prefix_cache_hit_tokens_total",
     "Tokens whose KV the prefix cache already held at admission.",
+    registry=REGISTRY,
 )
-PREEMPTIONS = REGISTRY.counter(
-    "llmserve_preemptions_total", "Running requests preempted (KV dropped, to be recomputed)."
+PREEMPTIONS = Counter(
+    "llmserve_preemptions_total",
+    "Running requests preempted (KV dropped, to be recomputed).",
+    registry=REGISTRY,
 )
-FINISHED = REGISTRY.counter(
+FINISHED = Counter(
     "llmserve_scheduler_requests_finished_total",
     "Requests the scheduler finished, by reason (stop, length, abort, deadline).",
     ("finish_reason",),
+    registry=REGISTRY,
 )
-REJECTED = REGISTRY.counter(
+REJECTED = Counter(
     "llmserve_requests_rejected_total",
     "Requests refused before generating, by reason.",
     ("reason",),
+    registry=REGISTRY,
 )
 
 

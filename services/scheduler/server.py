@@ -181,7 +181,7 @@ async def serve(config: SchedulerServerConfig) -> None:
     port = await service.start(config.host, config.port)
     servicer.scheduler_id = config.scheduler_id or f"{config.host}:{port}"
     log.info("scheduler listening", extra={"address": f"{config.host}:{port}"})
-    start_metrics_server(metrics.REGISTRY.render, config.host, config.metrics_port, "scheduler")
+    start_metrics_server(metrics.REGISTRY, config.host, config.metrics_port, "scheduler")
     redis = RedisLink.connect(config, servicer.scheduler_id, engine_loop)
     tasks = [asyncio.create_task(engine_loop.run()), asyncio.create_task(engine_loop.expire_pins())]
     if redis is not None:

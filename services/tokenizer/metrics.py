@@ -2,7 +2,7 @@
 outcomes). Timings are taken when an engine message becomes the client's delta, on the same
 clock as the Timings of the last response.
 
-Process-wide, like the logging configuration: one Registry per process, scraped at /metrics.
+Process-wide, like the logging configuration: one registry per process, scraped at /metrics.
 """
 
 from __future__ import annotations
@@ -10,49 +10,63 @@ from __future__ import annotations
 import time
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.grpc_server import rejection_reason
-from services.common.metrics import Registry
+from services.common.metrics import LATENCY_BUCKETS_S
 from services.common.redis_metrics import RedisMetrics
 
-REGISTRY = Registry()
+REGISTRY = CollectorRegistry()
 REDIS = RedisMetrics(REGISTRY)
-ROUTED = REGISTRY.counter(
+ROUTED = Counter(
     "llmserve_routing_decisions_total",
     "Requests routed to a scheduler, by policy and why that one: cached_prefix (it holds the "
     "longest cached prefix), least_loaded, round_robin or only (a single scheduler).",
     ("policy", "reason"),
+    registry=REGISTRY,
 )
 
-REQUESTS_IN_FLIGHT = REGISTRY.gauge(
-    "llmserve_tokenizer_requests_in_flight", "Generate calls in progress in this process."
+REQUESTS_IN_FLIGHT = Gauge(
+    "llmserve_tokenizer_requests_in_flight",
+    "Generate calls in progress in this process.",
+    registry=REGISTRY,
 )
-TIME_TO_FIRST_TOKEN = REGISTRY.histogram(
+TIME_TO_FIRST_TOKEN = Histogram(
     "llmserve_time_to_first_token_seconds",
     "From the Generate call's arrival to its first generated token.",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
 )
-TIME_PER_OUTPUT_TOKEN = REGISTRY.histogram(
+TIME_PER_OUTPUT_TOKEN = Histogram(
     "llmserve_time_per_output_token_seconds",
     "Per request: (last token time - first token time) / (generated tokens - 1).",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
 )
-INTER_TOKEN_LATENCY = REGISTRY.histogram(
+INTER_TOKEN_LATENCY = Histogram(
     "llmserve_inter_token_latency_seconds",
     "Gap between consecutive generated tokens of one request (a message of k tokens counts "
     "k times, gap/k each).",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
 )
-E2E_REQUEST_LATENCY = REGISTRY.histogram(
+E2E_REQUEST_LATENCY = Histogram(
     "llmserve_e2e_request_latency_seconds",
     "From the Generate call's arrival to its end (any outcome).",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
 )
-REQUESTS = REGISTRY.counter(
+REQUESTS = Counter(
     "llmserve_requests_total",
     "Finished Generate calls by finish reason (none: ended without one) and gRPC status.",
     ("finish_reason", "code"),
+    registry=REGISTRY,
 )
-REJECTED = REGISTRY.counter(
+REJECTED = Counter(
     "llmserve_requests_rejected_total",
     "Requests refused before generating, by reason.",
     ("reason",),
+    registry=REGISTRY,
 )
 
 
@@ -83,10 +97,10 @@ class GenerateMetrics:
         if self._first_token_at is None:
             self._first_token_at = now
             TIME_TO_FIRST_TOKEN.observe(now - self._started)
-            if num_tokens > 1:
-                INTER_TOKEN_LATENCY.observe(0.0, num_tokens - 1)
+            _observe_times(INTER_TOKEN_LATENCY, 0.0, num_tokens - 1)
         else:
-            INTER_TOKEN_LATENCY.observe((now - self._last_token_at) / num_tokens, num_tokens)
+            gap_s = (now - self._last_token_at) / num_tokens
+            _observe_times(INTER_TOKEN_LATENCY, gap_s, num_tokens)
         self._last_token_at = now
         self._num_tokens += num_tokens
 
@@ -97,6 +111,12 @@ class GenerateMetrics:
             decode_s = self._last_token_at - self._first_token_at
             TIME_PER_OUTPUT_TOKEN.observe(decode_s / (self._num_tokens - 1))
         REQUESTS.labels(self.finish_reason or "none", _status_name(context, self)).inc()
+
+
+def _observe_times(histogram: Histogram, value: float, count: int) -> None:
+    """`count` observations of `value`: a message carries few tokens (usually one)."""
+    for _ in range(count):
+        histogram.observe(value)
 
 
 def _status_name(context: grpc.aio.ServicerContext, metrics: GenerateMetrics) -> str:

@@ -592,7 +592,7 @@ async def serve(config: TokenizerConfig) -> None:
     """Runs until SIGTERM/SIGINT, then drains. A failed warm-up (bad model file) ends it."""
     server = TokenizerServer(config)
     await server.start()
-    start_metrics_server(metrics.REGISTRY.render, config.host, config.metrics_port, "tokenizer")
+    start_metrics_server(metrics.REGISTRY, config.host, config.metrics_port, "tokenizer")
     warm = asyncio.create_task(server.warm_up())
     signal = asyncio.create_task(server.service.wait_for_signal())
     await asyncio.wait({warm, signal}, return_when=asyncio.FIRST_COMPLETED)

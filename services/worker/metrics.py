@@ -1,33 +1,40 @@
 """The worker's metrics: forward time and batch shape, once per step.
 
-Process-wide, like the logging configuration: one Registry per process, scraped at /metrics.
+Process-wide, like the logging configuration: one registry per process, scraped at /metrics.
 """
 
 from __future__ import annotations
 
-from services.common.metrics import SIZE_BUCKETS, Registry
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS_S, SIZE_BUCKETS
 from services.scheduler.plan import BatchPlan
 
-REGISTRY = Registry()
+REGISTRY = CollectorRegistry()
 
-FORWARD_DURATION = REGISTRY.histogram(
+FORWARD_DURATION = Histogram(
     "llmserve_worker_forward_seconds",
     "One step in the worker: apply the plan, forward, sample (the runner's wall time).",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
 )
-BATCH_SEQUENCES = REGISTRY.histogram(
+BATCH_SEQUENCES = Histogram(
     "llmserve_worker_batch_sequences",
     "Sequences scheduled in one step.",
     buckets=SIZE_BUCKETS,
+    registry=REGISTRY,
 )
-BATCH_TOKENS = REGISTRY.histogram(
+BATCH_TOKENS = Histogram(
     "llmserve_worker_batch_tokens",
     "Tokens computed in one step (prefill chunks + decodes).",
     buckets=SIZE_BUCKETS,
+    registry=REGISTRY,
 )
-STEPS = REGISTRY.counter(
+STEPS = Counter(
     "llmserve_worker_steps_total",
     "Forward steps by how they ran: a fused C++ decode, a compiled decode graph or eager ops.",
     ["mode"],
+    registry=REGISTRY,
 )
 
 

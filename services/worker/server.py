@@ -147,7 +147,7 @@ async def serve(config: WorkerConfig) -> None:
     # Listen first (health NOT_SERVING) so a supervisor sees the port while the model loads.
     port = await service.start(config.host, config.port)
     log.info("worker listening", extra={"address": f"{config.host}:{port}"})
-    start_metrics_server(metrics.REGISTRY.render, config.host, config.metrics_port, "worker")
+    start_metrics_server(metrics.REGISTRY, config.host, config.metrics_port, "worker")
     dtype = resolve_dtype(config.dtype, config.device)
     loaded = await asyncio.to_thread(
         LoadedModel.load, config.model, dtype, config.device, config.quantization
