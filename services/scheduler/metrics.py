@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from services.common.grpc_server import rejection_reason
 from services.common.metrics import Registry
 from services.common.redis_metrics import RedisMetrics
-from services.scheduler.plan import BatchPlan, TokenEvent
+from services.contracts.step import BatchPlan, TokenEvent
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 

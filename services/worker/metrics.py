@@ -6,7 +6,7 @@ Process-wide, like the logging configuration: one Registry per process, scraped 
 from __future__ import annotations
 
 from services.common.metrics import SIZE_BUCKETS, Registry
-from services.scheduler.plan import BatchPlan
+from services.contracts.step import BatchPlan
 
 REGISTRY = Registry()
 

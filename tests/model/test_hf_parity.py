@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from services.common.sampling_params import SamplingParams
+from services.contracts.step import BatchPlan, NewSequence
 from services.engine.engine import LLMEngine
-from services.scheduler.plan import BatchPlan, NewSequence
 from services.tokenizer.chat_template import ChatMessage
 from services.worker.input_batch import InputBatch
 from tests.model.conftest import PROMPTS

@@ -17,8 +17,8 @@ from services.common.metrics_aggregate import (
     parse_exposition,
 )
 from services.common.metrics_http import MetricsServer
+from services.contracts.step import BatchPlan
 from services.scheduler.metrics import step_kind
-from services.scheduler.plan import BatchPlan
 
 
 def test_counter_with_labels_renders_help_type_and_samples() -> None:
