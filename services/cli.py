@@ -51,7 +51,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from services.engine.config import EngineConfig, GiB
+    from services.engine.config import EngineConfig
+    from services.worker.config import GiB
 
     return EngineConfig(
         model=args.model,
@@ -91,9 +92,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Stream one chat answer from the in-process engine to the terminal."""
+    from services.common.chat_template import ChatMessage
     from services.common.sampling_params import SamplingParams
     from services.engine.engine import LLMEngine
-    from services.tokenizer.chat_template import ChatMessage
 
     engine = LLMEngine(_engine_config(args))
     prompt = engine.tokenizer.apply_chat_template([ChatMessage("user", args.prompt)])

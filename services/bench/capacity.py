@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 
 from services.bench.common import SAFE_TOKEN_RANGE, command_line, format_table, mean, uniform_int
 from services.common.sampling_params import SamplingParams
+from services.contracts.step import BatchPlan, StepResult
 from services.scheduler.config import AllocationPolicy, SchedulerConfig
-from services.scheduler.plan import BatchPlan, StepResult
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 

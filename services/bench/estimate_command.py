@@ -45,7 +45,7 @@ TABLE_HEADERS = [
 
 
 def shape_from_config(name: str, config: Any) -> ModelShape:
-    """A ModelShape from services.worker.model.config.ModelConfig."""
+    """A ModelShape from services.contracts.model_config.ModelConfig."""
     return ModelShape(
         name=name,
         num_layers=config.num_layers,
@@ -64,7 +64,7 @@ def load_model_shape(spec: str | None) -> tuple[ModelShape, str]:
     """The model's shape and where it came from: a built-in name, a config.json file, a HF
     directory or a .gguf file (None: the embedded model)."""
     from services.common.model_source import model_display_name, resolve_model_path
-    from services.worker.model.config import ModelConfig
+    from services.contracts.model_config import ModelConfig
 
     if spec is not None and spec.lower() in KNOWN_MODELS:
         return KNOWN_MODELS[spec.lower()], "built-in shape"
@@ -76,7 +76,8 @@ def load_model_shape(spec: str | None) -> tuple[ModelShape, str]:
     except Exception as exc:  # ModelLoadError: say what else is accepted
         raise ValueError(f"{exc}; or a built-in name: {', '.join(KNOWN_MODELS)}") from None
     if path.suffix == ".gguf":
-        from services.worker.loader.gguf_loader import gguf_model_config, open_gguf
+        from services.common.gguf_metadata import open_gguf
+        from services.contracts.model_config import gguf_model_config
 
         config = gguf_model_config(open_gguf(path))
     else:  # config.json alone: the HF loader module would import torch for nothing

@@ -29,8 +29,9 @@ from services.bench.common import (
     reset_peak_rss,
 )
 from services.common.sampling_params import SamplingParams
-from services.engine.config import DTypeName, EngineConfig, GiB, resolve_dtype
+from services.engine.config import DTypeName, EngineConfig
 from services.engine.engine import LLMEngine
+from services.worker.config import GiB, resolve_dtype
 from services.worker.kv_cache import KVCacheSpec
 from services.worker.loaded_model import LoadedModel
 

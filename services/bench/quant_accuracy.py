@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from services.common.sampling_params import SamplingParams
+from services.contracts.step import BatchPlan, NewSequence
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.plan import BatchPlan, NewSequence
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 
 from services.common.sampling_params import SamplingParams
+from services.contracts.step import StepResult
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.plan import StepResult
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 

@@ -120,7 +120,7 @@ def _tokenizer(args: argparse.Namespace) -> Any:
     """The --tokenizer model's tokenizer, loaded once (every sweep point builds prompts)."""
     if args.tokenizer not in _TOKENIZERS:
         from services.common.model_source import resolve_model_path
-        from services.tokenizer.model_tokenizer import ModelTokenizer
+        from services.common.model_tokenizer import ModelTokenizer
 
         _TOKENIZERS[args.tokenizer] = ModelTokenizer.from_path(resolve_model_path(args.tokenizer))
     return _TOKENIZERS[args.tokenizer]
@@ -129,8 +129,9 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 def make_target(args: argparse.Namespace, generation: Generation) -> Target:
     target: str = args.target
     if target == "inprocess":
-        from services.engine.config import EngineConfig, GiB
+        from services.engine.config import EngineConfig
         from services.engine.engine import LLMEngine
+        from services.worker.config import GiB
 
         config = EngineConfig(
             model=args.model,

@@ -24,8 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from services.bench.common import format_table, machine_header, random_prompts
 from services.common.sampling_params import SamplingParams
-from services.engine.config import EngineConfig, GiB
+from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.worker.config import GiB
 
 # Op-name fragments -> the row they count in (first match wins; "other ops" otherwise).
 KINDS: list[tuple[str, tuple[str, ...]]] = [

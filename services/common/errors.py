@@ -38,5 +38,9 @@ class CapacityError(LLMServeError):
     """The request can never fit (e.g. its prompt needs more KV blocks than exist)."""
 
 
+class QueueFullError(LLMServeError):
+    """The scheduler's waiting queue is at max_waiting_requests; the caller should back off."""
+
+
 class ModelLoadError(LLMServeError):
     """A model file or directory cannot be read or is of an unsupported kind."""

@@ -127,8 +127,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         InvalidRequestError,
         LLMServeError,
         NotFoundError,
+        QueueFullError,
     )
-    from services.scheduler.errors import QueueFullError
 
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -145,8 +145,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def rejection_reason(exc: BaseException) -> str:
     """A short, bounded metric label for a request refused with `exc` (never the message)."""
-    from services.common.errors import CapacityError, PromptTooLongError
-    from services.scheduler.errors import QueueFullError
+    from services.common.errors import CapacityError, PromptTooLongError, QueueFullError
 
     if isinstance(exc, QueueFullError):
         return "queue_full"

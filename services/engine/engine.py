@@ -20,11 +20,12 @@ import torch
 from services.common.errors import InvalidRequestError
 from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.common.sampling_params import SamplingParams
-from services.engine.config import EngineConfig, resolve_dtype
+from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
+from services.engine.config import EngineConfig
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.plan import FinishReason, TokenEvent, TokenLogprobs
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerStats
+from services.worker.config import resolve_dtype
 from services.worker.loaded_model import LoadedModel
 from services.worker.runner import ModelRunner
 

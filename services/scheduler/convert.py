@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from protos.llmserve.v1 import engine_pb2
-from services.scheduler.plan import TokenEvent
+from services.contracts.step import TokenEvent
 from services.scheduler.scheduler import SchedulerStats
 
 

@@ -25,13 +25,13 @@ from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.sampling_params import SamplingParams
+from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.scheduler import metrics
-from services.scheduler.plan import BatchPlan, StepResult, TokenEvent
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerStats
 from services.scheduler.server_config import SchedulerServerConfig
-from services.worker.convert import plan_to_proto, result_from_proto
+from services.scheduler.worker_convert import plan_to_proto, result_from_proto
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.grpc_server import rejection_reason
 from services.common.metrics import LATENCY_BUCKETS_S
 from services.common.redis_metrics import RedisMetrics
-from services.scheduler.plan import BatchPlan, TokenEvent
+from services.contracts.step import BatchPlan, TokenEvent
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.plan import FinishReason
+from services.contracts.step import FinishReason
 
 
 class RequestStatus(Enum):

@@ -10,11 +10,8 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
-from services.common.errors import CapacityError, InvalidRequestError
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.errors import QueueFullError
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.plan import (
+from services.common.errors import CapacityError, InvalidRequestError, QueueFullError
+from services.contracts.step import (
     BatchPlan,
     FinishReason,
     NewSequence,
@@ -23,6 +20,8 @@ from services.scheduler.plan import (
     TokenEvent,
     TokenLogprobs,
 )
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 
 _COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)

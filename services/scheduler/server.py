@@ -22,10 +22,10 @@ from services.common.prompt_checks import check_token_ids
 from services.common.prompt_store import PromptStore
 from services.common.redis_store import RedisStore, open_store, redact_url
 from services.common.sampling_proto import sampling_from_proto
+from services.contracts.step import FinishReason
 from services.scheduler import metrics
 from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.engine_loop import EngineLoop, WorkerUnavailable
-from services.scheduler.plan import FinishReason
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.server_config import SchedulerServerConfig

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from protos.llmserve.v1 import engine_pb2, text_pb2
+from services.common.chat_template import ChatMessage
 from services.common.named_prompt import NamedPrompt
 from services.common.sampling_proto import sampling_to_proto
-from services.tokenizer.chat_template import ChatMessage
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
 
 # The public sampling fields with presence (proto3 `optional`): unset means "our default".

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.cache_keys import PROMPT_NAME_PATTERN
+from services.common.chat_template import ChatMessage
 from services.common.errors import DependencyUnavailableError, InvalidRequestError, NotFoundError
 from services.common.named_prompt import NamedPrompt
 from services.common.prompt_store import PromptStore
-from services.tokenizer.chat_template import ChatMessage
 
 
 @dataclass(frozen=True, slots=True)

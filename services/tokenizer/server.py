@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -30,6 +29,7 @@ from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError, LLMServeError
 from services.common.grpc_server import GrpcService, run_service, status_for
 from services.common.metrics_http import start_metrics_server
+from services.common.model_tokenizer import ModelTokenizer
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_token_ids
@@ -38,7 +38,6 @@ from services.common.redis_store import open_store
 from services.tokenizer import convert, metrics
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.model_tokenizer import ModelTokenizer
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.prefix_locator import PrefixLocator
 from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
@@ -88,27 +87,17 @@ class ServedModel:
 
 
 def load_served_model(config: TokenizerConfig) -> ServedModel:
-    """Reads the tokenizer and the context length from the worker's model file (slow: seconds)."""
+    """Reads the tokenizer and the context length from the model file's metadata, without
+    torch and without the weights (slow for a GGUF file: seconds to parse the token list)."""
     from services.common.model_source import model_display_name, resolve_model_path
+    from services.contracts.model_config import read_model_config
 
     path = resolve_model_path(config.model)
     tokenizer = ModelTokenizer.from_path(path)
-    context_length, vocab_size = _read_context_length_and_vocab(path)
+    model_config = read_model_config(path)
+    context_length = model_config.max_position_embeddings
     max_model_len = min(config.max_model_len or context_length, context_length)
-    return ServedModel(model_display_name(path), tokenizer, max_model_len, vocab_size)
-
-
-def _read_context_length_and_vocab(path: Path) -> tuple[int, int]:
-    # The loaders' config readers, not model_loader: this process never builds the model.
-    if path.suffix == ".gguf":
-        from services.worker.loader.gguf_loader import gguf_model_config, open_gguf
-
-        model_config = gguf_model_config(open_gguf(path))
-    else:
-        from services.worker.loader.hf_loader import hf_model_config
-
-        model_config = hf_model_config(path)
-    return model_config.max_position_embeddings, model_config.vocab_size
+    return ServedModel(model_display_name(path), tokenizer, max_model_len, model_config.vocab_size)
 
 
 # ---- text out: whole characters, never a stop string --------------------------------------

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
+from services.common.chat_template import ChatMessage
 from services.common.errors import InvalidRequestError
 from services.common.named_prompt import NamedPrompt
 from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.common.sampling_params import SamplingParams
-from services.tokenizer.chat_template import ChatMessage
 
 # A request id is echoed into every log line about the request; keep lines bounded.
 MAX_REQUEST_ID_LEN = 128

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from services.worker.quantization.formats import (
     DEFAULT_KV_GROUP_SIZE,
     check_kv_cache_dtype,
     check_kv_cache_group_size,
     check_quantization,
 )
+
+GiB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +62,23 @@ class WorkerConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_kv_cache_group_size(self.kv_cache_group_size)
         check_quantization(self.quantization)
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = cpuinfo.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        if device.startswith("cuda") or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {name!r}")
+    return dtypes[name]

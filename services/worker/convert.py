@@ -1,41 +1,11 @@
-"""Worker protos ↔ the plan/result dataclasses (the only place the worker touches protos)."""
+"""The worker's side of worker.proto: plans in, results out (the only place the worker
+touches protos; the scheduler's side is services/scheduler/worker_convert.py)."""
 
 from __future__ import annotations
 
 from protos.llmserve.v1 import worker_pb2
-from services.common.sampling_proto import sampling_from_proto, sampling_to_proto
-from services.scheduler.plan import (
-    BatchPlan,
-    NewSequence,
-    SequenceDelta,
-    StepResult,
-    TokenLogprobs,
-)
-
-
-def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
-    return worker_pb2.StepPlan(
-        step_id=plan.step_id,
-        finished_ids=plan.finished_ids,
-        new_sequences=[
-            worker_pb2.NewSequence(
-                request_id=seq.request_id,
-                token_ids=seq.token_ids,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                block_ids=seq.block_ids,
-                num_computed_tokens=seq.num_computed_tokens,
-                sampling=sampling_to_proto(seq.sampling),
-            )
-            for seq in plan.new_sequences
-        ],
-        block_deltas=[
-            worker_pb2.SequenceDelta(request_id=d.request_id, new_block_ids=d.new_block_ids)
-            for d in plan.block_deltas
-        ],
-        scheduled_ids=list(plan.num_scheduled_tokens),
-        num_scheduled_tokens=list(plan.num_scheduled_tokens.values()),
-        block_copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in plan.block_copies],
-    )
+from services.common.sampling_proto import sampling_from_proto
+from services.contracts.step import BatchPlan, NewSequence, SequenceDelta, StepResult
 
 
 def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
@@ -79,16 +49,3 @@ def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOut
             )
         )
     return message
-
-
-def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
-    return StepResult(
-        step_id=message.step_id,
-        sampled_token_ids=dict(zip(message.sampled_ids, message.sampled_token_ids, strict=True)),
-        logprobs={
-            request_id: TokenLogprobs(
-                lp.token_logprob, list(lp.top_token_ids), list(lp.top_logprobs)
-            )
-            for request_id, lp in message.logprobs.items()
-        },
-    )

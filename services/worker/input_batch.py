@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.plan import BatchPlan
+from services.contracts.step import BatchPlan
 from services.worker.forward_batch import ForwardBatch
 from services.worker.sampler import SamplerRow
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from services.common.errors import CapacityError
-from services.worker.model.config import ModelConfig
+from services.contracts.model_config import ModelConfig
 from services.worker.quantization.formats import InvalidFormatError
 
 

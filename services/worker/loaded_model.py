@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from services.common.model_source import model_display_name, resolve_model_path
-from services.tokenizer.model_tokenizer import ModelTokenizer
+from services.common.model_tokenizer import ModelTokenizer
 from services.worker.loader.model_loader import load_model
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.quantization import apply_quantization

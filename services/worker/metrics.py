@@ -8,7 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS_S, SIZE_BUCKETS
-from services.scheduler.plan import BatchPlan
+from services.contracts.step import BatchPlan
 
 REGISTRY = CollectorRegistry()
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from services.scheduler.plan import BatchPlan, StepResult
+from services.contracts.step import BatchPlan, StepResult
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode, unsupported_reason
 from services.worker.host_memory import keep_freed_memory

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common.sampling_params import SamplingParams
-from services.scheduler.plan import TokenLogprobs
+from services.contracts.step import TokenLogprobs
 
 # A temperature below this is treated as greedy: dividing logits by ~1e-40 overflows to inf
 # and the softmax turns into NaN, while anything this cold is argmax in all but exact ties.

@@ -18,10 +18,9 @@ from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
 from services.common.sampling_params import SamplingParams
-from services.engine.config import GiB, resolve_dtype
-from services.scheduler.plan import BatchPlan, NewSequence
+from services.contracts.step import BatchPlan, NewSequence
 from services.worker import metrics
-from services.worker.config import WorkerConfig
+from services.worker.config import GiB, WorkerConfig, resolve_dtype
 from services.worker.convert import plan_from_proto, result_to_proto
 from services.worker.loaded_model import LoadedModel
 from services.worker.runner import ModelRunner

@@ -13,10 +13,10 @@ import torch
 
 from kernels import cpu_extension
 from kernels.gguf_blocks_torch import GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0
+from services.contracts.model_config import ModelConfig
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode, unsupported_reason
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
-from services.worker.model.config import ModelConfig
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
 from tests.kernels.test_gguf_gemm import random_blocks

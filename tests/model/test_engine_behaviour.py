@@ -10,8 +10,8 @@ import pytest
 
 from services.common.errors import InvalidRequestError
 from services.common.sampling_params import SamplingParams
+from services.contracts.step import FinishReason
 from services.engine.engine import LLMEngine
-from services.scheduler.plan import FinishReason
 from services.worker.loaded_model import LoadedModel
 from tests.model.conftest import FP32, PROMPTS
 

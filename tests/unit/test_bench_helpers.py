@@ -26,7 +26,7 @@ from services.bench.common import (
     uniform_int,
 )
 from services.common.sampling_params import SamplingParams
-from services.scheduler.plan import BatchPlan, NewSequence
+from services.contracts.step import BatchPlan, NewSequence
 
 # ---- tables -----------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from services.bench.serve_workload import (
     synthetic_of_lengths,
     synthetic_text,
 )
-from services.scheduler.plan import FinishReason, TokenEvent
+from services.contracts.step import FinishReason, TokenEvent
 
 # ---- workloads ------------------------------------------------------------------------------
 

@@ -15,13 +15,13 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from services.common.errors import ModelLoadError
 from services.common.model_source import embedded_model_path
+from services.common.model_tokenizer import ModelTokenizer
 from services.tokenizer.detokenizer import (
     MAX_PENDING_TOKENS,
     NUM_CONTEXT_TOKENS,
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
 )
-from services.tokenizer.model_tokenizer import ModelTokenizer
 
 
 def _load() -> ModelTokenizer:

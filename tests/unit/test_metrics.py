@@ -15,8 +15,8 @@ from services.common.metrics_aggregate import (
     merge_families,
 )
 from services.common.metrics_http import MetricsServer
+from services.contracts.step import BatchPlan
 from services.scheduler.metrics import step_kind
-from services.scheduler.plan import BatchPlan
 from services.tokenizer import metrics as tokenizer_metrics
 
 

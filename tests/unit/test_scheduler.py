@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from services.common.errors import CapacityError
-from services.scheduler.errors import QueueFullError
-from services.scheduler.plan import FinishReason, StepResult
+from services.common.errors import CapacityError, QueueFullError
+from services.contracts.step import FinishReason, StepResult
 from services.scheduler.request import RequestStatus
 from tests.unit.factories import (
     EOS_TOKEN_ID,

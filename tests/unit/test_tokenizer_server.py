@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
 from services.common.model_source import embedded_model_path
+from services.common.model_tokenizer import ModelTokenizer
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.model_tokenizer import ModelTokenizer
 from services.tokenizer.server import SERVICE_NAME, ServedModel, TokenizerServer
 
 MAX_MODEL_LEN = 128
@@ -252,7 +252,7 @@ def test_chat_messages_use_the_chat_template(model: ServedModel) -> None:
             )
             responses = await stack.generate(request)
         assert joined_text(responses) == "Paris."
-        from services.tokenizer.chat_template import ChatMessage
+        from services.common.chat_template import ChatMessage
 
         expected = model.tokenizer.apply_chat_template(
             [ChatMessage("system", "Be brief."), ChatMessage("user", "Capital of France?")]

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
+from services.common.chat_template import ChatMessage, ChatTemplate
 from services.common.errors import InvalidRequestError
-from services.tokenizer.chat_template import ChatMessage, ChatTemplate
 from services.tokenizer.validation import (
     GenerateInput,
     Limits,

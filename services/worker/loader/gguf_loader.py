@@ -1,19 +1,18 @@
-"""Read a GGUF file (llama.cpp's format): model config from metadata, weights dequantized to
+"""Read a GGUF file's weights (llama.cpp's format; the metadata readers are torch-free, in
+services/common/gguf_metadata.py and services/contracts/model_config.py), dequantized to
 float and renamed to Hugging Face names, with llama.cpp's Q/K row permutation undone."""
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from services.common.errors import ModelLoadError
-from services.worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from services.contracts.model_config import ModelConfig
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -33,70 +32,6 @@ _GLOBAL_NAMES = {
     "rope_freqs.weight": "rope_freqs",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-
-
-@functools.lru_cache(maxsize=4)
-def open_gguf(path: Path) -> Any:
-    """One parsed reader per file and process: parsing the metadata (49k token strings for
-    SmolLM2) takes seconds, and the tokenizer and the config readers both need it."""
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises bare ValueErrors on bad magic/versions
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-
-
-def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def gguf_model_config(reader: Any) -> ModelConfig:
-    arch = field_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
-        )
-
-    def meta(name: str, default: Any = None) -> Any:
-        return field_value(reader, f"{arch}.{name}", default)
-
-    num_heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
-    tensor_names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = int(meta("vocab_size", len(tokens.data) if tokens is not None else 0))
-    rope_scaling = None
-    scaling_type = meta("rope.scaling.type")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"GGUF rope scaling {scaling_type!r} is not supported")
-    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-    eot = field_value(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
-    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=str(arch),
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_layers=int(meta("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(meta("attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        rope_scaling=rope_scaling,
-        bos_token_id=int(bos) if bos is not None else None,
-        eos_token_ids=eos_ids,
-    )
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,33 +1,14 @@
-"""Read a Hugging Face model directory: config.json and (possibly sharded) safetensors."""
+"""Read a Hugging Face model directory's (possibly sharded) safetensors (config.json is read by
+services/contracts/model_config.py)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from services.common.errors import ModelLoadError
-from services.worker.model.config import ModelConfig
-
-
-def hf_model_config(directory: Path) -> ModelConfig:
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {directory / 'config.json'}: {exc}") from exc
-    model_config = ModelConfig.from_hf(config)
-    generation = directory / "generation_config.json"
-    if generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        if eos is not None:
-            extra = tuple(eos) if isinstance(eos, list) else (eos,)
-            merged = tuple(dict.fromkeys((*model_config.eos_token_ids, *extra)))
-            from dataclasses import replace
-
-            model_config = replace(model_config, eos_token_ids=merged)
-    return model_config
 
 
 def safetensors_files(directory: Path) -> list[Path]:

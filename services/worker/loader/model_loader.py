@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from services.worker.loader.gguf_loader import gguf_model_config, iter_gguf_weights, open_gguf
-from services.worker.loader.hf_loader import hf_model_config, hf_tensor_count, iter_hf_weights
+from services.common.gguf_metadata import open_gguf
+from services.contracts.model_config import gguf_model_config, hf_model_config
+from services.worker.loader.gguf_loader import iter_gguf_weights
+from services.worker.loader.hf_loader import hf_tensor_count, iter_hf_weights
 from services.worker.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)

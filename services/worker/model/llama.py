@@ -13,9 +13,9 @@ from torch import Tensor, nn
 
 from kernels import ops
 from services.common.errors import ModelLoadError
+from services.contracts.model_config import ModelConfig
 from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import LayerKVCache
-from services.worker.model.config import ModelConfig
 from services.worker.model.rope import cos_sin_cache
 
 # key, value (+ key_scale, value_scale for an int8 cache), each [num_blocks, block_size, ...]

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from kernels.gguf_blocks_torch import GGUF_KINDS
-from services.worker.loader.gguf_loader import hf_tensor_name, open_gguf, unpermute_rows
+from services.common.gguf_metadata import open_gguf
+from services.worker.loader.gguf_loader import hf_tensor_name, unpermute_rows
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.quantization.formats import InvalidFormatError
 from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear

@@ -10,8 +10,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from services.common.chat_template import ChatMessage, ChatTemplate
 from services.common.errors import ModelLoadError
-from services.tokenizer.chat_template import ChatMessage, ChatTemplate
 
 # llama.cpp token types (gguf.TokenType): 3 = control (special), 4 = user defined.
 _CONTROL = 3
@@ -165,7 +165,7 @@ class ModelTokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path) -> ModelTokenizer:
-        from services.worker.loader.gguf_loader import field_value, open_gguf
+        from services.common.gguf_metadata import field_value, open_gguf
 
         reader = open_gguf(path)
         kind = field_value(reader, "tokenizer.ggml.model")

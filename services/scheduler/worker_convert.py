@@ -1,0 +1,46 @@
+"""The scheduler's side of worker.proto: plans out, results in (the worker's side is
+services/worker/convert.py)."""
+
+from __future__ import annotations
+
+from protos.llmserve.v1 import worker_pb2
+from services.common.sampling_proto import sampling_to_proto
+from services.contracts.step import BatchPlan, StepResult, TokenLogprobs
+
+
+def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
+    return worker_pb2.StepPlan(
+        step_id=plan.step_id,
+        finished_ids=plan.finished_ids,
+        new_sequences=[
+            worker_pb2.NewSequence(
+                request_id=seq.request_id,
+                token_ids=seq.token_ids,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                block_ids=seq.block_ids,
+                num_computed_tokens=seq.num_computed_tokens,
+                sampling=sampling_to_proto(seq.sampling),
+            )
+            for seq in plan.new_sequences
+        ],
+        block_deltas=[
+            worker_pb2.SequenceDelta(request_id=d.request_id, new_block_ids=d.new_block_ids)
+            for d in plan.block_deltas
+        ],
+        scheduled_ids=list(plan.num_scheduled_tokens),
+        num_scheduled_tokens=list(plan.num_scheduled_tokens.values()),
+        block_copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in plan.block_copies],
+    )
+
+
+def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
+    return StepResult(
+        step_id=message.step_id,
+        sampled_token_ids=dict(zip(message.sampled_ids, message.sampled_token_ids, strict=True)),
+        logprobs={
+            request_id: TokenLogprobs(
+                lp.token_logprob, list(lp.top_token_ids), list(lp.top_logprobs)
+            )
+            for request_id, lp in message.logprobs.items()
+        },
+    )

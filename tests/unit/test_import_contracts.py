@@ -1,0 +1,60 @@
+"""Service boundaries: the import-linter contracts in pyproject.toml hold, and the tokenizer
+tier runs without torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    """This checkout first on the path, whatever the installed package points at."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def test_import_contracts_hold() -> None:
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from importlinter.cli import lint_imports_command;"
+            " sys.exit(lint_imports_command())",
+            "--no-cache",
+            "--no-logo",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 broken" in run.stdout
+
+
+def test_tokenizer_tier_never_imports_torch() -> None:
+    code = """
+import sys
+from services.tokenizer import server
+from services.tokenizer.config import TokenizerConfig
+
+model = server.load_served_model(TokenizerConfig())
+assert model.tokenizer.encode("Hello") and model.max_model_len > 0 and model.vocab_size > 0
+torch = sorted(name for name in sys.modules if name == "torch" or name.startswith("torch."))
+print(torch)
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
