@@ -117,7 +117,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Services whose processes must stay light (a tokenizer replica is scaled by the dozen): their
+# command line is built alone, so the process never imports the worker's, the engine's or the
+# benchmarks' modules, and with them torch.
+LIGHT_COMMANDS = {
+    "tokenizer": "services.tokenizer.server",
+    "scheduler": "services.scheduler.server",
+}
+
+
+def command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand in `argv` (the first word that is neither an option nor its value)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; only `command`'s when it is one of LIGHT_COMMANDS."""
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
     # From the environment too, so `llmserve up`'s child processes log at the same level.
     parser.add_argument(
@@ -126,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="DEBUG, INFO, WARNING, ERROR (env LLMSERVE_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    if command in LIGHT_COMMANDS:
+        import importlib
+
+        importlib.import_module(LIGHT_COMMANDS[command]).add_parser(sub)
+        return parser
 
     offline = sub.add_parser(
         "offline", help="batch inference: JSONL requests in, JSONL results out"
@@ -188,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(command_of(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:

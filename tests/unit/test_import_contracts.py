@@ -38,8 +38,13 @@ def test_import_contracts_hold() -> None:
 
 
 def test_tokenizer_tier_never_imports_torch() -> None:
+    # The process's own entry point first: `llmserve tokenizer` parses its command line with
+    # services.cli, which must not build (and import) the other commands' parsers.
     code = """
 import sys
+from services import cli
+
+cli.build_parser(cli.command_of(["--log-level", "INFO", "tokenizer", "--port", "0"]))
 from services.tokenizer import server
 from services.tokenizer.config import TokenizerConfig
 
@@ -58,3 +63,17 @@ print(torch)
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
+
+
+def test_the_command_line_finds_its_command() -> None:
+    from services import cli
+
+    assert cli.command_of(["tokenizer", "--port", "0"]) == "tokenizer"
+    assert cli.command_of(["--log-level", "DEBUG", "scheduler"]) == "scheduler"
+    assert cli.command_of(["--log-level=DEBUG", "up"]) == "up"
+    assert cli.command_of(["--help"]) is None
+    # A light command's parser knows only that command; the full one knows them all.
+    light = cli.build_parser("tokenizer").parse_args(["tokenizer", "--port", "0"])
+    assert light.command == "tokenizer"
+    full = cli.build_parser(None).parse_args(["up", "--help"][:1])
+    assert full.command == "up"
