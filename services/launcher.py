@@ -28,12 +28,23 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.config_flags import add_config_flags, config_argv, config_from_args
 from services.common.metrics_aggregate import ScrapeTarget, start_aggregate_server
 from services.common.metrics_http import MetricsServer
+from services.common.serving_config import (
+    BatchingConfig,
+    DeviceConfig,
+    ModelConfig,
+    RuntimeConfig,
+    WeightsConfig,
+)
 
 
 @dataclass(frozen=True, slots=True)
-class StackConfig:
+class StackConfig(ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig):
+    """The shared groups (services.common.serving_config), handed to each child as flags
+    (CHILD_GROUPS), plus how the stack is laid out."""
+
     host: str = "127.0.0.1"
     """Where every process listens (loopback by default)."""
     port: int = 50051
@@ -42,29 +53,8 @@ class StackConfig:
     """Tokenizer processes sharing the public port."""
     workers: int = 1
     """Scheduler+worker pairs behind the tokenizer tier (the CPU cores are split among them)."""
-    model: str | None = None
-    """A .gguf file or HF directory; unset = the embedded SmolLM2-135M-Instruct."""
-    dtype: str = "auto"
-    """auto, float32, bfloat16 or float16."""
-    kv_cache_gib: float = 1.0
-    """Memory for the paged KV cache, GiB."""
-    kv_cache_dtype: str = "auto"
-    """Worker KV cache: auto (the model dtype) or int8 (per-group scales)."""
-    quantization: str = "auto"
-    """Worker weights: auto (the model file's own format), none, int8, w8a8, int4, nf4 or gguf."""
-    max_num_seqs: int = 128
-    """Most sequences in one step."""
-    max_num_batched_tokens: int = 1024
-    """Token budget of one step."""
-    max_waiting_requests: int = 256
-    """Waiting-queue bound; beyond it requests fail at once with RESOURCE_EXHAUSTED."""
     worker_threads: int | None = None
     """torch threads per worker; unset = the cores divided among the workers."""
-    enforce_eager: bool = False
-    """Workers run every step eagerly (no compiled decode graphs): slower, start faster."""
-    fused_decode: bool = True
-    """Workers run pure-decode steps of a float32 GGUF model with every layer in one C++ call (no
-    compilation needed); --no-fused-decode uses compiled graphs or eager ops instead."""
     redis_url: str | None = None
     """An existing Redis (redis://[user:password@]host:port, rediss:// for TLS); unset = start
     a private redis-server on loopback when one is installed."""
@@ -72,8 +62,6 @@ class StackConfig:
     """Use Redis at all (--no-redis: no prefix index, routing by load, local named prompts)."""
     routing: str = "cache_aware"
     """How tokenizers pick a scheduler: cache_aware, least_loaded or round_robin."""
-    enable_prefix_caching: bool = True
-    """Reuse cached KV across requests (--no-enable-prefix-caching to measure without)."""
     startup_timeout_s: float = 900.0
     """How long to wait for every process to become healthy (a worker's first start builds
     the C++ kernels and compiles its decode steps: minutes on 2 cores; later starts reuse
@@ -82,6 +70,14 @@ class StackConfig:
     """Write the addresses and pids as JSON here once ready (for scripts and tests)."""
     metrics_port: int | None = None
     """Port of the stack's merged Prometheus /metrics (0 = any free port); unset = none."""
+
+
+CHILD_GROUPS: dict[str, tuple[type, ...]] = {
+    "worker": (ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig),
+    "scheduler": (BatchingConfig,),
+    "tokenizer": (ModelConfig,),
+}
+"""The shared groups each kind of child is given, as flags, from the stack's config."""
 
 
 @dataclass(slots=True)
@@ -159,86 +155,40 @@ def private_redis(host: str) -> Child | None:
 def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
     """Redis (if private) first, then workers, schedulers, tokenizers: the start order."""
     host = config.host
-    model = ["--model", config.model] if config.model else []
     redis_url = config.redis_url or (f"redis://{redis.address}" if redis else None)
     redis_flag = ["--redis-url", redis_url] if config.redis and redis_url else []
     threads = config.worker_threads or max(1, (os.cpu_count() or 1) // config.workers)
 
-    def child(name: str, args: list[str], address: str) -> Child:
+    def child(name: str, kind: str, port: int, args: list[str]) -> Child:
+        address = f"{host}:{port}"
+        args = [kind, "--host", host, "--port", str(port), *args]
+        args += config_argv(config, *CHILD_GROUPS[kind])
         metrics_url = None
         if config.metrics_port is not None:
             metrics_port = free_port(host)
-            args = [*args, "--metrics-port", str(metrics_port)]
+            args += ["--metrics-port", str(metrics_port)]
             metrics_url = f"http://{host}:{metrics_port}/metrics"
-        kind = args[0]
         return Child(name, kind, llmserve_command(*args), address, healthy, metrics_url)
 
     workers: list[Child] = []
     schedulers: list[Child] = []
     for index in range(config.workers):
         worker_port, scheduler_port = free_port(host), free_port(host)
-        worker_args = [
-            "worker",
-            "--host",
-            host,
-            "--port",
-            str(worker_port),
-            "--dtype",
-            config.dtype,
-            "--kv-cache-gib",
-            str(config.kv_cache_gib),
-            "--kv-cache-dtype",
-            config.kv_cache_dtype,
-            "--quantization",
-            config.quantization,
-            "--threads",
-            str(threads),
-            "--max-num-seqs",
-            str(config.max_num_seqs),
-            "--enforce-eager" if config.enforce_eager else "--no-enforce-eager",
-            "--fused-decode" if config.fused_decode else "--no-fused-decode",
-            *model,
-        ]
-        workers.append(child(f"worker-{index}", worker_args, f"{host}:{worker_port}"))
+        workers.append(child(f"worker-{index}", "worker", worker_port, ["--threads", str(threads)]))
         scheduler_args = [
-            "scheduler",
-            "--host",
-            host,
-            "--port",
-            str(scheduler_port),
-            "--scheduler-id",
-            f"scheduler-{index}",
-            "--worker",
-            f"{host}:{worker_port}",
-            "--max-num-seqs",
-            str(config.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(config.max_num_batched_tokens),
-            "--max-waiting-requests",
-            str(config.max_waiting_requests),
-            "--enable-prefix-caching"
-            if config.enable_prefix_caching
-            else "--no-enable-prefix-caching",
+            *("--scheduler-id", f"scheduler-{index}"),
+            *("--worker", f"{host}:{worker_port}"),
             *redis_flag,
         ]
-        schedulers.append(child(f"scheduler-{index}", scheduler_args, f"{host}:{scheduler_port}"))
+        schedulers.append(child(f"scheduler-{index}", "scheduler", scheduler_port, scheduler_args))
     public_port = config.port or free_port(host)
-    scheduler_list = ",".join(c.address for c in schedulers)
     tokenizer_args = [
-        "tokenizer",
-        "--host",
-        host,
-        "--port",
-        str(public_port),
-        "--scheduler",
-        scheduler_list,
-        "--routing",
-        config.routing,
+        *("--scheduler", ",".join(c.address for c in schedulers)),
+        *("--routing", config.routing),
         *redis_flag,
-        *model,
     ]
     tokenizers = [
-        child(f"tokenizer-{index}", tokenizer_args, f"{host}:{public_port}")
+        child(f"tokenizer-{index}", "tokenizer", public_port, tokenizer_args)
         for index in range(config.tokenizer_replicas)
     ]
     return [*([redis] if redis else []), *workers, *schedulers, *tokenizers]
@@ -362,8 +312,6 @@ def run(config: StackConfig) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from services.common.config_flags import add_config_flags, config_from_args
-
     parser = subparsers.add_parser("up", help="start the whole stack as local processes")
     add_config_flags(parser, StackConfig)
     parser.set_defaults(func=lambda args: run(config_from_args(StackConfig, args)))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.bench.common import format_table, median
+from services.common.serving_config import RuntimeConfig, WeightsConfig
 
 WORKLOADS = ("a", "b", "c", "d")
 SERVE_WORKLOADS = ("a", "b")
@@ -64,9 +65,9 @@ class PeersConfig:
     warmup: int | None = None
     """a, b: untimed requests first; None = 2 for one user, one per user for many."""
     seed: int = 0
-    dtype: str = "auto"
+    dtype: str = WeightsConfig.dtype
     """llmserve weights/activations."""
-    enforce_eager: bool = False
+    enforce_eager: bool = RuntimeConfig.enforce_eager
     """llmserve: no compiled step graphs."""
 
     @property

@@ -27,7 +27,8 @@ from services.bench.quant_accuracy import (
     measure_accuracy,
 )
 from services.common.sampling_params import SamplingParams
-from services.engine.config import DTypeName, EngineConfig
+from services.common.serving_config import DTypeName
+from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker.config import GiB, resolve_dtype
 from services.worker.kv_cache import KVCacheSpec

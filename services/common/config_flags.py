@@ -2,7 +2,9 @@
 
 Each config dataclass field becomes a flag `--field-name` whose default is the environment
 variable LLMSERVE_FIELD_NAME when set, else the field's default; the field's docstring (the
-string literal after it) is the flag's help.
+string literal after it) is the flag's help. Fields inherited from the shared groups
+(services.common.serving_config) are flags like any other, and config_argv turns a group of a
+built config back into the flags that rebuild it in a child process.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ T = TypeVar("T")
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under dataclass fields (not kept by Python at run time)."""
+    """Docstrings written under dataclass fields (not kept by Python at run time), the
+    class's own over those of the groups it inherits."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
@@ -86,3 +97,18 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def config_argv(config: object, *groups: type) -> list[str]:
+    """The flags that give a child process the values of `groups`' fields in `config`:
+    `--name value`, `--name`/`--no-name` for booleans, nothing for unset (None) fields."""
+    argv: list[str] = []
+    for group in groups:
+        for field in dataclasses.fields(group):
+            value = getattr(config, field.name)
+            flag = "--" + field.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif value is not None:
+                argv += [flag, str(value)]
+    return argv

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.config import SchedulerConfig
+from services.common.serving_config import BatchingConfig
+from services.scheduler.config import AdmissionConfig, SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerServerConfig:
+class SchedulerServerConfig(BatchingConfig, AdmissionConfig):
+    """The batching group (services.common.serving_config) and the core's admission settings,
+    plus how the server listens and whom it talks to."""
+
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = 50060
@@ -17,18 +21,8 @@ class SchedulerServerConfig:
     """Address of the worker this scheduler drives."""
     scheduler_id: str = ""
     """Name in stats and logs; empty = host:port."""
-    max_num_seqs: int = 128
-    """Most sequences in one step."""
-    max_num_batched_tokens: int = 1024
-    """Token budget of one step (prefill chunks + decodes)."""
-    watermark: float = 0.01
-    """Fraction of KV blocks kept free at admission so running decodes can grow."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV of cached full blocks across requests."""
-    max_waiting_requests: int = 256
-    """Bound of the waiting queue; beyond it Submit fails at once with RESOURCE_EXHAUSTED."""
     max_model_len: int | None = None
-    """Longest prompt + output; unset = what the worker reports."""
+    """Longest prompt + output; unset = what the worker reports (never more than it)."""
     reconnect_max_s: float = 2.0
     """Longest wait between attempts to reach the worker."""
     drain_s: float = 30.0
@@ -40,8 +34,6 @@ class SchedulerServerConfig:
     user:password@ for ACL); unset = no index, routing falls back to load."""
     prefix_index_ttl_s: float = 600.0
     """Lifetime of a prefix-index entry in Redis unless refreshed (they are, while cached)."""
-    max_pinned_fraction: float = 0.5
-    """Most of the KV blocks that pinned named prompts may hold."""
 
     def scheduler_config(self, block_size: int, worker_max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

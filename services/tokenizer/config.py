@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.serving_config import ModelConfig
 from services.tokenizer.routing import ROUTING_POLICIES, RoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizerConfig:
-    """How the tokenizer tier listens, which schedulers it calls and which limits it enforces."""
+class TokenizerConfig(ModelConfig):
+    """How the tokenizer tier listens, which schedulers it calls and which limits it enforces;
+    the model group (services.common.serving_config) is the workers'."""
 
     host: str = "127.0.0.1"
     """Interface the public TextGeneration service listens on."""
@@ -18,10 +20,6 @@ class TokenizerConfig:
     """Port of the public service (0 = an ephemeral port, for tests)."""
     scheduler: str = "127.0.0.1:50060"
     """Scheduler Engine address host:port; a comma-separated list is used round-robin."""
-    model: str | None = None
-    """The same .gguf file or HF directory as the worker's; None = the embedded model."""
-    max_model_len: int | None = None
-    """Longest prompt + output; None = the model's context length (never more than it)."""
     max_new_tokens_limit: int | None = None
     """Largest max_new_tokens a request may ask for; None = max_model_len."""
     max_stop_strings: int = 16

@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from services.common.serving_config import DEFAULT_KV_GROUP_SIZE
 from services.contracts.step import BatchPlan, StepResult
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode, unsupported_reason
@@ -16,7 +17,6 @@ from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.quantization.formats import (
-    DEFAULT_KV_GROUP_SIZE,
     check_kv_cache_group_size,
     kv_cache_torch_dtype,
 )

@@ -40,7 +40,6 @@ QUANTIZATION_HELP = {
     "auto": "the model file's own format: a GGUF file as gguf, a Hugging Face directory in its"
     " dtype (as none)",
 }
-DEFAULT_KV_GROUP_SIZE = 8
 INT4_GROUP_SIZE = 32
 NF4_GROUP_SIZE = 64
 # fp16 scales: 2 bytes per group instead of 4, and the range of |K|, |V| / 127 fits fp16.

@@ -1,0 +1,93 @@
+"""Settings shared by several services, each defined once with its default and doc.
+
+Service configs inherit the groups they use, so flags and LLMSERVE_* variables stay flat
+(`--max-num-seqs`, not `--batching-max-num-seqs`) and `llmserve up` can hand a group to its
+children unchanged (services.common.config_flags.config_argv).
+
+    group           composed by
+    ModelConfig     tokenizer, worker, engine, stack
+    WeightsConfig   worker, engine, stack
+    DeviceConfig    worker, stack
+    BatchingConfig  scheduler (core and server), worker, engine, stack
+    RuntimeConfig   worker, engine, stack
+
+The groups are frozen dataclasses without slots: a class inheriting several slotted bases
+cannot be laid out, while a slotted service config may inherit any number of these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+DEFAULT_KV_GROUP_SIZE = 8
+"""int8 KV cache: values of head_dim sharing one fp16 scale."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model is served, and how long a sequence may grow."""
+
+    model: str | None = None
+    """A .gguf file or Hugging Face directory (the same for the tokenizer tier and the
+    workers); unset = the embedded SmolLM2-135M-Instruct."""
+    max_model_len: int | None = None
+    """Longest prompt + output; unset = the model's context length (never more than it)."""
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """How the weights and the KV cache are stored."""
+
+    dtype: DTypeName = "auto"
+    """auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA or where the CPU has native
+    bf16)."""
+    quantization: str = "auto"
+    """Weights: auto (a GGUF keeps its own Q4/Q8 blocks, a HF directory its dtype), none, int8,
+    w8a8, int4, nf4, or gguf."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model dtype) or int8 (per-group fp16 scales; about 1.6x the blocks of bf16)."""
+    kv_cache_group_size: int = DEFAULT_KV_GROUP_SIZE
+    """int8 KV cache: values of head_dim sharing one scale (8: 1.25 B/value, 64: 1.03)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where a worker runs and how much memory its KV cache takes."""
+
+    device: str = "cpu"
+    """cpu or cuda[:N]."""
+    kv_cache_gib: float = 1.0
+    """Memory for the paged KV cache, GiB; the number of blocks follows."""
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """How many requests one step and the waiting queue hold."""
+
+    max_num_seqs: int = 128
+    """Most sequences in one step (running + newly admitted); the worker compiles decode step
+    graphs up to this batch, larger batches run eagerly."""
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step, shared by prefill chunks and decodes."""
+    max_waiting_requests: int = 256
+    """Bound of the waiting queue; beyond it a request fails at once (RESOURCE_EXHAUSTED)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose chained token hash is already cached."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How a worker executes steps."""
+
+    seed: int | None = None
+    """Seed of the sampler's shared generator (requests without their own seed)."""
+    enforce_eager: bool = False
+    """Run every step eagerly (no compiled step graphs): slower, starts faster."""
+    fused_decode: bool = True
+    """Pure-decode steps of a float32 GGUF model run every layer in one C++ call (no
+    compilation needed); --no-fused-decode uses compiled graphs or eager ops instead."""
