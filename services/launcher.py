@@ -226,6 +226,8 @@ class Stack:
         for child in self.children:
             print(f"llmserve: waiting for {child.name} at {child.address}", file=sys.stderr)
             while not child.ready(child.address):
+                if self._stopping:  # SIGTERM before ready: stop the children, not wait on
+                    raise RuntimeError("stopped during start-up")
                 if not child.alive:
                     raise RuntimeError(f"{child.name} exited during start-up")
                 if time.monotonic() > deadline:

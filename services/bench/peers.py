@@ -260,13 +260,13 @@ class Runner:
         return runs
 
     def serve_stack(self, engine: EngineSpec, serving: list[str]) -> dict[str, WorkloadRun]:
-        from services.bench.local_stack import LocalStack
+        from services.stack import running_stack
 
         flags = stack_flags(engine, self.config)
         print(f"$ llmserve up {shlex.join(flags)}", flush=True)
         runs: dict[str, WorkloadRun] = {}
         try:
-            with LocalStack(flags) as stack:
+            with running_stack(flags, stderr=subprocess.DEVNULL) as stack:
                 for workload in serving:
                     target = f"grpc://{stack.public}"
                     runs[workload] = self.timed(workload, self.serve, engine, target)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,11 +26,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from services.bench.common import random_prompts
-from services.bench.local_stack import LocalStack
 from services.bench.serve_clients import GrpcClient
 from services.bench.serve_load import AsyncTarget, Generation
 from services.bench.serve_metrics import RequestRecord, summarize
 from services.bench.serve_workload import Sample, shared_prefix
+from services.stack import running_stack
 
 MODES = {
     "cache_aware": ["--routing", "cache_aware"],
@@ -102,7 +103,7 @@ def run_mode(mode: str, args: argparse.Namespace, samples: Sequence[Sample]) -> 
     flags += ["--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib), *MODES[mode]]
     print(f"{mode}: starting llmserve up {' '.join(flags)}", flush=True)
     generation = Generation(temperature=0.0, ignore_eos=True, timeout_s=600)
-    with LocalStack(flags) as stack:
+    with running_stack(flags, stderr=subprocess.DEVNULL) as stack:
         target = AsyncTarget(mode, lambda: GrpcClient(stack.public, args.users, generation))
         # Warm every worker (first-step allocations, kernels) on prompts unrelated to the test.
         warm = [Sample(tuple(p), 4) for p in random_prompts(2 * args.workers, 24, seed=999)]

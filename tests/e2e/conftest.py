@@ -3,24 +3,14 @@ real embedded model in fp32 (to compare with the in-process engine), real gRPC p
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from contextlib import AbstractContextManager
 
-import grpc
 import pytest
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2_grpc
+from services.stack import RunningStack, running_stack
 
 STACK_FLAGS = [
-    "--port",
-    "0",
     "--tokenizer-replicas",
     "2",
     "--dtype",
@@ -36,78 +26,19 @@ STACK_FLAGS = [
     # Eager workers start in seconds; tests/e2e/test_compiled_stack.py runs a compiled one.
     "--enforce-eager",
 ]
+STARTUP_TIMEOUT_S = 300.0
 
 
-@dataclass
-class Stack:
-    process: subprocess.Popen[bytes]
-    ready_file: Path
-
-    @property
-    def info(self) -> dict:  # type: ignore[type-arg]
-        return json.loads(self.ready_file.read_text())
-
-    @property
-    def public(self) -> str:
-        return str(self.info["public"])
-
-    @property
-    def scheduler(self) -> str:
-        return str(self.info["scheduler"])
-
-    def text_stub(self) -> text_pb2_grpc.TextGenerationStub:
-        return text_pb2_grpc.TextGenerationStub(grpc.insecure_channel(self.public))
-
-    def stats(self) -> engine_pb2.EngineStats:
-        with grpc.insecure_channel(self.scheduler) as channel:
-            return engine_pb2_grpc.EngineStub(channel).GetStats(
-                engine_pb2.GetStatsRequest(), timeout=5
-            )
-
-    def wait_all_blocks_free(self, timeout_s: float = 1.0) -> engine_pb2.EngineStats:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = self.stats()
-            idle = stats.num_running == 0 and stats.num_waiting == 0
-            if idle and stats.num_free_blocks == stats.num_total_blocks:
-                return stats
-            if time.monotonic() > deadline:
-                return stats
-            time.sleep(0.02)
-
-
-def start_stack(tmp_dir: Path, extra: list[str] | None = None) -> Stack:
-    ready_file = tmp_dir / "stack.json"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            *STACK_FLAGS,
-            *(extra or []),
-            "--ready-file",
-            str(ready_file),
-        ],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    deadline = time.monotonic() + 300
-    while not ready_file.exists():
-        if process.poll() is not None:
-            raise RuntimeError(f"llmserve up exited with {process.returncode}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError("stack not ready after 300 s")
-        time.sleep(0.2)
-    return Stack(process, ready_file)
+def e2e_stack(extra: list[str] | None = None) -> AbstractContextManager[RunningStack]:
+    """The test stack, with `extra` flags; after the block `returncode` is the launcher's."""
+    return running_stack([*STACK_FLAGS, *(extra or [])], startup_timeout_s=STARTUP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = start_stack(tmp_path_factory.mktemp("stack"))
-    yield running
-    running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=90) == 0
+def stack() -> Iterator[RunningStack]:
+    with e2e_stack() as running:
+        yield running
+    assert running.returncode == 0  # a clean SIGTERM shutdown
 
 
 @pytest.fixture(scope="session")

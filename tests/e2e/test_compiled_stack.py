@@ -4,7 +4,6 @@ equals the in-process engine's, and its steps really ran compiled."""
 
 from __future__ import annotations
 
-import signal
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,8 @@ import pytest
 
 from protos.llmserve.v1 import text_pb2
 from services.common.sampling_params import SamplingParams
-from tests.e2e.conftest import Stack, start_stack
+from services.stack import RunningStack
+from tests.e2e.conftest import e2e_stack
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +30,13 @@ COMPILED_FLAGS = [
 
 
 @pytest.fixture(scope="module")
-def compiled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = start_stack(tmp_path_factory.mktemp("compiled-stack"), COMPILED_FLAGS)
-    yield running
-    running.process.send_signal(signal.SIGTERM)
-    assert running.process.wait(timeout=90) == 0
+def compiled_stack() -> Iterator[RunningStack]:
+    with e2e_stack(COMPILED_FLAGS) as running:
+        yield running
+    assert running.returncode == 0
 
 
-def steps_by_mode(stack: Stack) -> dict[str, float]:
+def steps_by_mode(stack: RunningStack) -> dict[str, float]:
     with urllib.request.urlopen(stack.info["metrics"], timeout=10) as response:
         page = response.read().decode()
     counts: dict[str, float] = {}
@@ -49,7 +48,7 @@ def steps_by_mode(stack: Stack) -> dict[str, float]:
 
 
 def test_compiled_worker_gives_the_eager_engines_greedy_ids(
-    compiled_stack: Stack,
+    compiled_stack: RunningStack,
     reference_engine,  # type: ignore[no-untyped-def]
 ) -> None:
     stub = compiled_stack.text_stub()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from protos.llmserve.v1 import text_pb2
-from tests.e2e.conftest import Stack
+from services.stack import RunningStack, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -51,13 +50,17 @@ def scrape(url: str) -> str:
 def scrape_until(url: str, ready: Callable[[list[Sample]], bool]) -> tuple[str, list[Sample]]:
     """The tokenizer counts a call when its RPC ends, a moment after the client has read the
     last message: poll until the page shows it (bounded, never a timing assertion)."""
-    deadline = time.monotonic() + 30
-    while True:
+
+    def scraped() -> tuple[str, list[Sample]] | None:
         page = scrape(url)
         samples = parse_samples(page)
-        if ready(samples) or time.monotonic() > deadline:
-            return page, samples
-        time.sleep(0.1)
+        return (page, samples) if ready(samples) else None
+
+    try:
+        return wait_until(scraped, 30, "the request in /metrics", interval_s=0.1)
+    except TimeoutError:
+        page = scrape(url)
+        return page, parse_samples(page)
 
 
 def documented_names() -> list[str]:
@@ -65,7 +68,7 @@ def documented_names() -> list[str]:
     return re.findall(r"^\| `(llmserve_[a-z_]+)`", DOCS.read_text(), flags=re.MULTILINE)
 
 
-def test_one_request_shows_up_in_the_merged_metrics(stack: Stack) -> None:
+def test_one_request_shows_up_in_the_merged_metrics(stack: RunningStack) -> None:
     url = stack.info["metrics"]
     assert url, "the ready file names the merged /metrics URL"
     responses = list(

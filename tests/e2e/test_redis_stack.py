@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,8 +13,9 @@ import grpc
 import pytest
 
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
-from services.launcher import free_port, healthy
-from tests.e2e.conftest import Stack, start_stack
+from services.launcher import free_port
+from services.stack import RunningStack, running_service, wait_until
+from tests.e2e.conftest import e2e_stack
 from tests.redis_server import RedisServer
 
 BLOCK = 16
@@ -26,62 +25,32 @@ SYSTEM = "You are the support assistant of a bakery. Be brief and friendly. " * 
 
 @dataclass
 class RedisStack:
-    stack: Stack
+    stack: RunningStack
     redis: RedisServer
-    replica_b: subprocess.Popen[bytes]
     replica_b_address: str
 
     def stub(self, address: str | None = None) -> text_pb2_grpc.TextGenerationStub:
-        channel = grpc.insecure_channel(address or self.stack.public)
-        return text_pb2_grpc.TextGenerationStub(channel)
+        return self.stack.text_stub(address)
 
     def scheduler_stats(self) -> list[engine_pb2.EngineStats]:
-        stats = []
-        for address in self.stack.info["schedulers"]:
-            with grpc.insecure_channel(address) as channel:
-                stats.append(
-                    engine_pb2_grpc.EngineStub(channel).GetStats(
-                        engine_pb2.GetStatsRequest(), timeout=5
-                    )
-                )
-        return stats
+        return [self.stack.stats(address) for address in self.stack.schedulers]
 
 
 @pytest.fixture(scope="module")
-def redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisStack]:
+def redis_stack() -> Iterator[RedisStack]:
     redis = RedisServer().start()
     # int8 weights: these tests compare the stack with itself (cache hit vs miss), so they
     # also show a quantized model serving end to end (ListModels checks the format).
     extra = ["--workers", "2", "--tokenizer-replicas", "1", "--redis-url", redis.url]
     extra += ["--quantization", "int8", "--kv-cache-dtype", "int8"]
-    stack = start_stack(tmp_path_factory.mktemp("redis-stack"), extra)
-    # A second tokenizer replica on its own port, so a test can address each replica.
-    port = free_port("127.0.0.1")
-    replica_b = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "tokenizer",
-            "--port",
-            str(port),
-            "--scheduler",
-            ",".join(stack.info["schedulers"]),
-            "--redis-url",
-            redis.url,
-        ],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while not healthy(address):
-        assert replica_b.poll() is None and time.monotonic() < deadline, "replica B failed"
-        time.sleep(0.2)
-    yield RedisStack(stack, redis, replica_b, address)
-    replica_b.send_signal(signal.SIGTERM)
-    stack.process.send_signal(signal.SIGTERM)
-    replica_b.wait(timeout=60)
-    assert stack.process.wait(timeout=90) == 0
+    with e2e_stack(extra) as stack:
+        # A second tokenizer replica on its own port, so a test can address each replica.
+        port = free_port("127.0.0.1")
+        replica_args = ["tokenizer", "--port", str(port), "--redis-url", redis.url]
+        replica_args += ["--scheduler", ",".join(stack.schedulers)]
+        with running_service(replica_args, port) as replica_b:
+            yield RedisStack(stack, redis, replica_b.address)
+    assert stack.returncode == 0
     redis.stop()
 
 
@@ -174,10 +143,17 @@ def test_named_prompt_is_served_from_cache_by_every_replica(redis_stack: RedisSt
         error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "name" in error.value.details()
     )
     assert stub_b.DeletePrompt(text_pb2.DeletePromptRequest(name="bakery")).deleted
-    time.sleep(1.2)  # replica A's copy is re-read after 1 s
-    with pytest.raises(grpc.RpcError) as error:
-        generate(stub_a, messages=question, prompt_name="bakery")
-    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+    def refused_by_a() -> grpc.RpcError | None:
+        try:
+            generate(stub_a, messages=question, prompt_name="bakery")
+        except grpc.RpcError as exc:
+            return exc
+        return None
+
+    # Replica A's copy is re-read after 1 s.
+    refused = wait_until(refused_by_a, 10, "replica A forgetting the prompt", interval_s=0.2)
+    assert refused.code() == grpc.StatusCode.NOT_FOUND
     assert all(s.num_pinned_blocks == 0 for s in redis_stack.scheduler_stats())
 
 
@@ -223,7 +199,6 @@ def test_restarted_worker_stale_entries_are_not_trusted(redis_stack: RedisStack)
     tokenize = stub.Tokenize(text_pb2.TokenizeRequest(text=long_prompt("orchards")))
     prompt_ids = list(tokenize.token_ids)
     generate(stub, prompt_token_ids=prompt_ids)
-    time.sleep(0.3)
     before = redis_stack.scheduler_stats()
     hashes = prefix_block_hashes(prompt_ids, BLOCK)
 
@@ -239,30 +214,34 @@ def test_restarted_worker_stale_entries_are_not_trusted(redis_stack: RedisStack)
 
         return asyncio.run(ask())
 
+    # The index is written off the step loop: wait until it holds every block.
+    wait_until(lambda: max(lookup(before)) == len(hashes), 10, "the prefix index", interval_s=0.1)
     holders = [i for i, count in enumerate(lookup(before)) if count > 0]
     assert len(holders) == 1
     holder = holders[0]
     os.kill(redis_stack.stack.info["pids"][f"worker-{holder}"], signal.SIGKILL)
-    deadline = time.monotonic() + 180
-    while True:
+
+    def new_epoch() -> list[engine_pb2.EngineStats] | None:
         try:
-            after = redis_stack.scheduler_stats()
-            if after[holder].worker_epoch not in ("", before[holder].worker_epoch):
-                break
+            stats = redis_stack.scheduler_stats()
         except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, "worker did not come back"
-        time.sleep(0.5)
+            return None
+        epoch = stats[holder].worker_epoch
+        return stats if epoch not in ("", before[holder].worker_epoch) else None
+
+    after = wait_until(new_epoch, 180, "the worker coming back", interval_s=0.5)
     # The entries written before the restart are still in Redis, under the old epoch...
     assert lookup(before)[holder] == len(hashes)
     # ...and with the new epoch they count for nothing.
     assert lookup(after)[holder] == 0
-    deadline = time.monotonic() + 60
-    while True:  # the tokenizer serves again once its scheduler has a worker
+
+    def served() -> tuple[list[int], text_pb2.Usage] | None:
         try:
-            ids, usage = generate(stub, prompt_token_ids=prompt_ids)
-            break
+            return generate(stub, prompt_token_ids=prompt_ids)
         except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
-            time.sleep(0.5)
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            return None
+
+    # The tokenizer serves again once its scheduler has a worker.
+    ids, usage = wait_until(served, 60, "serving after the restart", interval_s=0.5)
     assert usage.completion_tokens == len(ids) == GREEDY.max_new_tokens

@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
 from services.common.sampling_params import SamplingParams
-from services.launcher import free_port, healthy
-from tests.e2e.conftest import Stack
+from services.launcher import free_port
+from services.stack import RunningStack, running_service, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,10 @@ def generate(
     return text, ids, responses
 
 
-def test_greedy_through_stack_equals_in_process_engine(stack: Stack, reference_engine) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_through_stack_equals_in_process_engine(
+    stack: RunningStack,
+    reference_engine,  # type: ignore[no-untyped-def]
+) -> None:
     stub = stack.text_stub()
     for prompt in PROMPTS:
         text, ids, responses = generate(stub, prompt=prompt, sampling=greedy(24))
@@ -58,7 +61,7 @@ def test_greedy_through_stack_equals_in_process_engine(stack: Stack, reference_e
         assert last.timings.total_ms >= last.timings.ttft_ms > 0
 
 
-def test_chat_messages_use_the_chat_template(stack: Stack, reference_engine) -> None:  # type: ignore[no-untyped-def]
+def test_chat_messages_use_the_chat_template(stack: RunningStack, reference_engine) -> None:  # type: ignore[no-untyped-def]
     from services.common.chat_template import ChatMessage
 
     stub = stack.text_stub()
@@ -74,7 +77,7 @@ def test_chat_messages_use_the_chat_template(stack: Stack, reference_engine) -> 
     assert responses[-1].usage.prompt_tokens == len(prompt_ids)
 
 
-def test_32_concurrent_clients_over_two_replicas(stack: Stack, reference_engine) -> None:  # type: ignore[no-untyped-def]
+def test_32_concurrent_clients_over_two_replicas(stack: RunningStack, reference_engine) -> None:  # type: ignore[no-untyped-def]
     expected = {
         p: reference_engine.generate([p], SamplingParams(temperature=0.0, max_new_tokens=12))[
             0
@@ -98,7 +101,7 @@ def test_32_concurrent_clients_over_two_replicas(stack: Stack, reference_engine)
     assert stack.wait_all_blocks_free().num_free_blocks == stack.stats().num_total_blocks
 
 
-def test_cancel_mid_stream_frees_every_block(stack: Stack) -> None:
+def test_cancel_mid_stream_frees_every_block(stack: RunningStack) -> None:
     stub = stack.text_stub()
     call = stub.Generate(
         text_pb2.GenerateRequest(prompt=PROMPTS[0] * 20, sampling=greedy(2000, ignore_eos=True)),
@@ -114,7 +117,7 @@ def test_cancel_mid_stream_frees_every_block(stack: Stack) -> None:
     assert stats.num_running == 0
 
 
-def test_deadline_expiry(stack: Stack) -> None:
+def test_deadline_expiry(stack: RunningStack) -> None:
     stub = stack.text_stub()
     with pytest.raises(grpc.RpcError) as error:
         generate(stub, prompt=PROMPTS[1], sampling=greedy(5000, ignore_eos=True), deadline_ms=700)
@@ -123,7 +126,7 @@ def test_deadline_expiry(stack: Stack) -> None:
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_queue_overflow_is_resource_exhausted(stack: Stack) -> None:
+def test_queue_overflow_is_resource_exhausted(stack: RunningStack) -> None:
     # 32 waiting fit (a step admits up to 32 of them); the rest are refused at once.
     stub = stack.text_stub()
     request = text_pb2.GenerateRequest(prompt=PROMPTS[0], sampling=greedy(3000, ignore_eos=True))
@@ -174,7 +177,7 @@ def test_queue_overflow_is_resource_exhausted(stack: Stack) -> None:
         ({"prompt": "hi", "sampling": text_pb2.SamplingParams(stop=["x" * 5000])}, "stop"),
     ],
 )
-def test_validation_errors(stack: Stack, request_fields: dict, field: str) -> None:  # type: ignore[type-arg]
+def test_validation_errors(stack: RunningStack, request_fields: dict, field: str) -> None:  # type: ignore[type-arg]
     before = stack.stats()
     with pytest.raises(grpc.RpcError) as error:
         generate(stack.text_stub(), **request_fields)
@@ -187,7 +190,7 @@ def test_validation_errors(stack: Stack, request_fields: dict, field: str) -> No
     assert after.num_free_blocks == before.num_free_blocks == after.num_total_blocks
 
 
-def test_stop_string_across_token_boundaries(stack: Stack) -> None:
+def test_stop_string_across_token_boundaries(stack: RunningStack) -> None:
     stub = stack.text_stub()
     full, _, _ = generate(stub, prompt=PROMPTS[0], sampling=greedy(24, ignore_eos=True))
     # A stop string that starts inside one token and ends in a later one.
@@ -203,7 +206,7 @@ def test_stop_string_across_token_boundaries(stack: Stack) -> None:
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_multibyte_characters_never_break(stack: Stack) -> None:
+def test_multibyte_characters_never_break(stack: RunningStack) -> None:
     stub = stack.text_stub()
     prompt = "Repeat exactly: 東京 😀 café 🎉🎉 naïve"
     responses = list(
@@ -225,7 +228,7 @@ def test_multibyte_characters_never_break(stack: Stack) -> None:
     assert text == detok.text
 
 
-def test_tokenize_detokenize_list_models(stack: Stack) -> None:
+def test_tokenize_detokenize_list_models(stack: RunningStack) -> None:
     stub = stack.text_stub()
     tokens = stub.Tokenize(text_pb2.TokenizeRequest(text="Hello world"))
     assert len(tokens.token_ids) >= 2
@@ -244,7 +247,7 @@ def test_tokenize_detokenize_list_models(stack: Stack) -> None:
     )
 
 
-def test_health_and_reflection(stack: Stack) -> None:
+def test_health_and_reflection(stack: RunningStack) -> None:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     for address in (stack.public, stack.scheduler, stack.info["worker"]):
@@ -259,38 +262,29 @@ def test_health_and_reflection(stack: Stack) -> None:
             assert "grpc.health.v1.Health" in names
 
 
-def test_sigterm_drains_in_flight_streams(stack: Stack) -> None:
+def test_sigterm_drains_in_flight_streams(stack: RunningStack) -> None:
     port = free_port("127.0.0.1")
-    address = f"127.0.0.1:{port}"
-    replica = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "tokenizer",
-            "--port",
-            str(port),
-            "--scheduler",
-            stack.scheduler,
-            "--drain-s",
-            "30",
-        ],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not healthy(address):
-            assert time.monotonic() < deadline and replica.poll() is None
-            time.sleep(0.2)
-        channel = grpc.insecure_channel(address)
+    args = ["tokenizer", "--port", str(port), "--scheduler", stack.scheduler, "--drain-s", "30"]
+    with running_service(args, port) as replica:
+        channel = grpc.insecure_channel(replica.address)
         stub = text_pb2_grpc.TextGenerationStub(channel)
         call = stub.Generate(
             text_pb2.GenerateRequest(prompt=PROMPTS[2], sampling=greedy(48, ignore_eos=True)),
             timeout=120,
         )
         first = next(call)
-        replica.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        replica.process.send_signal(signal.SIGTERM)
+
+        def refuses_new_calls() -> bool:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+            except grpc.RpcError as exc:
+                return exc.code() == grpc.StatusCode.UNAVAILABLE
+            return False
+
+        wait_until(refuses_new_calls, 10, "the replica draining")
         with pytest.raises(grpc.RpcError) as error:
             list(
                 stub.Generate(
@@ -301,13 +295,10 @@ def test_sigterm_drains_in_flight_streams(stack: Stack) -> None:
         rest = list(call)
         assert rest[-1].finish_reason == "length"
         assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 48
-        assert replica.wait(timeout=60) == 0
-    finally:
-        if replica.poll() is None:
-            replica.kill()
+        assert replica.process.wait(timeout=60) == 0
 
 
-def test_zz_worker_death_then_recovery(stack: Stack) -> None:
+def test_zz_worker_death_then_recovery(stack: RunningStack) -> None:
     """Runs last in this module: it kills the worker (the stack restarts it)."""
     stub = stack.text_stub()
     call = stub.Generate(
@@ -323,22 +314,22 @@ def test_zz_worker_death_then_recovery(stack: Stack) -> None:
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     assert time.monotonic() - killed_at < 5.0
     # The stack restarts the worker; the scheduler reconnects on its own.
-    deadline = time.monotonic() + 180
-    while True:
+
+    def served() -> list[int] | None:
         try:
-            _, ids, _ = generate(stub, prompt=PROMPTS[0], sampling=greedy(8), timeout=30)
-            break
+            return generate(stub, prompt=PROMPTS[0], sampling=greedy(8), timeout=30)[1]
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
-            assert time.monotonic() < deadline, "no recovery after the worker restart"
-            time.sleep(0.5)
+            return None
+
+    ids = wait_until(served, 180, "recovery after the worker restart", interval_s=0.5)
     assert len(ids) == 8
     assert stack.info["pids"]["worker-0"] != old_pid
     stats = stack.wait_all_blocks_free()
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_cli_client_streams_and_reports_errors(stack: Stack, reference_engine) -> None:  # type: ignore[no-untyped-def]
+def test_cli_client_streams_and_reports_errors(stack: RunningStack, reference_engine) -> None:  # type: ignore[no-untyped-def]
     import json
 
     command = [sys.executable, "-m", "services.cli", "generate", "--target", stack.public]
@@ -367,7 +358,7 @@ def test_cli_client_streams_and_reports_errors(stack: Stack, reference_engine) -
     assert json.loads(bad.stdout.splitlines()[-1])["error"]["code"] == "INVALID_ARGUMENT"
 
 
-def test_bench_serve_against_the_stack_writes_json(stack: Stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bench_serve_against_the_stack_writes_json(stack: RunningStack, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
     out = tmp_path / "bench.json"
