@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.worker.sampler import Sampler, SamplerRow, build_sampling_metadata
+from services.worker.sampler import Sampler
+from services.worker.sampling_metadata import SamplerRow, build_sampling_metadata
 
 PROMPT_LEN = 512
 OUTPUT_LEN = 128

@@ -1,14 +1,16 @@
 """Protobuf ↔ plain data for the tokenizer tier: the public text.proto messages and the
-scheduler's engine.proto messages. The only module besides server.py that sees generated code."""
+scheduler's engine.proto messages. Besides the servicer and the server, the only module
+that sees generated code."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from protos.llmserve.v1 import engine_pb2, text_pb2
 from services.common.chat_template import ChatMessage
 from services.common.named_prompt import NamedPrompt
 from services.common.sampling_proto import sampling_to_proto
+from services.tokenizer.output import EngineOutput, OutputDelta, TokenLogprob
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
 
 # The public sampling fields with presence (proto3 `optional`): unset means "our default".
@@ -61,57 +63,58 @@ def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> engine_p
     )
 
 
-def token_logprobs(
-    logprobs: Sequence[engine_pb2.EngineTokenLogprob],
-) -> list[text_pb2.TokenLogprob]:
-    return [
-        text_pb2.TokenLogprob(
-            token_id=item.token_id,
-            logprob=item.logprob,
-            top_token_ids=list(item.top_token_ids),
-            top_logprobs=list(item.top_logprobs),
-        )
-        for item in logprobs
-    ]
+def engine_output(response: engine_pb2.SubmitResponse) -> EngineOutput:
+    return EngineOutput(
+        token_ids=tuple(response.token_ids),
+        logprobs=tuple(
+            TokenLogprob(
+                token_id=item.token_id,
+                logprob=item.logprob,
+                top_token_ids=tuple(item.top_token_ids),
+                top_logprobs=tuple(item.top_logprobs),
+            )
+            for item in response.logprobs
+        ),
+        finish_reason=response.finish_reason,
+        queue_ms=response.queue_ms,
+        num_cached_tokens=response.num_cached_tokens,
+        num_prompt_tokens=response.num_prompt_tokens,
+    )
 
 
-def delta_response(
-    request_id: str,
-    text: str,
-    token_ids: Sequence[int],
-    logprobs: Sequence[engine_pb2.EngineTokenLogprob] = (),
-) -> text_pb2.GenerateResponse:
-    return text_pb2.GenerateResponse(
+def generate_response(request_id: str, delta: OutputDelta) -> text_pb2.GenerateResponse:
+    """A public message; usage and timings only on the last one of a stream."""
+    response = text_pb2.GenerateResponse(
         request_id=request_id,
-        text=text,
-        token_ids=list(token_ids),
-        logprobs=token_logprobs(logprobs),
+        text=delta.text,
+        token_ids=list(delta.token_ids),
+        logprobs=[
+            text_pb2.TokenLogprob(
+                token_id=item.token_id,
+                logprob=item.logprob,
+                top_token_ids=list(item.top_token_ids),
+                top_logprobs=list(item.top_logprobs),
+            )
+            for item in delta.logprobs
+        ],
+        finish_reason=delta.finish_reason,
     )
-
-
-def set_final_fields(
-    response: text_pb2.GenerateResponse,
-    *,
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_prompt_tokens: int,
-    queue_ms: float,
-    ttft_ms: float,
-    total_ms: float,
-) -> text_pb2.GenerateResponse:
-    """Fills what only the last message of a stream carries."""
-    response.finish_reason = finish_reason
-    response.usage.CopyFrom(
-        text_pb2.Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            cached_prompt_tokens=cached_prompt_tokens,
+    if delta.usage is not None:
+        response.usage.CopyFrom(
+            text_pb2.Usage(
+                prompt_tokens=delta.usage.prompt_tokens,
+                completion_tokens=delta.usage.completion_tokens,
+                cached_prompt_tokens=delta.usage.cached_prompt_tokens,
+            )
         )
-    )
-    response.timings.CopyFrom(
-        text_pb2.Timings(queue_ms=queue_ms, ttft_ms=ttft_ms, total_ms=total_ms)
-    )
+    if delta.timings is not None:
+        response.timings.CopyFrom(
+            text_pb2.Timings(
+                queue_ms=delta.timings.queue_ms,
+                ttft_ms=delta.timings.ttft_ms,
+                total_ms=delta.timings.total_ms,
+            )
+        )
     return response
 
 

@@ -11,7 +11,7 @@ import torch
 from services.common.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan
 from services.worker.forward_batch import ForwardBatch
-from services.worker.sampler import SamplerRow
+from services.worker.sampling_metadata import SamplerRow
 
 
 @dataclass(slots=True)

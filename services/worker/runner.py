@@ -20,7 +20,8 @@ from services.worker.quantization.formats import (
     check_kv_cache_group_size,
     kv_cache_torch_dtype,
 )
-from services.worker.sampler import Sampler, build_sampling_metadata
+from services.worker.sampler import Sampler
+from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_graphs import DEFAULT_BATCH_BUCKETS, DecodeGraphs, buckets_up_to
 
 StepMode = Literal["fused", "compiled", "eager"]

@@ -49,8 +49,8 @@ def build(variant: str) -> None:
 
 
 def check(variant: str) -> int:
-    """Every shape family of test_cpu_extension, fewer combinations; returns cases run."""
-    from tests.kernels.test_cpu_extension import (
+    """Every shape family of the test_cpu_*.py files, fewer combinations; returns cases run."""
+    from tests.kernels.cpu_extension_cases import (
         GQA,
         check_decode,
         check_write,

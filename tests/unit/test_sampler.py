@@ -11,13 +11,11 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.worker import sampler as sampler_module
-from services.worker.sampler import (
-    Sampler,
+from services.worker.sampler import Sampler, apply_penalties, filtered_probs
+from services.worker.sampling_metadata import (
     SamplerRow,
     SamplingMetadata,
-    apply_penalties,
     build_sampling_metadata,
-    filtered_probs,
     mix_seed,
 )
 

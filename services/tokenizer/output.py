@@ -1,0 +1,213 @@
+"""One request's output: the scheduler's token events in, the public response deltas out.
+
+Pure (no gRPC, no protobuf, no clock reads: times are passed in). Per engine event:
+
+    token ids → incremental detokenize → stop strings → OutputDelta
+    last event (or a stop string) → finish_reason, usage, timings
+
+convert.py maps SubmitResponse → EngineOutput and OutputDelta → GenerateResponse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.stop_strings import StopStringMatcher
+
+# The engine's finish reasons that end the stream normally, as the public API names them.
+PUBLIC_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+
+
+# ---- data in and out ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """One message of the scheduler's Submit stream (zero fields: not reported in it)."""
+
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str = ""
+    queue_ms: float = 0.0
+    num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    queue_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class OutputDelta:
+    """One public message: new text and ids; the last one also finish_reason, usage, timings."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str = ""
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+def merge(first: OutputDelta, second: OutputDelta) -> OutputDelta:
+    """Two deltas as one (the later one's finish fields win)."""
+    return replace(
+        second,
+        text=first.text + second.text,
+        token_ids=first.token_ids + second.token_ids,
+        logprobs=first.logprobs + second.logprobs,
+    )
+
+
+# ---- text out: whole characters, never a stop string --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TextStep:
+    text: str
+    """Text that may be sent now."""
+    stopped: bool = False
+    """A stop string matched: the stream ends here and no later text may be sent."""
+
+
+class OutputText:
+    """One request's generated ids → text that is safe to send.
+
+    The detokenizer holds back incomplete UTF-8 characters; the stop matcher then holds back
+    any suffix that could still grow into a stop string, and drops the stop and what follows.
+    """
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str]
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stops = StopStringMatcher(stop) if stop else None
+
+    def add(self, token_ids: Sequence[int]) -> TextStep:
+        return self._match(self._detokenizer.add(token_ids))
+
+    def finish(self) -> TextStep:
+        """The end of the stream: flush both hold-back buffers (a stop may still match)."""
+        step = self._match(self._detokenizer.finish())
+        if step.stopped or self._stops is None:
+            return step
+        return TextStep(step.text + self._stops.flush())
+
+    def _match(self, delta: str) -> TextStep:
+        if self._stops is None:
+            return TextStep(delta)
+        result = self._stops.feed(delta)
+        return TextStep(result.text, result.stopped)
+
+
+# ---- the whole pipeline -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Progress:
+    """Counters of one Generate call, for usage, timings and logs (times in seconds of one
+    monotonic clock, passed in)."""
+
+    num_prompt_tokens: int
+    started_s: float
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_ms: float = 0.0
+    ttft_ms: float | None = None
+
+    def observe(self, engine_output: EngineOutput) -> None:
+        if engine_output.queue_ms:
+            self.queue_ms = engine_output.queue_ms
+        if engine_output.num_cached_tokens:
+            self.num_cached_tokens = engine_output.num_cached_tokens
+        if engine_output.num_prompt_tokens:
+            self.num_prompt_tokens = engine_output.num_prompt_tokens
+
+    def elapsed_ms(self, now_s: float) -> float:
+        return (now_s - self.started_s) * 1000.0
+
+    def sending(self, num_token_ids: int, now_s: float) -> None:
+        self.num_completion_tokens += num_token_ids
+        if self.ttft_ms is None and num_token_ids:
+            self.ttft_ms = self.elapsed_ms(now_s)
+
+
+@dataclass(slots=True)
+class OutputPipeline:
+    """Engine events of one request → public deltas."""
+
+    text: OutputText
+    progress: Progress
+
+    @classmethod
+    def create(
+        cls,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str],
+        started_s: float,
+    ) -> OutputPipeline:
+        return cls(
+            OutputText(tokenizer, prompt_token_ids, stop),
+            Progress(len(prompt_token_ids), started_s),
+        )
+
+    def step(self, engine_output: EngineOutput, now_s: float) -> OutputDelta | None:
+        """One engine message → the public message to send (None: nothing to send yet).
+
+        A message may carry token ids with empty text (half a character, or text held back
+        because it may begin a stop string).
+        """
+        progress = self.progress
+        progress.observe(engine_output)
+        step = self.text.add(engine_output.token_ids)
+        text = step.text
+        finish_reason = "stop" if step.stopped else engine_output.finish_reason
+        if finish_reason and not step.stopped:
+            tail = self.text.finish()
+            text += tail.text
+            if tail.stopped:
+                finish_reason = "stop"
+        progress.sending(len(engine_output.token_ids), now_s)
+        if not finish_reason:
+            if not (text or engine_output.token_ids):
+                return None
+            return OutputDelta(text, engine_output.token_ids, engine_output.logprobs)
+        total_ms = progress.elapsed_ms(now_s)
+        return OutputDelta(
+            text,
+            engine_output.token_ids,
+            engine_output.logprobs,
+            finish_reason=finish_reason,
+            usage=Usage(
+                prompt_tokens=progress.num_prompt_tokens,
+                completion_tokens=progress.num_completion_tokens,
+                cached_prompt_tokens=progress.num_cached_tokens,
+            ),
+            timings=Timings(
+                queue_ms=progress.queue_ms,
+                ttft_ms=progress.ttft_ms if progress.ttft_ms is not None else total_ms,
+                total_ms=total_ms,
+            ),
+        )

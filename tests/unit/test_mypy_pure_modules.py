@@ -1,0 +1,42 @@
+"""The pure modules (no gRPC, Redis, torch or clock reads) type-check under the [tool.mypy]
+settings in pyproject.toml."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PURE_MODULES = (
+    # the scheduler's logic: scheduler, KV manager, block pool (with its prefix cache), the
+    # allocation policy (config) and the request state
+    "services/scheduler/scheduler.py",
+    "services/scheduler/kv_cache_manager.py",
+    "services/scheduler/block_pool.py",
+    "services/scheduler/config.py",
+    "services/scheduler/request.py",
+    # the tokenizer tier's logic
+    "services/tokenizer/routing.py",
+    "services/tokenizer/detokenizer.py",
+    "services/tokenizer/stop_strings.py",
+    "services/tokenizer/validation.py",
+    "services/tokenizer/output.py",
+    # the shapes shared between services
+    "services/contracts",
+)
+
+
+def test_pure_modules_type_check() -> None:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", *PURE_MODULES],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
