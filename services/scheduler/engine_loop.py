@@ -203,7 +203,8 @@ class EngineLoop:
                 self._set_connected(True)
                 restore = asyncio.create_task(self._restore_pins())
                 backoff = 0.05
-                log.warning(
+                # Routine at start-up; losing the worker is what gets logged as an error.
+                log.info(
                     "worker connected",
                     extra={
                         "worker": self.config.worker,

@@ -149,7 +149,9 @@ class SchedulerPool:
                 except grpc.aio.AioRpcError as exc:
                     if client.address not in warned:
                         warned.add(client.address)
-                        log.warning(
+                        # Expected while the stack starts (the scheduler waits for its
+                        # worker to load the model), so not a warning.
+                        log.info(
                             "scheduler not answering yet",
                             extra={"scheduler": client.address, "code": exc.code().name},
                         )
