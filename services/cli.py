@@ -12,63 +12,44 @@ from services.common.logging import configure_logging
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The in-process engine's flags, one per EngineConfig field (defaults live there), plus
+    the older spellings these commands have always accepted."""
+    from services.common.config_flags import add_config_flags
+    from services.engine.config import EngineConfig
+    from services.worker.config import GiB
+
+    add_config_flags(parser, EngineConfig)
+    # Aliases: default=SUPPRESS, so only a given flag writes the field.
     parser.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)",
+        "--kv-cache-gib",
+        dest="kv_cache_bytes",
+        type=lambda value: int(float(value) * GiB),
+        default=argparse.SUPPRESS,
+        metavar="GIB",
+        help="--kv-cache-bytes in GiB",
     )
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        "--threads",
+        dest="num_threads",
+        type=int,
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="--num-threads",
     )
     parser.add_argument(
-        "--kv-cache-gib", type=float, default=1.0, help="memory for the paged KV cache"
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="auto (the model dtype) or int8 (per-group scales, more sequences per GiB)",
-    )
-    parser.add_argument(
-        "--kv-cache-group-size", type=int, default=8, help="int8 KV: values per scale"
-    )
-    parser.add_argument(
-        "--quantization",
-        default="auto",
-        help="weights: auto (the file's own format), none, int8, w8a8, int4, nf4, gguf"
-        " (see docs/quantization.md)",
-    )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run every step eagerly (no compiled decode graphs): slower, starts faster",
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="--no-enable-prefix-caching",
     )
 
 
 def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from services.common.config_flags import config_from_args
     from services.engine.config import EngineConfig
-    from services.worker.config import GiB
 
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        kv_cache_bytes=int(args.kv_cache_gib * GiB),
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_group_size=args.kv_cache_group_size,
-        quantization=args.quantization,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-        num_threads=args.threads,
-        enforce_eager=args.enforce_eager,
-    )
+    return config_from_args(EngineConfig, args)
 
 
 def cmd_offline(args: argparse.Namespace) -> int:

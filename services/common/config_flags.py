@@ -68,6 +68,15 @@ def _parser_for(annotation: Any) -> tuple[Any, bool]:
     return str, False
 
 
+def _choices(annotation: Any) -> tuple[Any, ...] | None:
+    """A Literal field's allowed values (Optional[Literal[...]] too), else None."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    return None
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
@@ -90,7 +99,12 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             )
         else:
             parser.add_argument(
-                flag, dest=field.name, type=converter, default=default, help=help_text
+                flag,
+                dest=field.name,
+                type=converter,
+                default=default,
+                choices=_choices(hints[field.name]),
+                help=help_text,
             )
 
 
