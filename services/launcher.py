@@ -75,7 +75,7 @@ class StackConfig(ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, Runt
 CHILD_GROUPS: dict[str, tuple[type, ...]] = {
     "worker": (ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig),
     "scheduler": (BatchingConfig,),
-    "tokenizer": (ModelConfig,),
+    "tokenizer": (),  # the model reaches the tokenizer tier through the schedulers
 }
 """The shared groups each kind of child is given, as flags, from the stack's config."""
 

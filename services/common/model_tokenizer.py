@@ -12,6 +12,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from services.common.chat_template import ChatMessage, ChatTemplate
 from services.common.errors import ModelLoadError
+from services.common.model_description import ModelDescription
 
 # llama.cpp token types (gguf.TokenType): 3 = control (special), 4 = user defined.
 _CONTROL = 3
@@ -65,6 +66,7 @@ class ModelTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.add_bos_token = add_bos_token
+        self.chat_template_source = chat_template
         bos = tokenizer.id_to_token(bos_token_id) if bos_token_id is not None else None
         eos = tokenizer.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
         self.chat_template = ChatTemplate(chat_template, bos_token=bos or "", eos_token=eos or "")
@@ -121,6 +123,33 @@ class ModelTokenizer:
         if self.bos_token_id is None:
             return "\0"
         return str(self.tokenizer.id_to_token(self.bos_token_id))
+
+    def describe(
+        self, *, model_name: str, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]
+    ) -> ModelDescription:
+        """What the tokenizer tier needs to rebuild this tokenizer; `eos_token_ids` (the model
+        config's) follow the tokenizer's own."""
+        return ModelDescription(
+            model_name=model_name,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            tokenizer_json=self.tokenizer.to_str(),
+            chat_template=self.chat_template_source,
+            bos_token_id=self.bos_token_id,
+            eos_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *eos_token_ids))),
+            add_bos_token=self.add_bos_token,
+        )
+
+    @classmethod
+    def from_description(cls, description: ModelDescription) -> ModelTokenizer:
+        """The tokenizer a worker described (no model file needed)."""
+        return cls(
+            Tokenizer.from_str(description.tokenizer_json),
+            chat_template=description.chat_template,
+            bos_token_id=description.bos_token_id,
+            eos_token_ids=description.eos_token_ids,
+            add_bos_token=description.add_bos_token,
+        )
 
     @classmethod
     def from_path(cls, path: Path) -> ModelTokenizer:

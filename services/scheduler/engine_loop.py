@@ -147,7 +147,7 @@ class EngineLoop:
         """After a worker connects: pin every live prefix again, including the named prompts
         other processes registered in Redis (this scheduler may be new, or restarted)."""
         if self.registered_prompts is not None and self.description is not None:
-            prompts = await self.registered_prompts(self.description.model_name)
+            prompts = await self.registered_prompts(self.description.model.model_name)
             now_unix, now = time.time(), self.clock()
             for prompt in prompts or []:
                 if not prompt.expired(now_unix):
@@ -188,7 +188,7 @@ class EngineLoop:
                 self.description = await stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
                 self.scheduler = Scheduler(
                     self.config.scheduler_config(
-                        self.description.block_size, self.description.max_model_len
+                        self.description.block_size, self.description.model.max_model_len
                     ),
                     self.description.num_kv_blocks,
                 )
@@ -196,7 +196,7 @@ class EngineLoop:
                     self.scheduler.kv.pool.listener = self.prefix_index
                     self.prefix_index.attach(
                         self.description.worker_epoch,
-                        CacheKeys(self.description.model_name),
+                        CacheKeys(self.description.model.model_name),
                         self.scheduler.kv.pool.cached_hashes,
                     )
                 call = stub.Step()

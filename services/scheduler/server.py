@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc
+from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2
 from services.common.cache_keys import CacheKeys
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError
@@ -53,14 +53,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if not request.prompt_token_ids:
                 raise InvalidRequestError("prompt_token_ids", "must not be empty")
             if self.loop.description is not None:
-                check_token_ids(
-                    "prompt_token_ids", request.prompt_token_ids, self.loop.description.vocab_size
-                )
+                vocab_size = self.loop.description.model.vocab_size
+                check_token_ids("prompt_token_ids", request.prompt_token_ids, vocab_size)
             scheduled = Request(
                 request_id=request_id,
                 prompt_token_ids=list(request.prompt_token_ids),
                 sampling=sampling,
-                eos_token_ids=tuple(self.loop.description.eos_token_ids)
+                eos_token_ids=tuple(self.loop.description.model.eos_token_ids)
                 if self.loop.description
                 else (),
                 arrival_time=now,
@@ -134,6 +133,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             quantization=description.quantization,
         )
 
+    async def Describe(
+        self, request: model_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
+    ) -> model_pb2.ModelDescription:
+        """The connected worker's model facts, passed on as it reported them."""
+        description = self.loop.description
+        if not self.loop.connected.is_set() or description is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not connected")
+        assert description is not None
+        return description.model
+
     async def Pin(
         self, request: engine_pb2.PinRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.PinResponse:
@@ -145,7 +154,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if request.ttl_s <= 0:
                 raise InvalidRequestError("ttl_s", "must be > 0")
             if self.loop.description is not None:
-                check_token_ids("token_ids", request.token_ids, self.loop.description.vocab_size)
+                vocab_size = self.loop.description.model.vocab_size
+                check_token_ids("token_ids", request.token_ids, vocab_size)
             pinned = await self.loop.pin(
                 request.name, list(request.token_ids), bytes(request.cache_salt), request.ttl_s
             )

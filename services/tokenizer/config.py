@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.serving_config import ModelConfig
 from services.tokenizer.routing import ROUTING_POLICIES, RoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizerConfig(ModelConfig):
-    """How the tokenizer tier listens, which schedulers it calls and which limits it enforces;
-    the model group (services.common.serving_config) is the workers'."""
+class TokenizerConfig:
+    """How the tokenizer tier listens, which schedulers it calls and which limits it enforces.
+    The model and its context length are the workers': the schedulers pass them on."""
 
     host: str = "127.0.0.1"
     """Interface the public TextGeneration service listens on."""
@@ -56,10 +55,8 @@ class TokenizerConfig(ModelConfig):
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if not self.scheduler_addresses:
             raise ValueError("at least one scheduler address (host:port) is required")
-        for name in ("max_model_len", "max_new_tokens_limit"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.max_new_tokens_limit is not None and self.max_new_tokens_limit <= 0:
+            raise ValueError(f"max_new_tokens_limit must be > 0, got {self.max_new_tokens_limit}")
         if self.max_stop_strings < 0 or self.max_stop_string_len <= 0:
             raise ValueError("max_stop_strings must be >= 0 and max_stop_string_len > 0")
         if self.routing not in ROUTING_POLICIES:

@@ -1,8 +1,10 @@
 """The schedulers behind this tokenizer replica: channels, their load, and routing.
 
-A background task polls every scheduler's GetStats (`poll_s`): load for routing, and the
-block size and worker epoch the prefix index needs. `pick` asks the prefix index (Redis) how
-much of the prompt each scheduler holds, then applies the routing policy (routing.py).
+At start-up the schedulers pass on the model their workers describe (tokenizer, chat template,
+limits: `wait_until_warm`). A background task polls every scheduler's GetStats (`poll_s`): load
+for routing, and the block size and worker epoch the prefix index needs. `pick` asks the prefix
+index (Redis) how much of the prompt each scheduler holds, then applies the routing policy
+(routing.py).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc
+from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.model_description import ModelDescription
+from services.common.model_description_proto import description_from_proto
 from services.common.prefix_hash import BlockHash, prefix_block_hashes
 from services.tokenizer import metrics
 from services.tokenizer.prefix_locator import MAX_LOOKUP_BLOCKS, PrefixLocator
@@ -27,6 +31,7 @@ from services.tokenizer.routing import (
     SchedulerLoad,
     choose_scheduler,
 )
+from services.tokenizer.served_model import one_model
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +142,34 @@ class SchedulerPool:
         client.stats = stats
         client.num_sent_since_poll = 0
 
-    async def wait_until_warm(self, poll_s: float) -> SchedulerClient:
-        """Returns the first scheduler that answers GetStats; retries every poll_s."""
+    async def wait_until_warm(self, poll_s: float) -> ModelDescription:
+        """Waits until a scheduler answers with its worker connected and returns the model
+        that worker describes; every scheduler answering by then must serve the same model
+        (ModelLoadError otherwise). Retries every poll_s."""
+        while True:
+            await self._first_answering(poll_s)
+            answers = await asyncio.gather(*(self._describe(c, poll_s) for c in self.clients))
+            found = {c.address: d for c, d in zip(self.clients, answers, strict=True) if d}
+            if found:
+                return one_model(found)
+            await asyncio.sleep(poll_s)
+
+    async def _describe(self, client: SchedulerClient, poll_s: float) -> ModelDescription | None:
+        try:
+            # The tokenizer JSON is a few MB: more time than a GetStats.
+            message = await client.stub.Describe(
+                model_pb2.DescribeModelRequest(), timeout=max(10.0, poll_s)
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.info(
+                "scheduler not describing its model",
+                extra={"scheduler": client.address, "code": exc.code().name},
+            )
+            return None
+        return description_from_proto(message)
+
+    async def _first_answering(self, poll_s: float) -> SchedulerClient:
+        """The first scheduler that answers GetStats; retries every poll_s."""
         warned: set[str] = set()
         while True:
             for client in self.clients:

@@ -1,10 +1,12 @@
-"""The model this tier serves: its tokenizer and the limits the edge checks, read from the
-model file's metadata (no torch, no weights)."""
+"""The model this tier serves: its tokenizer and the limits the edge checks, built from the
+description a scheduler passes on from its worker (no model file, no torch)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from services.common.errors import ModelLoadError
+from services.common.model_description import ModelDescription
 from services.common.model_tokenizer import ModelTokenizer
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.validation import Limits
@@ -14,10 +16,24 @@ from services.tokenizer.validation import Limits
 class ServedModel:
     """The tokenizer plus what the edge checks need to know about the model."""
 
-    name: str
+    description: ModelDescription
     tokenizer: ModelTokenizer
-    max_model_len: int
-    vocab_size: int
+
+    @classmethod
+    def from_description(cls, description: ModelDescription) -> ServedModel:
+        return cls(description, ModelTokenizer.from_description(description))
+
+    @property
+    def name(self) -> str:
+        return self.description.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.description.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.description.vocab_size
 
     def limits(self, config: TokenizerConfig) -> Limits:
         return Limits(
@@ -30,15 +46,20 @@ class ServedModel:
         )
 
 
-def load_served_model(config: TokenizerConfig) -> ServedModel:
-    """Reads the tokenizer and the context length from the model file's metadata, without
-    torch and without the weights (slow for a GGUF file: seconds to parse the token list)."""
-    from services.common.model_source import model_display_name, resolve_model_path
-    from services.contracts.model_config import read_model_config
+def one_model(answers: dict[str, ModelDescription]) -> ModelDescription:
+    """The model every answering scheduler serves (by address); a replica serves one model.
 
-    path = resolve_model_path(config.model)
-    tokenizer = ModelTokenizer.from_path(path)
-    model_config = read_model_config(path)
-    context_length = model_config.max_position_embeddings
-    max_model_len = min(config.max_model_len or context_length, context_length)
-    return ServedModel(model_display_name(path), tokenizer, max_model_len, model_config.vocab_size)
+    The context length may differ between workers (each its own --max-model-len): the
+    smallest holds for all of them.
+    """
+    if not answers:
+        raise ValueError("no scheduler described its model")
+    first = next(iter(answers.values()))
+    for address, description in answers.items():
+        if replace(description, max_model_len=0) != replace(first, max_model_len=0):
+            others = ", ".join(f"{a}: {d.model_name}" for a, d in answers.items())
+            raise ModelLoadError(
+                f"the schedulers serve different models or tokenizers ({others});"
+                f" a tokenizer replica serves one model, {address} differs"
+            )
+    return replace(first, max_model_len=min(d.max_model_len for d in answers.values()))

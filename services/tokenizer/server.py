@@ -20,7 +20,7 @@ from services.tokenizer import metrics
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.prefix_locator import PrefixLocator
 from services.tokenizer.scheduler_pool import SchedulerPool
-from services.tokenizer.served_model import ServedModel, load_served_model
+from services.tokenizer.served_model import ServedModel
 from services.tokenizer.servicer import SERVICE_NAME, TextGenerationServicer
 
 __all__ = ["SERVICE_NAME", "ServedModel", "TokenizerServer", "add_parser", "serve"]
@@ -32,10 +32,11 @@ class TokenizerServer:
     """The process: GrpcService (health + reflection + drain) around the servicer.
 
     start() binds and answers at once (health NOT_SERVING, Generate UNAVAILABLE); warm_up()
-    loads the tokenizer, waits for a scheduler's GetStats, then turns health SERVING.
+    waits for a scheduler with a connected worker, builds the tokenizer from the model it
+    describes, then turns health SERVING.
     """
 
-    def __init__(self, config: TokenizerConfig, model: ServedModel | None = None) -> None:
+    def __init__(self, config: TokenizerConfig) -> None:
         self.config = config
         self.redis = open_store(config.redis_url, metrics.REDIS)
         self.pool = SchedulerPool(
@@ -48,7 +49,6 @@ class TokenizerServer:
         self._poller: asyncio.Task[None] | None = None
         self.service = GrpcService("tokenizer", [SERVICE_NAME])
         self.service.add(text_pb2_grpc.add_TextGenerationServicer_to_server, self.servicer)
-        self._preloaded = model
 
     async def start(self) -> int:
         self.pool.open()
@@ -57,20 +57,19 @@ class TokenizerServer:
         return port
 
     async def warm_up(self) -> None:
-        model = self._preloaded
-        if model is None:
-            started = time.perf_counter()
-            # In a thread so health checks are answered (NOT_SERVING) while it loads.
-            model = await asyncio.to_thread(load_served_model, self.config)
-            log.info(
-                "tokenizer loaded",
-                extra={
-                    "model": model.name,
-                    "max_model_len": model.max_model_len,
-                    "vocab_size": model.vocab_size,
-                    "load_s": round(time.perf_counter() - started, 2),
-                },
-            )
+        description = await self.pool.wait_until_warm(self.config.warmup_poll_s)
+        started = time.perf_counter()
+        # In a thread so health checks are answered (NOT_SERVING) while it parses.
+        model = await asyncio.to_thread(ServedModel.from_description, description)
+        log.info(
+            "tokenizer loaded",
+            extra={
+                "model": model.name,
+                "max_model_len": model.max_model_len,
+                "vocab_size": model.vocab_size,
+                "load_s": round(time.perf_counter() - started, 2),
+            },
+        )
         prompt_store = None
         if self.redis is not None:
             # Keys are scoped by model, known only now.
@@ -78,7 +77,6 @@ class TokenizerServer:
             self.pool.locator = PrefixLocator(self.redis, keys)
             prompt_store = PromptStore(self.redis, keys)
         self.servicer.set_model(model, prompt_store)
-        await self.pool.wait_until_warm(self.config.warmup_poll_s)
         self._poller = asyncio.create_task(self.pool.poll_forever())
         await self.service.set_serving(True)
         log.info("serving", extra={"port": self.service.port})
@@ -93,7 +91,8 @@ class TokenizerServer:
 
 
 async def serve(config: TokenizerConfig) -> None:
-    """Runs until SIGTERM/SIGINT, then drains. A failed warm-up (bad model file) ends it."""
+    """Runs until SIGTERM/SIGINT, then drains. A failed warm-up (schedulers serving different
+    models) ends it."""
     server = TokenizerServer(config)
     await server.start()
     start_metrics_server(metrics.REGISTRY, config.host, config.metrics_port, "tokenizer")

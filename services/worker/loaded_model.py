@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.model_description import ModelDescription
 from services.common.model_source import model_display_name, resolve_model_path
 from services.common.model_tokenizer import ModelTokenizer
 from services.worker.loader.model_loader import load_model
@@ -60,3 +61,12 @@ class LoadedModel:
     def max_model_len(self, limit: int | None = None) -> int:
         context = self.model.config.max_position_embeddings
         return min(limit or context, context)
+
+    def describe(self, max_model_len_limit: int | None = None) -> ModelDescription:
+        """The facts the tokenizer tier serves the model with (its tokenizer included)."""
+        return self.tokenizer.describe(
+            model_name=self.name,
+            vocab_size=self.model.config.vocab_size,
+            max_model_len=self.max_model_len(max_model_len_limit),
+            eos_token_ids=self.model.config.eos_token_ids,
+        )

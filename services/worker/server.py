@@ -17,6 +17,7 @@ from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
+from services.common.model_description_proto import description_to_proto
 from services.common.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 from services.worker import metrics
@@ -54,20 +55,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerDescription:
         loaded, runner = await self._ready(context)
-        model_config = loaded.model.config
         return worker_pb2.WorkerDescription(
-            model_name=loaded.name,
-            architecture=model_config.architecture,
-            vocab_size=model_config.vocab_size,
-            max_model_len=loaded.max_model_len(self.config.max_model_len),
+            architecture=loaded.model.config.architecture,
             dtype=str(loaded.dtype).removeprefix("torch."),
             device=str(loaded.device),
             block_size=runner.kv_cache.spec.block_size,
             num_kv_blocks=runner.kv_cache.num_blocks,
-            eos_token_ids=list(loaded.eos_token_ids),
             kv_cache_dtype=str(runner.kv_cache.spec.dtype).removeprefix("torch."),
             quantization=loaded.quantization,
             worker_epoch=self.epoch,
+            model=description_to_proto(loaded.describe(self.config.max_model_len)),
         )
 
     async def Step(

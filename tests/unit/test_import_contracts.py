@@ -45,10 +45,15 @@ import sys
 from services import cli
 
 cli.build_parser(cli.command_of(["--log-level", "INFO", "tokenizer", "--port", "0"]))
+from services.common.model_source import embedded_model_path
+from services.common.model_tokenizer import ModelTokenizer
 from services.tokenizer import server
-from services.tokenizer.config import TokenizerConfig
 
-model = server.load_served_model(TokenizerConfig())
+file_tokenizer = ModelTokenizer.from_path(embedded_model_path())
+description = file_tokenizer.describe(
+    model_name="m", vocab_size=file_tokenizer.vocab_size, max_model_len=64, eos_token_ids=()
+)
+model = server.ServedModel.from_description(description)
 assert model.tokenizer.encode("Hello") and model.max_model_len > 0 and model.vocab_size > 0
 torch = sorted(name for name in sys.modules if name == "torch" or name.startswith("torch."))
 print(torch)

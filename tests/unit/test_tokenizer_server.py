@@ -14,7 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
+from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2, text_pb2, text_pb2_grpc
+from services.common.model_description_proto import description_to_proto
 from services.common.model_source import embedded_model_path
 from services.common.model_tokenizer import ModelTokenizer
 from services.tokenizer.config import TokenizerConfig
@@ -26,9 +27,16 @@ TIMEOUT_S = 10.0
 
 @pytest.fixture(scope="module")
 def model() -> ServedModel:
+    """What the tokenizer tier builds from the fake scheduler's Describe answer."""
     tokenizer = ModelTokenizer.from_path(embedded_model_path())
     # A short context keeps the over-length test cheap; vocab as in the model file.
-    return ServedModel("SmolLM2-135M-Instruct", tokenizer, MAX_MODEL_LEN, tokenizer.vocab_size)
+    description = tokenizer.describe(
+        model_name="SmolLM2-135M-Instruct",
+        vocab_size=tokenizer.vocab_size,
+        max_model_len=MAX_MODEL_LEN,
+        eos_token_ids=(),
+    )
+    return ServedModel.from_description(description)
 
 
 # ---- the fake scheduler -----------------------------------------------------------------
@@ -43,6 +51,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     """After the script, keep the stream open until the caller cancels."""
     abort_with: tuple[grpc.StatusCode, str] | None = None
     stats_available: bool = True
+    description: model_pb2.ModelDescription | None = None
+    """What Describe answers (running_stack sets the served model's)."""
     requests: list[engine_pb2.SubmitRequest] = field(default_factory=list)
     time_remaining: list[float | None] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -76,6 +86,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         if not self.stats_available:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not connected")
         return engine_pb2.EngineStats(scheduler_id="fake", num_free_blocks=100)
+
+    async def Describe(
+        self, request: model_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
+    ) -> model_pb2.ModelDescription:
+        if not self.stats_available or self.description is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not connected")
+        assert self.description is not None
+        return self.description
 
 
 def script_for(
@@ -135,6 +153,8 @@ async def running_stack(
     engine_servers = []
     addresses = []
     for engine in engines:
+        if engine.description is None:
+            engine.description = description_to_proto(model.description)
         engine_server = grpc.aio.server()
         engine_pb2_grpc.add_EngineServicer_to_server(engine, engine_server)
         addresses.append(f"127.0.0.1:{engine_server.add_insecure_port('127.0.0.1:0')}")
@@ -143,7 +163,7 @@ async def running_stack(
     tokenizer_config = TokenizerConfig(
         port=0, scheduler=",".join(addresses), warmup_poll_s=0.02, **config
     )
-    server = TokenizerServer(tokenizer_config, model)
+    server = TokenizerServer(tokenizer_config)
     port = await server.start()
     if warm:
         await asyncio.wait_for(server.warm_up(), TIMEOUT_S)

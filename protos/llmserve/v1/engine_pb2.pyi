@@ -1,3 +1,4 @@
+from protos.llmserve.v1 import model_pb2 as _model_pb2
 from protos.llmserve.v1 import sampling_pb2 as _sampling_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor

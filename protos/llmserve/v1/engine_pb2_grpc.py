@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos.llmserve.v1 import engine_pb2 as protos_dot_llmserve_dot_v1_dot_engine__pb2
+from protos.llmserve.v1 import model_pb2 as protos_dot_llmserve_dot_v1_dot_model__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -44,6 +45,11 @@ class EngineStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.EngineStats.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/llmserve.v1.Engine/Describe',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_model__pb2.DescribeModelRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_model__pb2.ModelDescription.FromString,
+                _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/llmserve.v1.Engine/Pin',
                 request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.PinRequest.SerializeToString,
@@ -69,6 +75,14 @@ class EngineServicer:
 
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """The worker's model facts (tokenizer, chat template, limits); UNAVAILABLE while no worker
+        is connected. The tokenizer tier calls it once at start-up.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -99,6 +113,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.GetStatsRequest.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.EngineStats.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_model__pb2.DescribeModelRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_model__pb2.ModelDescription.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
@@ -165,6 +184,33 @@ class Engine:
             '/llmserve.v1.Engine/GetStats',
             protos_dot_llmserve_dot_v1_dot_engine__pb2.GetStatsRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_engine__pb2.EngineStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Engine/Describe',
+            protos_dot_llmserve_dot_v1_dot_model__pb2.DescribeModelRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_model__pb2.ModelDescription.FromString,
             options,
             channel_credentials,
             insecure,
