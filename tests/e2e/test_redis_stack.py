@@ -3,9 +3,9 @@ cache-aware routing, named prompts across tokenizer replicas, and Redis failures
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -13,8 +13,12 @@ import grpc
 import pytest
 
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
+from services.common.cache_keys import CacheKeys
+from services.common.prefix_hash import prefix_block_hashes
+from services.common.redis_store import RedisStore
 from services.launcher import free_port
 from services.stack import RunningStack, running_service, wait_until
+from services.tokenizer.prefix_locator import PrefixLocator
 from tests.e2e.conftest import e2e_stack
 from tests.redis_server import RedisServer
 
@@ -34,6 +38,30 @@ class RedisStack:
 
     def scheduler_stats(self) -> list[engine_pb2.EngineStats]:
         return [self.stack.stats(address) for address in self.stack.schedulers]
+
+    def indexed_blocks(
+        self, prompt_ids: list[int], stats: list[engine_pb2.EngineStats] | None = None
+    ) -> list[int]:
+        """Per scheduler, how many leading full blocks of `prompt_ids` the Redis index says it
+        holds (under the worker epochs in `stats`, by default the current ones)."""
+        holders = [(s.scheduler_id, s.worker_epoch) for s in stats or self.scheduler_stats()]
+
+        async def ask() -> list[int]:
+            store = RedisStore(self.redis.url)
+            locator = PrefixLocator(store, CacheKeys("SmolLM2-135M-Instruct"))
+            found = await locator.cached_blocks(prefix_block_hashes(prompt_ids, BLOCK), holders)
+            await store.close()
+            return found
+
+        return asyncio.run(ask())
+
+    def wait_until_indexed(self, prompt: str, num_prompt_tokens: int) -> None:
+        """Until some scheduler's full blocks of the text prompt are in the index (it is
+        written off the step loop, every 50 ms)."""
+        ids = list(self.stub().Tokenize(text_pb2.TokenizeRequest(text=prompt)).token_ids)
+        assert len(ids) == num_prompt_tokens  # Tokenize gives the ids Generate computed on
+        full_blocks = len(prefix_block_hashes(ids, BLOCK))
+        wait_until(lambda: max(self.indexed_blocks(ids)) >= full_blocks, 10, "the prefix index")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +107,7 @@ def test_repeated_prefix_goes_to_the_scheduler_that_holds_it(redis_stack: RedisS
     stub, stub_b = redis_stack.stub(), redis_stack.stub(redis_stack.replica_b_address)
     for topic in ("rivers", "comets", "violins", "glaciers", "tulips"):
         cold_ids, cold = generate(stub_b, prompt=long_prompt(topic) + " Summary:")
-        time.sleep(0.2)  # the index is written off the step loop, every 50 ms
+        redis_stack.wait_until_indexed(long_prompt(topic) + " Summary:", cold.prompt_tokens)
         warm_ids, warm = generate(stub, prompt=long_prompt(topic) + " In short:")
         full_blocks = (cold.prompt_tokens - 8) // BLOCK * BLOCK
         # Round-robin would send every second request to the other, cold, scheduler.
@@ -180,42 +208,26 @@ def test_redis_stopped_mid_run_then_flushed(redis_stack: RedisStack) -> None:
     redis_stack.redis.command("FLUSHALL")
     stub_b = redis_stack.stub(redis_stack.replica_b_address)
     for topic in ("harbours", "islands", "canals"):  # B computes, A must find it via Redis
-        generate(stub_b, prompt=long_prompt(topic))
-        time.sleep(0.3)
+        _, cold = generate(stub_b, prompt=long_prompt(topic))
+        redis_stack.wait_until_indexed(long_prompt(topic), cold.prompt_tokens)
         _, usage = generate(stub, prompt=long_prompt(topic) + " Again.")
         assert usage.cached_prompt_tokens > 0, topic  # the index works again after recovery
     assert generate(stub, prompt=prompt)[0] == reference
 
 
 def test_restarted_worker_stale_entries_are_not_trusted(redis_stack: RedisStack) -> None:
-    import asyncio
-
-    from services.common.cache_keys import CacheKeys
-    from services.common.prefix_hash import prefix_block_hashes
-    from services.common.redis_store import RedisStore
-    from services.tokenizer.prefix_locator import PrefixLocator
-
     stub = redis_stack.stub()
     tokenize = stub.Tokenize(text_pb2.TokenizeRequest(text=long_prompt("orchards")))
     prompt_ids = list(tokenize.token_ids)
     generate(stub, prompt_token_ids=prompt_ids)
     before = redis_stack.scheduler_stats()
-    hashes = prefix_block_hashes(prompt_ids, BLOCK)
+    num_blocks = len(prefix_block_hashes(prompt_ids, BLOCK))
 
     def lookup(stats: list[engine_pb2.EngineStats]) -> list[int]:
-        async def ask() -> list[int]:
-            store = RedisStore(redis_stack.redis.url)
-            locator = PrefixLocator(store, CacheKeys("SmolLM2-135M-Instruct"))
-            found = await locator.cached_blocks(
-                hashes, [(s.scheduler_id, s.worker_epoch) for s in stats]
-            )
-            await store.close()
-            return found
-
-        return asyncio.run(ask())
+        return redis_stack.indexed_blocks(prompt_ids, stats)
 
     # The index is written off the step loop: wait until it holds every block.
-    wait_until(lambda: max(lookup(before)) == len(hashes), 10, "the prefix index", interval_s=0.1)
+    wait_until(lambda: max(lookup(before)) == num_blocks, 10, "the prefix index", interval_s=0.1)
     holders = [i for i, count in enumerate(lookup(before)) if count > 0]
     assert len(holders) == 1
     holder = holders[0]
@@ -231,7 +243,7 @@ def test_restarted_worker_stale_entries_are_not_trusted(redis_stack: RedisStack)
 
     after = wait_until(new_epoch, 180, "the worker coming back", interval_s=0.5)
     # The entries written before the restart are still in Redis, under the old epoch...
-    assert lookup(before)[holder] == len(hashes)
+    assert lookup(before)[holder] == num_blocks
     # ...and with the new epoch they count for nothing.
     assert lookup(after)[holder] == 0
 
