@@ -9,12 +9,13 @@
 //
 // Every kind is written as w_j = d * q_j + o with o = -8 d (Q4_0), m (Q4_1) or 0 (Q8_0).
 //
-// fp32 activations take the EXACT path: each weight is dequantized as the file defines it
-// (d * q_j is exact in fp32; Q4_1 rounds once adding m, like ggml) and multiplied in fp32, so
-// the result is x @ W^T up to summation order.
+// fp32 activations (int8_activations unset) take the EXACT path: each weight is dequantized
+// as the file defines it (d * q_j is exact in fp32; Q4_1 rounds once adding m, like ggml) and
+// multiplied in fp32, so the result is x @ W^T up to summation order.
 //
-// bf16 / fp16 activations take the FAST path: each 32-value block of an activation row is
-// rounded to int8 codes c_j with one scale s = amax / 127, and a block's dot product becomes
+// bf16 / fp16 activations, and fp32 ones when int8_activations is set, take the FAST path:
+// each 32-value block of an activation row is rounded to int8 codes c_j with one scale
+// s = amax / 127, and a block's dot product becomes
 //     sum_j w_j x_j ~= d s (sum_j q_j c_j) + o (s sum_j c_j)
 // with the bracket an exact integer: u8 x s8 pair products (vpmaddubsw + vpmaddwd, or vpdpbusd
 // where VNNI exists). Q4 codes 0..15 are the unsigned operand as they are; Q8_0 codes are

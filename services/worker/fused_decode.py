@@ -12,6 +12,7 @@ tests hold its greedy tokens to the eager path's.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
+
+log = logging.getLogger(__name__)
 
 
 def unsupported_reason(model: LlamaForCausalLM, kv_cache: PagedKVCache) -> str | None:
@@ -103,6 +106,15 @@ class FusedDecode:
         )
         self.num_steps = 0
         """Steps run fused (for tests and the step profile)."""
+
+    @classmethod
+    def for_model(cls, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> FusedDecode | None:
+        """The fused step for this model, or None (and one log line saying why)."""
+        reason = unsupported_reason(model, kv_cache)
+        if reason is not None:
+            log.info("decode steps not fused", extra={"reason": reason})
+            return None
+        return cls(model, kv_cache)
 
     @staticmethod
     def can_run(batch: ForwardBatch) -> bool:

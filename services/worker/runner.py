@@ -10,7 +10,7 @@ import torch
 from services.common.serving_config import DEFAULT_KV_GROUP_SIZE
 from services.contracts.step import BatchPlan, StepResult
 from services.worker.forward_batch import ForwardBatch
-from services.worker.fused_decode import FusedDecode, unsupported_reason
+from services.worker.fused_decode import FusedDecode
 from services.worker.host_memory import keep_freed_memory
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
@@ -82,9 +82,7 @@ class ModelRunner:
             check_kv_cache_group_size(kv_cache_group_size),
         )
         kv_cache = PagedKVCache(spec, spec.num_blocks_for_budget(kv_cache_bytes), loaded.device)
-        fused = None
-        if fused_decode and unsupported_reason(loaded.model, kv_cache) is None:
-            fused = FusedDecode(loaded.model, kv_cache)
+        fused = FusedDecode.for_model(loaded.model, kv_cache) if fused_decode else None
         decode_graphs = None
         if fused is None and not enforce_eager:
             decode_graphs = DecodeGraphs(

@@ -37,7 +37,7 @@ KINDS = [GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0]
 KIND_IDS = ["Q4_0", "Q4_1", "Q8_0"]
 EXACT_RTOL = 1e-6
 SUM_RTOL = 1e-5
-OUTPUT_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+OUTPUT_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 # (K, N): a single block, N not a multiple of the 4-row register tile, and two model shapes.
 SHAPES = [(32, 5), (96, 37), (576, 960), (1536, 64)]
 
@@ -162,17 +162,20 @@ def test_fp32_is_exact_up_to_summation_order(  # type: ignore[no-untyped-def]
     assert excess.max() <= 1e-30, f"worst excess {excess.max().item():.3g}"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32-int8"]
+)
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("m", [1, 3, 16, 64])
 @pytest.mark.parametrize(("k", "n"), SHAPES)
 def test_fast_path_within_its_rounding_bound(  # type: ignore[no-untyped-def]
     linear_op, dtype: torch.dtype, kind: int, m: int, k: int, n: int
 ) -> None:
+    """bf16/fp16 activations, and fp32 ones with int8_activations (the gguf-a8 format)."""
     blocks = random_blocks(n, k, kind, seed=k + n + kind)
     x = activations(m, k, seed=m).to(dtype)
     weight = dequantize_blocks(blocks, kind).double()
-    got = linear_op(x, blocks, kind)
+    got = linear_op(x, blocks, kind, dtype == torch.float32)
     assert got.dtype == dtype and got.shape == (m, n)
     got = got.double()
 
