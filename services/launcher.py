@@ -36,12 +36,15 @@ from services.common.serving_config import (
     DeviceConfig,
     ModelConfig,
     RuntimeConfig,
+    StepLoopConfig,
     WeightsConfig,
 )
 
 
 @dataclass(frozen=True, slots=True)
-class StackConfig(ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig):
+class StackConfig(
+    ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, StepLoopConfig, RuntimeConfig
+):
     """The shared groups (services.common.serving_config), handed to each child as flags
     (CHILD_GROUPS), plus how the stack is laid out."""
 
@@ -74,7 +77,7 @@ class StackConfig(ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, Runt
 
 CHILD_GROUPS: dict[str, tuple[type, ...]] = {
     "worker": (ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig),
-    "scheduler": (BatchingConfig,),
+    "scheduler": (BatchingConfig, StepLoopConfig),
     "tokenizer": (),  # the model reaches the tokenizer tier through the schedulers
 }
 """The shared groups each kind of child is given, as flags, from the stack's config."""

@@ -41,5 +41,5 @@ def start_metrics_server(
     if port is None:
         return None
     server = MetricsServer(registry, host, port)
-    log.warning("metrics listening", extra={"service": service, "url": server.url})
+    log.info("metrics listening", extra={"service": service, "url": server.url})
     return server

@@ -9,6 +9,7 @@ children unchanged (services.common.config_flags.config_argv).
     WeightsConfig   worker, engine, stack
     DeviceConfig    worker, stack
     BatchingConfig  scheduler (core and server), worker, engine, stack
+    StepLoopConfig  scheduler (server), stack
     RuntimeConfig   worker, engine, stack
 
 The groups are frozen dataclasses without slots: a class inheriting several slotted bases
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+SchedulingMode = Literal["overlapped", "serial"]
 
 DEFAULT_KV_GROUP_SIZE = 8
 """int8 KV cache: values of head_dim sharing one fp16 scale."""
@@ -78,6 +80,17 @@ class BatchingConfig:
     """Bound of the waiting queue; beyond it a request fails at once (RESOURCE_EXHAUSTED)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose chained token hash is already cached."""
+
+
+@dataclass(frozen=True)
+class StepLoopConfig:
+    """How a scheduler paces its worker's steps."""
+
+    scheduling: SchedulingMode = "overlapped"
+    """overlapped: the next plan is sent while the worker runs the current one (the worker
+    feeds each sequence the token it just sampled), so the worker never waits for the
+    scheduler; a sequence that stops costs at most one discarded token. serial: one plan in
+    flight, each made after the previous result (the reference behaviour)."""
 
 
 @dataclass(frozen=True)

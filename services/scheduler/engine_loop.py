@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -230,37 +231,60 @@ class EngineLoop:
                     await channel.close(grace=None)
 
     async def _drive(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Plans out, results in, in order. Overlapped: up to two plans in flight, so the
+        worker already holds plan N+1 when it finishes step N and this loop digests step N
+        (events, stops, blocks) while N+1 runs. Serial: one plan in flight."""
         scheduler = self.scheduler
         assert scheduler is not None
+        depth = 2 if self.config.scheduling == "overlapped" else 1
+        in_flight: deque[BatchPlan] = deque()
         # An idle loop sends nothing, so it would learn of a dead worker only at the next
         # request; the stream's end wakes it instead, and stats stop reporting a stale epoch.
         call.add_done_callback(lambda _: self._wakeup.set())
+        worker_busy_since = time.perf_counter()
         while True:
-            if not scheduler.has_unfinished_requests():
+            if not in_flight and not scheduler.has_unfinished_requests():
                 self._wakeup.clear()
                 await self._wakeup.wait()
             if call.done():
                 raise WorkerUnavailable("the worker's step stream ended")
-            plan = scheduler.schedule(self.clock())
-            step_s: float | None = None
-            if _needs_worker(plan):
-                self._note_scheduled(plan)
-                step_started = time.perf_counter()
-                await call.write(plan_to_proto(plan))
-                output = await call.read()
-                if output is grpc.aio.EOF:
-                    raise WorkerUnavailable("the worker closed the step stream")
-                result = result_from_proto(output)
-                step_s = time.perf_counter() - step_started
-                self.num_steps += 1
-            else:
-                result = StepResult(step_id=plan.step_id)
+            if len(in_flight) < depth:
+                plan = scheduler.schedule(self.clock())
+                if _needs_worker(plan):
+                    self._note_scheduled(plan)
+                    if not in_flight:
+                        worker_busy_since = time.perf_counter()
+                    await call.write(plan_to_proto(plan))
+                    in_flight.append(plan)
+                    if len(in_flight) < depth:
+                        continue  # make the next plan before waiting for this one
+                else:
+                    # Nothing for the worker (everything runnable is in flight or waits for
+                    # blocks); aborts and expiries still go out now.
+                    events = scheduler.update(plan, StepResult(step_id=plan.step_id), self.clock())
+                    metrics.on_step(scheduler, plan, events, None)
+                    self._dispatch(events)
+                    if not in_flight:
+                        await asyncio.sleep(0.002)  # requests wait for KV blocks: do not spin
+                        continue
+            output = await call.read()
+            if output is grpc.aio.EOF:
+                raise WorkerUnavailable("the worker closed the step stream")
+            plan = in_flight.popleft()
+            result = result_from_proto(output)
+            if result.step_id != plan.step_id:
+                raise WorkerUnavailable(
+                    f"the worker answered step {result.step_id}, expected {plan.step_id}"
+                )
+            # The worker's time on this step: from when it could start it (sent, or the end
+            # of the step before) to its result.
+            finished_at = time.perf_counter()
+            step_s = finished_at - worker_busy_since
+            worker_busy_since = finished_at
+            self.num_steps += 1
             events = scheduler.update(plan, result, self.clock())
             metrics.on_step(scheduler, plan, events, step_s)
             self._dispatch(events)
-            if plan.is_empty:
-                # Requests wait for KV blocks or nothing is runnable: do not spin.
-                await asyncio.sleep(0.002)
 
     def _note_scheduled(self, plan: BatchPlan) -> None:
         now = self.clock()

@@ -20,8 +20,14 @@ class RequestStatus(Enum):
 class Request:
     """One generation request.
 
-    tokens:  [ prompt_token_ids ........ | output_token_ids .... ]
-              ^0    ^num_computed_tokens                          ^num_tokens
+    tokens:  [ prompt_token_ids ........ | output_token_ids .... | pending ]
+              ^0    ^num_computed_tokens               ^num_tokens        ^num_scheduled_view
+
+    num_computed_tokens counts the tokens whose KV is computed *or scheduled*: it advances when
+    a plan is made, not when its result arrives, so the next plan can be made while the worker
+    still runs this one (overlapped scheduling). `num_pending_tokens` are tokens the worker has
+    sampled, or will sample, for plans whose results have not arrived: the worker feeds them
+    itself, the scheduler learns their ids one step later.
     """
 
     request_id: str
@@ -38,6 +44,8 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at first admission."""
     num_preemptions: int = 0
+    num_pending_tokens: int = 0
+    """Tokens sampled on the worker for plans whose results have not arrived yet."""
     cache_salt: bytes = b""
     """Mixed into the first block's hash: requests with different salts share no KV."""
     pin_name: str | None = None
@@ -55,6 +63,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Length of the sequence as the worker holds it once every plan sent so far has run."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens_with_pending(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -121,29 +121,45 @@ class Scheduler:
 
     def update(self, plan: BatchPlan, result: StepResult, now: float) -> list[TokenEvent]:
         """Apply the worker's sampled tokens; returns one event per request that got a token
-        or finished (aborts and expiries since the last update included)."""
+        or finished (aborts and expiries since the last update included).
+
+        Plans must be updated in the order they were made; with overlapped scheduling the next
+        plan was already made (and its tokens counted as computed) when this result arrives.
+        """
         del now  # part of the contract for timing metrics; stop conditions do not need it
         events, self._pending_events = self._pending_events, []
         finished: list[Request] = []
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+        for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted or expired after this plan was made
-            request.num_computed_tokens += num_tokens
+            if request is None:
+                continue  # finished, aborted or expired after this plan was made
+            running = request.status is RequestStatus.RUNNING
             token_id = result.sampled_token_ids.get(request_id)
             if token_id is None:
-                self.kv.cache_full_blocks(request)  # a partial prefill chunk samples nothing
+                if running:
+                    self.kv.cache_full_blocks(request)  # a partial prefill chunk samples nothing
                 continue
+            # Also for a request preempted after this plan was made: the token was computed
+            # from its full context, so it stands (the resumed request recomputes its KV).
+            request.num_pending_tokens -= 1
             request.output_token_ids.append(token_id)
-            self.kv.cache_full_blocks(request)
+            if running:
+                self.kv.cache_full_blocks(request)
             reason = self._stop_reason(request, token_id)
             logprobs = result.logprobs.get(request_id)
             logprobs_list = [logprobs] if logprobs is not None else None
             events.append(self._event(request, [token_id], reason, logprobs_list))
-            if reason is not None:
+            if reason is None:
+                continue
+            if running:
                 request.finish_reason = reason
                 request.status = RequestStatus.FINISHED
                 finished.append(request)
+            else:
+                self.waiting.remove(request)
+                request.finish_reason = reason
+                request.status = RequestStatus.FINISHED
+                self._release(request)
         if finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
             for request in finished:
@@ -194,6 +210,7 @@ class Scheduler:
             if new_blocks:
                 plan.block_deltas.append(SequenceDelta(request.request_id, new_blocks))
             plan.num_scheduled_tokens[request.request_id] = num_new
+            self._advance(request, num_new)
             budget -= num_new
             index += 1
         return budget, self.num_preemptions > num_preemptions_before
@@ -218,6 +235,10 @@ class Scheduler:
         The head blocks the queue: skipping it for smaller requests could starve it."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                # Preempted while a step that samples for it was in flight: its token arrives
+                # with the next result, and must be part of the sequence it is resent as.
+                break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
             # With nothing running there is no decode to keep headroom for, and insisting on
@@ -245,10 +266,24 @@ class Scheduler:
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new
+            self._advance(request, num_new)
             budget -= num_new
 
+    @staticmethod
+    def _advance(request: Request, num_new: int) -> None:
+        """Count scheduled tokens as computed now, so the next plan can be made before this
+        one's result arrives; a step that reaches the sequence's end samples a pending token."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens_with_pending:
+            request.num_pending_tokens += 1
+
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
-        num_new = request.num_tokens - num_computed
+        if (
+            request.num_output_tokens_with_pending >= request.sampling.max_new_tokens
+            or request.num_tokens_with_pending >= self.config.max_model_len
+        ):
+            return 0  # its last token is already being sampled: it finishes on that result
+        num_new = request.num_tokens_with_pending - num_computed
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.serving_config import BatchingConfig
+from services.common.serving_config import BatchingConfig, StepLoopConfig
 from services.scheduler.config import AdmissionConfig, SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerServerConfig(BatchingConfig, AdmissionConfig):
-    """The batching group (services.common.serving_config) and the core's admission settings,
-    plus how the server listens and whom it talks to."""
+class SchedulerServerConfig(BatchingConfig, StepLoopConfig, AdmissionConfig):
+    """The batching and step-loop groups (services.common.serving_config) and the core's
+    admission settings, plus how the server listens and whom it talks to."""
 
     host: str = "127.0.0.1"
     """Address to listen on."""

@@ -8,7 +8,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -19,14 +22,16 @@ from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
 from services.common.model_description_proto import description_to_proto
 from services.common.sampling_params import SamplingParams
-from services.contracts.step import BatchPlan, NewSequence
+from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.worker import metrics
 from services.worker.config import GiB, WorkerConfig, resolve_dtype
 from services.worker.convert import plan_from_proto, result_to_proto
 from services.worker.loaded_model import LoadedModel
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, StepMode
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -38,8 +43,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.runner: ModelRunner | None = None
         self.epoch = uuid.uuid4().hex
         self._session = 0
-        # One forward at a time; a newer Step stream takes over from an older one.
-        self._lock = asyncio.Lock()
+        # Every forward runs on this one thread, in the order plans arrive: steps queue behind
+        # each other without waiting for the event loop (which reads plans and sends results
+        # meanwhile), and the OpenMP team that thread leads is created once.
+        self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+
+    async def on_forward_thread(self, function: Callable[..., T], *args: Any) -> T:
+        """Run `function` where the steps run (warm-up: it starts the OpenMP team steps use)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._forward_thread, function, *args
+        )
 
     def attach(self, loaded: LoadedModel, runner: ModelRunner) -> None:
         self.loaded = loaded
@@ -72,33 +85,76 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.StepPlan],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.StepOutput]:
+        """Plans are queued on the forward thread the moment they arrive (a scheduler that
+        overlaps sends plan N+1 while step N runs), and results go back in plan order."""
         _, runner = await self._ready(context)
         # A new stream means a new scheduler session: whatever the old one held is gone.
         self._session += 1
         session = self._session
-        async with self._lock:
-            runner.reset()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._forward_thread, runner.reset)
         log.info("step stream opened", extra={"session": session})
-        async for message in request_iterator:
-            if session != self._session:
-                await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream took over")
-            plan = plan_from_proto(message)
-            _log_sequences(plan)
-            async with self._lock:
-                started = time.perf_counter()
+        steps: asyncio.Queue[tuple[BatchPlan, asyncio.Future[TimedResult]] | None]
+        steps = asyncio.Queue()
+
+        async def queue_plans() -> None:
+            try:
+                async for message in request_iterator:
+                    if session != self._session:
+                        break  # a newer stream took over: queue nothing more of this one
+                    plan = plan_from_proto(message)
+                    _log_sequences(plan)
+                    future = loop.run_in_executor(self._forward_thread, _timed_step, runner, plan)
+                    steps.put_nowait((plan, future))
+            finally:
+                steps.put_nowait(None)
+
+        reader = asyncio.create_task(queue_plans())
+        queued: list[asyncio.Future[TimedResult]] = []
+        try:
+            while (item := await steps.get()) is not None:
+                plan, future = item
+                queued.append(future)
                 try:
-                    # The forward runs in a thread so health checks and Describe stay responsive.
-                    result = await asyncio.to_thread(runner.execute, plan)
+                    timed = await future
                 except Exception:
                     scheduled = ",".join(plan.num_scheduled_tokens)
                     log.exception(
                         "step failed", extra={"step_id": plan.step_id, "request_ids": scheduled}
                     )
                     raise
-                forward_ms = (time.perf_counter() - started) * 1000
-            metrics.on_step(plan, forward_ms / 1000, runner.last_step_mode)
-            yield result_to_proto(result, forward_ms)
-        log.info("step stream closed", extra={"session": session})
+                queued.remove(future)
+                metrics.on_step(plan, timed.forward_s, timed.mode)
+                yield result_to_proto(timed.result, timed.forward_s * 1000)
+            await reader  # re-raises a failure to read the stream
+            if session != self._session:
+                await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream took over")
+        finally:
+            reader.cancel()
+            # Steps of this stream not started yet are dropped; a newer stream resets first.
+            while not steps.empty():
+                item = steps.get_nowait()
+                if item is not None:
+                    queued.append(item[1])
+            for future in queued:
+                future.cancel()
+            log.info("step stream closed", extra={"session": session})
+
+
+@dataclass(frozen=True, slots=True)
+class TimedResult:
+    result: StepResult
+    forward_s: float
+    mode: StepMode
+    """Read on the forward thread: by the time the event loop sees this result, the runner
+    may be running the next step."""
+
+
+def _timed_step(runner: ModelRunner, plan: BatchPlan) -> TimedResult:
+    """Run one plan on the forward thread."""
+    started = time.perf_counter()
+    result = runner.execute(plan)
+    return TimedResult(result, time.perf_counter() - started, runner.last_step_mode)
 
 
 def _log_sequences(plan: BatchPlan) -> None:
@@ -161,7 +217,7 @@ async def serve(config: WorkerConfig) -> None:
         fused_decode=config.fused_decode,
     )
     await asyncio.to_thread(runner.compile_step_graphs)
-    await asyncio.to_thread(warm_up, runner)
+    await servicer.on_forward_thread(warm_up, runner)
     servicer.attach(loaded, runner)
     await service.set_serving()
     log.info(

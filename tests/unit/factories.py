@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,11 +59,11 @@ def result_for(
     scheduler: Scheduler, plan: BatchPlan, tokens: dict[str, int] | None = None, default: int = 7
 ) -> StepResult:
     """A result sampling one token for each request whose scheduled range reaches its end
-    (computed from the scheduler's view; `tokens` overrides the sampled id per request)."""
+    (from the scheduler's view right after `schedule`, with no other plan in flight: such a
+    plan left the request one pending token; `tokens` overrides the sampled id per request)."""
     sampled = {}
-    for request_id, num_scheduled in plan.num_scheduled_tokens.items():
-        request = scheduler.requests[request_id]
-        if request.num_computed_tokens + num_scheduled == request.num_tokens:
+    for request_id in plan.num_scheduled_tokens:
+        if scheduler.requests[request_id].num_pending_tokens:
             sampled[request_id] = (tokens or {}).get(request_id, default)
     return StepResult(step_id=plan.step_id, sampled_token_ids=sampled)
 
@@ -69,13 +71,17 @@ def result_for(
 @dataclass
 class FakeWorker:
     """Mirrors the worker's persistent batch from plans alone, and checks each plan is coherent:
-    every scheduled id is known, its block table covers the tokens it computes."""
+    every scheduled id is known, its block table covers the tokens it computes, and the KV it
+    reads (every position before the ones it computes) holds that sequence's own tokens, as
+    written by an earlier step into those blocks (prefix hits, copies and reuse included)."""
 
     block_size: int = BLOCK_SIZE
     sample: Callable[[str, int], int] = lambda request_id, position: 7
     token_ids: dict[str, list[int]] = field(default_factory=dict)
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     num_computed: dict[str, int] = field(default_factory=dict)
+    kv: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(block, offset) -> the token whose KV the slot holds."""
 
     def step(self, plan: BatchPlan) -> StepResult:
         for request_id in plan.finished_ids:
@@ -89,12 +95,24 @@ class FakeWorker:
             self.num_computed[seq.request_id] = seq.num_computed_tokens
         for delta in plan.block_deltas:
             self.block_tables[delta.request_id].extend(delta.new_block_ids)
+        for src, dst in plan.block_copies:
+            for offset in range(self.block_size):
+                if (src, offset) in self.kv:
+                    self.kv[(dst, offset)] = self.kv[(src, offset)]
         sampled = {}
         for request_id, num_scheduled in plan.num_scheduled_tokens.items():
-            end = self.num_computed[request_id] + num_scheduled
+            start = self.num_computed[request_id]
+            end = start + num_scheduled
             tokens = self.token_ids[request_id]
+            table = self.block_tables[request_id]
             assert num_scheduled > 0 and end <= len(tokens), (request_id, end, len(tokens))
-            assert len(self.block_tables[request_id]) * self.block_size >= end, request_id
+            assert len(table) * self.block_size >= end, request_id
+            for position in range(start):
+                slot = (table[position // self.block_size], position % self.block_size)
+                assert self.kv.get(slot) == tokens[position], (request_id, position, slot)
+            for position in range(start, end):
+                slot = (table[position // self.block_size], position % self.block_size)
+                self.kv[slot] = tokens[position]
             self.num_computed[request_id] = end
             if end == len(tokens):
                 token = self.sample(request_id, end)
@@ -103,20 +121,86 @@ class FakeWorker:
         return StepResult(step_id=plan.step_id, sampled_token_ids=sampled)
 
 
+_WORKERS: weakref.WeakKeyDictionary[Scheduler, FakeWorker] = weakref.WeakKeyDictionary()
+
+
+def worker_of(scheduler: Scheduler) -> FakeWorker:
+    """The scheduler's one fake worker, kept across runs: the KV it wrote stays readable by
+    later prefix hits, as on a real worker."""
+    if scheduler not in _WORKERS:
+        _WORKERS[scheduler] = FakeWorker(block_size=scheduler.config.block_size)
+    return _WORKERS[scheduler]
+
+
+def check_worker_in_sync(scheduler: Scheduler, worker: FakeWorker) -> None:
+    """Integrity, and the block tables the plans gave the worker are the scheduler's."""
+    scheduler.check_integrity()
+    for request in scheduler.running:
+        table = scheduler.kv.get_block_table(request.request_id)
+        assert worker.block_tables[request.request_id] == table, request.request_id
+
+
 def run_until_done(
-    scheduler: Scheduler, worker: FakeWorker | None = None, max_steps: int = 10_000
+    scheduler: Scheduler,
+    worker: FakeWorker | None = None,
+    *,
+    between: Callable[[int], None] = lambda step: None,
+    max_steps: int = 10_000,
 ) -> dict[str, list[TokenEvent]]:
-    """Step until nothing is left, checking integrity each step; events grouped by request."""
-    worker = worker or FakeWorker(block_size=scheduler.config.block_size)
+    """Step until nothing is left, checking integrity each step; events grouped by request.
+    `between(step)` runs after each update (aborts, new requests)."""
+    worker = worker or worker_of(scheduler)
     events: dict[str, list[TokenEvent]] = {}
     for step in range(max_steps):
         plan = scheduler.schedule(now=float(step))
         for event in scheduler.update(plan, worker.step(plan), now=float(step)):
             events.setdefault(event.request_id, []).append(event)
-        scheduler.check_integrity()
-        for request in scheduler.running:  # the plans kept the worker's block tables in sync
-            table = scheduler.kv.get_block_table(request.request_id)
-            assert worker.block_tables[request.request_id] == table, request.request_id
+        check_worker_in_sync(scheduler, worker)
+        between(step)
         if not scheduler.has_unfinished_requests():
             return events
+    raise AssertionError("scheduler did not finish")
+
+
+def needs_worker(plan: BatchPlan) -> bool:
+    return bool(
+        plan.num_scheduled_tokens or plan.finished_ids or plan.new_sequences or plan.block_copies
+    )
+
+
+def run_overlapped(
+    scheduler: Scheduler,
+    worker: FakeWorker | None = None,
+    *,
+    between: Callable[[int], None] = lambda step: None,
+    max_steps: int = 10_000,
+) -> dict[str, list[TokenEvent]]:
+    """Drive the scheduler as the overlapped engine loop does: plan N+1 is made (and run by the
+    in-order worker) before result N is applied. `between(step)` runs after each update and
+    before the next plan (aborts, new requests). Events grouped by request."""
+    worker = worker or worker_of(scheduler)
+    events: dict[str, list[TokenEvent]] = {}
+    in_flight: deque[tuple[BatchPlan, StepResult]] = deque()
+
+    def apply(plan: BatchPlan, result: StepResult, step: int) -> None:
+        for event in scheduler.update(plan, result, now=float(step)):
+            events.setdefault(event.request_id, []).append(event)
+
+    for step in range(max_steps):
+        if not in_flight and not scheduler.has_unfinished_requests():
+            return events
+        if len(in_flight) < 2:
+            plan = scheduler.schedule(now=float(step))
+            if needs_worker(plan):
+                in_flight.append((plan, worker.step(plan)))
+                if len(in_flight) < 2:
+                    continue
+            else:
+                apply(plan, StepResult(step_id=plan.step_id), step)
+                if not in_flight:
+                    between(step)
+                    continue
+        apply(*in_flight.popleft(), step)
+        scheduler.check_integrity()
+        between(step)
     raise AssertionError("scheduler did not finish")
