@@ -28,6 +28,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import cpu_placement
 from services.common.config_flags import add_config_flags, config_argv, config_from_args
 from services.common.metrics_aggregate import ScrapeTarget, start_aggregate_server
 from services.common.metrics_http import MetricsServer
@@ -39,6 +40,7 @@ from services.common.serving_config import (
     StepLoopConfig,
     WeightsConfig,
 )
+from services.cpu_placement import Placement, PlacementPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,10 @@ class StackConfig(
     """Scheduler+worker pairs behind the tokenizer tier (the CPU cores are split among them)."""
     worker_threads: int | None = None
     """torch threads per worker; unset = the cores divided among the workers."""
+    cpu_placement: PlacementPolicy = "auto"
+    """Where processes run: auto, none, nice (everything but the workers at a lower priority)
+    or split (workers pinned to all cores but the last, the rest on it); see
+    docs/deployment.md for what auto picks and the measurements behind it."""
     redis_url: str | None = None
     """An existing Redis (redis://[user:password@]host:port, rediss:// for TLS); unset = start
     a private redis-server on loopback when one is installed."""
@@ -93,6 +99,7 @@ class Child:
     ready: Callable[[str], bool]
     metrics_url: str | None = None
     """This process's own /metrics, when the stack exposes metrics."""
+    placement: Placement = field(default_factory=Placement)
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
@@ -103,6 +110,7 @@ class Child:
         self.process = subprocess.Popen(
             self.command, env=env, start_new_session=True, stdout=stdout
         )
+        cpu_placement.apply(self.process.pid, self.placement)
         self.started_at = time.monotonic()
 
     @property
@@ -160,9 +168,14 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
     host = config.host
     redis_url = config.redis_url or (f"redis://{redis.address}" if redis else None)
     redis_flag = ["--redis-url", redis_url] if config.redis and redis_url else []
-    threads = config.worker_threads or max(1, (os.cpu_count() or 1) // config.workers)
+    cpus = cpu_placement.usable_cpus()
 
-    def child(name: str, kind: str, port: int, args: list[str]) -> Child:
+    def placed(kind: str, index: int = 0) -> Placement:
+        return cpu_placement.placement_for(
+            config.cpu_placement, kind, cpus=cpus, worker_index=index, num_workers=config.workers
+        )
+
+    def child(name: str, kind: str, port: int, args: list[str], index: int = 0) -> Child:
         address = f"{host}:{port}"
         args = [kind, "--host", host, "--port", str(port), *args]
         args += config_argv(config, *CHILD_GROUPS[kind])
@@ -171,13 +184,20 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
             metrics_port = free_port(host)
             args += ["--metrics-port", str(metrics_port)]
             metrics_url = f"http://{host}:{metrics_port}/metrics"
-        return Child(name, kind, llmserve_command(*args), address, healthy, metrics_url)
+        command = llmserve_command(*args)
+        return Child(name, kind, command, address, healthy, metrics_url, placed(kind, index))
 
     workers: list[Child] = []
     schedulers: list[Child] = []
     for index in range(config.workers):
         worker_port, scheduler_port = free_port(host), free_port(host)
-        workers.append(child(f"worker-{index}", "worker", worker_port, ["--threads", str(threads)]))
+        threads = (
+            config.worker_threads
+            or placed("worker", index).threads
+            or max(1, len(cpus) // config.workers)
+        )
+        worker_args = ["--threads", str(threads)]
+        workers.append(child(f"worker-{index}", "worker", worker_port, worker_args, index))
         scheduler_args = [
             *("--scheduler-id", f"scheduler-{index}"),
             *("--worker", f"{host}:{worker_port}"),
@@ -194,6 +214,8 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
         child(f"tokenizer-{index}", "tokenizer", public_port, tokenizer_args)
         for index in range(config.tokenizer_replicas)
     ]
+    if redis is not None:
+        redis.placement = placed("redis")
     return [*([redis] if redis else []), *workers, *schedulers, *tokenizers]
 
 
