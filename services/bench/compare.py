@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.bench.common import format_table, median
+from services.bench.serve_compare import stack_up_flags
 from services.common.serving_config import RuntimeConfig, WeightsConfig
 
 WORKLOADS = ("a", "b", "c", "d")
@@ -374,19 +375,16 @@ def offline_command(
 
 
 def stack_flags(engine: EngineSpec, config: PeersConfig) -> list[str]:
-    """`llmserve up` flags for the stack column (its workers get the compute threads)."""
-    return [
-        "--model",
-        str(engine.model),
-        "--dtype",
-        config.dtype,
-        "--quantization",
-        engine.quantization,
-        "--worker-threads",
-        str(config.threads),
-        "--max-num-seqs",
-        str(config.num_users),
-    ]
+    """`llmserve up` flags for the stack column: the in-process column's settings (its
+    workers get the compute threads)."""
+    return stack_up_flags(
+        model=str(engine.model),
+        dtype=config.dtype,
+        quantization=engine.quantization,
+        threads=config.threads,
+        max_num_seqs=config.num_users,
+        enforce_eager=config.enforce_eager,
+    )
 
 
 # ---- parsing the tools' output -----------------------------------------------------------

@@ -103,14 +103,14 @@ def point_seed(seed: int, index: int) -> int:
     return seed + index * POINT_SEED_STRIDE
 
 
-def in_load_order(results: Sequence[PointResult]) -> list[PointResult]:
+def load_order_key(point: SweepPoint) -> tuple[float, float]:
     """Concurrency-major (no cap last), then by rate with inf last: the order of a curve."""
+    concurrency = math.inf if point.concurrency is None else point.concurrency
+    return (concurrency, point.request_rate)
 
-    def key(result: PointResult) -> tuple[float, float]:
-        concurrency = result.point.concurrency
-        return (math.inf if concurrency is None else concurrency, result.point.request_rate)
 
-    return sorted(results, key=key)
+def in_load_order(results: Sequence[PointResult]) -> list[PointResult]:
+    return sorted(results, key=lambda result: load_order_key(result.point))
 
 
 SWEEP_HEADERS = [

@@ -163,6 +163,9 @@ def test_stack_gets_the_engine_settings() -> None:
     flags = stack_flags(_engines(with_stack=True)[-1], PeersConfig(dtype="float32"))
     assert _flag(flags, "--quantization") == "gguf" and _flag(flags, "--dtype") == "float32"
     assert _flag(flags, "--worker-threads") == "2"
+    assert "--enforce-eager" not in flags
+    eager = stack_flags(_engines(with_stack=True)[-1], PeersConfig(enforce_eager=True))
+    assert "--enforce-eager" in eager  # as the in-process column
 
 
 # ---- parsers, on real output -----------------------------------------------------------------

@@ -1,0 +1,365 @@
+"""`llmserve bench serve --compare-inprocess` without a model: the stack's `llmserve up` flags
+(parsed by the real `up` parser), the rows, ratios and table, and the whole command against a
+fake stack (a gRPC servicer on loopback) and a fake in-process engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from protos.llmserve.v1 import text_pb2, text_pb2_grpc
+from services.bench import serve
+from services.bench.serve_clients import InProcessTarget
+from services.bench.serve_compare import (
+    COMPARE_HEADERS,
+    COMPARE_LEGEND,
+    CompareRow,
+    SystemFigures,
+    compare_document,
+    compare_rows,
+    compare_table,
+    ratio,
+    stack_up_flags,
+)
+from services.bench.serve_metrics import Chunk, RequestRecord, Slo, summarize
+from services.bench.sweep import PointResult, SweepPoint
+from services.common.config_flags import add_config_flags, config_from_args
+from services.launcher import StackConfig
+from services.worker.config import GiB
+from tests.unit.test_bench_serve import FakeEngine
+
+
+@pytest.fixture(autouse=True)
+def _no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLMSERVE_* variables would change the `up` parser's defaults."""
+    for name in [name for name in os.environ if name.startswith("LLMSERVE_")]:
+        monkeypatch.delenv(name)
+
+
+def _bench_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.configure_parser(parser)
+    return parser.parse_args(argv)
+
+
+def _up(flags: list[str]) -> StackConfig:
+    """What `llmserve up` makes of `flags`."""
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, StackConfig)
+    return config_from_args(StackConfig, parser.parse_args(flags))
+
+
+# ---- the stack's flags -----------------------------------------------------------------------
+
+
+def test_unset_settings_leave_the_stacks_defaults() -> None:
+    flags = stack_up_flags(
+        model=None, dtype="auto", quantization=None, threads=None, max_num_seqs=8
+    )
+    assert flags == ["--dtype", "auto", "--max-num-seqs", "8"]
+    assert _up(flags) == StackConfig(max_num_seqs=8)
+
+
+def test_stack_gets_the_inprocess_engines_settings() -> None:
+    args = _bench_args(
+        [
+            *("--compare-inprocess", "--model", "/models/m.gguf", "--dtype", "float32"),
+            *("--quantization", "none", "--kv-cache-gib", "0.25", "--max-num-seqs", "4"),
+            *("--max-num-batched-tokens", "256", "--threads", "2", "--enforce-eager"),
+            *("--tokenizer-replicas", "3"),
+        ]
+    )
+    stack = _up(serve.compare_stack_flags(args))
+    engine = serve.engine_config(args)
+    shared = {f.name for f in fields(StackConfig)} & {f.name for f in fields(engine)}
+    assert {"model", "dtype", "quantization", "max_num_seqs", "enforce_eager", "seed"} <= shared
+    assert {name: getattr(stack, name) for name in shared} == {
+        name: getattr(engine, name) for name in shared
+    }
+    assert int(stack.kv_cache_gib * GiB) == engine.kv_cache_bytes
+    assert stack.worker_threads == engine.num_threads == 2
+    assert stack.tokenizer_replicas == 3
+
+
+def test_stack_args_come_last_and_win() -> None:
+    # argparse takes a value starting with '--' only when written with '='.
+    stack_args = ["--no-redis", "--max-num-seqs=16", "--routing=round_robin"]
+    args = _bench_args(
+        ["--compare-inprocess", "--max-num-seqs", "4", *(f"--stack-arg={a}" for a in stack_args)]
+    )
+    flags = serve.compare_stack_flags(args)
+    assert flags[-3:] == ["--no-redis", "--max-num-seqs=16", "--routing=round_robin"]
+    stack = _up(flags)
+    assert (stack.redis, stack.max_num_seqs, stack.routing) == (False, 16, "round_robin")
+    assert stack.tokenizer_replicas == 1  # the bench flag's default
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--compare-inprocess", "--target", "inprocess"], "--target is grpc://"),
+        (["--compare-inprocess", "--target", "http://h:1/v1"], "--target is grpc://"),
+        (["--compare-inprocess", "--target", "grpc://h:1", "--stack-arg=--no-redis"], "here"),
+        (["--compare-inprocess", "--tokenizer-replicas", "0"], "--tokenizer-replicas"),
+        (["--stack-arg=--no-redis"], "--compare-inprocess"),
+    ],
+)
+def test_flags_that_do_not_fit_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        serve.check_compare_flags(_bench_args(argv))
+
+
+def test_flags_that_fit_pass() -> None:
+    for argv in (["--compare-inprocess"], ["--compare-inprocess", "--target", "grpc://h:1"], []):
+        serve.check_compare_flags(_bench_args(argv))
+
+
+# ---- rows, ratios, the table -------------------------------------------------------------------
+
+
+def test_ratio_is_stack_over_inprocess_and_undefined_without_two_values() -> None:
+    assert ratio(12.0, 10.0) == pytest.approx(1.2)
+    assert ratio(80.0, 100.0) == pytest.approx(0.8)
+    for stack, inprocess in ((math.nan, 1.0), (1.0, math.nan), (0.0, 1.0), (1.0, 0.0)):
+        assert math.isnan(ratio(stack, inprocess))
+
+
+def _result(point: SweepPoint, tpot_ms: float, tokens: int = 4, failed: int = 0) -> PointResult:
+    """A point whose requests each took 10 ms to the first token, then `tpot_ms` per token."""
+    records = []
+    for index in range(2):
+        send = float(index)
+        chunks = [Chunk(send + 0.010 + i * tpot_ms / 1e3, 1) for i in range(tokens)]
+        records.append(RequestRecord(send, chunks[-1].time_s, chunks, 8, tokens))
+    records += [RequestRecord(0.0, 0.5, error="UNAVAILABLE") for _ in range(failed)]
+    return PointResult(point, len(records), summarize(records, Slo()))
+
+
+def _figures(tpot_ms: float, ttft_ms: float, tok_s: float) -> SystemFigures:
+    return SystemFigures(tpot_ms, ttft_ms, tok_s, 2, 2)
+
+
+def test_rows_pair_the_systems_point_by_point_in_load_order() -> None:
+    c8, c1 = SweepPoint(math.inf, 8), SweepPoint(math.inf, 1)
+    inprocess = [_result(c8, 5.0), _result(c1, 4.0)]
+    stack = [_result(c8, 6.0), _result(c1, 5.0, failed=1)]
+    rows = compare_rows(inprocess, stack)
+    assert [row.point for row in rows] == [c1, c8]
+    assert rows[0].inprocess.tpot_p50_ms == pytest.approx(4.0)
+    assert rows[0].stack.tpot_p50_ms == pytest.approx(5.0)
+    assert rows[0].tpot_ratio == pytest.approx(1.25)
+    assert rows[0].ttft_ratio == pytest.approx(1.0)
+    assert (rows[0].stack.num_completed, rows[0].stack.num_requests) == (2, 3)
+
+
+def test_rows_stop_where_one_system_stopped_and_refuse_different_loads() -> None:
+    c1, c2 = SweepPoint(math.inf, 1), SweepPoint(math.inf, 2)
+    assert len(compare_rows([_result(c1, 4.0), _result(c2, 4.0)], [_result(c1, 5.0)])) == 1
+    with pytest.raises(ValueError, match="different loads"):
+        compare_rows([_result(c1, 4.0)], [_result(c2, 4.0)])
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def test_table_sets_the_systems_side_by_side_with_their_ratios() -> None:
+    rows = [
+        CompareRow(
+            SweepPoint(math.inf, 1), _figures(10.0, 20.0, 100.0), _figures(12.5, 30.0, 80.0)
+        ),
+        CompareRow(SweepPoint(2.0, None), _figures(10.0, 20.0, 100.0), _figures(math.nan, 1, 0.0)),
+    ]
+    lines = compare_table(rows).splitlines()
+    assert _cells(lines[0]) == COMPARE_HEADERS
+    assert _cells(lines[2]) == [
+        "c=1",
+        "2/2, 2/2",
+        *("10.0", "12.5", "1.25"),
+        *("20.0", "30.0", "1.50"),
+        *("100.0", "80.0", "0.80"),
+    ]
+    assert _cells(lines[3])[4] == "-" and _cells(lines[3])[-1] == "-"
+    assert lines[-1] == COMPARE_LEGEND
+    assert "lower is better" in COMPARE_LEGEND and "higher is better" in COMPARE_LEGEND
+
+
+def test_json_section_holds_both_systems_and_the_ratios() -> None:
+    row = CompareRow(SweepPoint(math.inf, 1), _figures(10.0, 20.0, 100.0), _figures(11, 22, 90.0))
+    targets = {"stack": "grpc://h:1 (1 channels)", "inprocess": "inprocess (m, f32)"}
+    document = compare_document([row], targets, ["llmserve", "up", "--dtype", "auto"])
+    assert document["run_order"] == ["stack", "inprocess"]
+    assert document["stack_command"] == ["llmserve", "up", "--dtype", "auto"]
+    (written,) = document["rows"]
+    assert written["label"] == "c=1" and written["concurrency"] == 1
+    assert written["inprocess"]["tpot_p50_ms"] == 10.0 and written["stack"]["ttft_p50_ms"] == 22
+    assert written["stack_over_inprocess"] == pytest.approx(
+        {"tpot_p50": 1.1, "ttft_p50": 1.1, "output_tokens_per_s": 0.9}
+    )
+
+
+# ---- the whole command against a fake stack and a fake engine --------------------------------
+
+
+class RecordingTextGeneration(text_pb2_grpc.TextGenerationServicer):  # type: ignore[misc]
+    """One token per message; remembers every prompt and the events list's length then."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.prompts: list[tuple[int, ...]] = []
+
+    def Generate(self, request: Any, context: Any) -> Iterator[Any]:
+        self.prompts.append(tuple(request.prompt_token_ids))
+        self.events.append("stack request")
+        n = request.sampling.max_new_tokens
+        for index in range(n):
+            yield text_pb2.GenerateResponse(token_ids=[index])
+        usage = text_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=n)
+        yield text_pb2.GenerateResponse(finish_reason="length", usage=usage)
+
+
+@dataclass
+class RecordingEngine(FakeEngine):
+    prompts: list[tuple[int, ...]] | None = None
+
+    def add_request(self, prompt: Any, sampling: Any) -> str:
+        assert self.prompts is not None
+        self.prompts.append(tuple(prompt))
+        return super().add_request(prompt, sampling)
+
+
+@dataclass
+class FakeSystems:
+    events: list[str]
+    servicer: RecordingTextGeneration
+    address: str
+    engine: RecordingEngine
+    up_flags: list[list[str]]
+
+
+@pytest.fixture
+def fake_systems(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeSystems]:
+    events: list[str] = []
+    servicer = RecordingTextGeneration(events)
+    server = grpc.server(ThreadPoolExecutor(4))
+    text_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    engine = RecordingEngine(prompts=[])
+    systems = FakeSystems(events, servicer, f"127.0.0.1:{port}", engine, [])
+
+    @dataclass
+    class Started:
+        public: str
+        returncode: int | None = None
+
+    @contextmanager
+    def running_stack(
+        flags: list[str], startup_timeout_s: float, stderr: object
+    ) -> Iterator[Started]:
+        assert isinstance(startup_timeout_s, float) and startup_timeout_s > 0
+        systems.up_flags.append(flags)
+        events.append("stack started")
+        started = Started(systems.address)
+        try:
+            yield started
+        finally:
+            started.returncode = 0
+            events.append("stack stopped")
+
+    def inprocess_target(config: object, generation: Any) -> InProcessTarget:
+        events.append("engine loaded")
+        return InProcessTarget(engine, generation)
+
+    monkeypatch.setattr("services.stack.running_stack", running_stack)
+    monkeypatch.setattr(serve, "inprocess_target", inprocess_target)
+    original = serve.run_point
+
+    def quiet_run_point(*args: object, **kwargs: object) -> object:
+        return original(*args, show_progress=False, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(serve, "run_point", quiet_run_point)
+    yield systems
+    server.stop(None)
+
+
+def test_compare_runs_the_stack_then_the_engine_on_the_same_samples(
+    fake_systems: FakeSystems, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "compare.json"
+    argv = ["--compare-inprocess", "--num-prompts", "3", "--input-len", "5", "--output-len", "4"]
+    argv += ["--concurrency", "1,2", "--warmup", "2", "--json-out", str(out)]
+    argv += ["--stack-arg=--no-redis", "--tokenizer-replicas", "2"]
+    assert serve.run(_bench_args(argv)) == 0
+    events = fake_systems.events
+    # One system at a time: the stack is stopped before the engine loads.
+    assert events[0] == "stack started"
+    assert events.index("stack stopped") == len(events) - 2 and events[-1] == "engine loaded"
+    (flags,) = fake_systems.up_flags
+    assert flags[-3:] == ["--tokenizer-replicas", "2", "--no-redis"]
+    # The same warm-up and the same prompts, in the same order, on both systems.
+    assert len(fake_systems.servicer.prompts) == 2 + 2 * 3
+    assert fake_systems.engine.prompts == fake_systems.servicer.prompts
+    report = capsys.readouterr().out
+    assert "llmserve up stopped: exit 0" in report
+    table = report[report.index("## in-process vs stack") :].splitlines()
+    assert _cells(table[2])[:2] == ["load", "requests ok (in-process, stack)"]
+    assert [_cells(line)[:2] for line in table[4:6]] == [["c=1", "3/3, 3/3"], ["c=2", "3/3, 3/3"]]
+    assert table[6] == COMPARE_LEGEND
+    document = json.loads(out.read_text())
+    assert [(p["system"], p["concurrency"]) for p in document["points"]] == [
+        ("stack", 1),
+        ("stack", 2),
+        ("inprocess", 1),
+        ("inprocess", 2),
+    ]
+    compare = document["compare"]
+    assert compare["stack_command"] == ["llmserve", "up", *flags]
+    assert [row["label"] for row in compare["rows"]] == ["c=1", "c=2"]
+    for row in compare["rows"]:
+        assert row["inprocess"]["output_tokens_per_s"] > 0 and row["stack"]["tpot_p50_ms"] > 0
+        assert row["stack_over_inprocess"]["output_tokens_per_s"] > 0
+
+
+def test_compare_with_a_running_stack_starts_none(
+    fake_systems: FakeSystems, tmp_path: Path
+) -> None:
+    out = tmp_path / "compare.json"
+    argv = ["--compare-inprocess", "--target", f"grpc://{fake_systems.address}"]
+    argv += ["--num-prompts", "2", "--output-len", "3", "--json-out", str(out)]
+    assert serve.run(_bench_args(argv)) == 0
+    assert fake_systems.up_flags == []
+    assert fake_systems.events[-1] == "engine loaded"
+    compare = json.loads(out.read_text())["compare"]
+    assert compare["stack_command"] is None
+    assert compare["targets"]["stack"].startswith(f"grpc://{fake_systems.address}")
+
+
+def test_compare_stops_when_the_stack_does_not_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    @contextmanager
+    def failing_stack(flags: list[str], **kwargs: Any) -> Iterator[None]:
+        kwargs["stderr"].write(b"worker: out of memory\n")
+        raise RuntimeError("llmserve up exited with 1")
+        yield
+
+    def no_engine(config: object, generation: object) -> None:
+        raise AssertionError("the engine must not load after the stack failed")
+
+    monkeypatch.setattr("services.stack.running_stack", failing_stack)
+    monkeypatch.setattr(serve, "inprocess_target", no_engine)
+    assert serve.run(_bench_args(["--compare-inprocess", "--num-prompts", "1"])) == 1
+    err = capsys.readouterr().err
+    assert "llmserve up exited with 1" in err and "worker: out of memory" in err
