@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from services.bench.common import command_line, cpu_model_name, format_table, load_average
+from services.bench.process_cpu import ProcessCpu, cpu_rows, cpu_table
 from services.bench.serve_clients import GrpcClient, InProcessTarget, OpenAIClient
 from services.bench.serve_compare import (
     INPROCESS,
@@ -46,7 +47,15 @@ from services.bench.serve_compare import (
     compare_table,
     stack_up_flags,
 )
-from services.bench.serve_load import AsyncTarget, Generation, Load, Target, report, run_point
+from services.bench.serve_load import (
+    AsyncTarget,
+    Generation,
+    Load,
+    Target,
+    report,
+    run_point,
+    warm_up,
+)
 from services.bench.serve_metrics import RequestRecord, Slo
 from services.bench.serve_plot import (
     PlotUnavailableError,
@@ -246,11 +255,12 @@ def log_tail(log: IO[bytes], num_lines: int = STACK_LOG_TAIL_LINES) -> str:
 
 
 @contextlib.contextmanager
-def compared_stack(args: argparse.Namespace) -> Iterator[str]:
+def compared_stack(args: argparse.Namespace) -> Iterator[tuple[str, ProcessCpu | None]]:
     """The stack's grpc:// URL: --target's, or that of an `llmserve up` started here on free
-    ports and stopped (SIGTERM, a bounded wait, then SIGKILL) when the block ends."""
+    ports and stopped (SIGTERM, a bounded wait, then SIGKILL) when the block ends; with the
+    latter, its processes (by pid) for the CPU-by-process table."""
     if args.target is not None:
-        yield args.target
+        yield args.target, None
         return
     from services.launcher import StackConfig
     from services.stack import running_stack
@@ -270,7 +280,7 @@ def compared_stack(args: argparse.Namespace) -> Iterator[str]:
         except (RuntimeError, TimeoutError, OSError) as exc:
             raise StackStartError(f"llmserve up did not start: {exc}\n{log_tail(log)}") from exc
         try:
-            yield f"grpc://{stack.public}"
+            yield f"grpc://{stack.public}", ProcessCpu(stack.info["pids"])
         finally:
             # Stopped before the engine loads, and timed: a slow drain delays the next system.
             stopping = time.perf_counter()
@@ -357,10 +367,16 @@ class SystemRun:
 
 
 def run_points(
-    target: Target, plan: LoadPlan, points: Sequence[SweepPoint], sweep: bool, name: str = ""
+    target: Target,
+    plan: LoadPlan,
+    points: Sequence[SweepPoint],
+    sweep: bool,
+    name: str = "",
+    processes: ProcessCpu | None = None,
 ) -> SystemRun:
     """Each point in turn, the warm-up before the first; with `sweep` the first point's
-    saturated rate sets the points that follow it."""
+    saturated rate sets the points that follow it. With `processes`, each point's report
+    also says how much CPU each of them spent per output token."""
     args = plan.args
     pending = list(points)
     measured = SystemRun()
@@ -373,15 +389,14 @@ def run_points(
         load = Load(point.request_rate, point.concurrency, args.seed)
         description = f"{prefix}load {index + 1}/{plan.num_points}"
         print(f"## {description}: {load.describe()}", flush=True)
-        summary, records = run_point(
-            target,
-            samples,
-            load,
-            plan.slo,
-            plan.warmup if index == 0 else (),
-            description=description,
-        )
+        # Warmed up first, so the CPU snapshots cover the measured requests only.
+        warm_up(target, plan.warmup if index == 0 else (), load.concurrency)
+        before = processes.snapshot() if processes is not None else None
+        summary, records = run_point(target, samples, load, plan.slo, description=description)
         print(report(summary) + "\n", flush=True)
+        if processes is not None and before is not None:
+            rows = cpu_rows(before, processes.snapshot(), summary.output_tokens)
+            print(f"CPU by process:\n{cpu_table(rows)}\n", flush=True)
         result = PointResult(point, len(samples), summary)
         measured.results.append(result)
         measured.documents.append(point_document(result, seed, records))
@@ -516,11 +531,11 @@ def run_compare(
     systems: dict[str, SystemRun] = {}
     targets: dict[str, str] = {}
     try:
-        with compared_stack(args) as url:
+        with compared_stack(args) as (url, processes):
             target = grpc_target(args, url, generation)
             targets[STACK] = target.description
             print(f"# {STACK}: {target.description}\n", flush=True)
-            systems[STACK] = run_points(target, plan, points, args.sweep, STACK)
+            systems[STACK] = run_points(target, plan, points, args.sweep, STACK, processes)
     except StackStartError as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 1
@@ -531,7 +546,10 @@ def run_compare(
     targets[INPROCESS] = target.description
     print(f"# {INPROCESS}: {target.description}\n", flush=True)
     try:
-        systems[INPROCESS] = run_points(target, plan, stack_points, False, INPROCESS)
+        # One process: the engine and the load generator together.
+        systems[INPROCESS] = run_points(
+            target, plan, stack_points, False, INPROCESS, ProcessCpu({})
+        )
     finally:
         target.close()
     for name, measured in systems.items():

@@ -143,6 +143,12 @@ class AsyncTarget:
 # ---- one benchmark point --------------------------------------------------------------------
 
 
+def warm_up(target: Target, samples: Sequence[Sample], concurrency: int | None) -> None:
+    """Untimed requests, all at once under the concurrency cap."""
+    if samples:
+        target.run(samples, [0.0] * len(samples), concurrency, None)
+
+
 def run_point(
     target: Target,
     samples: Sequence[Sample],
@@ -152,10 +158,9 @@ def run_point(
     show_progress: bool = True,
     description: str = "requests",
 ) -> tuple[ServeSummary, list[RequestRecord]]:
-    """Warm up (untimed, all at once under the concurrency cap), then offer `samples` under
-    `load`. The unit a request-rate sweep repeats, one call per rate."""
-    if warmup_samples:
-        target.run(warmup_samples, [0.0] * len(warmup_samples), load.concurrency, None)
+    """Warm up, then offer `samples` under `load`. The unit a request-rate sweep repeats, one
+    call per rate."""
+    warm_up(target, warmup_samples, load.concurrency)
     offsets = arrival_offsets(len(samples), load.request_rate, load.seed)
     progress = tqdm(
         total=len(samples), desc=description, file=sys.stderr, disable=not show_progress

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +263,7 @@ def fake_systems(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeSystems]:
     class Started:
         public: str
         returncode: int | None = None
+        info: dict[str, object] = field(default_factory=lambda: {"pids": {}})
 
     @contextmanager
     def running_stack(
