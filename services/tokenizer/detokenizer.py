@@ -25,6 +25,7 @@ cost per token (and the memory) O(window), not O(output).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -74,6 +75,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._num_generated_tokens = 0
+
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent detokenizer in the same state (cheap: the window is a few ids)."""
+        clone = copy.copy(self)
+        clone._ids = list(self._ids)
+        return clone
 
     @property
     def num_generated_tokens(self) -> int:

@@ -11,6 +11,7 @@ plus O(max stop length) string slicing, however long the output already is.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,6 +91,10 @@ class StopStringMatcher:
         # Invariant: _held == the last depth[_node] characters seen, none of them emitted.
         self._held = ""
         self._stop: str | None = None
+
+    def copy(self) -> StopStringMatcher:
+        """An independent matcher in the same state (the automaton is shared: it never changes)."""
+        return copy.copy(self)
 
     @property
     def stopped(self) -> bool:
