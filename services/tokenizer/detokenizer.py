@@ -25,7 +25,6 @@ cost per token (and the memory) O(window), not O(output).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -78,7 +77,8 @@ class IncrementalDetokenizer:
 
     def copy(self) -> IncrementalDetokenizer:
         """An independent detokenizer in the same state (cheap: the window is a few ids)."""
-        clone = copy.copy(self)
+        clone = object.__new__(IncrementalDetokenizer)
+        clone.__dict__.update(self.__dict__)
         clone._ids = list(self._ids)
         return clone
 

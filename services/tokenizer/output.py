@@ -5,27 +5,24 @@ Pure (no gRPC, no protobuf, no clock reads: times are passed in). Per engine eve
     token ids → incremental detokenize → stop strings → OutputDelta
     last event (or a stop string) → finish_reason, usage, timings
 
-Several engine events that waited for a slow client go through as one (`merge_outputs`):
-one detokenizer call and one public message for all their ids, with the same text and ids
-as one event at a time, cut at the token that completes a stop string.
+Several engine events that waited for a slow client go through as one (convert.py merges
+them): one detokenizer call and one public message for all their ids, with the same text and
+ids as one event at a time, cut at the token that completes a stop string.
 
 convert.py maps SubmitResponse → EngineOutput and OutputDelta → GenerateResponse.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from itertools import chain
-from typing import Any, TypeVar
+from typing import Any
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.stop_strings import StopStringMatcher
 
 # The engine's finish reasons that end the stream normally, as the public API names them.
 PUBLIC_FINISH_REASONS = frozenset({"stop", "length", "abort"})
-
-_Number = TypeVar("_Number", int, float)
 
 
 # ---- data in and out ----------------------------------------------------------------------
@@ -77,29 +74,6 @@ class OutputDelta:
     timings: Timings | None = None
 
 
-def merge_outputs(outputs: Sequence[EngineOutput]) -> EngineOutput:
-    """Consecutive engine messages of one request as one: ids and logprobs in order, the last
-    finish reason, and of each counter the last value reported (as `Progress` keeps it)."""
-    if not outputs:
-        raise ValueError("no engine outputs to merge")
-    if len(outputs) == 1:
-        return outputs[0]
-    return EngineOutput(
-        token_ids=tuple(chain.from_iterable(o.token_ids for o in outputs)),
-        logprobs=tuple(chain.from_iterable(o.logprobs for o in outputs)),
-        finish_reason=outputs[-1].finish_reason,
-        queue_ms=_last_reported(o.queue_ms for o in outputs),
-        num_cached_tokens=_last_reported(o.num_cached_tokens for o in outputs),
-        num_prompt_tokens=_last_reported(o.num_prompt_tokens for o in outputs),
-    )
-
-
-def _last_reported(values: Iterable[_Number]) -> _Number:
-    """The last non-zero value (zero: not reported in that message), else zero."""
-    reported = [v for v in values if v]
-    return reported[-1] if reported else 0
-
-
 # ---- text out: whole characters, never a stop string --------------------------------------
 
 
@@ -133,7 +107,8 @@ class OutputText:
     def add(self, token_ids: Sequence[int]) -> TextStep:
         if self._stops is None or len(token_ids) <= 1:
             # Without stop strings every id is sent, and the detokenizer's text does not
-            # depend on the chunking: one call for the whole chunk (a third of the cost).
+            # depend on the chunking: one call for the whole chunk, two decodes in all
+            # instead of two per id.
             step = self._match(self._detokenizer.add(token_ids))
             return replace(step, num_token_ids=len(token_ids))
         # Try the chunk at once on copies. That is exact when the detokenizer then holds

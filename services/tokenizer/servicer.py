@@ -34,7 +34,7 @@ from services.common.prompt_store import PromptStore
 from services.tokenizer import convert, metrics
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
-from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputPipeline, merge_outputs
+from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputPipeline
 from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.validation import Limits, validate_generate
@@ -158,7 +158,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                         raise item
                     log.info("deadline passed in the scheduler", extra=extra)
                     await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
-                engine_output = merge_outputs([convert.engine_output(r) for r in batch])
+                engine_output = convert.merged_engine_output(batch)
                 request_metrics.on_tokens(len(engine_output.token_ids))
                 delta = output.step(engine_output, time.perf_counter())
                 if delta is None:

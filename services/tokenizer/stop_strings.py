@@ -11,7 +11,6 @@ plus O(max stop length) string slicing, however long the output already is.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,7 +93,9 @@ class StopStringMatcher:
 
     def copy(self) -> StopStringMatcher:
         """An independent matcher in the same state (the automaton is shared: it never changes)."""
-        return copy.copy(self)
+        clone = object.__new__(StopStringMatcher)
+        clone.__dict__.update(self.__dict__)
+        return clone
 
     @property
     def stopped(self) -> bool:

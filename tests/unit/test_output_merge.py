@@ -1,7 +1,7 @@
-"""Engine outputs that waited for a slow client, merged (`merge_outputs`) and run through the
-output pipeline once, against the same outputs one at a time (what a client that keeps up
-gets): the same text, ids, logprobs, finish reason and usage, cut at the same token when a
-stop string completes, on the embedded model's real tokenizer."""
+"""Engine responses that waited for a slow client, merged (`convert.merged_engine_output`) and
+run through the output pipeline once, against the same responses one at a time (what a client
+that keeps up gets): the same text, ids, logprobs, finish reason and usage, cut at the same
+token when a stop string completes, on the embedded model's real tokenizer."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from services.tokenizer.output import (
-    EngineOutput,
-    OutputPipeline,
-    OutputText,
-    TokenLogprob,
-    merge_outputs,
-)
+from protos.llmserve.v1 import engine_pb2
+from services.tokenizer import convert
+from services.tokenizer.output import EngineOutput, OutputPipeline, OutputText, TokenLogprob
 from tests.unit.test_detokenizer import (
     BROKEN_BYTE_TOKEN_IDS,
     BYTE_TOKEN_IDS,
@@ -50,37 +46,56 @@ class Received:
     num_messages: int
 
 
-def one_token_outputs(
+def one_token_responses(
     token_ids: Sequence[int], finish_reason: str = "length"
-) -> list[EngineOutput]:
-    """The Submit stream of a client that keeps up: one id per message, a logprob each, the
+) -> list[engine_pb2.SubmitResponse]:
+    """The Submit stream of a reader that keeps up: one id per message, a logprob each, the
     queue time on the first message, the finish reason on the last."""
-    outputs = [
-        EngineOutput(
-            token_ids=(token_id,),
-            logprobs=(TokenLogprob(token_id, -float(index)),),
+    responses = [
+        engine_pb2.SubmitResponse(
+            token_ids=[token_id],
+            logprobs=[engine_pb2.EngineTokenLogprob(token_id=token_id, logprob=-float(index))],
             queue_ms=5.0 if index == 0 else 0.0,
             num_prompt_tokens=len(PROMPT_IDS),
         )
         for index, token_id in enumerate(token_ids)
-    ] or [EngineOutput()]
-    last = outputs[-1]
-    outputs[-1] = EngineOutput(
-        last.token_ids, last.logprobs, finish_reason, last.queue_ms, 0, last.num_prompt_tokens
-    )
-    return outputs
+    ] or [engine_pb2.SubmitResponse()]
+    responses[-1].finish_reason = finish_reason
+    return responses
 
 
-def merged(outputs: Sequence[EngineOutput], sizes: Sequence[int]) -> list[EngineOutput]:
-    """Consecutive outputs merged in groups of the given sizes (cycled)."""
+def one_at_a_time(responses: Sequence[engine_pb2.SubmitResponse]) -> list[EngineOutput]:
+    return [convert.engine_output(r) for r in responses]
+
+
+def merged(
+    responses: Sequence[engine_pb2.SubmitResponse], sizes: Sequence[int]
+) -> list[EngineOutput]:
+    """Consecutive responses merged in groups of the given sizes (cycled)."""
     groups = []
     start = 0
     for size in itertools.cycle(sizes):
-        if start >= len(outputs):
+        if start >= len(responses):
             return groups
-        groups.append(merge_outputs(outputs[start : start + size]))
+        groups.append(convert.merged_engine_output(responses[start : start + size]))
         start += size
     raise AssertionError("unreachable")
+
+
+def reference_merge(outputs: Sequence[EngineOutput]) -> EngineOutput:
+    """The merge rule spelled out: what one-at-a-time reading ends up with."""
+    return EngineOutput(
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        logprobs=tuple(p for o in outputs for p in o.logprobs),
+        finish_reason=outputs[-1].finish_reason,
+        queue_ms=next((o.queue_ms for o in reversed(outputs) if o.queue_ms), 0.0),
+        num_cached_tokens=next(
+            (o.num_cached_tokens for o in reversed(outputs) if o.num_cached_tokens), 0
+        ),
+        num_prompt_tokens=next(
+            (o.num_prompt_tokens for o in reversed(outputs) if o.num_prompt_tokens), 0
+        ),
+    )
 
 
 def receive(
@@ -108,9 +123,9 @@ def receive(
 def check_same_as_one_at_a_time(
     token_ids: Sequence[int], stop: Sequence[str], sizes: Sequence[int]
 ) -> Received:
-    outputs = one_token_outputs(token_ids)
-    expected = receive(outputs, stop)
-    got = receive(merged(outputs, sizes), stop)
+    responses = one_token_responses(token_ids)
+    expected = receive(one_at_a_time(responses), stop)
+    got = receive(merged(responses, sizes), stop)
     assert got.text == expected.text
     assert got.token_ids == expected.token_ids
     assert got.logprobs == expected.logprobs
@@ -119,12 +134,11 @@ def check_same_as_one_at_a_time(
     return got
 
 
-# ---- merge_outputs --------------------------------------------------------------------------
+# ---- merging responses ---------------------------------------------------------------------
 
 
 def test_merge_joins_ids_and_logprobs_and_keeps_the_last_finish() -> None:
-    outputs = one_token_outputs([11, 12, 13], finish_reason="stop")
-    merged_output = merge_outputs(outputs)
+    merged_output = convert.merged_engine_output(one_token_responses([11, 12, 13], "stop"))
     assert merged_output.token_ids == (11, 12, 13)
     assert [p.token_id for p in merged_output.logprobs] == [11, 12, 13]
     assert merged_output.finish_reason == "stop"
@@ -134,14 +148,41 @@ def test_merge_joins_ids_and_logprobs_and_keeps_the_last_finish() -> None:
 
 
 def test_merge_keeps_the_last_reported_counter() -> None:
-    outputs = [EngineOutput((1,), num_cached_tokens=16), EngineOutput((2,), num_cached_tokens=32)]
-    assert merge_outputs(outputs).num_cached_tokens == 32
-    assert merge_outputs([EngineOutput((1,)), EngineOutput((2,))]).num_cached_tokens == 0
+    responses = [
+        engine_pb2.SubmitResponse(token_ids=[1], num_cached_tokens=16),
+        engine_pb2.SubmitResponse(token_ids=[2], num_cached_tokens=32),
+        engine_pb2.SubmitResponse(token_ids=[3]),
+    ]
+    assert convert.merged_engine_output(responses).num_cached_tokens == 32
 
 
-def test_merge_of_one_output_is_that_output() -> None:
-    single = EngineOutput((3,))
-    assert merge_outputs([single]) is single
+def test_merge_leaves_the_responses_alone() -> None:
+    responses = one_token_responses([1, 2])
+    convert.merged_engine_output(responses)
+    assert [list(r.token_ids) for r in responses] == [[1], [2]]
+
+
+_counter = st.sampled_from([0, 0, 3, 17])
+_responses = st.lists(
+    st.builds(
+        engine_pb2.SubmitResponse,
+        token_ids=st.lists(st.integers(0, 100), max_size=3),
+        queue_ms=st.sampled_from([0.0, 0.0, 2.5]),
+        num_cached_tokens=_counter,
+        num_prompt_tokens=_counter,
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@given(responses=_responses, finish_reason=st.sampled_from(["", "length", "stop"]))
+def test_merge_is_the_one_at_a_time_rule(
+    responses: list[engine_pb2.SubmitResponse], finish_reason: str
+) -> None:
+    # Only a stream's last message finishes it (a batch never goes past a finished one).
+    responses[-1].finish_reason = finish_reason
+    assert convert.merged_engine_output(responses) == reference_merge(one_at_a_time(responses))
 
 
 # ---- stop strings inside and across merged outputs ------------------------------------------
