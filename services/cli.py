@@ -169,6 +169,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     # Imported here: the benchmarks pull in modules the services never need.
     from services.bench import (
         capacity,
+        detokenize,
         estimate_command,
         hf_baseline,
         offline_table,
@@ -188,6 +189,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         quant_table,
         peers,
         step_profile,
+        detokenize,
     ):
         benchmark.add_parser(bench_sub)
     estimate_command.add_parser(sub)

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
@@ -22,8 +23,8 @@ from services.common.prompt_checks import check_token_ids
 from services.common.prompt_store import PromptStore
 from services.common.redis_store import RedisStore, open_store, redact_url
 from services.common.sampling_proto import sampling_from_proto
-from services.contracts.step import FinishReason
 from services.scheduler import metrics
+from services.scheduler.coalesce import QueueItem, merge_events, take_batch
 from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.engine_loop import EngineLoop, WorkerUnavailable
 from services.scheduler.prefix_index import PrefixIndexPublisher
@@ -88,26 +89,38 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 log.info("rejected", extra={"request_id": request_id, "code": code.name})
             await context.abort(code, message)
         first = True
+        # Events that arrived while the last message waited for the reader: they go out as
+        # one message (coalesce.py), so a slow reader costs fewer messages, not more.
+        backlog: deque[QueueItem] = deque()
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    log.warning("request failed", extra={"request_id": request_id, "error": item})
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
-                assert not isinstance(item, BaseException)
-                if item.finish_reason is FinishReason.DEADLINE:
-                    await context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"request {request_id} passed its deadline",
-                    )
-                response = event_to_proto(item)
+                if not backlog:
+                    backlog.append(await queue.get())
+                while not queue.empty():
+                    backlog.append(queue.get_nowait())
+                events = take_batch(backlog)
+                if not events:
+                    # An error or the deadline finish; the events before it went out already.
+                    item = backlog.popleft()
+                    if isinstance(item, BaseException):
+                        log.warning(
+                            "request failed", extra={"request_id": request_id, "error": item}
+                        )
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                    else:
+                        await context.abort(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"request {request_id} passed its deadline",
+                        )
+                event = merge_events(events)
+                response = event_to_proto(event)
                 if first:
                     queued = self.loop.queue_seconds(scheduled)
                     metrics.on_first_scheduled(queued)
                     response.queue_ms = (queued or 0.0) * 1000
                     first = False
                 yield response
-                if item.finished:
+                if event.finished:
                     return
         finally:
             # Client gone, deadline, or done: free the blocks now (no-op when finished).

@@ -75,6 +75,13 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._num_generated_tokens = 0
 
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent detokenizer in the same state (cheap: the window is a few ids)."""
+        clone = object.__new__(IncrementalDetokenizer)
+        clone.__dict__.update(self.__dict__)
+        clone._ids = list(self._ids)
+        return clone
+
     @property
     def num_generated_tokens(self) -> int:
         return self._num_generated_tokens

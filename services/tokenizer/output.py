@@ -5,6 +5,10 @@ Pure (no gRPC, no protobuf, no clock reads: times are passed in). Per engine eve
     token ids → incremental detokenize → stop strings → OutputDelta
     last event (or a stop string) → finish_reason, usage, timings
 
+Several engine events that waited for a slow client go through as one (convert.py merges
+them): one detokenizer call and one public message for all their ids, with the same text and
+ids as one event at a time, cut at the token that completes a stop string.
+
 convert.py maps SubmitResponse → EngineOutput and OutputDelta → GenerateResponse.
 """
 
@@ -70,16 +74,6 @@ class OutputDelta:
     timings: Timings | None = None
 
 
-def merge(first: OutputDelta, second: OutputDelta) -> OutputDelta:
-    """Two deltas as one (the later one's finish fields win)."""
-    return replace(
-        second,
-        text=first.text + second.text,
-        token_ids=first.token_ids + second.token_ids,
-        logprobs=first.logprobs + second.logprobs,
-    )
-
-
 # ---- text out: whole characters, never a stop string --------------------------------------
 
 
@@ -89,6 +83,9 @@ class TextStep:
     """Text that may be sent now."""
     stopped: bool = False
     """A stop string matched: the stream ends here and no later text may be sent."""
+    num_token_ids: int = 0
+    """How many of the added ids the step took: all of them, or when a stop string matched,
+    those up to the one whose text completed it (the ids after it are never sent)."""
 
 
 class OutputText:
@@ -96,6 +93,9 @@ class OutputText:
 
     The detokenizer holds back incomplete UTF-8 characters; the stop matcher then holds back
     any suffix that could still grow into a stop string, and drops the stop and what follows.
+
+    Adding ids in chunks gives the same text and, at a stop, the same last id as adding
+    them one at a time (what a client that keeps up sees).
     """
 
     def __init__(
@@ -105,7 +105,31 @@ class OutputText:
         self._stops = StopStringMatcher(stop) if stop else None
 
     def add(self, token_ids: Sequence[int]) -> TextStep:
-        return self._match(self._detokenizer.add(token_ids))
+        if self._stops is None or len(token_ids) <= 1:
+            # Without stop strings every id is sent, and the detokenizer's text does not
+            # depend on the chunking: one call for the whole chunk, two decodes in all
+            # instead of two per id.
+            step = self._match(self._detokenizer.add(token_ids))
+            return replace(step, num_token_ids=len(token_ids))
+        # Try the chunk at once on copies. That is exact when the detokenizer then holds
+        # nothing back (its text is all the ids' text, as one at a time would have sent by
+        # the last id) and no stop completes in it. Otherwise replay one id at a time on the
+        # originals, which finds the id a stop completes at (rare: once per request, or on
+        # an incomplete character at the chunk's end).
+        detokenizer, stops = self._detokenizer.copy(), self._stops.copy()
+        text = detokenizer.add(token_ids)
+        if detokenizer.num_pending_tokens == 0:
+            result = stops.feed(text)
+            if not result.stopped:
+                self._detokenizer, self._stops = detokenizer, stops
+                return TextStep(result.text, num_token_ids=len(token_ids))
+        parts: list[str] = []
+        for index, token_id in enumerate(token_ids):
+            step = self._match(self._detokenizer.add((token_id,)))
+            parts.append(step.text)
+            if step.stopped:
+                return TextStep("".join(parts), stopped=True, num_token_ids=index + 1)
+        return TextStep("".join(parts), num_token_ids=len(token_ids))
 
     def finish(self) -> TextStep:
         """The end of the stream: flush both hold-back buffers (a stop may still match)."""
@@ -183,22 +207,24 @@ class OutputPipeline:
         progress.observe(engine_output)
         step = self.text.add(engine_output.token_ids)
         text = step.text
+        token_ids = engine_output.token_ids[: step.num_token_ids]
+        logprobs = engine_output.logprobs[: step.num_token_ids]
         finish_reason = "stop" if step.stopped else engine_output.finish_reason
         if finish_reason and not step.stopped:
             tail = self.text.finish()
             text += tail.text
             if tail.stopped:
                 finish_reason = "stop"
-        progress.sending(len(engine_output.token_ids), now_s)
+        progress.sending(len(token_ids), now_s)
         if not finish_reason:
-            if not (text or engine_output.token_ids):
+            if not (text or token_ids):
                 return None
-            return OutputDelta(text, engine_output.token_ids, engine_output.logprobs)
+            return OutputDelta(text, token_ids, logprobs)
         total_ms = progress.elapsed_ms(now_s)
         return OutputDelta(
             text,
-            engine_output.token_ids,
-            engine_output.logprobs,
+            token_ids,
+            logprobs,
             finish_reason=finish_reason,
             usage=Usage(
                 prompt_tokens=progress.num_prompt_tokens,

@@ -6,6 +6,7 @@ One Generate call:
     validate (no scheduler call for a bad request) → token ids (chat template for messages)
     → Engine.Submit on a scheduler, timeout = the remaining budget
     → per SubmitResponse: output.OutputPipeline (detokenize, stop strings, finish, usage)
+      (the responses a slow client let pile up: merged, through the pipeline once)
     → GenerateResponse
 
 Leaving the Submit stream (a stop string matched, the client went away, an error) cancels
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
@@ -32,7 +34,7 @@ from services.common.prompt_store import PromptStore
 from services.tokenizer import convert, metrics
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
-from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline, merge
+from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputPipeline
 from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.validation import Limits, validate_generate
@@ -40,6 +42,10 @@ from services.tokenizer.validation import Limits, validate_generate
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+
+# What the reader task passes on from the engine stream: a response, the call's error, or
+# None for its end.
+EngineItem = engine_pb2.SubmitResponse | BaseException | None
 
 # Scheduler status codes a client can act on pass through unchanged; others become INTERNAL.
 _PASS_THROUGH_CODES = frozenset(
@@ -129,31 +135,33 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         progress = output.progress
         # The client may be slower than the engine. Read the engine stream at once into a
         # local queue: a stalled client must never stall the shared scheduler connection
-        # (HTTP/2 flow control is per connection too), and a backlog goes out coalesced.
-        responses: asyncio.Queue[engine_pb2.SubmitResponse | BaseException | None] = asyncio.Queue()
+        # (HTTP/2 flow control is per connection too). What piles up meanwhile goes through
+        # the pipeline as one engine output and out as one message.
+        responses: asyncio.Queue[EngineItem] = asyncio.Queue()
         reader = asyncio.create_task(_drain(call, responses))
         context.add_done_callback(lambda _: call.cancel())
-        pending: OutputDelta | None = None
+        backlog: deque[EngineItem] = deque()
         try:
             while True:
-                item = await responses.get()
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                engine_output = convert.engine_output(item)
-                if engine_output.finish_reason == "deadline":
+                if not backlog:
+                    backlog.append(await responses.get())
+                while not responses.empty():
+                    backlog.append(responses.get_nowait())
+                batch = _take_batch(backlog)
+                if not batch:
+                    # The end of the stream, an error or the deadline finish; the responses
+                    # before it went out already, as they would have one at a time.
+                    item = backlog.popleft()
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
                     log.info("deadline passed in the scheduler", extra=extra)
                     await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+                engine_output = convert.merged_engine_output(batch)
                 request_metrics.on_tokens(len(engine_output.token_ids))
                 delta = output.step(engine_output, time.perf_counter())
                 if delta is None:
-                    continue
-                if pending is not None:
-                    delta = merge(pending, delta)
-                    pending = None
-                if not delta.finish_reason and not responses.empty():
-                    pending = delta
                     continue
                 if not delta.finish_reason:
                     yield convert.generate_response(request_id, delta)
@@ -311,10 +319,22 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         return text_pb2.ListModelsResponse(models=[info])
 
 
-async def _drain(
-    call: grpc.aio.UnaryStreamCall,
-    queue: asyncio.Queue[engine_pb2.SubmitResponse | BaseException | None],
-) -> None:
+def _take_batch(backlog: deque[EngineItem]) -> list[engine_pb2.SubmitResponse]:
+    """Pops the leading responses of `backlog` that go through as one: up to the stream's end,
+    an error or a deadline finish (left in place), and never past a finished response."""
+    batch: list[engine_pb2.SubmitResponse] = []
+    while backlog:
+        head = backlog[0]
+        if not isinstance(head, engine_pb2.SubmitResponse) or head.finish_reason == "deadline":
+            break
+        backlog.popleft()
+        batch.append(head)
+        if head.finish_reason:
+            break
+    return batch
+
+
+async def _drain(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[EngineItem]) -> None:
     """Move every engine response into `queue`; None marks the end, an exception a failure."""
     try:
         async for response in call:

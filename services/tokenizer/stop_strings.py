@@ -91,6 +91,12 @@ class StopStringMatcher:
         self._held = ""
         self._stop: str | None = None
 
+    def copy(self) -> StopStringMatcher:
+        """An independent matcher in the same state (the automaton is shared: it never changes)."""
+        clone = object.__new__(StopStringMatcher)
+        clone.__dict__.update(self.__dict__)
+        return clone
+
     @property
     def stopped(self) -> bool:
         return self._stop is not None

@@ -190,6 +190,17 @@ def test_add_with_no_ids_returns_nothing() -> None:
     assert detokenizer.finish() == ""
 
 
+def test_a_copy_goes_on_independently() -> None:
+    fox = MODEL_TOKENIZER.encode("a 🦊 and more", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(TOKENIZER, [1, 2, 3])
+    detokenizer.add(fox[:2])  # inside the emoji: held back
+    copy = detokenizer.copy()
+    rest = copy.add(fox[2:]) + copy.finish()
+    assert detokenizer.num_pending_tokens > 0  # the original did not move
+    assert detokenizer.add(fox[2:]) + detokenizer.finish() == rest
+    assert copy.num_generated_tokens == detokenizer.num_generated_tokens == len(fox)
+
+
 def test_decode_window_stays_small_over_a_long_output() -> None:
     text = "Streaming 😀 日本語 text, token by token. " * 60
     generated = MODEL_TOKENIZER.encode(text, add_special_tokens=False)

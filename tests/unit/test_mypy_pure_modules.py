@@ -12,12 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PURE_MODULES = (
     # the scheduler's logic: scheduler, KV manager, block pool (with its prefix cache), the
-    # allocation policy (config) and the request state
+    # allocation policy (config), the request state and the Submit stream's event merging
     "services/scheduler/scheduler.py",
     "services/scheduler/kv_cache_manager.py",
     "services/scheduler/block_pool.py",
     "services/scheduler/config.py",
     "services/scheduler/request.py",
+    "services/scheduler/coalesce.py",
     # the tokenizer tier's logic
     "services/tokenizer/routing.py",
     "services/tokenizer/detokenizer.py",

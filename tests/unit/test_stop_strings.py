@@ -153,6 +153,15 @@ def test_empty_deltas_change_nothing() -> None:
     assert matcher.held_text == "<"
 
 
+def test_a_copy_goes_on_independently() -> None:
+    matcher = StopStringMatcher(["</s>"])
+    assert matcher.feed("text </") == StopResult("text ")
+    copy = matcher.copy()
+    assert copy.feed("s> more") == StopResult("", stopped=True, stop="</s>")
+    assert matcher.held_text == "</" and not matcher.stopped
+    assert matcher.feed("x") == StopResult("</x")
+
+
 def test_empty_stop_string_is_rejected() -> None:
     with pytest.raises(ValueError):
         StopStringMatcher(["ok", ""])

@@ -18,7 +18,6 @@ from services.tokenizer.output import (
     OutputText,
     TokenLogprob,
     Usage,
-    merge,
 )
 
 MIXED_TEXT = "The quick brown fox 🦊 jumps over the lazy dog. 日本語のテキスト, café! 👨‍👩‍👧 done"
@@ -151,14 +150,3 @@ def test_logprobs_travel_with_their_ids(tokenizer: ModelTokenizer) -> None:
     pipeline = OutputPipeline.create(tokenizer.tokenizer, tokenizer.encode("x"), (), 0.0)
     delta = pipeline.step(EngineOutput(token_ids=ids, logprobs=logprobs), 1.0)
     assert delta is not None and delta.logprobs == logprobs
-
-
-def test_merge_joins_deltas_and_keeps_the_later_finish() -> None:
-    first = OutputDelta("ab", (1, 2), (TokenLogprob(1, -1.0), TokenLogprob(2, -2.0)))
-    usage = Usage(1, 3, 0)
-    second = OutputDelta("c", (3,), (TokenLogprob(3, -3.0),), finish_reason="stop", usage=usage)
-    merged = merge(first, second)
-    assert merged.text == "abc"
-    assert merged.token_ids == (1, 2, 3)
-    assert [p.token_id for p in merged.logprobs] == [1, 2, 3]
-    assert merged.finish_reason == "stop" and merged.usage == usage

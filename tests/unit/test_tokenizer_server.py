@@ -50,6 +50,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     hold_open: bool = False
     """After the script, keep the stream open until the caller cancels."""
     abort_with: tuple[grpc.StatusCode, str] | None = None
+    fail_after_script: tuple[grpc.StatusCode, str] | None = None
+    """After the script, end the stream with this status."""
     stats_available: bool = True
     description: model_pb2.ModelDescription | None = None
     """What Describe answers (running_stack sets the served model's)."""
@@ -79,6 +81,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         if self.hold_open:
             await asyncio.sleep(3600)
         finished = True
+        if self.fail_after_script is not None:
+            await context.abort(*self.fail_after_script)
 
     async def GetStats(
         self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -123,6 +127,7 @@ def script_for(
 
 @dataclass
 class Stack:
+    address: str
     server: TokenizerServer
     engines: list[FakeEngine]
     channel: grpc.aio.Channel
@@ -170,6 +175,7 @@ async def running_stack(
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield Stack(
+            f"127.0.0.1:{port}",
             server,
             engines,
             channel,
@@ -322,6 +328,73 @@ def test_held_back_text_is_released_when_the_stop_does_not_complete(
             )
         assert joined_text(responses) == text
         assert responses[-1].finish_reason == "stop"
+
+    run(scenario)
+
+
+# ---- a slow client: what piles up goes out merged ----------------------------------------
+
+# A client whose HTTP/2 window holds about one message: the tier's sends wait for its reads,
+# so everything the engine streams meanwhile piles up in the tier (deterministic back-pressure).
+SLOW_CLIENT_OPTIONS = [("grpc.http2.lookahead_bytes", 64), ("grpc.http2.bdp_probe", 0)]
+
+
+async def slow_generate(
+    stack: Stack, request: text_pb2.GenerateRequest, pause_s: float = 0.3
+) -> tuple[list[text_pb2.GenerateResponse], grpc.StatusCode]:
+    """Every message of one Generate call read by a client that pauses before its first read,
+    and how the call ended."""
+    responses: list[text_pb2.GenerateResponse] = []
+    async with grpc.aio.insecure_channel(stack.address, options=SLOW_CLIENT_OPTIONS) as channel:
+        call = text_pb2_grpc.TextGenerationStub(channel).Generate(request, timeout=TIMEOUT_S)
+        await asyncio.sleep(pause_s)
+        try:
+            async for response in call:
+                responses.append(response)
+        except grpc.aio.AioRpcError as error:
+            return responses, error.code()
+    return responses, grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("stop", [(), ("lazy dog", "never matches")])
+def test_slow_client_gets_fewer_messages_with_the_same_text_and_ids(
+    model: ServedModel, stop: tuple[str, ...]
+) -> None:
+    output_ids = model.tokenizer.encode(MIXED_TEXT)
+    engine = FakeEngine(script_for(output_ids, num_prompt_tokens=7, queue_ms=2.0))
+
+    async def scenario() -> None:
+        request = text_pb2.GenerateRequest(
+            prompt="Tell me a story.", sampling=text_pb2.SamplingParams(stop=list(stop))
+        )
+        async with running_stack(model, [engine]) as stack:
+            fast = await stack.generate(request)
+            slow, code = await slow_generate(stack, request)
+        assert code is grpc.StatusCode.OK
+        assert joined_text(slow) == joined_text(fast)
+        assert joined_ids(slow) == joined_ids(fast)
+        # The first message or two, then the backlog as one.
+        assert len(slow) <= 4 < len(fast)
+        assert slow[-1].finish_reason == fast[-1].finish_reason
+        assert slow[-1].usage == fast[-1].usage
+        assert slow[-1].timings.queue_ms == 2.0
+
+    run(scenario)
+
+
+def test_slow_client_gets_the_tokens_before_an_engine_failure(model: ServedModel) -> None:
+    output_ids = model.tokenizer.encode("one two three four five")
+    engine = FakeEngine(
+        script_for(output_ids, finish_reason=""),
+        fail_after_script=(grpc.StatusCode.UNAVAILABLE, "worker lost"),
+    )
+
+    async def scenario() -> None:
+        async with running_stack(model, [engine]) as stack:
+            responses, code = await slow_generate(stack, text_pb2.GenerateRequest(prompt="x"))
+        assert code is grpc.StatusCode.UNAVAILABLE
+        assert joined_ids(responses) == output_ids
+        assert joined_text(responses) == "one two three four five"
 
     run(scenario)
 

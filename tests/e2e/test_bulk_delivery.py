@@ -1,0 +1,93 @@
+"""A reader slower than the engine gets fewer messages carrying the same tokens: through the
+public API (the tokenizer tier merges what piles up) and on the scheduler's own Submit stream
+(the scheduler merges), on the real stack with the embedded model, greedy."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+import grpc
+import pytest
+
+from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
+from services.common.sampling_params import SamplingParams
+from services.common.sampling_proto import sampling_to_proto
+from services.stack import RunningStack
+
+pytestmark = pytest.mark.slow
+
+# A reader whose HTTP/2 window holds a few small messages: while it sleeps the sender's
+# writes wait, and what the engine produces meanwhile piles up (deterministic back-pressure).
+SLOW_READER_OPTIONS = [("grpc.http2.lookahead_bytes", 64), ("grpc.http2.bdp_probe", 0)]
+# Longer than a decode step of the embedded model, so every pause lets tokens pile up.
+PAUSE_S = 0.5
+PROMPT = "Once upon a time,"
+NUM_TOKENS = 40
+
+Message = TypeVar("Message")
+
+
+def read_slowly(call: Iterable[Message], pause_s: float = PAUSE_S) -> list[Message]:
+    """Every message of a stream, pausing before each read."""
+    messages = []
+    iterator = iter(call)
+    while True:
+        time.sleep(pause_s)
+        message = next(iterator, None)
+        if message is None:
+            return messages
+        messages.append(message)
+
+
+def ids_of(messages: Sequence[text_pb2.GenerateResponse | engine_pb2.SubmitResponse]) -> list[int]:
+    return [t for m in messages for t in m.token_ids]
+
+
+def test_slow_client_gets_fewer_messages_with_the_same_ids_and_text(stack: RunningStack) -> None:
+    request = text_pb2.GenerateRequest(
+        prompt=PROMPT,
+        sampling=text_pb2.SamplingParams(
+            temperature=0.0, max_new_tokens=NUM_TOKENS, ignore_eos=True
+        ),
+    )
+    fast = list(stack.text_stub().Generate(request, timeout=120))
+    with grpc.insecure_channel(stack.public, options=SLOW_READER_OPTIONS) as channel:
+        slow = read_slowly(text_pb2_grpc.TextGenerationStub(channel).Generate(request, timeout=120))
+    assert len(ids_of(fast)) == NUM_TOKENS
+    assert ids_of(slow) == ids_of(fast)
+    assert "".join(m.text for m in slow) == "".join(m.text for m in fast)
+    assert len(slow) < NUM_TOKENS
+    assert slow[-1].finish_reason == fast[-1].finish_reason == "length"
+    assert slow[-1].usage.completion_tokens == NUM_TOKENS
+    assert stack.wait_all_blocks_free().num_running == 0
+
+
+def test_scheduler_merges_what_a_slow_reader_let_pile_up(stack: RunningStack) -> None:
+    prompt_ids = list(
+        stack.text_stub().Tokenize(text_pb2.TokenizeRequest(text=PROMPT), timeout=10).token_ids
+    )
+    sampling = sampling_to_proto(
+        SamplingParams(temperature=0.0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    )
+
+    def submit(channel: grpc.Channel) -> Iterable[engine_pb2.SubmitResponse]:
+        request = engine_pb2.SubmitRequest(
+            request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling=sampling
+        )
+        return engine_pb2_grpc.EngineStub(channel).Submit(request, timeout=120)  # type: ignore[no-any-return]
+
+    with grpc.insecure_channel(stack.scheduler) as channel:
+        fast = list(submit(channel))
+    with grpc.insecure_channel(stack.scheduler, options=SLOW_READER_OPTIONS) as channel:
+        slow = read_slowly(submit(channel))
+    assert len(ids_of(fast)) == NUM_TOKENS
+    assert ids_of(slow) == ids_of(fast)
+    # At most one message per step, and the backlog went out merged.
+    assert len(fast) <= NUM_TOKENS
+    assert len(slow) < NUM_TOKENS and max(len(m.token_ids) for m in slow) > 1
+    assert slow[-1].finish_reason == "length"
+    assert slow[0].queue_ms > 0 and all(m.queue_ms == 0 for m in slow[1:])
+    assert stack.wait_all_blocks_free().num_running == 0
