@@ -45,11 +45,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._session = 0
         # Every forward runs on this one thread, in the order plans arrive: steps queue behind
         # each other without waiting for the event loop (which reads plans and sends results
-        # meanwhile), and the OpenMP team that thread leads is created once.
+        # meanwhile). Loading and warm-up run here too: OpenMP gives each thread that opens a
+        # parallel region its own team, and the idle team of another thread keeps spinning
+        # on the cores the forward needs (measured: a step 1.7x slower when the model was
+        # loaded on one thread and stepped on another).
         self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
     async def on_forward_thread(self, function: Callable[..., T], *args: Any) -> T:
-        """Run `function` where the steps run (warm-up: it starts the OpenMP team steps use)."""
+        """Run `function` on the thread the steps run on."""
         return await asyncio.get_running_loop().run_in_executor(
             self._forward_thread, function, *args
         )
@@ -190,20 +193,13 @@ def warm_up(runner: ModelRunner) -> None:
     runner.reset()
 
 
-async def serve(config: WorkerConfig) -> None:
+def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
+    """Load the weights, size the KV cache, compile, warm up: on the forward thread, so one
+    thread runs every parallel region the process ever runs (see WorkerServicer)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    service = GrpcService("worker", [SERVICE_NAME])
-    servicer = WorkerServicer(config)
-    service.add(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
-    # Listen first (health NOT_SERVING) so a supervisor sees the port while the model loads.
-    port = await service.start(config.host, config.port)
-    log.info("worker listening", extra={"address": f"{config.host}:{port}"})
-    start_metrics_server(metrics.REGISTRY, config.host, config.metrics_port, "worker")
     dtype = resolve_dtype(config.dtype, config.device)
-    loaded = await asyncio.to_thread(
-        LoadedModel.load, config.model, dtype, config.device, config.quantization
-    )
+    loaded = LoadedModel.load(config.model, dtype, config.device, config.quantization)
     runner = ModelRunner.create(
         loaded,
         kv_cache_bytes=int(config.kv_cache_gib * GiB),
@@ -216,15 +212,27 @@ async def serve(config: WorkerConfig) -> None:
         max_num_seqs=config.max_num_seqs,
         fused_decode=config.fused_decode,
     )
-    await asyncio.to_thread(runner.compile_step_graphs)
-    await servicer.on_forward_thread(warm_up, runner)
+    runner.compile_step_graphs()
+    warm_up(runner)
+    return loaded, runner
+
+
+async def serve(config: WorkerConfig) -> None:
+    service = GrpcService("worker", [SERVICE_NAME])
+    servicer = WorkerServicer(config)
+    service.add(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
+    # Listen first (health NOT_SERVING) so a supervisor sees the port while the model loads.
+    port = await service.start(config.host, config.port)
+    log.info("worker listening", extra={"address": f"{config.host}:{port}"})
+    start_metrics_server(metrics.REGISTRY, config.host, config.metrics_port, "worker")
+    loaded, runner = await servicer.on_forward_thread(load_runner, config)
     servicer.attach(loaded, runner)
     await service.set_serving()
     log.info(
         "worker serving",
         extra={
             "model": loaded.name,
-            "dtype": str(dtype),
+            "dtype": str(loaded.dtype),
             "quantization": loaded.quantization,
             "kv_cache_dtype": str(runner.kv_cache.spec.dtype),
             "kv_blocks": runner.kv_cache.num_blocks,
