@@ -11,8 +11,9 @@ waits at the next barrier for the thread that lost its core. The policies:
     split  the worker pinned to all cores but the last, with one thread fewer; everything
            else pinned to the last core: no sharing at all, one core less for the forward
 
-`llmserve bench placement` measures them; docs/deployment.md says which one `auto` takes and
-why. Pure planning here (placement_for); applying it to a process is apply().
+docs/deployment.md (CPU placement) has the measurements and why `auto` is `none`: on 2 cores
+neither niceness nor pinning made the stack faster than leaving placement to the kernel, and
+split cost half the throughput. Pure planning here (placement_for); apply() places a process.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 PlacementPolicy = Literal["auto", "none", "nice", "split"]
 POLICIES: tuple[PlacementPolicy, ...] = ("auto", "none", "nice", "split")
-AUTO_POLICY: PlacementPolicy = "nice"
+AUTO_POLICY: PlacementPolicy = "none"
 """What `auto` means (measured: docs/deployment.md, CPU placement)."""
 BACKGROUND_NICENESS = 10
 """Niceness of the processes that are not the worker. At +10 a busy worker's thread gets

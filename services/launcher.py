@@ -61,9 +61,9 @@ class StackConfig(
     worker_threads: int | None = None
     """torch threads per worker; unset = the cores divided among the workers."""
     cpu_placement: PlacementPolicy = "auto"
-    """Where processes run: auto, none, nice (everything but the workers at a lower priority)
-    or split (workers pinned to all cores but the last, the rest on it); see
-    docs/deployment.md for what auto picks and the measurements behind it."""
+    """Where processes run: none (the kernel places them), nice (everything but the workers
+    at a lower priority), split (workers pinned to all cores but the last, the rest on it),
+    or auto (none: measured no slower than the others; docs/deployment.md)."""
     redis_url: str | None = None
     """An existing Redis (redis://[user:password@]host:port, rediss:// for TLS); unset = start
     a private redis-server on loopback when one is installed."""
