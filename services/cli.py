@@ -172,6 +172,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         detokenize,
         estimate_command,
         hf_baseline,
+        interleaved,
         offline_table,
         peers,
         prefix_cache,
@@ -190,6 +191,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         peers,
         step_profile,
         detokenize,
+        interleaved,
     ):
         benchmark.add_parser(bench_sub)
     estimate_command.add_parser(sub)
