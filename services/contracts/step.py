@@ -77,6 +77,17 @@ class BatchPlan:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
+    @property
+    def needs_worker(self) -> bool:
+        """Anything for the worker to do: tokens to compute, sequences to take on or drop,
+        blocks to copy. A plan without any is applied by the scheduler alone."""
+        return bool(
+            self.num_scheduled_tokens
+            or self.finished_ids
+            or self.new_sequences
+            or self.block_copies
+        )
+
 
 @dataclass(slots=True)
 class TokenLogprobs:

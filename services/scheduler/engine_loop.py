@@ -250,7 +250,7 @@ class EngineLoop:
                 raise WorkerUnavailable("the worker's step stream ended")
             if len(in_flight) < depth:
                 plan = scheduler.schedule(self.clock())
-                if _needs_worker(plan):
+                if plan.needs_worker:
                     self._note_scheduled(plan)
                     if not in_flight:
                         worker_busy_since = time.perf_counter()
@@ -322,9 +322,3 @@ class EngineLoop:
             self.connected.clear()
         if self.on_connection_change is not None:
             self.on_connection_change(connected)
-
-
-def _needs_worker(plan: BatchPlan) -> bool:
-    return bool(
-        plan.num_scheduled_tokens or plan.finished_ids or plan.new_sequences or plan.block_copies
-    )

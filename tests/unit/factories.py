@@ -162,12 +162,6 @@ def run_until_done(
     raise AssertionError("scheduler did not finish")
 
 
-def needs_worker(plan: BatchPlan) -> bool:
-    return bool(
-        plan.num_scheduled_tokens or plan.finished_ids or plan.new_sequences or plan.block_copies
-    )
-
-
 def run_overlapped(
     scheduler: Scheduler,
     worker: FakeWorker | None = None,
@@ -191,7 +185,7 @@ def run_overlapped(
             return events
         if len(in_flight) < 2:
             plan = scheduler.schedule(now=float(step))
-            if needs_worker(plan):
+            if plan.needs_worker:
                 in_flight.append((plan, worker.step(plan)))
                 if len(in_flight) < 2:
                     continue

@@ -219,3 +219,12 @@ def test_a_thousand_random_cancels_leave_no_block_behind() -> None:
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_total_blocks
     assert not scheduler.requests and not worker.token_ids
     scheduler.check_integrity()
+
+
+def test_a_plan_needs_the_worker_only_with_work_for_it() -> None:
+    from services.contracts.step import BatchPlan
+
+    assert not BatchPlan(step_id=0).needs_worker
+    assert BatchPlan(step_id=0, finished_ids=["a"]).needs_worker
+    assert BatchPlan(step_id=0, block_copies=[(1, 2)]).needs_worker
+    assert BatchPlan(step_id=0, num_scheduled_tokens={"a": 1}).needs_worker
