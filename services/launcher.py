@@ -5,8 +5,9 @@ pairs and M tokenizer replicas, waits until each is ready (SERVING on the standa
 service; PONG for Redis), prints the public address, restarts any process that dies, and on
 Ctrl-C / SIGTERM stops them front to back (tokenizers drain first) and exits 0.
 
-Tokenizer replicas all bind the public port: gRPC sets SO_REUSEPORT, so the kernel spreads
-client connections across them. Each replica routes requests over every scheduler.
+Tokenizer replicas all bind the public gRPC port and the HTTP port with SO_REUSEPORT, so the
+kernel spreads client connections across them. Each replica routes requests over every
+scheduler. API keys reach the replicas through their environment, never their command line.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +33,19 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import cpu_placement
-from services.common.config_flags import add_config_flags, config_argv, config_from_args
+from services.common.config_flags import (
+    add_config_flags,
+    config_argv,
+    config_from_args,
+    secret_env,
+)
 from services.common.metrics_aggregate import ScrapeTarget, start_aggregate_server
 from services.common.metrics_http import MetricsServer
 from services.common.serving_config import (
     BatchingConfig,
     DeviceConfig,
     ModelConfig,
+    PublicConfig,
     RuntimeConfig,
     StepLoopConfig,
     WeightsConfig,
@@ -45,7 +55,13 @@ from services.cpu_placement import Placement, PlacementPolicy
 
 @dataclass(frozen=True, slots=True)
 class StackConfig(
-    ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, StepLoopConfig, RuntimeConfig
+    ModelConfig,
+    WeightsConfig,
+    DeviceConfig,
+    BatchingConfig,
+    StepLoopConfig,
+    RuntimeConfig,
+    PublicConfig,
 ):
     """The shared groups (services.common.serving_config), handed to each child as flags
     (CHILD_GROUPS), plus how the stack is laid out."""
@@ -80,11 +96,15 @@ class StackConfig(
     metrics_port: int | None = None
     """Port of the stack's merged Prometheus /metrics (0 = any free port); unset = none."""
 
+    def __post_init__(self) -> None:
+        self.check_public()
+
 
 CHILD_GROUPS: dict[str, tuple[type, ...]] = {
     "worker": (ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig),
     "scheduler": (BatchingConfig, StepLoopConfig),
-    "tokenizer": (),  # the model reaches the tokenizer tier through the schedulers
+    # The model reaches the tokenizer tier through the schedulers.
+    "tokenizer": (PublicConfig,),
 }
 """The shared groups each kind of child is given, as flags, from the stack's config."""
 
@@ -100,6 +120,10 @@ class Child:
     metrics_url: str | None = None
     """This process's own /metrics, when the stack exposes metrics."""
     placement: Placement = field(default_factory=Placement)
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the stack's environment for this child (its secrets)."""
+    http_url: str | None = None
+    """A tokenizer's OpenAI base URL, when it serves HTTP."""
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
@@ -108,7 +132,7 @@ class Child:
         # Redis prints a banner on stdout; ours go to stderr as JSON logs.
         stdout = subprocess.DEVNULL if self.kind == "redis" else None
         self.process = subprocess.Popen(
-            self.command, env=env, start_new_session=True, stdout=stdout
+            self.command, env={**env, **self.env}, start_new_session=True, stdout=stdout
         )
         cpu_placement.apply(self.process.pid, self.placement)
         self.started_at = time.monotonic()
@@ -153,6 +177,17 @@ def healthy(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def http_ready(url: str, timeout: float = 1.0) -> bool:
+    """Whether GET url answers 200. Over https the certificate is not checked: this asks our
+    own child on loopback whether it is up, whatever name its certificate carries."""
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def private_redis(host: str) -> Child | None:
     """A throwaway redis-server for this stack: loopback only, nothing persisted."""
     binary = shutil.which("redis-server")
@@ -161,6 +196,20 @@ def private_redis(host: str) -> Child | None:
     port = free_port(host)
     command = [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"]
     return Child("redis", "redis", command, f"{host}:{port}", redis_answers)
+
+
+def http_url(config: PublicConfig, port: int, host: str = "127.0.0.1") -> str:
+    """The OpenAI base URL of an HTTP door."""
+    return f"{'https' if config.tls else 'http'}://{host}:{port}/v1"
+
+
+def port_open(address: str, timeout: float = 1.0) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
@@ -205,6 +254,7 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
         ]
         schedulers.append(child(f"scheduler-{index}", "scheduler", scheduler_port, scheduler_args))
     public_port = config.port or free_port(host)
+    http_port = config.http_port or free_port(host)  # one port for every replica
     tokenizer_args = [
         *("--scheduler", ",".join(c.address for c in schedulers)),
         *("--routing", config.routing),
@@ -214,6 +264,17 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
         child(f"tokenizer-{index}", "tokenizer", public_port, tokenizer_args)
         for index in range(config.tokenizer_replicas)
     ]
+    for tokenizer in tokenizers:
+        tokenizer.command += ["--http-port", str(http_port)]  # the last flag given wins
+        tokenizer.env = secret_env(config, PublicConfig)
+        if config.http:
+            tokenizer.http_url = http_url(config, http_port, host)
+            # The HTTP door's /ready is true when the gRPC health would be SERVING, and it
+            # answers over TLS without a client that trusts the certificate.
+            ready_url = tokenizer.http_url.removesuffix("/v1") + "/ready"
+            tokenizer.ready = lambda _address, url=ready_url: http_ready(url)
+        elif config.tls:
+            tokenizer.ready = port_open
     if redis is not None:
         redis.placement = placed("redis")
     return [*([redis] if redis else []), *workers, *schedulers, *tokenizers]
@@ -262,7 +323,11 @@ class Stack:
                 time.sleep(0.25)
         if self.config.ready_file:
             Path(self.config.ready_file).write_text(json.dumps(self.describe()))
-        print(f"llmserve ready: {self.public_address}", flush=True)
+        http = self.children[-1].http_url
+        print(
+            f"llmserve ready: {self.public_address}" + (f" (gRPC), {http} (HTTP)" if http else ""),
+            flush=True,
+        )
 
     def _group(self, kind: str) -> list[Child]:
         return [c for c in self.children if c.kind == kind]
@@ -275,6 +340,7 @@ class Stack:
         )
         return {
             "public": self.public_address,
+            "http": self.children[-1].http_url,
             "scheduler": schedulers[0],
             "worker": workers[0],
             "schedulers": schedulers,

@@ -122,6 +122,11 @@ class RunningStack(RunningProcess):
         return self.address
 
     @property
+    def http(self) -> str:
+        """The OpenAI base URL (http://host:port/v1)."""
+        return str(self.info["http"])
+
+    @property
     def scheduler(self) -> str:
         return str(self.info["scheduler"])
 
@@ -199,6 +204,8 @@ def running_stack(
         ready_file = Path(directory) / "ready.json"
         port = free_port(HOST)
         command = ["up", *flags, "--port", str(port), "--ready-file", str(ready_file)]
+        if "--http-port" not in flags and "--no-http" not in flags:
+            command += ["--http-port", str(free_port(HOST))]  # never the default 8000
         running = RunningStack(_popen(command, stderr), f"{HOST}:{port}", ready_file=ready_file)
         try:
             deadline = time.monotonic() + startup_timeout_s
@@ -211,7 +218,8 @@ def running_stack(
                     raise RuntimeError(f"llmserve up exited with {running.process.returncode}")
                 return ready_file.exists()
 
-            wait_serving(running.public, startup_timeout_s, alive)
+            if "--tls-cert" not in flags:  # (over TLS, the launcher's own check is the one)
+                wait_serving(running.public, startup_timeout_s, alive)
             # The launcher writes the file once it has seen every process healthy too.
             wait_until(ready_file_written, deadline - time.monotonic(), "the ready file")
             for address in [*running.info["workers"], *running.info["schedulers"]]:

@@ -5,6 +5,11 @@ variable LLMSERVE_FIELD_NAME when set, else the field's default; the field's doc
 string literal after it) is the flag's help. Fields inherited from the shared groups
 (services.common.serving_config) are flags like any other, and config_argv turns a group of a
 built config back into the flags that rebuild it in a child process.
+
+A `tuple[str, ...]` field is a repeatable flag (its environment variable: comma-separated
+values). A field declared with `metadata={"secret": True}` (API keys) never shows its value in
+--help, and config_argv leaves it out: a child gets secrets through its environment, never its
+command line, which any local user can read.
 """
 
 from __future__ import annotations
@@ -77,19 +82,41 @@ def _choices(annotation: Any) -> tuple[Any, ...] | None:
     return None
 
 
+def _is_repeatable(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is tuple
+
+
+def is_secret(field: dataclasses.Field[Any]) -> bool:
+    return bool(field.metadata.get("secret"))
+
+
+def env_name(field_name: str) -> str:
+    return "LLMSERVE_" + field_name.upper()
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
     for field in dataclasses.fields(cls):
         flag = "--" + field.name.replace("_", "-")
-        env = "LLMSERVE_" + field.name.upper()
+        env = env_name(field.name)
         converter, is_bool = _parser_for(hints[field.name])
         default = field.default
+        repeatable = _is_repeatable(hints[field.name])
         if env in os.environ:
             raw = os.environ[env]
-            default = raw.lower() in ("1", "true", "yes") if is_bool else converter(raw)
-        help_text = f"{docs.get(field.name, '')} (env {env}; default: {default})"
-        if is_bool:
+            if repeatable:
+                default = tuple(part.strip() for part in raw.split(",") if part.strip())
+            else:
+                default = raw.lower() in ("1", "true", "yes") if is_bool else converter(raw)
+        shown = ("set" if default else "unset") if is_secret(field) else default
+        help_text = f"{docs.get(field.name, '')} (env {env}; default: {shown})"
+        if repeatable:
+            # Given flags replace the default (environment) values rather than add to them.
+            parser.add_argument(
+                flag, dest=field.name, action=_Repeat, default=default, help=help_text
+            )
+        elif is_bool:
             parser.add_argument(
                 flag,
                 dest=field.name,
@@ -108,6 +135,22 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             )
 
 
+class _Repeat(argparse.Action):
+    """A repeatable flag collected into a tuple; the first use drops the default."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest, ())
+        if given is self.default:
+            given = ()
+        setattr(namespace, self.dest, (*given, values))
+
+
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     return cls(**{k: v for k, v in vars(args).items() if k in names})
@@ -115,14 +158,33 @@ def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
 
 def config_argv(config: object, *groups: type) -> list[str]:
     """The flags that give a child process the values of `groups`' fields in `config`:
-    `--name value`, `--name`/`--no-name` for booleans, nothing for unset (None) fields."""
+    `--name value`, `--name`/`--no-name` for booleans, the flag once per value of a tuple,
+    nothing for unset (None) fields nor secrets (see secret_env)."""
     argv: list[str] = []
     for group in groups:
         for field in dataclasses.fields(group):
             value = getattr(config, field.name)
             flag = "--" + field.name.replace("_", "-")
-            if isinstance(value, bool):
+            if is_secret(field):
+                continue
+            if isinstance(value, tuple):
+                for item in value:
+                    argv += [flag, str(item)]
+            elif isinstance(value, bool):
                 argv.append(flag if value else "--no-" + flag[2:])
             elif value is not None:
                 argv += [flag, str(value)]
     return argv
+
+
+def secret_env(config: object, *groups: type) -> dict[str, str]:
+    """The environment that gives a child process the secret fields of `groups` in `config`
+    (the values config_argv leaves out)."""
+    env: dict[str, str] = {}
+    for group in groups:
+        for field in dataclasses.fields(group):
+            value = getattr(config, field.name)
+            if not is_secret(field) or value is None:
+                continue
+            env[env_name(field.name)] = ",".join(value) if isinstance(value, tuple) else str(value)
+    return env

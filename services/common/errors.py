@@ -42,5 +42,22 @@ class QueueFullError(LLMServeError):
     """The scheduler's waiting queue is at max_waiting_requests; the caller should back off."""
 
 
+class DeadlineExceededError(LLMServeError):
+    """The request's deadline passed before it finished."""
+
+
+class UnauthenticatedError(LLMServeError):
+    """The call carries no API key, or one this server does not know."""
+
+
+class PermissionDeniedError(LLMServeError):
+    """The caller's key does not allow this (an admin call, another tenant's data)."""
+
+
+class InternalError(LLMServeError):
+    """Something on our side failed (e.g. a scheduler answered with an internal error); the
+    message says what, without secrets."""
+
+
 class ModelLoadError(LLMServeError):
     """A model file or directory cannot be read or is of an unsupported kind."""

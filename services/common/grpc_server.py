@@ -40,6 +40,10 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 
+# Trailing metadata of a refused call: rejection_reason() of the error, for the caller to
+# tell apart refusals that share a status code (queue_full vs prompt_too_long).
+REASON_METADATA_KEY = "llmserve-reason"
+
 
 class GrpcService:
     """A grpc.aio server with health and reflection for the given service names."""
@@ -64,8 +68,15 @@ class GrpcService:
     def add(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
         add_to_server(servicer, self.server)
 
-    async def start(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+    async def start(
+        self, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+    ) -> int:
+        """Bind host:port (TLS only, with `credentials`) and start answering."""
+        address = f"{host}:{port}"
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"{self.name}: cannot bind {host}:{port}")
         await self.server.start()
@@ -123,11 +134,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one mapping from our typed errors to gRPC status codes."""
     from services.common.errors import (
         CapacityError,
+        DeadlineExceededError,
         DependencyUnavailableError,
+        InternalError,
         InvalidRequestError,
         LLMServeError,
         NotFoundError,
+        PermissionDeniedError,
         QueueFullError,
+        UnauthenticatedError,
     )
 
     if isinstance(exc, InvalidRequestError):
@@ -138,6 +153,14 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, (QueueFullError, CapacityError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, DeadlineExceededError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, PermissionDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
+    if isinstance(exc, InternalError):
+        return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, LLMServeError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"

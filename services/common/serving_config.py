@@ -11,6 +11,7 @@ children unchanged (services.common.config_flags.config_argv).
     BatchingConfig  scheduler (core and server), worker, engine, stack
     StepLoopConfig  scheduler (server), stack
     RuntimeConfig   worker, engine, stack
+    PublicConfig    tokenizer, stack
 
 The groups are frozen dataclasses without slots: a class inheriting several slotted bases
 cannot be laid out, while a slotted service config may inherit any number of these.
@@ -18,7 +19,7 @@ cannot be laid out, while a slotted service config may inherit any number of the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -104,3 +105,38 @@ class RuntimeConfig:
     fused_decode: bool = True
     """Pure-decode steps of a float32 GGUF model run every layer in one C++ call (no
     compilation needed); --no-fused-decode uses compiled graphs or eager ops instead."""
+
+
+@dataclass(frozen=True)
+class PublicConfig:
+    """The tokenizer tier's public doors (gRPC and OpenAI HTTP): who may call, over what."""
+
+    http: bool = True
+    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health, /ready) beside gRPC."""
+    http_port: int = 8000
+    """Port of the HTTP API (0 = any free port); replicas share it, as they share the gRPC
+    port."""
+    api_key: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
+    """An API key callers must send (HTTP `Authorization: Bearer KEY`, gRPC `authorization`
+    metadata); repeatable. No key at all = the API is open."""
+    admin_api_key: tuple[str, ...] = field(default=(), repr=False, metadata={"secret": True})
+    """A key that may also RegisterPrompt / DeletePrompt and act for any tenant; repeatable."""
+    api_key_file: str | None = None
+    """A file of keys, one per line: `KEY`, `KEY tenant=ID` (the key acts for that tenant
+    only) or `KEY admin`; `#` comments. Keeps keys off the command line."""
+    tls_cert: str | None = None
+    """PEM certificate (chain) of the public gRPC and HTTP ports; with --tls-key, both
+    ports speak TLS only."""
+    tls_key: str | None = None
+    """PEM private key of --tls-cert."""
+
+    def check_public(self) -> None:
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None

@@ -16,7 +16,13 @@ from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2
 from services.common.cache_keys import CacheKeys
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError
-from services.common.grpc_server import GrpcService, run_service, status_for
+from services.common.grpc_server import (
+    REASON_METADATA_KEY,
+    GrpcService,
+    rejection_reason,
+    run_service,
+    status_for,
+)
 from services.common.metrics_http import start_metrics_server
 from services.common.named_prompt import NamedPrompt
 from services.common.prompt_checks import check_token_ids
@@ -87,6 +93,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 log.exception("submit failed", extra={"request_id": request_id})
             else:
                 log.info("rejected", extra={"request_id": request_id, "code": code.name})
+            # The reason tells a full queue (retry later) from a prompt that can never fit,
+            # which share RESOURCE_EXHAUSTED.
+            context.set_trailing_metadata(((REASON_METADATA_KEY, rejection_reason(exc)),))
             await context.abort(code, message)
         first = True
         # Events that arrived while the last message waited for the reader: they go out as

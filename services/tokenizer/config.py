@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.serving_config import PublicConfig
 from services.tokenizer.routing import ROUTING_POLICIES, RoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizerConfig:
+class TokenizerConfig(PublicConfig):
     """How the tokenizer tier listens, which schedulers it calls and which limits it enforces.
     The model and its context length are the workers': the schedulers pass them on."""
 
@@ -49,6 +50,7 @@ class TokenizerConfig:
     """Port of the Prometheus /metrics HTTP endpoint (0 = any free port); unset = none."""
 
     def __post_init__(self) -> None:
+        self.check_public()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -75,20 +75,28 @@ def on_rejected(exc: BaseException) -> None:
 
 
 class GenerateMetrics:
-    """One Generate call: created on arrival, fed once per engine message, observed once when
-    the RPC ends (a done callback, so every outcome, client cancel included, is counted)."""
+    """One Generate call, by either door: created on arrival, fed once per delta, and
+    `done()` once when the call ends, however it ends (the gRPC door calls it from the RPC's
+    done callback, the HTTP door when the response is over)."""
 
-    __slots__ = ("_first_token_at", "_last_token_at", "_num_tokens", "_started", "finish_reason")
+    __slots__ = (
+        "_done",
+        "_first_token_at",
+        "_last_token_at",
+        "_num_tokens",
+        "_started",
+        "finish_reason",
+    )
 
-    def __init__(self, context: grpc.aio.ServicerContext, started: float | None = None) -> None:
+    def __init__(self, started: float | None = None) -> None:
         self._started = time.perf_counter() if started is None else started
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
         self._num_tokens = 0
+        self._done = False
         self.finish_reason = ""
         """The public finish reason once the last message is built."""
         REQUESTS_IN_FLIGHT.inc()
-        context.add_done_callback(lambda _: self._done(context))
 
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -104,13 +112,20 @@ class GenerateMetrics:
         self._last_token_at = now
         self._num_tokens += num_tokens
 
-    def _done(self, context: grpc.aio.ServicerContext) -> None:
+    def done(self, code: str | None) -> None:
+        """`code`: the call's status name (a gRPC code name; the HTTP door maps to them);
+        None = no status (a normal end, or a client that went away)."""
+        if self._done:
+            return
+        self._done = True
         REQUESTS_IN_FLIGHT.dec()
         E2E_REQUEST_LATENCY.observe(time.perf_counter() - self._started)
         if self._first_token_at is not None and self._num_tokens > 1:
             decode_s = self._last_token_at - self._first_token_at
             TIME_PER_OUTPUT_TOKEN.observe(decode_s / (self._num_tokens - 1))
-        REQUESTS.labels(self.finish_reason or "none", _status_name(context, self)).inc()
+        if code is None:
+            code = "OK" if self.finish_reason else "CANCELLED"
+        REQUESTS.labels(self.finish_reason or "none", code).inc()
 
 
 def _observe_times(histogram: Histogram, value: float, count: int) -> None:
@@ -119,9 +134,8 @@ def _observe_times(histogram: Histogram, value: float, count: int) -> None:
         histogram.observe(value)
 
 
-def _status_name(context: grpc.aio.ServicerContext, metrics: GenerateMetrics) -> str:
+def status_name(context: grpc.aio.ServicerContext) -> str | None:
+    """A finished RPC's status code name; None when grpc.aio reports none (a normal end, or
+    a stream the client cancelled)."""
     code = context.code()
-    if code is not None:
-        return str(code.name)
-    # grpc.aio reports no code for a stream the client cancelled, nor for a normal end.
-    return "OK" if metrics.finish_reason else "CANCELLED"
+    return None if code is None else str(code.name)

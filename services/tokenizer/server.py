@@ -1,5 +1,6 @@
-"""The tokenizer tier's process: the gRPC server (health, reflection, drain) around the
-TextGeneration servicer, the scheduler pool, Redis, and the command line."""
+"""The tokenizer tier's process: its two public doors (the gRPC TextGeneration service with
+health, reflection and drain; the OpenAI-compatible HTTP API) over one generation pipeline, the
+scheduler pool, Redis, API keys and TLS, and the command line."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import argparse
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
+
+import grpc
 
 from protos.llmserve.v1 import text_pb2_grpc
 from services.common.cache_keys import CacheKeys
@@ -17,7 +21,11 @@ from services.common.metrics_http import start_metrics_server
 from services.common.prompt_store import PromptStore
 from services.common.redis_store import open_store
 from services.tokenizer import metrics
+from services.tokenizer.access import AccessPolicy
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.generation import Generator
+from services.tokenizer.openai_http.app import OpenAIDoor, create_app
+from services.tokenizer.openai_http.server import HttpServer
 from services.tokenizer.prefix_locator import PrefixLocator
 from services.tokenizer.scheduler_pool import SchedulerPool
 from services.tokenizer.served_model import ServedModel
@@ -29,11 +37,12 @@ log = logging.getLogger(__name__)
 
 
 class TokenizerServer:
-    """The process: GrpcService (health + reflection + drain) around the servicer.
+    """The process: GrpcService (health + reflection + drain) around the servicer, and the
+    HTTP door beside it.
 
-    start() binds and answers at once (health NOT_SERVING, Generate UNAVAILABLE); warm_up()
-    waits for a scheduler with a connected worker, builds the tokenizer from the model it
-    describes, then turns health SERVING.
+    start() binds both doors and answers at once (health NOT_SERVING, Generate UNAVAILABLE,
+    HTTP 503); warm_up() waits for a scheduler with a connected worker, builds the tokenizer
+    from the model it describes, then turns health SERVING.
     """
 
     def __init__(self, config: TokenizerConfig) -> None:
@@ -45,16 +54,50 @@ class TokenizerServer:
             overload_queued=config.route_overload_queued,
             poll_s=config.stats_poll_s,
         )
-        self.servicer = TextGenerationServicer(config, self.pool)
+        self.access = AccessPolicy.from_settings(
+            config.api_key, config.admin_api_key, config.api_key_file
+        )
+        self.generator = Generator(config, self.pool)
+        self.servicer = TextGenerationServicer(self.generator, self.access)
         self._poller: asyncio.Task[None] | None = None
         self.service = GrpcService("tokenizer", [SERVICE_NAME])
         self.service.add(text_pb2_grpc.add_TextGenerationServicer_to_server, self.servicer)
+        self.http: HttpServer | None = None
+        if config.http:
+            app = create_app(OpenAIDoor(self.generator, self.access))
+            self.http = HttpServer(
+                app,
+                config.host,
+                config.http_port,
+                tls_cert=config.tls_cert,
+                tls_key=config.tls_key,
+                drain_s=config.drain_s,
+            )
 
     async def start(self) -> int:
         self.pool.open()
-        port = await self.service.start(self.config.host, self.config.port)
-        log.info("listening", extra={"host": self.config.host, "port": port})
+        port = await self.service.start(self.config.host, self.config.port, self._credentials())
+        http_port = await self.http.start() if self.http is not None else None
+        log.info(
+            "listening",
+            extra={
+                "host": self.config.host,
+                "port": port,
+                "http_port": http_port,
+                "tls": self.config.tls,
+                "api_keys": self.access.num_keys,
+            },
+        )
+        if self.access.open:
+            log.info("no API key configured: the public API is open to anyone who reaches it")
         return port
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        if self.config.tls_cert is None or self.config.tls_key is None:
+            return None
+        key = Path(self.config.tls_key).read_bytes()
+        chain = Path(self.config.tls_cert).read_bytes()
+        return grpc.ssl_server_credentials([(key, chain)])
 
     async def warm_up(self) -> None:
         description = await self.pool.wait_until_warm(self.config.warmup_poll_s)
@@ -76,13 +119,20 @@ class TokenizerServer:
             keys = CacheKeys(model.name)
             self.pool.locator = PrefixLocator(self.redis, keys)
             prompt_store = PromptStore(self.redis, keys)
-        self.servicer.set_model(model, prompt_store)
+        self.generator.set_model(model, prompt_store)
         self._poller = asyncio.create_task(self.pool.poll_forever())
         await self.service.set_serving(True)
         log.info("serving", extra={"port": self.service.port})
 
     async def stop(self, drain_s: float) -> None:
-        await self.service.drain_and_stop(drain_s)
+        if self.http is not None:
+            # Both doors drain at once: HTTP stops accepting and finishes its streams while
+            # gRPC does the same.
+            http_stopped = asyncio.create_task(self.http.stop())
+            await self.service.drain_and_stop(drain_s)
+            await http_stopped
+        else:
+            await self.service.drain_and_stop(drain_s)
         if self._poller is not None:
             self._poller.cancel()
         await self.pool.close()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from services.common.chat_template import ChatMessage
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, NotFoundError
 from services.common.named_prompt import NamedPrompt
 from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
@@ -112,7 +112,7 @@ def validate_generate(
     """
     request_id = validate_request_id(request.request_id)
     if request.model and request.model != limits.model_name:
-        raise InvalidRequestError(
+        raise NotFoundError(
             "model", f"unknown model {request.model!r} (served: {limits.model_name!r})"
         )
     sampling = validate_sampling(request.sampling, limits)

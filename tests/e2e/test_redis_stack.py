@@ -74,7 +74,7 @@ def redis_stack() -> Iterator[RedisStack]:
     with e2e_stack(extra) as stack:
         # A second tokenizer replica on its own port, so a test can address each replica.
         port = free_port("127.0.0.1")
-        replica_args = ["tokenizer", "--port", str(port), "--redis-url", redis.url]
+        replica_args = ["tokenizer", "--port", str(port), "--redis-url", redis.url, "--no-http"]
         replica_args += ["--scheduler", ",".join(stack.schedulers)]
         with running_service(replica_args, port) as replica_b:
             yield RedisStack(stack, redis, replica_b.address)

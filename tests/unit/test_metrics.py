@@ -231,11 +231,6 @@ def test_http_server_and_aggregator_over_loopback() -> None:
 # ---- the tokenizer's per-request observations ----------------------------------------------
 
 
-class FakeContext:
-    def add_done_callback(self, callback: object) -> None:
-        pass
-
-
 def test_a_message_of_k_tokens_counts_k_inter_token_gaps() -> None:
 
     def itl_count() -> float:
@@ -245,7 +240,25 @@ def test_a_message_of_k_tokens_counts_k_inter_token_gaps() -> None:
         return value or 0.0
 
     before = itl_count()
-    request = tokenizer_metrics.GenerateMetrics(FakeContext(), started=0.0)  # type: ignore[arg-type]
+    request = tokenizer_metrics.GenerateMetrics(started=0.0)
     request.on_tokens(3)  # the first token, then 2 gaps of 0 s inside the message
     request.on_tokens(2)
     assert itl_count() - before == 4
+
+
+def test_a_request_is_counted_once_by_its_finish_reason_and_code() -> None:
+    def count(reason: str, code: str) -> float:
+        value = tokenizer_metrics.REGISTRY.get_sample_value(
+            "llmserve_requests_total", {"finish_reason": reason, "code": code}
+        )
+        return value or 0.0
+
+    finished, cancelled = count("length", "OK"), count("none", "CANCELLED")
+    request = tokenizer_metrics.GenerateMetrics()
+    request.finish_reason = "length"
+    request.done(None)
+    request.done("INTERNAL")  # a second end changes nothing
+    gone = tokenizer_metrics.GenerateMetrics()
+    gone.done(None)
+    assert count("length", "OK") - finished == 1
+    assert count("none", "CANCELLED") - cancelled == 1

@@ -165,6 +165,7 @@ async def running_stack(
         addresses.append(f"127.0.0.1:{engine_server.add_insecure_port('127.0.0.1:0')}")
         await engine_server.start()
         engine_servers.append(engine_server)
+    config = {"http_port": 0, **config}
     tokenizer_config = TokenizerConfig(
         port=0, scheduler=",".join(addresses), warmup_poll_s=0.02, **config
     )
@@ -490,7 +491,6 @@ INVALID_REQUESTS: list[tuple[str, text_pb2.GenerateRequest, str]] = [
     ("logprobs 21", _sampling(logprobs=21), "sampling.logprobs:"),
     ("logprobs negative", _sampling(logprobs=-1), "sampling.logprobs:"),
     ("min_new_tokens over max", _sampling(min_new_tokens=9, max_new_tokens=4), "sampling.min"),
-    ("other model", text_pb2.GenerateRequest(prompt="hi", model="gpt-9"), "model:"),
 ]
 
 
@@ -501,6 +501,10 @@ def test_invalid_requests_never_reach_the_scheduler(model: ServedModel) -> None:
                 error = await rpc_error(stack.generate(request))
                 assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, name
                 assert error.details().startswith(prefix), (name, error.details())
+            other_model = text_pb2.GenerateRequest(prompt="hi", model="gpt-9")
+            error = await rpc_error(stack.generate(other_model))
+            assert error.code() == grpc.StatusCode.NOT_FOUND
+            assert error.details().startswith("model: unknown model 'gpt-9'")
             assert stack.engine.requests == []
 
     run(scenario)

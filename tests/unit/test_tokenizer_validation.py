@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from services.common.chat_template import ChatMessage, ChatTemplate
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, NotFoundError
 from services.tokenizer.validation import (
     GenerateInput,
     Limits,
@@ -112,7 +112,6 @@ def test_messages_go_through_the_chat_template() -> None:
             "messages[1].role",
             "unknown role",
         ),
-        (GenerateInput(prompt="a", model="other"), "model", "unknown model"),
         (GenerateInput(prompt="a", request_id="x" * 129), "request_id", "at most"),
         (with_sampling(max_new_tokens=0), "sampling.max_new_tokens", "> 0"),
         (with_sampling(max_new_tokens=33), "sampling.max_new_tokens", "over the limit"),
@@ -157,3 +156,10 @@ def test_sampling_is_checked_before_tokenizing() -> None:
     request = replace(with_sampling(top_p=2.0), prompt="long " * 1000)
     with pytest.raises(InvalidRequestError, match=r"^sampling\.top_p"):
         validate_generate(request, LIMITS, Exploding())
+
+
+def test_an_unknown_model_is_not_found_naming_the_served_one() -> None:
+    with pytest.raises(NotFoundError) as info:
+        validate_generate(GenerateInput(prompt="a", model="other"), LIMITS, TOKENIZER)
+    assert info.value.field == "model"
+    assert "unknown model 'other'" in info.value.message

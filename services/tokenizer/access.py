@@ -1,0 +1,151 @@
+"""Who may call the public API: API keys, admin keys, and tenants bound to keys. Pure: no
+gRPC, no HTTP; each door passes the `Authorization` value it received.
+
+    no key configured           open: every caller is an admin, the tenant is the request's
+    --api-key K                 K may generate, tokenize, list models and prompts; the tenant
+                                is the request's (a trusted, single-owner client)
+    key file "K tenant=acme"    K acts for tenant acme only: a request naming another tenant
+                                is refused, one naming none is acme's
+    --admin-api-key A           A may do everything, RegisterPrompt and DeletePrompt included
+
+Keys are compared as SHA-256 digests with hmac.compare_digest against every known key (no
+early exit), so the time taken says nothing about how much of a key matched. Keys are never
+logged: a caller shows in logs as `key_id`, a short digest prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import PermissionDeniedError, UnauthenticatedError
+
+BEARER = "bearer "
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated caller."""
+
+    key_id: str
+    """A short digest prefix of the key, safe to log ("open" when no keys are configured)."""
+    tenant_id: str | None = None
+    """The tenant the key is bound to; None = the request names its tenant."""
+    admin: bool = False
+
+
+OPEN_CALLER = Caller("open", admin=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Key:
+    digest: bytes
+    caller: Caller
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _key(key: str, tenant_id: str | None = None, admin: bool = False) -> _Key:
+    key = key.strip()
+    if not key:
+        raise ValueError("an API key must not be empty")
+    digest = _digest(key)
+    return _Key(digest, Caller(digest.hex()[:8], tenant_id, admin))
+
+
+def parse_key_file(text: str, source: str = "key file") -> list[_Key]:
+    """One key per line: `KEY`, `KEY tenant=ID` or `KEY admin`; `#` starts a comment."""
+    keys: list[_Key] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, *options = line.split()
+        tenant_id: str | None = None
+        admin = False
+        for option in options:
+            if option == "admin":
+                admin = True
+            elif option.startswith("tenant=") and len(option) > len("tenant="):
+                tenant_id = option.removeprefix("tenant=")
+            else:
+                raise ValueError(
+                    f"{source} line {number}: unknown option {option!r} "
+                    "(expected tenant=ID or admin)"
+                )
+        if admin and tenant_id is not None:
+            raise ValueError(f"{source} line {number}: an admin key is not bound to a tenant")
+        keys.append(_key(key, tenant_id, admin))
+    return keys
+
+
+class AccessPolicy:
+    """The keys this replica accepts and what each may do."""
+
+    def __init__(self, keys: Iterable[_Key] = ()) -> None:
+        self._keys = tuple(keys)
+        digests = [k.digest for k in self._keys]
+        if len(set(digests)) != len(digests):
+            raise ValueError("the same API key is configured twice")
+
+    @classmethod
+    def from_settings(
+        cls,
+        api_keys: Iterable[str] = (),
+        admin_api_keys: Iterable[str] = (),
+        api_key_file: str | None = None,
+    ) -> AccessPolicy:
+        keys = [_key(k) for k in api_keys] + [_key(k, admin=True) for k in admin_api_keys]
+        if api_key_file:
+            keys += parse_key_file(Path(api_key_file).read_text(), api_key_file)
+        return cls(keys)
+
+    @property
+    def open(self) -> bool:
+        """No key configured: anyone who reaches the port may do anything."""
+        return not self._keys
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._keys)
+
+    def authenticate(self, authorization: str | None) -> Caller:
+        """The caller an `Authorization: Bearer <key>` value stands for; UnauthenticatedError
+        when the key is missing or unknown (the message never echoes it)."""
+        if self.open:
+            return OPEN_CALLER
+        if not authorization:
+            raise UnauthenticatedError(
+                "missing API key: send it as 'Authorization: Bearer <key>' (gRPC: the "
+                "'authorization' metadata)"
+            )
+        if authorization[: len(BEARER)].lower() != BEARER:
+            raise UnauthenticatedError("the Authorization header must be 'Bearer <key>'")
+        presented = _digest(authorization[len(BEARER) :].strip())
+        found: Caller | None = None
+        for key in self._keys:  # every key, no early exit: constant time in which one matched
+            if hmac.compare_digest(presented, key.digest):
+                found = key.caller
+        if found is None:
+            raise UnauthenticatedError("invalid API key")
+        return found
+
+
+def tenant_for(caller: Caller, requested: str, field: str = "tenant_id") -> str:
+    """The tenant a call acts for: the key's when bound (a request may repeat it, never name
+    another), else the request's."""
+    if caller.tenant_id is None:
+        return requested
+    if requested and requested != caller.tenant_id:
+        raise PermissionDeniedError(f"{field}: this API key may not act for tenant {requested!r}")
+    return caller.tenant_id
+
+
+def require_admin(caller: Caller, what: str) -> None:
+    if not caller.admin:
+        raise PermissionDeniedError(f"{what} needs an admin API key (--admin-api-key)")

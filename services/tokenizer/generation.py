@@ -1,0 +1,301 @@
+"""One Generate call, whichever door it came in by (gRPC TextGeneration or OpenAI HTTP).
+
+    prepare: validate (no scheduler call for a bad request) → token ids (chat template for
+             messages, a named prompt first) → a scheduler
+    stream:  Engine.Submit, timeout = the remaining budget
+             → per SubmitResponse: output.OutputPipeline (detokenize, stop strings, finish,
+               usage); responses a slow client let pile up go through it merged, as one
+             → OutputDelta, the last one with its finish reason
+
+Failures are our typed errors (services.common.errors), so each door maps them to its own
+status in one place: a gRPC code (grpc_server.status_for) or an HTTP status
+(openai_http.errors). Leaving a stream early (a stop string matched, the client went away, an
+error) cancels the engine call, which is how the scheduler learns to free the KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from protos.llmserve.v1 import engine_pb2
+from services.common.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    DependencyUnavailableError,
+    InternalError,
+    InvalidRequestError,
+    LLMServeError,
+    QueueFullError,
+)
+from services.common.grpc_server import REASON_METADATA_KEY
+from services.common.prompt_store import PromptStore
+from services.tokenizer import convert
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.named_prompts import PromptRegistry, system_turn
+from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline
+from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
+from services.tokenizer.served_model import ServedModel
+from services.tokenizer.validation import GenerateInput, Limits, ValidatedRequest, validate_generate
+
+log = logging.getLogger(__name__)
+
+# What the reader task passes on from the engine stream: a response, the call's error, or
+# None for its end.
+EngineItem = engine_pb2.SubmitResponse | BaseException | None
+
+
+def remaining_budget(time_remaining_s: float | None, deadline_s: float | None) -> float | None:
+    """The timeout for the next hop: the tighter of the caller's own deadline (gRPC's) and
+    the request's deadline_ms."""
+    budgets = [b for b in (time_remaining_s, deadline_s) if b is not None]
+    return min(budgets) if budgets else None
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready for a scheduler: checked, tokenized, routed."""
+
+    request: ValidatedRequest
+    scheduler: SchedulerClient
+    timeout_s: float | None
+    arrival_unix_s: float
+    started: float
+    """perf_counter() on arrival: the origin of the TTFT and total timings."""
+
+
+class Generator:
+    """The tier's generation pipeline over the scheduler pool, shared by both doors."""
+
+    def __init__(self, config: TokenizerConfig, pool: SchedulerPool) -> None:
+        self.config = config
+        self.pool = pool
+        self._model: ServedModel | None = None
+        self._limits: Limits | None = None
+        self._prompts: PromptRegistry | None = None
+
+    def set_model(self, model: ServedModel, prompt_store: PromptStore | None = None) -> None:
+        """Ready to serve `model`; named prompts live in `prompt_store` (None: this replica)."""
+        self._limits = model.limits(self.config)
+        tokenizer = model.tokenizer
+        self._prompts = PromptRegistry(
+            prompt_store,
+            lambda text: tokenizer.apply_chat_template(
+                system_turn(text), add_generation_prompt=False
+            ),
+            default_ttl_s=self.config.prompt_ttl_s,
+            max_ttl_s=self.config.max_prompt_ttl_s,
+            max_model_len=model.max_model_len,
+        )
+        self._model = model
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    @property
+    def model(self) -> ServedModel:
+        """The served model; DependencyUnavailableError while the tier is still loading."""
+        if self._model is None:
+            raise DependencyUnavailableError("the tokenizer is still loading")
+        return self._model
+
+    @property
+    def limits(self) -> Limits:
+        if self._limits is None:
+            raise DependencyUnavailableError("the tokenizer is still loading")
+        return self._limits
+
+    @property
+    def prompts(self) -> PromptRegistry:
+        if self._prompts is None:
+            raise DependencyUnavailableError("the tokenizer is still loading")
+        return self._prompts
+
+    async def prepare(
+        self,
+        generate_input: GenerateInput,
+        *,
+        time_remaining_s: float | None = None,
+        arrival_unix_s: float | None = None,
+        started: float | None = None,
+    ) -> Prepared:
+        """Check, tokenize and route a request. Raises InvalidRequestError (the field at
+        fault), NotFoundError (model, prompt_name) or DeadlineExceededError."""
+        arrival_unix_s = time.time() if arrival_unix_s is None else arrival_unix_s
+        started = time.perf_counter() if started is None else started
+        model, limits = self.model, self.limits
+        named_prompt = None
+        if generate_input.prompt_name:
+            named_prompt = await self.prompts.get(
+                generate_input.tenant_id, generate_input.prompt_name
+            )
+        validated = validate_generate(generate_input, limits, model.tokenizer, named_prompt)
+        timeout = remaining_budget(time_remaining_s, validated.deadline_s)
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceededError("deadline passed on arrival")
+        scheduler = await self.pool.pick(validated.prompt_token_ids, validated.cache_salt)
+        return Prepared(validated, scheduler, timeout, arrival_unix_s, started)
+
+    def stream(self, prepared: Prepared) -> GenerationStream:
+        """Submit the request; its deltas come from the returned stream."""
+        return GenerationStream(prepared, self.model)
+
+
+class GenerationStream:
+    """One request's engine call and its output pipeline.
+
+    `deltas()` yields the request's OutputDeltas, the last one with its finish reason.
+    `cancel()` ends the engine call at once (idempotent, synchronous: safe from a done
+    callback); closing `deltas()` early does too.
+    """
+
+    def __init__(self, prepared: Prepared, model: ServedModel) -> None:
+        self.prepared = prepared
+        request = prepared.request
+        self.request_id = request.request_id
+        self._extra = {"request_id": request.request_id, "scheduler": prepared.scheduler.address}
+        log.info(
+            "generate",
+            extra={
+                **self._extra,
+                "prompt_tokens": len(request.prompt_token_ids),
+                "timeout_s": prepared.timeout_s,
+            },
+        )
+        self._call = prepared.scheduler.stub.Submit(
+            convert.submit_request(request, prepared.arrival_unix_s), timeout=prepared.timeout_s
+        )
+        self.output = OutputPipeline.create(
+            model.tokenizer.tokenizer, request.prompt_token_ids, request.stop, prepared.started
+        )
+        # The client may be slower than the engine. Read the engine stream at once into a
+        # local queue: a stalled client must never stall the shared scheduler connection
+        # (HTTP/2 flow control is per connection too). What piles up meanwhile goes through
+        # the pipeline as one engine output and out as one message.
+        self._responses: asyncio.Queue[EngineItem] = asyncio.Queue()
+        self._reader = asyncio.create_task(_drain(self._call, self._responses))
+
+    def cancel(self) -> None:
+        """The scheduler's signal to free the request's KV blocks."""
+        self._call.cancel()
+        self._reader.cancel()
+
+    async def deltas(self) -> AsyncIterator[OutputDelta]:
+        extra, progress = self._extra, self.output.progress
+        address = self.prepared.scheduler.address
+        responses = self._responses
+        backlog: deque[EngineItem] = deque()
+        try:
+            while True:
+                if not backlog:
+                    backlog.append(await responses.get())
+                while not responses.empty():
+                    backlog.append(responses.get_nowait())
+                batch = _take_batch(backlog)
+                if not batch:
+                    # The end of the stream, an error or the deadline finish; the responses
+                    # before it went out already, as they would have one at a time.
+                    item = backlog.popleft()
+                    if item is None:
+                        break
+                    if isinstance(item, grpc.aio.AioRpcError):
+                        error = scheduler_error(item, address)
+                        log.warning(
+                            "scheduler call failed",
+                            extra={**extra, "code": item.code().name, "error": str(error)},
+                        )
+                        raise error
+                    if isinstance(item, BaseException):
+                        raise item
+                    log.info("deadline passed in the scheduler", extra=extra)
+                    raise DeadlineExceededError("deadline passed")
+                engine_output = convert.merged_engine_output(batch)
+                delta = self.output.step(engine_output, time.perf_counter())
+                if delta is None:
+                    continue
+                if not delta.finish_reason:
+                    yield delta
+                    continue
+                if delta.finish_reason not in PUBLIC_FINISH_REASONS:
+                    log.warning(
+                        "unknown finish reason",
+                        extra={**extra, "reason": delta.finish_reason},
+                    )
+                # Cancel before the last send: the scheduler frees the KV sooner.
+                self.cancel()
+                log.info(
+                    "generate done",
+                    extra={
+                        **extra,
+                        "finish_reason": delta.finish_reason,
+                        "completion_tokens": progress.num_completion_tokens,
+                        "ttft_ms": round(progress.ttft_ms or 0.0, 2),
+                        "total_ms": round(progress.elapsed_ms(time.perf_counter()), 2),
+                    },
+                )
+                yield delta
+                return
+        except (asyncio.CancelledError, GeneratorExit):
+            log.info("client went away", extra=extra)
+            raise
+        finally:
+            # Leaving the stream for any reason (client gone, stop string, error) must
+            # cancel the engine call: that is the scheduler's signal to free the KV blocks.
+            self.cancel()
+        log.warning("scheduler stream ended early", extra=extra)
+        raise DependencyUnavailableError(
+            f"scheduler {address} closed the stream without a finish reason"
+        )
+
+
+def _take_batch(backlog: deque[EngineItem]) -> list[engine_pb2.SubmitResponse]:
+    """Pops the leading responses of `backlog` that go through as one: up to the stream's end,
+    an error or a deadline finish (left in place), and never past a finished response."""
+    batch: list[engine_pb2.SubmitResponse] = []
+    while backlog:
+        head = backlog[0]
+        if not isinstance(head, engine_pb2.SubmitResponse) or head.finish_reason == "deadline":
+            break
+        backlog.popleft()
+        batch.append(head)
+        if head.finish_reason:
+            break
+    return batch
+
+
+async def _drain(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[EngineItem]) -> None:
+    """Move every engine response into `queue`; None marks the end, an exception a failure."""
+    try:
+        async for response in call:
+            queue.put_nowait(response)
+        queue.put_nowait(None)
+    except grpc.aio.AioRpcError as exc:
+        queue.put_nowait(exc)
+
+
+def scheduler_error(exc: grpc.aio.AioRpcError, address: str) -> LLMServeError:
+    """A failed Submit as our typed error: what the client can act on keeps its meaning
+    (retry, back off, fix a field, too late), anything else is internal."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return DependencyUnavailableError(f"scheduler {address} is unavailable: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        reasons = dict(exc.trailing_metadata() or ())
+        if reasons.get(REASON_METADATA_KEY) == "queue_full":
+            return QueueFullError(details)
+        return CapacityError(details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(details or "deadline passed")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field, _, message = details.partition(": ")
+        return InvalidRequestError(field, message) if message else InvalidRequestError("", details)
+    if code == grpc.StatusCode.CANCELLED:
+        return DependencyUnavailableError(f"scheduler {address} cancelled the request")
+    return InternalError(f"scheduler {address} failed: {code.name}: {details}")

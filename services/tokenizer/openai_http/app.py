@@ -1,0 +1,304 @@
+"""The OpenAI-compatible HTTP door of the tokenizer tier (FastAPI): the same pipeline as gRPC
+Generate (generation.Generator), the same keys (access.AccessPolicy).
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   (API key when set)
+    GET /health                 liveness: the process answers
+    GET /ready                  the tier can serve: model loaded, a scheduler with a worker
+
+A request is checked, tokenized and routed before any byte of the response, and a stream's
+status waits for its first token, so a full queue (429), no worker (503), a deadline (504) or
+a bad field (400) is a real status, never an error inside a 200 stream. An error after that
+(the scheduler went away mid-stream) is sent as one `data: {"error": ...}` event, then
+`data: [DONE]`, as vLLM does.
+
+A client that disconnects cancels its request: a stream's body generator is cancelled by the
+server; a non-streaming request watches the connection while it waits. Either way the engine
+call ends, and the scheduler frees the KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.common.errors import DependencyUnavailableError, LLMServeError
+from services.tokenizer import metrics
+from services.tokenizer.access import AccessPolicy, tenant_for
+from services.tokenizer.generation import GenerationStream, Generator
+from services.tokenizer.openai_http import schemas
+from services.tokenizer.openai_http.errors import HttpError, http_error, not_found_route
+from services.tokenizer.openai_http.responses import (
+    DONE_EVENT,
+    ResponseBuilder,
+    json_bytes,
+    model_list,
+    sse_event,
+)
+from services.tokenizer.output import OutputDelta
+from services.tokenizer.validation import MAX_REQUEST_ID_LEN
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REQUEST_ID_HEADER = "x-request-id"
+JSON = "application/json"
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its request waited."""
+
+
+def json_response(payload: dict[str, Any], status: int = 200, **headers: str) -> Response:
+    return Response(json_bytes(payload), status_code=status, media_type=JSON, headers=headers)
+
+
+def error_response(error: HttpError) -> Response:
+    return json_response(error.body(), error.status, **error.headers)
+
+
+class OpenAIDoor:
+    """The routes' logic, over the tier's generator and keys."""
+
+    def __init__(self, generator: Generator, access: AccessPolicy) -> None:
+        self.generator = generator
+        self.access = access
+        self.started = int(time.time())
+
+    def ready(self) -> bool:
+        clients = self.generator.pool.clients
+        return self.generator.loaded and any(c.stats is not None for c in clients)
+
+    @functools.cached_property
+    def _token_text(self) -> Callable[[int], str]:
+        tokenizer = self.generator.model.tokenizer
+
+        @functools.lru_cache(maxsize=65536)
+        def token_text(token_id: int) -> str:
+            return tokenizer.decode([token_id], skip_special_tokens=False)
+
+        return token_text
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.access.authenticate(request.headers.get("authorization"))
+            model = self.generator.model
+        except LLMServeError as exc:
+            return error_response(http_error(exc))
+        return json_response(model_list(model.name, self.started))
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        arrival_unix_s = time.time()
+        started = time.perf_counter()
+        request_metrics = metrics.GenerateMetrics(started)
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        try:
+            caller = self.access.authenticate(request.headers.get("authorization"))
+            model = self.generator.model
+            raw = await request.body()
+            if chat:
+                chat_body = schemas.parse_chat(raw)
+                body: schemas.ChatCompletionBody | schemas.CompletionBody = chat_body
+                generate_input = schemas.chat_input(
+                    chat_body, request_id, self.generator.limits.max_new_tokens_limit
+                )
+                top_logprobs = (chat_body.top_logprobs or 0) if chat_body.logprobs else None
+            else:
+                completion_body = schemas.parse_completion(raw)
+                body = completion_body
+                generate_input = schemas.completion_input(completion_body, request_id)
+                top_logprobs = completion_body.logprobs
+            generate_input = replace(
+                generate_input, tenant_id=tenant_for(caller, generate_input.tenant_id)
+            )
+            prepared = await _unless_gone(
+                request,
+                self.generator.prepare(
+                    generate_input, arrival_unix_s=arrival_unix_s, started=started
+                ),
+            )
+        except (LLMServeError, ClientGone) as exc:
+            return self._refused(exc, request_id, request_metrics, chat)
+        request_id = prepared.request.request_id
+        if body.user:
+            log.info("end user", extra={"request_id": request_id, "user": body.user[:128]})
+        builder = ResponseBuilder(
+            chat=chat,
+            request_id=request_id,
+            model=model.name,
+            token_text=self._token_text,
+            top_logprobs=top_logprobs,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
+        stream = self.generator.stream(prepared)
+        deltas = stream.deltas()
+        headers = {"X-Request-Id": request_id}
+        try:
+            if not body.stream:
+                await _unless_gone(request, _collect(deltas, builder, request_metrics))
+                request_metrics.done(None)
+                return json_response(builder.response(), **headers)
+            # The status waits for the first token (see the module docstring).
+            first = await _unless_gone(request, _next_or_none(deltas))
+        except (LLMServeError, ClientGone) as exc:
+            stream.cancel()
+            await deltas.aclose()
+            return self._refused(exc, request_id, request_metrics, chat)
+        events = _events(stream, deltas, first, builder, request_metrics, chat)
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def _refused(
+        self,
+        exc: BaseException,
+        request_id: str,
+        request_metrics: metrics.GenerateMetrics,
+        chat: bool,
+    ) -> Response:
+        if isinstance(exc, ClientGone):
+            log.info("client went away", extra={"request_id": request_id})
+            request_metrics.done(None)
+            return Response(status_code=499)
+        error = http_error(exc, chat)
+        log.info(
+            "rejected",
+            extra={
+                "request_id": request_id[:MAX_REQUEST_ID_LEN],
+                "status": error.status,
+                "error": error.message,
+            },
+        )
+        metrics.on_rejected(exc)
+        request_metrics.done(error.grpc_code_name)
+        return error_response(error)
+
+
+async def _next_or_none(deltas: AsyncIterator[OutputDelta]) -> OutputDelta | None:
+    return await anext(deltas, None)
+
+
+async def _collect(
+    deltas: AsyncIterator[OutputDelta],
+    builder: ResponseBuilder,
+    request_metrics: metrics.GenerateMetrics,
+) -> None:
+    async for delta in deltas:
+        request_metrics.on_tokens(len(delta.token_ids))
+        request_metrics.finish_reason = delta.finish_reason or request_metrics.finish_reason
+        builder.add(delta)
+
+
+async def _events(
+    stream: GenerationStream,
+    deltas: AsyncIterator[OutputDelta],
+    first: OutputDelta | None,
+    builder: ResponseBuilder,
+    request_metrics: metrics.GenerateMetrics,
+    chat: bool,
+) -> AsyncIterator[bytes]:
+    """The stream's bytes: one write per delta (its chunks, and [DONE] with the last)."""
+    code: str | None = None
+    try:
+        head = sse_event(builder.first_chunk()) if chat else b""
+        pending = [first] if first is not None else []
+        while True:
+            if pending:
+                delta = pending.pop()
+            else:
+                delta = await anext(deltas, None)
+            if delta is None:
+                break
+            request_metrics.on_tokens(len(delta.token_ids))
+            out = head + b"".join(sse_event(chunk) for chunk in builder.chunks(delta))
+            head = b""
+            if delta.finish_reason:
+                request_metrics.finish_reason = delta.finish_reason
+                yield out + DONE_EVENT
+                return
+            if out:
+                yield out
+    except LLMServeError as exc:
+        error = http_error(exc, chat)
+        code = error.grpc_code_name
+        log.info("stream failed", extra={"request_id": builder.request_id, "error": str(exc)})
+        yield sse_event(error.body()) + DONE_EVENT
+    finally:
+        stream.cancel()
+        await deltas.aclose()
+        request_metrics.done(code)
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled) when the client disconnects
+    first: a request waiting in a queue or generating for a client who left must not hold
+    its place or its KV blocks."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with_suppressed = asyncio.gather(task, return_exceptions=True)
+    await with_suppressed
+    raise ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read already: the next message the server has for us is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(door: OpenAIDoor) -> FastAPI:
+    app = FastAPI(
+        title="llmserve",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(not_found_route(request.method, request.url.path))
+        return error_response(HttpError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if door.ready():
+            return json_response({"status": "ready"})
+        return error_response(http_error(DependencyUnavailableError("no scheduler can serve yet")))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await door.models(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await door.generate(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await door.generate(request, chat=False)
+
+    return app

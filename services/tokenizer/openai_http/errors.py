@@ -1,0 +1,134 @@
+"""Our typed errors as OpenAI error responses: the one mapping to HTTP statuses.
+
+{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+400 invalid_request_error  a bad field (param names it as the HTTP API spells it)
+401 authentication_error   no key, or an unknown one
+403 permission_error       the key may not do this (admin calls, another tenant)
+404 not_found_error        unknown model, unknown prompt_name, unknown route
+429 rate_limit_error       the scheduler's queue is full (Retry-After)
+503 service_unavailable    no scheduler with a worker, or still loading (Retry-After)
+504 timeout                the request's deadline passed
+500 server_error           anything else (the message says which part failed)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    DependencyUnavailableError,
+    InvalidRequestError,
+    LLMServeError,
+    NotFoundError,
+    PermissionDeniedError,
+    PromptTooLongError,
+    QueueFullError,
+    UnauthenticatedError,
+)
+
+RETRY_AFTER_S = 1
+"""What a 429 or 503 asks the client to wait before retrying, in seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class HttpError:
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    @property
+    def grpc_code_name(self) -> str:
+        """The same outcome as a gRPC code name, for the metrics both doors share."""
+        return _GRPC_NAMES.get(self.status, "INTERNAL")
+
+
+_GRPC_NAMES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    429: "RESOURCE_EXHAUSTED",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+def http_param(field_name: str, chat: bool) -> str:
+    """A field as validation names it (text.proto's spelling) → as the HTTP API spells it."""
+    renames = {
+        "sampling.max_new_tokens": "max_completion_tokens" if chat else "max_tokens",
+        "sampling.min_new_tokens": "min_tokens",
+        "sampling.logprobs": "top_logprobs" if chat else "logprobs",
+        "prompt_token_ids": "prompt",
+        "prompt": "messages" if chat else "prompt",
+    }
+    if field_name in renames:
+        return renames[field_name]
+    return field_name.removeprefix("sampling.")
+
+
+def http_error(exc: BaseException, chat: bool = False) -> HttpError:
+    if isinstance(exc, PromptTooLongError):
+        return HttpError(
+            400,
+            exc.message,
+            "invalid_request_error",
+            http_param(exc.field, chat),
+            "context_length_exceeded",
+        )
+    if isinstance(exc, InvalidRequestError):
+        param = http_param(exc.field, chat) or None
+        message = exc.message if param is None else f"{param}: {exc.message}"
+        return HttpError(400, message, "invalid_request_error", param)
+    if isinstance(exc, CapacityError):
+        return HttpError(400, str(exc), "invalid_request_error", None, "context_length_exceeded")
+    if isinstance(exc, UnauthenticatedError):
+        return HttpError(
+            401,
+            str(exc),
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if isinstance(exc, PermissionDeniedError):
+        return HttpError(403, str(exc), "permission_error")
+    if isinstance(exc, NotFoundError):
+        code = "model_not_found" if exc.field == "model" else "not_found"
+        return HttpError(404, exc.message, "not_found_error", exc.field, code)
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(exc, QueueFullError):
+        return HttpError(
+            429,
+            f"the server is busy ({exc}); retry later",
+            "rate_limit_error",
+            code="queue_full",
+            headers=retry,
+        )
+    if isinstance(exc, DependencyUnavailableError):
+        return HttpError(503, str(exc), "service_unavailable", headers=retry)
+    if isinstance(exc, DeadlineExceededError):
+        return HttpError(504, str(exc), "timeout", code="deadline_exceeded")
+    if isinstance(exc, LLMServeError):
+        return HttpError(500, str(exc), "server_error")
+    return HttpError(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+def not_found_route(method: str, path: str) -> HttpError:
+    return HttpError(404, f"no route {method} {path}", "not_found_error", code="not_found")

@@ -1,0 +1,206 @@
+"""OpenAI response bodies and stream chunks from the pipeline's OutputDeltas. Pure: dicts
+in OpenAI's shapes, and the server-sent-event framing of a stream.
+
+A stream is: chunks with text (chat: the first one also carries the role), the last with its
+finish_reason, then, when stream_options.include_usage is set, one chunk with usage and no
+choices, then `data: [DONE]`. With include_usage every other chunk carries "usage": null, as
+OpenAI's do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.tokenizer.output import OutputDelta, TokenLogprob, Usage
+
+TokenText = Callable[[int], str]
+"""A token id's text, as the logprobs of a response spell it."""
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event holding `payload` as compact JSON (JSON never holds a raw
+    newline, so one `data:` line always suffices)."""
+    return b"data: " + json_bytes(payload) + b"\n\n"
+
+
+def json_bytes(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def model_list(name: str, created: int, owned_by: str = "llmserve") -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": created, "owned_by": owned_by}],
+    }
+
+
+@dataclass(slots=True)
+class _Accumulated:
+    """What a non-streaming response collects over the deltas."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: Usage | None = None
+
+    def add(self, delta: OutputDelta) -> None:
+        self.text.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.usage = delta.usage or self.usage
+
+
+@dataclass(slots=True)
+class ResponseBuilder:
+    """The bodies of one request, for either endpoint.
+
+    chat: /v1/chat/completions shapes (else /v1/completions). top_logprobs: alternatives
+    shown per token; None = no logprobs in the response at all.
+    """
+
+    chat: bool
+    request_id: str
+    model: str
+    token_text: TokenText
+    top_logprobs: int | None = None
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    _sent_role: bool = False
+    _text_offset: int = 0
+    _collected: _Accumulated = field(default_factory=_Accumulated)
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
+
+    def _envelope(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    # ---- streaming ----
+
+    def chunks(self, delta: OutputDelta) -> list[dict[str, Any]]:
+        """The chunks one delta becomes (none when it carries nothing to say)."""
+        logprobs = self._logprobs(delta.logprobs)
+        if not (delta.text or delta.finish_reason or logprobs):
+            return []
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            message: dict[str, Any] = {}
+            if not self._sent_role:
+                message["role"] = "assistant"
+                self._sent_role = True
+            if delta.text or not delta.finish_reason:
+                message["content"] = delta.text
+            choice["delta"] = message
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = delta.finish_reason or None
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        chunk["choices"] = [choice]
+        if self.include_usage:
+            chunk["usage"] = None
+        chunks = [chunk]
+        if delta.finish_reason and self.include_usage and delta.usage is not None:
+            last = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+            last["choices"] = []
+            last["usage"] = usage_body(delta.usage)
+            chunks.append(last)
+        return chunks
+
+    def first_chunk(self) -> dict[str, Any]:
+        """Chat streams open with the role alone, before any token, as OpenAI's do: a client
+        sees the response start at once."""
+        self._sent_role = True
+        chunk = self._envelope("chat.completion.chunk")
+        chunk["choices"] = [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    # ---- whole response ----
+
+    def add(self, delta: OutputDelta) -> None:
+        self._collected.add(delta)
+
+    def response(self) -> dict[str, Any]:
+        collected = self._collected
+        text = "".join(collected.text)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        self._text_offset = 0
+        choice["logprobs"] = self._logprobs(tuple(collected.logprobs))
+        choice["finish_reason"] = collected.finish_reason or None
+        body = self._envelope("chat.completion" if self.chat else "text_completion")
+        body["choices"] = [choice]
+        if collected.usage is not None:
+            body["usage"] = usage_body(collected.usage)
+        return body
+
+    # ---- logprobs ----
+
+    def _logprobs(self, items: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.top_logprobs is None or not items:
+            return None
+        if self.chat:
+            return {"content": [self._chat_logprob(item) for item in items], "refusal": None}
+        tokens = [self.token_text(item.token_id) for item in items]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [item.logprob for item in items],
+            "top_logprobs": [
+                {self.token_text(token_id): logprob for token_id, logprob in self._top(item)}
+                for item in items
+            ],
+            "text_offset": offsets,
+        }
+
+    def _top(self, item: TokenLogprob) -> list[tuple[int, float]]:
+        assert self.top_logprobs is not None
+        pairs = zip(item.top_token_ids, item.top_logprobs, strict=False)
+        return list(pairs)[: self.top_logprobs]
+
+    def _chat_logprob(self, item: TokenLogprob) -> dict[str, Any]:
+        token = self.token_text(item.token_id)
+        return {
+            "token": token,
+            "logprob": item.logprob,
+            "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [
+                {
+                    "token": (text := self.token_text(token_id)),
+                    "logprob": logprob,
+                    "bytes": list(text.encode("utf-8")),
+                }
+                for token_id, logprob in self._top(item)
+            ],
+        }

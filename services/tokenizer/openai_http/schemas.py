@@ -1,0 +1,266 @@
+"""OpenAI request bodies (/v1/chat/completions, /v1/completions) → the tier's GenerateInput.
+
+Pure: JSON in, plain data out, InvalidRequestError naming the parameter at fault out of a bad
+body. Every parameter a body may carry is declared: one we do not know, or one we know but do
+not implement given a value that would change the result (n > 1, logit_bias, tools, echo...),
+is refused with 400 naming it, never silently ignored. A known parameter at its "off" value
+(null, n = 1, an empty logit_bias) is accepted: many clients send those by default.
+
+Defaults follow OpenAI and vLLM: temperature 1, top_p 1; max_tokens unset = the rest of the
+context for chat, 16 for completions. Beyond OpenAI: vLLM's top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens and stop_token_ids, and ours: deadline_ms,
+prompt_name (a registered prompt as the system message) and tenant_id (what the gRPC API
+calls them).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.common.chat_template import ChatMessage
+from services.common.errors import InvalidRequestError
+from services.tokenizer.validation import GenerateInput, SamplingInput
+
+MAX_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's (and vLLM's) default for the legacy completions endpoint."""
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    """One more chunk before [DONE] with usage and no choices."""
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageBody(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: None = None
+    """Accepted only absent or null: our chat templates have no participant names."""
+
+
+class _Sampling(_Body):
+    """Parameters both endpoints share."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    user: str | None = None
+    """The end user, for the caller's own records: logged with the request, nothing else."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Known, implemented only at their "off" value (checked in _refuse_unimplemented).
+    n: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    stop_token_ids: list[int] | None = None
+    # Ours, as the gRPC API names them.
+    deadline_ms: Annotated[int, Field(ge=0)] | None = None
+    tenant_id: str | None = None
+
+
+class ChatCompletionBody(_Sampling):
+    messages: Annotated[list[ChatMessageBody], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_name: str | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+BodyT = TypeVar("BodyT", "ChatCompletionBody", "CompletionBody")
+
+
+def parse_chat(body: bytes) -> ChatCompletionBody:
+    return _parse(ChatCompletionBody, body)
+
+
+def parse_completion(body: bytes) -> CompletionBody:
+    return _parse(CompletionBody, body)
+
+
+def _parse(model: type[BodyT], body: bytes) -> BodyT:
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    _refuse_unimplemented(parsed)
+    return parsed
+
+
+def _invalid(exc: ValidationError) -> InvalidRequestError:
+    """The first error, its parameter as a path (`messages[1].role`)."""
+    error = exc.errors(include_url=False)[0]
+    if error["type"] == "json_invalid":
+        return InvalidRequestError("", f"the body is not valid JSON: {error['msg']}")
+    if error["type"] == "model_type":
+        return InvalidRequestError("", "the body must be a JSON object")
+    param = _param(error["loc"])
+    if error["type"] == "extra_forbidden":
+        return InvalidRequestError(param, f"unsupported parameter {param!r}")
+    if error["type"] == "missing":
+        return InvalidRequestError(param, f"{param!r} is required")
+    return InvalidRequestError(param, error["msg"])
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    """('messages', 1, 'role') → 'messages[1].role'. Union members appear in pydantic's
+    location as type names ('str', 'list[int]'); they are not part of the parameter."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _refuse_unimplemented(body: _Sampling) -> None:
+    if body.n is not None and body.n != 1:
+        raise InvalidRequestError("n", "only n = 1 is supported")
+    if body.logit_bias:
+        raise InvalidRequestError("logit_bias", "is not supported")
+    if isinstance(body, ChatCompletionBody):
+        if body.response_format is not None and body.response_format.get("type") != "text":
+            raise InvalidRequestError("response_format", "only {'type': 'text'} is supported")
+        if body.tools:
+            raise InvalidRequestError("tools", "tool calling is not supported")
+        if body.tool_choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice", "tool calling is not supported")
+        if body.top_logprobs and not body.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    if isinstance(body, CompletionBody):
+        if body.echo:
+            raise InvalidRequestError("echo", "is not supported")
+        if body.suffix:
+            raise InvalidRequestError("suffix", "is not supported")
+        if body.best_of is not None and body.best_of != 1:
+            raise InvalidRequestError("best_of", "only best_of = 1 is supported")
+
+
+# ---- → GenerateInput --------------------------------------------------------------------
+
+
+def chat_input(
+    body: ChatCompletionBody, request_id: str, max_new_tokens_limit: int
+) -> GenerateInput:
+    messages = tuple(
+        ChatMessage(role=_role(m.role), content=_text(m.content, index))
+        for index, m in enumerate(body.messages)
+    )
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    # OpenAI's chat default: as long as the context allows (the scheduler ends the sequence
+    # with "length" when it fills).
+    logprobs = (body.top_logprobs or 0) if body.logprobs else 0
+    return GenerateInput(
+        request_id=request_id,
+        messages=messages,
+        sampling=_sampling(body, max_tokens or max_new_tokens_limit, logprobs, body.logprobs),
+        deadline_ms=body.deadline_ms or 0,
+        model=body.model,
+        prompt_name=body.prompt_name or "",
+        tenant_id=body.tenant_id or "",
+    )
+
+
+def completion_input(body: CompletionBody, request_id: str) -> GenerateInput:
+    prompt, prompt_token_ids = _prompt(body.prompt)
+    return GenerateInput(
+        request_id=request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        sampling=_sampling(
+            body,
+            body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
+            body.logprobs or 0,
+            body.logprobs is not None,
+        ),
+        deadline_ms=body.deadline_ms or 0,
+        model=body.model,
+        tenant_id=body.tenant_id or "",
+    )
+
+
+def _sampling(
+    body: _Sampling, max_new_tokens: int, top_logprobs: int, wants_logprobs: bool
+) -> SamplingInput:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return SamplingInput(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=body.min_tokens,
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        # The engine reports a token's logprob along with at least one alternative; a
+        # request for none gets that one dropped on the way out (responses.py).
+        logprobs=max(top_logprobs, 1) if wants_logprobs else 0,
+    )
+
+
+def _role(role: str) -> str:
+    # OpenAI's newer name for the system role; our chat templates know "system".
+    return "system" if role == "developer" else role
+
+
+def _text(content: str | list[TextPart] | None, index: int) -> str:
+    if content is None:
+        raise InvalidRequestError(f"messages[{index}].content", "is required")
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def _prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str, tuple[int, ...]]:
+    """(text, token ids): a string, or a list of token ids; a batch of one is unwrapped."""
+    if isinstance(prompt, str):
+        return prompt, ()
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if all(isinstance(item, int) for item in prompt):
+        return "", tuple(int(item) for item in prompt)  # type: ignore[arg-type]
+    if len(prompt) != 1:
+        raise InvalidRequestError("prompt", "a batch of prompts is not supported: send one")
+    only = prompt[0]
+    return (only, ()) if isinstance(only, str) else ("", tuple(only))  # type: ignore[arg-type]
