@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -20,8 +21,37 @@ from services.tokenizer.convert import OPTIONAL_SAMPLING_FIELDS
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
-def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="tokenizer tier host:port")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMSERVE_API_KEY") or None,
+        help="sent as 'authorization: Bearer KEY' (default: env LLMSERVE_API_KEY)",
+    )
+    parser.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
+    parser.add_argument("--tls-ca", default=None, help="TLS, trusting this PEM CA bundle")
+
+
+def public_channel(target: str, *, tls: bool = False, tls_ca: str | None = None) -> grpc.Channel:
+    """A channel to the public API: plaintext, or TLS (with `tls_ca` or the system's CAs)."""
+    if not tls and tls_ca is None:
+        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    roots = Path(tls_ca).read_bytes() if tls_ca else None
+    credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+    return grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+
+
+def auth_metadata(api_key: str | None) -> list[tuple[str, str]]:
+    """The call metadata carrying an API key (none without one)."""
+    return [("authorization", f"Bearer {api_key}")] if api_key else []
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    return public_channel(args.target, tls=args.tls, tls_ca=args.tls_ca)
+
+
+def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+    add_connection_flags(parser)
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None, help="-1 = off")
@@ -98,13 +128,17 @@ def stream(
     as_json: bool,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
+    api_key: str | None = None,
+    tls: bool = False,
+    tls_ca: str | None = None,
 ) -> int:
     """Prints the stream; returns the exit code (0, or 1 on a gRPC error)."""
     last: text_pb2.GenerateResponse | None = None
-    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+    with public_channel(target, tls=tls, tls_ca=tls_ca) as channel:
         stub = text_pb2_grpc.TextGenerationStub(channel)
         try:
-            for response in stub.Generate(request, timeout=timeout_s):
+            metadata = auth_metadata(api_key)
+            for response in stub.Generate(request, timeout=timeout_s, metadata=metadata):
                 last = response
                 if as_json:
                     out.write(json.dumps(_to_dict(response), ensure_ascii=False) + "\n")
@@ -141,7 +175,13 @@ def _report_error(exc: grpc.RpcError, as_json: bool, out: TextIO, err: TextIO) -
 
 def cmd_generate(args: argparse.Namespace) -> int:
     return stream(
-        request_from_args(args), target=args.target, timeout_s=args.timeout_s, as_json=args.json
+        request_from_args(args),
+        target=args.target,
+        timeout_s=args.timeout_s,
+        as_json=args.json,
+        api_key=args.api_key,
+        tls=args.tls,
+        tls_ca=args.tls_ca,
     )
 
 
@@ -167,7 +207,8 @@ def add_parser(subparsers: Any) -> None:
 
 def cmd_prompts(args: argparse.Namespace) -> int:
     """Register, list or delete named system prompts; prints each result as JSON."""
-    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+    metadata = auth_metadata(args.api_key)
+    with _channel(args) as channel:
         stub = text_pb2_grpc.TextGenerationStub(channel)
         try:
             if args.prompts_command == "register":
@@ -180,15 +221,19 @@ def cmd_prompts(args: argparse.Namespace) -> int:
                         tenant_id=args.tenant_id,
                     ),
                     timeout=args.timeout_s,
+                    metadata=metadata,
                 )
             elif args.prompts_command == "list":
                 result = stub.ListPrompts(
-                    text_pb2.ListPromptsRequest(tenant_id=args.tenant_id), timeout=args.timeout_s
+                    text_pb2.ListPromptsRequest(tenant_id=args.tenant_id),
+                    timeout=args.timeout_s,
+                    metadata=metadata,
                 )
             else:
                 result = stub.DeletePrompt(
                     text_pb2.DeletePromptRequest(name=args.name, tenant_id=args.tenant_id),
                     timeout=args.timeout_s,
+                    metadata=metadata,
                 )
         except grpc.RpcError as exc:
             _report_error(exc, False, sys.stdout, sys.stderr)
@@ -212,7 +257,7 @@ def add_prompts_parser(subparsers: Any) -> None:
     delete.add_argument("name")
     listing = actions.add_parser("list", help="the registered prompts")
     for action in (register, delete, listing):
-        action.add_argument("--target", default=DEFAULT_TARGET, help="tokenizer tier host:port")
+        add_connection_flags(action)
         action.add_argument("--tenant-id", default="")
         action.add_argument("--timeout-s", type=float, default=300.0)
         action.set_defaults(func=cmd_prompts)

@@ -139,6 +139,7 @@ class OpenAIDoor:
             token_text=self._token_text,
             top_logprobs=top_logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            return_token_ids=body.return_token_ids,
         )
         stream = self.generator.stream(prepared)
         deltas = stream.deltas()

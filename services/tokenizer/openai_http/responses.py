@@ -54,12 +54,14 @@ class _Accumulated:
     """What a non-streaming response collects over the deltas."""
 
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
     usage: Usage | None = None
 
     def add(self, delta: OutputDelta) -> None:
         self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.usage = delta.usage or self.usage
@@ -70,7 +72,8 @@ class ResponseBuilder:
     """The bodies of one request, for either endpoint.
 
     chat: /v1/chat/completions shapes (else /v1/completions). top_logprobs: alternatives
-    shown per token; None = no logprobs in the response at all.
+    shown per token; None = no logprobs in the response at all. return_token_ids: each
+    choice also carries the generated token ids (vLLM's extension).
     """
 
     chat: bool
@@ -79,6 +82,7 @@ class ResponseBuilder:
     token_text: TokenText
     top_logprobs: int | None = None
     include_usage: bool = False
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _sent_role: bool = False
     _text_offset: int = 0
@@ -96,7 +100,8 @@ class ResponseBuilder:
     def chunks(self, delta: OutputDelta) -> list[dict[str, Any]]:
         """The chunks one delta becomes (none when it carries nothing to say)."""
         logprobs = self._logprobs(delta.logprobs)
-        if not (delta.text or delta.finish_reason or logprobs):
+        ids = self.return_token_ids and delta.token_ids
+        if not (delta.text or delta.finish_reason or logprobs or ids):
             return []
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
@@ -111,6 +116,8 @@ class ResponseBuilder:
             choice["text"] = delta.text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = delta.finish_reason or None
+        if self.return_token_ids:
+            choice["token_ids"] = list(delta.token_ids)
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         chunk["choices"] = [choice]
         if self.include_usage:
@@ -156,6 +163,8 @@ class ResponseBuilder:
         self._text_offset = 0
         choice["logprobs"] = self._logprobs(tuple(collected.logprobs))
         choice["finish_reason"] = collected.finish_reason or None
+        if self.return_token_ids:
+            choice["token_ids"] = collected.token_ids
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         body["choices"] = [choice]
         if collected.usage is not None:

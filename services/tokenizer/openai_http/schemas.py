@@ -8,9 +8,9 @@ is refused with 400 naming it, never silently ignored. A known parameter at its 
 
 Defaults follow OpenAI and vLLM: temperature 1, top_p 1; max_tokens unset = the rest of the
 context for chat, 16 for completions. Beyond OpenAI: vLLM's top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens and stop_token_ids, and ours: deadline_ms,
-prompt_name (a registered prompt as the system message) and tenant_id (what the gRPC API
-calls them).
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids and return_token_ids, and ours:
+deadline_ms, prompt_name (a registered prompt as the system message) and tenant_id (what the
+gRPC API calls them).
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+    """Each choice (and stream chunk) also carries the generated token ids."""
     # Ours, as the gRPC API names them.
     deadline_ms: Annotated[int, Field(ge=0)] | None = None
     tenant_id: str | None = None
