@@ -197,8 +197,39 @@ def load_average() -> str:
     return f"load average at start: {one:.2f} (1 min), {five:.2f} (5 min)"
 
 
+SECRET_FLAGS = ("--api-key",)
+"""Flags whose value never appears in a report: the command line is echoed above tables and
+kept in JSON files that get shared."""
+MASK = "***"
+
+
+def _is_secret_flag(flag: str) -> bool:
+    # argparse also takes an unambiguous prefix (--api for --api-key); masking the value of
+    # some other flag's prefix only hides a harmless value.
+    return len(flag) > 2 and flag.startswith("--") and any(s.startswith(flag) for s in SECRET_FLAGS)
+
+
+def masked_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` with the value of every secret flag (`--api-key KEY`, `--api-key=KEY`) masked."""
+    masked: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            masked.append(MASK)
+            hide_next = False
+            continue
+        flag, equals, _ = arg.partition("=")
+        if _is_secret_flag(flag):
+            masked.append(f"{flag}={MASK}" if equals else arg)
+            hide_next = not equals
+            continue
+        masked.append(arg)
+    return masked
+
+
 def command_line() -> str:
-    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    """This process's command line, as a shell would read it, secret values masked."""
+    return shlex.join(masked_argv([Path(sys.argv[0]).name, *sys.argv[1:]]))
 
 
 def machine_header(torch_threads: int) -> str:

@@ -8,17 +8,34 @@ llmserve bench serve --request-rate 1,2,4,inf --concurrency 32 --plot-out curve.
 llmserve bench serve --concurrency 1,8,32,64 --json-out sweep.json
 llmserve bench serve --sweep --concurrency 64   # saturate, then 25/50/75/90% of that rate
 llmserve bench serve --compare-inprocess --concurrency 1,8   # the stack vs the in-process engine
+llmserve bench serve --target grpc=grpc://127.0.0.1:50051 --target http=http://127.0.0.1:8000/v1 \
+    --concurrency 16 --num-prompts 32 --input-len 128 --output-len 128 --ignore-eos
+llmserve bench serve --target https://door.example:8443/v1 --target grpcs://door.example:50052 \
+    --api-key "$KEY" --tls-ca ca.pem --rounds 3   # keys and TLS; medians over 3 rounds
 
-Targets: `grpc://host:port` is our public API (TextGeneration.Generate);
-`http://host:port/v1` is any OpenAI-compatible server (streaming /v1/completions over httpx,
-SSE parsed in serve_clients.py); `inprocess` is an LLMEngine in this process, stepped here. All
-three record the same thing: send time, arrival time and token count of each streamed chunk,
-end time. Load is either a fixed number of requests in flight (--concurrency) or Poisson
-arrivals (--request-rate), or both (arrivals capped by the concurrency). Comma lists of rates
-or concurrencies run a sweep, one point per load, each with fresh prompts; --plot-out draws
-TTFT and TPOT against achieved throughput across the points (serve_plot.py).
+Targets: `grpc://host:port` is our public API (TextGeneration.Generate), `grpcs://host:port`
+the same over TLS; `http(s)://host:port/v1` is any OpenAI-compatible server (streaming
+/v1/completions over httpx, SSE parsed in serve_clients.py); `inprocess` is an LLMEngine in
+this process, stepped here. All record the same thing: send time, arrival time and token count
+of each streamed chunk, end time. Load is either a fixed number of requests in flight
+(--concurrency) or Poisson arrivals (--request-rate), or both (arrivals capped by the
+concurrency). Comma lists of rates or concurrencies run a sweep, one point per load, each with
+fresh prompts; --plot-out draws TTFT and TPOT against achieved throughput across the points
+(serve_plot.py).
+
+Several --target ([LABEL=]URL, the label names the target in the tables): every load point
+runs on each target in turn, in the order given, with the same prompts and arrival times, and
+one table ends the run, a row per (load point, target) with its ratios to the first target
+(serve_compare.py); --rounds N repeats each point N times, every target in each round, with
+fresh prompts per round, and the table holds medians over the rounds. Two targets in front of
+one engine (our gRPC and HTTP doors) share its prefix cache: the second would be served the
+first's prompts from the cache (the table's "prompt cached %" shows it), so measure such a
+stack started with `llmserve up --no-enable-prefix-caching`.
+--api-key KEY (else $LLMSERVE_API_KEY, else $OPENAI_API_KEY) goes to every remote target as
+`Authorization: Bearer KEY`, an HTTP header or gRPC metadata, and is never printed;
+--tls-ca FILE is the CA bundle https:// and grpcs:// trust (default: the system's store).
 --compare-inprocess runs every point on the `llmserve up` stack, then on an in-process engine
-with the same settings, and prints one table of both with their ratios (serve_compare.py).
+with the same settings, and prints one table of both with the stack's ratios to the engine.
 """
 
 from __future__ import annotations
@@ -27,25 +44,35 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from services.bench.common import command_line, cpu_model_name, format_table, load_average
+from services.bench.common import (
+    MASK,
+    command_line,
+    cpu_model_name,
+    format_table,
+    load_average,
+    masked_argv,
+    median,
+)
 from services.bench.process_cpu import ProcessCpu, cpu_rows, cpu_table
-from services.bench.serve_clients import GrpcClient, InProcessTarget, OpenAIClient
+from services.bench.serve_clients import Access, GrpcClient, InProcessTarget, OpenAIClient
 from services.bench.serve_compare import (
     INPROCESS,
     STACK,
+    SystemRow,
     compare_document,
-    compare_rows,
     compare_table,
     stack_up_flags,
+    system_rows,
 )
 from services.bench.serve_load import (
     AsyncTarget,
@@ -75,6 +102,7 @@ from services.bench.serve_workload import (
 from services.bench.sweep import (
     SATURATION_FRACTIONS,
     SWEEP_HEADERS,
+    CurvePoint,
     PointResult,
     SweepPoint,
     curve_points,
@@ -93,6 +121,11 @@ if TYPE_CHECKING:
 MAX_DEFAULT_CHANNELS = 8
 WARMUP_SEED_OFFSET = 7919  # warm-up prompts differ from the timed ones: no prefix-cache hits
 DEFAULT_TARGET = "grpc://127.0.0.1:50051"
+INPROCESS_TARGET = "inprocess"
+TARGET_SCHEMES = ("grpc://", "grpcs://", "http://", "https://")
+TLS_SCHEMES = ("grpcs://", "https://")
+API_KEY_VARIABLES = ("LLMSERVE_API_KEY", "OPENAI_API_KEY")
+"""Where the API key comes from without --api-key, the first one set."""
 ENGINE_SEED = 0
 """The in-process engine's sampler seed; a stack started for --compare-inprocess gets it too."""
 STACK_LOG_TAIL_LINES = 30
@@ -185,25 +218,131 @@ def inprocess_target(config: EngineConfig, generation: Generation) -> Target:
     return InProcessTarget(LLMEngine(config), generation)
 
 
-def grpc_target(args: argparse.Namespace, target: str, generation: Generation) -> Target:
-    address = target.removeprefix("grpc://")
+def grpc_target(
+    args: argparse.Namespace, target: str, generation: Generation, access: Access | None = None
+) -> Target:
+    tls = target.startswith("grpcs://")
+    address = target.removeprefix("grpcs://" if tls else "grpc://")
     most_in_flight = max(args.concurrency) if args.concurrency else args.num_prompts
     channels = args.channels or min(most_in_flight, MAX_DEFAULT_CHANNELS)
     return AsyncTarget(
         f"{target} ({channels} channels)",
-        lambda: GrpcClient(address, channels, generation),
+        lambda: GrpcClient(address, channels, generation, tls=tls, access=access),
     )
 
 
-def make_target(args: argparse.Namespace, generation: Generation, target: str) -> Target:
-    if target == "inprocess":
+def make_target(
+    args: argparse.Namespace, generation: Generation, target: str, access: Access | None = None
+) -> Target:
+    if target == INPROCESS_TARGET:
         return inprocess_target(engine_config(args), generation)
-    if target.startswith("grpc://"):
-        return grpc_target(args, target, generation)
+    if target.startswith(("grpc://", "grpcs://")):
+        return grpc_target(args, target, generation, access)
     if target.startswith(("http://", "https://")):
         OpenAIClient(target, args.model, generation)  # validate the URL now
-        return AsyncTarget(target, lambda: OpenAIClient(target, args.model, generation))
-    raise ValueError(f"--target is grpc://host:port, http://host:port/v1 or inprocess: {target}")
+        return AsyncTarget(target, lambda: OpenAIClient(target, args.model, generation, access))
+    raise ValueError(
+        f"--target is grpc(s)://host:port, http(s)://host:port/v1 or inprocess: {target}"
+    )
+
+
+# ---- several targets, their API key and trusted CAs -----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """One --target: its label in the tables and its URL (grpc://, http://, ..., inprocess)."""
+
+    label: str
+    url: str
+
+
+def parse_target(text: str) -> TargetSpec:
+    """`[LABEL=]URL`. The label is the text before the first '=' when that text holds no '://'
+    (so a URL with '=' in its query keeps it); without one the label is the URL."""
+    label, equals, url = text.partition("=")
+    if not equals or "://" in label:
+        label = url = text
+    label, url = label.strip(), url.strip()
+    if not label:
+        raise ValueError(f"--target LABEL=URL needs a label before '=': {text!r}")
+    if url != INPROCESS_TARGET and not url.startswith(TARGET_SCHEMES):
+        raise ValueError(
+            f"--target is [LABEL=]URL with URL grpc(s)://host:port, http(s)://host:port/v1 "
+            f"or inprocess: {text!r}"
+        )
+    return TargetSpec(label, url)
+
+
+def target_specs(args: argparse.Namespace) -> list[TargetSpec]:
+    """The --target flags in order (none: the default target); labels must differ."""
+    specs = [parse_target(text) for text in args.target or [DEFAULT_TARGET]]
+    labels = [spec.label for spec in specs]
+    for label in labels:
+        if labels.count(label) > 1:
+            raise ValueError(f"--target labels must differ; {label!r} is given twice")
+    return specs
+
+
+def check_target_flags(args: argparse.Namespace, specs: Sequence[TargetSpec]) -> None:
+    """ValueError naming the flag that does not fit the targets given."""
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    if args.rounds > 1 and len(specs) < 2:
+        raise ValueError("--rounds alternates several --target: give at least two")
+    if args.tls_ca is not None and not any(spec.url.startswith(TLS_SCHEMES) for spec in specs):
+        raise ValueError("--tls-ca applies to https:// and grpcs:// targets; none is given")
+
+
+def api_key_source(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(key, where it came from): --api-key, else the first of API_KEY_VARIABLES set."""
+    if args.api_key:
+        return args.api_key, "--api-key"
+    for name in API_KEY_VARIABLES:
+        if environ.get(name):
+            return environ[name], name
+    return None
+
+
+def target_access(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[Access, str | None]:
+    """The run's Access and the header line that says what it holds (never the key itself);
+    ValueError when the --tls-ca file is missing or holds no certificate."""
+    source = api_key_source(args, environ)
+    access = Access(
+        api_key=None if source is None else source[0],
+        tls_ca=None if args.tls_ca is None else Path(args.tls_ca),
+    )
+    if access.tls_ca is not None:
+        try:
+            access.ssl_context()  # fails now, not at the first request
+        except OSError as exc:  # ssl.SSLError too
+            raise ValueError(f"--tls-ca {access.tls_ca}: {exc.strerror or exc}") from exc
+    parts = []
+    if source is not None:
+        parts.append(f"API key from {source[1]} (a bearer token; not shown)")
+    if access.tls_ca is not None:
+        parts.append(f"TLS: CAs of {access.tls_ca} trusted")
+    return access, ("access: " + "; ".join(parts)) if parts else None
+
+
+def make_targets(
+    args: argparse.Namespace,
+    generation: Generation,
+    specs: Sequence[TargetSpec],
+    access: Access,
+) -> dict[str, Target]:
+    """Every target by label, in the order given; the ones made are closed if one fails."""
+    targets: dict[str, Target] = {}
+    try:
+        for spec in specs:
+            targets[spec.label] = make_target(args, generation, spec.url, access)
+    except BaseException:
+        for target in targets.values():
+            target.close()
+        raise
+    return targets
 
 
 # ---- --compare-inprocess: the same load on the stack, then on the in-process engine ------------
@@ -213,14 +352,21 @@ class StackStartError(RuntimeError):
     """The `llmserve up` stack to compare with did not come up."""
 
 
+def compared_target(args: argparse.Namespace) -> str | None:
+    """--compare-inprocess: the URL of the running stack --target names, or None."""
+    return None if not args.target else parse_target(args.target[0]).url
+
+
 def check_compare_flags(args: argparse.Namespace) -> None:
     """ValueError naming the flag that does not fit the run asked for."""
     if not args.compare_inprocess:
         if args.stack_arg:
             raise ValueError("--stack-arg applies to the stack --compare-inprocess starts")
         return
-    target: str | None = args.target
-    if target is not None and not target.startswith("grpc://"):
+    if args.target and len(args.target) > 1:
+        raise ValueError("--compare-inprocess takes at most one --target (a running stack)")
+    target = compared_target(args)
+    if target is not None and not target.startswith(("grpc://", "grpcs://")):
         raise ValueError(
             "--compare-inprocess compares the in-process engine with the stack: --target is "
             f"grpc://host:port (a running stack) or absent (one is started); got {target!r}"
@@ -259,8 +405,9 @@ def compared_stack(args: argparse.Namespace) -> Iterator[tuple[str, ProcessCpu |
     """The stack's grpc:// URL: --target's, or that of an `llmserve up` started here on free
     ports and stopped (SIGTERM, a bounded wait, then SIGKILL) when the block ends; with the
     latter, its processes (by pid) for the CPU-by-process table."""
-    if args.target is not None:
-        yield args.target, None
+    target = compared_target(args)
+    if target is not None:
+        yield target, None
         return
     from services.launcher import StackConfig
     from services.stack import running_stack
@@ -343,8 +490,9 @@ class LoadPlan:
     warmup: list[Sample]
     num_points: int
     keep_samples: bool = False
-    """Keep each point's prompts once drawn, for a second target to get the very same ones
-    (--compare-inprocess); else a point's prompts are dropped after it, as a sweep's add up."""
+    """Keep each point's prompts once drawn, for the other targets to get the very same ones
+    (--compare-inprocess, several --target); else a point's prompts are dropped after it, as a
+    sweep's add up."""
     drawn: dict[int, list[Sample]] = field(default_factory=dict)
 
     def samples(self, index: int) -> list[Sample]:
@@ -366,6 +514,46 @@ class SystemRun:
     documents: list[Any] = field(default_factory=list)
 
 
+def measure_point(
+    target: Target,
+    plan: LoadPlan,
+    point: SweepPoint,
+    sample_index: int,
+    description: str,
+    warm: bool,
+    processes: ProcessCpu | None = None,
+) -> tuple[PointResult, Any]:
+    """One load point on one target: the warm-up first when `warm`, then the prompts of
+    `sample_index` (LoadPlan.samples), with its report printed; the result and its --json-out
+    point."""
+    args = plan.args
+    samples = plan.samples(sample_index)
+    load = Load(point.request_rate, point.concurrency, args.seed)
+    print(f"## {description}: {load.describe()}", flush=True)
+    # Warmed up first, so the CPU snapshots cover the measured requests only.
+    warm_up(target, plan.warmup if warm else (), load.concurrency)
+    before = processes.snapshot() if processes is not None else None
+    summary, records = run_point(target, samples, load, plan.slo, description=description)
+    print(report(summary) + "\n", flush=True)
+    if processes is not None and before is not None:
+        rows = cpu_rows(before, processes.snapshot(), summary.output_tokens)
+        print(f"CPU by process:\n{cpu_table(rows)}\n", flush=True)
+    result = PointResult(point, len(samples), summary)
+    return result, point_document(result, point_seed(args.seed, sample_index), records)
+
+
+def swept_points(point: SweepPoint, saturated: Sequence[PointResult]) -> list[SweepPoint] | None:
+    """--sweep: the points after the saturated one, at fractions of its median request rate
+    (over rounds); None, said on stderr, when that rate gives none."""
+    measured = [r.summary.requests_per_s for r in saturated]
+    try:
+        rates = saturation_rates(median([rate for rate in measured if math.isfinite(rate)]))
+    except ValueError as exc:
+        print(f"bench serve: --sweep stops: {exc}", file=sys.stderr)
+        return None
+    return [SweepPoint(rate, point.concurrency) for rate in rates]
+
+
 def run_points(
     target: Target,
     plan: LoadPlan,
@@ -377,36 +565,68 @@ def run_points(
     """Each point in turn, the warm-up before the first; with `sweep` the first point's
     saturated rate sets the points that follow it. With `processes`, each point's report
     also says how much CPU each of them spent per output token."""
-    args = plan.args
     pending = list(points)
     measured = SystemRun()
     prefix = f"{name} " if name else ""
     while pending:
         point = pending.pop(0)
         index = len(measured.results)
-        seed = point_seed(args.seed, index)
-        samples = plan.samples(index)
-        load = Load(point.request_rate, point.concurrency, args.seed)
         description = f"{prefix}load {index + 1}/{plan.num_points}"
-        print(f"## {description}: {load.describe()}", flush=True)
-        # Warmed up first, so the CPU snapshots cover the measured requests only.
-        warm_up(target, plan.warmup if index == 0 else (), load.concurrency)
-        before = processes.snapshot() if processes is not None else None
-        summary, records = run_point(target, samples, load, plan.slo, description=description)
-        print(report(summary) + "\n", flush=True)
-        if processes is not None and before is not None:
-            rows = cpu_rows(before, processes.snapshot(), summary.output_tokens)
-            print(f"CPU by process:\n{cpu_table(rows)}\n", flush=True)
-        result = PointResult(point, len(samples), summary)
+        result, document = measure_point(
+            target, plan, point, index, description, index == 0, processes
+        )
         measured.results.append(result)
-        measured.documents.append(point_document(result, seed, records))
+        measured.documents.append(document)
         if sweep and index == 0:
-            try:
-                rates = saturation_rates(summary.requests_per_s)
-            except ValueError as exc:
-                print(f"bench serve: --sweep stops: {exc}", file=sys.stderr)
+            following = swept_points(point, [result])
+            if following is None:
                 break
-            pending = [SweepPoint(rate, point.concurrency) for rate in rates]
+            pending = following
+    return measured
+
+
+def run_targets(
+    targets: Mapping[str, Target],
+    plan: LoadPlan,
+    points: Sequence[SweepPoint],
+    sweep: bool,
+    num_rounds: int = 1,
+) -> dict[str, SystemRun]:
+    """Each load point on every target, one target at a time in the order given, each offered
+    the same prompts at the same arrival times; the warm-up before each target's first point.
+    With `num_rounds` > 1 a point is run round after round, every target in each round, with
+    fresh prompts per round (shared by the targets), so a drift of the machine's speed falls
+    on every target alike. With `sweep` the first target's saturated rate (median over the
+    rounds) sets the points that follow. A target's --json-out points say its label
+    ("system") and their round."""
+    measured = {label: SystemRun() for label in targets}
+    reference = next(iter(targets))
+    pending = list(points)
+    index = 0
+    while pending:
+        point = pending.pop(0)
+        for round_index in range(num_rounds):
+            # One prompt set per (point, round), drawn once (plan.keep_samples) and given to
+            # every target; with one round its index is the point's, as for a single target.
+            sample_index = index * num_rounds + round_index
+            in_round = f" round {round_index + 1}/{num_rounds}" if num_rounds > 1 else ""
+            for label, target in targets.items():
+                description = f"{label} load {index + 1}/{plan.num_points}{in_round}"
+                warm = index == 0 and round_index == 0
+                result, document = measure_point(
+                    target, plan, point, sample_index, description, warm
+                )
+                measured[label].results.append(result)
+                measured[label].documents.append(
+                    {**document, "system": label, "round": round_index + 1}
+                )
+            plan.drawn.pop(sample_index, None)  # every target has had them
+        if sweep and index == 0:
+            following = swept_points(point, measured[reference].results)
+            if following is None:
+                break
+            pending = following
+        index += 1
     return measured
 
 
@@ -451,11 +671,26 @@ def all_completed(runs: Sequence[SystemRun]) -> bool:
     return all(result.summary.num_completed for run in runs for result in run.results)
 
 
+def config_document(args: argparse.Namespace) -> dict[str, Any]:
+    """Every flag for --json-out, the API key masked."""
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    if config.get("api_key"):
+        config["api_key"] = MASK
+    return config
+
+
+def with_access(target_line: str, access_line: str | None) -> str:
+    return target_line if access_line is None else f"{target_line}\n{access_line}"
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
             raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
         check_compare_flags(args)
+        specs = target_specs(args)
+        check_target_flags(args, specs)
+        access, access_line = target_access(args, os.environ)
         points = planned_points(args)
         if args.plot_out:
             require_matplotlib()
@@ -466,20 +701,23 @@ def run(args: argparse.Namespace) -> int:
             build_samples(args, args.num_prompts, args.seed),
             build_samples(args, args.warmup, args.seed + WARMUP_SEED_OFFSET),
             len(points) + (len(SATURATION_FRACTIONS) if args.sweep else 0),
-            keep_samples=args.compare_inprocess,
+            keep_samples=args.compare_inprocess or len(specs) > 1,
         )
         if args.compare_inprocess:
             # Checked now: a bad engine flag fails here, not after the stack's whole run.
             config = engine_config(args)
         else:
-            target = make_target(args, generation, args.target or DEFAULT_TARGET)
+            targets = make_targets(args, generation, specs, access)
     except (ValueError, OSError, PlotUnavailableError) as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 2
     if args.compare_inprocess:
-        return run_compare(args, plan, points, generation, config)
+        return run_compare(args, plan, points, generation, config, access, access_line)
+    if len(targets) > 1:
+        return run_several(args, plan, points, generation, targets, access_line)
+    (target,) = targets.values()
     load_at_start = load_average()
-    target_line = f"target: {target.description}"
+    target_line = with_access(f"target: {target.description}", access_line)
     print(header(args, plan, generation, target_line, load_at_start) + "\n", flush=True)
     try:
         measured = run_points(target, plan, points, args.sweep)
@@ -490,10 +728,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(SWEEP_HEADERS, sweep_rows(ordered)) + "\n(latencies in ms)")
     if args.json_out:
         document = {
-            "command": sys.argv,
+            "command": masked_argv(sys.argv),
             "target": target.description,
             "load_average_at_start": load_at_start,
-            "config": {k: v for k, v in vars(args).items() if k != "func"},
+            "config": config_document(args),
             "points": measured.documents,
         }
         write_json(args.json_out, document)
@@ -504,14 +742,82 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all_completed([measured]) else 1
 
 
+def row_curve_points(rows: Sequence[SystemRow]) -> list[CurvePoint]:
+    """One curve per system, through its load points (the figures of the table's rows)."""
+    return [
+        CurvePoint(
+            series=row.system,
+            label=row.point.label,
+            output_tokens_per_s=row.figures.output_tokens_per_s,
+            ttft_p50_ms=row.figures.ttft_p50_ms,
+            ttft_p99_ms=row.figures.ttft_p99_ms,
+            tpot_p50_ms=row.figures.tpot_p50_ms,
+            tpot_p99_ms=row.figures.tpot_p99_ms,
+        )
+        for row in rows
+    ]
+
+
+def run_several(
+    args: argparse.Namespace,
+    plan: LoadPlan,
+    points: Sequence[SweepPoint],
+    generation: Generation,
+    targets: Mapping[str, Target],
+    access_line: str | None,
+) -> int:
+    """Every load point on each target in turn (run_targets); one table of all, with every
+    target's ratios to the first."""
+    load_at_start = load_average()
+    reference = next(iter(targets))
+    descriptions = {label: target.description for label, target in targets.items()}
+    rounds = f", {args.rounds} rounds" if args.rounds > 1 else ""
+    target_lines = [
+        f"targets: one after the other at every load point, the same prompts{rounds}; "
+        f"ratios to {reference}",
+        *(
+            f"  {label}: {description}" if label != description else f"  {label}"
+            for label, description in descriptions.items()
+        ),
+    ]
+    target_line = with_access("\n".join(target_lines), access_line)
+    print(header(args, plan, generation, target_line, load_at_start) + "\n", flush=True)
+    try:
+        measured = run_targets(targets, plan, points, args.sweep, args.rounds)
+    finally:
+        for target in targets.values():
+            target.close()
+    rows = system_rows({label: run.results for label, run in measured.items()}, reference)
+    table = compare_table(rows, reference, args.rounds)
+    print(f"## {' vs '.join(targets)}\n\n{table}", flush=True)
+    if args.json_out:
+        document = {
+            "command": masked_argv(sys.argv),
+            "target": " vs ".join(descriptions.values()),
+            "load_average_at_start": load_at_start,
+            "config": config_document(args),
+            "points": [point for run in measured.values() for point in run.documents],
+            "compare": compare_document(rows, descriptions, reference, None, args.rounds),
+        }
+        write_json(args.json_out, document)
+    if args.plot_out:
+        title = plot_title(args, plan, " vs ".join(targets))
+        plot_latency_vs_throughput(row_curve_points(rows), Path(args.plot_out), title)
+        print(f"plot: {args.plot_out}")
+    return 0 if all_completed(list(measured.values())) else 1
+
+
 def run_compare(
     args: argparse.Namespace,
     plan: LoadPlan,
     points: Sequence[SweepPoint],
     generation: Generation,
     config: EngineConfig,
+    access: Access | None = None,
+    access_line: str | None = None,
 ) -> int:
-    """Every load point on the stack, then on the in-process engine; one table of both.
+    """Every load point on the stack, then on the in-process engine; one table of both, the
+    in-process engine the reference of the ratios.
 
     The stack runs first and is stopped before the engine loads: a stopped process hands every
     thread and byte back to the OS, while `del engine; gc.collect()` here would not (torch
@@ -520,19 +826,21 @@ def run_compare(
     idle while the engine runs.
     """
     load_at_start = load_average()
-    started = args.target is None
+    running = compared_target(args)
+    started = running is None
     stack_command = ["llmserve", "up", *compare_stack_flags(args)] if started else None
-    where = "started here, stopped before the engine loads" if started else args.target
-    target_line = (
+    where = "started here, stopped before the engine loads" if started else running
+    target_line = with_access(
         f"compare: the `llmserve up` stack ({where}), then the in-process engine, "
-        "the same samples and warm-up, one system loaded at a time"
+        "the same samples and warm-up, one system loaded at a time",
+        access_line,
     )
     print(header(args, plan, generation, target_line, load_at_start) + "\n", flush=True)
     systems: dict[str, SystemRun] = {}
     targets: dict[str, str] = {}
     try:
         with compared_stack(args) as (url, processes):
-            target = grpc_target(args, url, generation)
+            target = grpc_target(args, url, generation, access)
             targets[STACK] = target.description
             print(f"# {STACK}: {target.description}\n", flush=True)
             systems[STACK] = run_points(target, plan, points, args.sweep, STACK, processes)
@@ -557,20 +865,21 @@ def run_compare(
         if len(ordered) > 1:
             table = format_table(SWEEP_HEADERS, sweep_rows(ordered))
             print(f"{name}:\n{table}\n(latencies in ms)\n")
-    rows = compare_rows(systems[INPROCESS].results, systems[STACK].results)
-    print(f"## in-process vs stack\n\n{compare_table(rows)}", flush=True)
+    results = {name: systems[name].results for name in (INPROCESS, STACK)}
+    rows = system_rows(results, INPROCESS)
+    print(f"## in-process vs stack\n\n{compare_table(rows, INPROCESS)}", flush=True)
     if args.json_out:
         document = {
-            "command": sys.argv,
+            "command": masked_argv(sys.argv),
             "target": " vs ".join(targets.values()),
             "load_average_at_start": load_at_start,
-            "config": {k: v for k, v in vars(args).items() if k != "func"},
+            "config": config_document(args),
             "points": [
                 {**point, "system": name}
                 for name, measured in systems.items()
                 for point in measured.documents
             ],
-            "compare": compare_document(rows, targets, stack_command),
+            "compare": compare_document(rows, targets, INPROCESS, stack_command),
         }
         write_json(args.json_out, document)
     if args.plot_out:
@@ -602,11 +911,38 @@ def _concurrencies_argument(text: str) -> list[int]:
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
+        action="append",
         default=None,
-        help="grpc://host:port (our API), http://host:port/v1 (OpenAI-compatible) or inprocess "
+        metavar="[LABEL=]URL",
+        help="grpc://host:port (our API), grpcs://host:port (the same over TLS), "
+        "http(s)://host:port/v1 (OpenAI-compatible) or inprocess, with an optional label for "
+        "the tables (default: the URL). Repeatable: every load point runs on each target in "
+        "turn, with the same prompts, and one table compares them, ratios to the first "
         f"(default: {DEFAULT_TARGET}; with --compare-inprocess: a stack started here)",
     )
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="several --target: run each load point this many times, every target in turn in "
+        "each round with fresh prompts; the table holds medians over the rounds",
+    )
+    access = parser.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        default=None,
+        help="sent to every target as `Authorization: Bearer KEY` (HTTP header, gRPC "
+        f"metadata); default: ${API_KEY_VARIABLES[0]}, else ${API_KEY_VARIABLES[1]}. "
+        "Never printed",
+    )
+    access.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="PEM bundle of the CAs to trust for https:// and grpcs:// targets "
+        "(default: the system's CA store)",
+    )
     load = parser.add_argument_group("load")
     load.add_argument(
         "--concurrency",

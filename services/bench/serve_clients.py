@@ -1,6 +1,7 @@
-"""The targets `llmserve bench serve` sends requests to: our gRPC API, any OpenAI-compatible
-HTTP server, and an LLMEngine stepped in this process. Each records, per request, the send
-time, the arrival time and token count of every streamed chunk, and the end time.
+"""The targets `llmserve bench serve` sends requests to: our gRPC API (plain or over TLS), any
+OpenAI-compatible HTTP server, and an LLMEngine stepped in this process. Each records, per
+request, the send time, the arrival time and token count of every streamed chunk, and the end
+time. A remote target gets the run's API key (a bearer token) and trusted CAs from `Access`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import json
 import ssl
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -18,21 +21,69 @@ import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.bench.serve_load import Generation
+from services.bench.serve_load import ClientStartError, Generation
 from services.bench.serve_metrics import Chunk, RequestRecord
 from services.bench.serve_workload import Sample
 from services.common.grpc_server import CHANNEL_OPTIONS, status_for
 
+CONNECT_TIMEOUT_S = 60.0
+"""How long a gRPC client waits for its channels before the run's requests fail: a refused TLS
+handshake (an untrusted certificate) is retried by gRPC for ever, never reported."""
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """What a client shows the server and whom it trusts: the same for every remote target."""
+
+    api_key: str | None = field(default=None, repr=False)
+    """Sent as `Authorization: Bearer KEY`: an HTTP header, or gRPC metadata on every call."""
+    tls_ca: Path | None = None
+    """PEM bundle of the CAs trusted for https:// and grpcs://; None: the system's CA store."""
+
+    @property
+    def authorization(self) -> str | None:
+        return None if self.api_key is None else f"Bearer {self.api_key}"
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For https://. ssl.SSLError (an OSError) when the --tls-ca file holds no certificate."""
+        if self.tls_ca is None:
+            # The system's CA store, as the standard library's clients use (httpx's own
+            # default is certifi's bundle).
+            return ssl.create_default_context()
+        return ssl.create_default_context(cafile=str(self.tls_ca))
+
+    def root_certificates(self) -> bytes | None:
+        """For grpcs://: the --tls-ca file, else the system's CA file (None, where there is
+        none, leaves gRPC its own bundled roots)."""
+        if self.tls_ca is not None:
+            return self.tls_ca.read_bytes()
+        system = ssl.get_default_verify_paths().cafile
+        return Path(system).read_bytes() if system else None
+
 
 class GrpcClient:
-    """Our public API. One channel per slot up to `num_channels`: the tokenizer tier may run
-    several replicas behind one SO_REUSEPORT port, and the kernel spreads *connections*, so
-    more channels spread the load."""
+    """Our public API, over plaintext HTTP/2 or, with `tls`, over TLS (grpcs://). One channel
+    per slot up to `num_channels`: the tokenizer tier may run several replicas behind one
+    SO_REUSEPORT port, and the kernel spreads *connections*, so more channels spread the load.
+    Channels connect (and finish their TLS handshake) before timing, so no request's TTFT
+    includes a handshake."""
 
-    def __init__(self, address: str, num_channels: int, generation: Generation) -> None:
+    def __init__(
+        self,
+        address: str,
+        num_channels: int,
+        generation: Generation,
+        *,
+        tls: bool = False,
+        access: Access | None = None,
+    ) -> None:
         self.address = address
         self.num_channels = num_channels
         self.generation = generation
+        self.tls = tls
+        self.access = access or Access()
+        authorization = self.access.authorization
+        self.metadata = None if authorization is None else (("authorization", authorization),)
         self.channels: list[Any] = []
         self.stubs: list[Any] = []
 
@@ -40,12 +91,29 @@ class GrpcClient:
         # gRPC shares subchannels (TCP connections) between channels with identical
         # arguments; a local pool per channel gives each its own connection.
         options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        credentials = (
+            grpc.ssl_channel_credentials(root_certificates=self.access.root_certificates())
+            if self.tls
+            else None
+        )
         for _ in range(self.num_channels):
-            channel = grpc.aio.insecure_channel(self.address, options=options)
+            if credentials is None:
+                channel = grpc.aio.insecure_channel(self.address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(self.address, credentials, options=options)
             self.channels.append(channel)
             self.stubs.append(text_pb2_grpc.TextGenerationStub(channel))
-        # Connect before timing, so no request's TTFT includes a TCP/HTTP2 handshake.
-        await asyncio.gather(*(channel.channel_ready() for channel in self.channels))
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(channel.channel_ready() for channel in self.channels)),
+                CONNECT_TIMEOUT_S,
+            )
+        except TimeoutError:
+            hint = " (TLS: is the server's certificate signed by --tls-ca?)" if self.tls else ""
+            raise ClientStartError(
+                "no connection",
+                f"{self.address}: not connected after {CONNECT_TIMEOUT_S:g} s{hint}",
+            ) from None
 
     def request_for(self, sample: Sample) -> Any:
         sampling = text_pb2.SamplingParams(
@@ -63,7 +131,9 @@ class GrpcClient:
         record = RequestRecord(send_time_s=time.perf_counter(), prompt_tokens=sample.prompt_len)
         last = None
         try:
-            async for response in stub.Generate(request, timeout=self.generation.timeout_s):
+            async for response in stub.Generate(
+                request, timeout=self.generation.timeout_s, metadata=self.metadata
+            ):
                 now = time.perf_counter()
                 if response.token_ids:
                     record.chunks.append(Chunk(now, len(response.token_ids)))
@@ -87,14 +157,31 @@ class GrpcClient:
 
 
 class OpenAIClient:
-    """Any OpenAI-compatible server: POST {base}/completions with stream=true over httpx, one
-    HTTP/1.1 connection per request (`Connection: close`, as a fresh client would open), SSE
-    parsed here. Streamed text does not say how many tokens a chunk holds: a chunk counts as
-    len(logprobs.tokens) when the server sends logprobs, else as one token; the output count
-    is the server's usage.completion_tokens when it reports usage
-    (stream_options.include_usage), else the number of chunks."""
+    """Any OpenAI-compatible server: POST {base}/completions with stream=true and
+    stream_options.include_usage over httpx, one HTTP/1.1 connection per request
+    (`Connection: close`, as a fresh client would open), SSE parsed here. With an API key,
+    every request (GET /models too) carries `Authorization: Bearer KEY`.
 
-    def __init__(self, base_url: str, model: str | None, generation: Generation) -> None:
+    What is timed, per request:
+    - send: just before the request is written, so TTFT holds the TCP connect and, on https,
+      the TLS handshake (the gRPC client connects before timing: its TTFT holds neither);
+    - TTFT: send to the first SSE event whose choice carries text (or logprobs tokens); an
+      event with empty text (a role-only first chunk) is no token;
+    - end: when the stream ends ([DONE], after the usage event).
+    Streamed text does not say how many tokens an event holds, and a server may merge several
+    tokens into one event (ours does for a client that reads slower than the engine writes):
+    an event counts as len(logprobs.tokens) when the server sends logprobs, else as one token.
+    The output count is the server's usage.completion_tokens when it reports usage, else the
+    number of events. So TPOT, (E2E - TTFT) / (output tokens - 1), stays exact under merging,
+    while ITL is per event: one gap for the k tokens a merged event carries."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None,
+        generation: Generation,
+        access: Access | None = None,
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"expected http(s)://host:port/v1, got {base_url!r}")
@@ -102,30 +189,41 @@ class OpenAIClient:
         self.base_path = parts.path.rstrip("/")
         self.model = model
         self.generation = generation
+        self.access = access or Access()
         self.http: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
         # No httpx timeout and no pool limit: the per-request deadline is --timeout-s (an
         # asyncio timeout around the whole stream), and a pool cap would queue requests
         # inside the client, where their wait would count as the server's TTFT.
+        headers = {"Accept": "text/event-stream, application/json", "Connection": "close"}
+        if self.access.authorization is not None:
+            headers["Authorization"] = self.access.authorization
         self.http = httpx.AsyncClient(
             base_url=self.base_url,
-            headers={
-                "Accept": "text/event-stream, application/json",
-                "Connection": "close",
-            },
+            headers=headers,
             timeout=None,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
-            # The system's CA store, as the standard library's clients use (httpx's own
-            # default is certifi's bundle).
-            verify=ssl.create_default_context(),
+            verify=self.access.ssl_context(),
         )
         if self.model is None:
+            self.model = await self.first_model()
+
+    async def first_model(self) -> str:
+        """The first model GET /models lists: the model name when --model is not given."""
+        assert self.http is not None
+        where = f"no --model given and GET {self.base_path}/models"
+        try:
             response = await self.http.get("/models")
             models = response.json().get("data", []) if response.status_code == 200 else []
-            if not models:
-                raise ValueError(f"no --model given and GET {self.base_path}/models failed")
-            self.model = str(models[0]["id"])
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            raise ClientStartError(type(exc).__name__, f"{where} failed: {exc!r}") from None
+        if response.status_code != 200:
+            status = f"HTTP {response.status_code}"
+            raise ClientStartError(status, f"{where} answered {status}")
+        if not models:
+            raise ClientStartError("no model", f"{where} listed no model")
+        return str(models[0]["id"])
 
     async def close(self) -> None:
         if self.http is not None:

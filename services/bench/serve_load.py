@@ -73,8 +73,18 @@ class Target(Protocol):
 # ---- asyncio clients: driven by one event loop ------------------------------------------------
 
 
+class ClientStartError(RuntimeError):
+    """A client could not get ready to send (no connection, TLS refused, no model name): every
+    request of the run fails with `status`."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class StreamingClient(Protocol):
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Connect (or check the server) before timing; ClientStartError when it cannot."""
 
     async def generate(self, sample: Sample, slot: int) -> RequestRecord: ...
 
@@ -128,7 +138,12 @@ class AsyncTarget:
 
         async def main() -> list[RequestRecord]:
             client: StreamingClient = self.make_client()
-            await client.start()
+            try:
+                await client.start()
+            except ClientStartError as exc:
+                await client.close()
+                print(f"bench serve: {self.description}: {exc}", file=sys.stderr, flush=True)
+                return failed_records(len(samples), exc.status, progress)
             try:
                 return await drive(client, samples, offsets, concurrency, progress)
             finally:
@@ -138,6 +153,13 @@ class AsyncTarget:
 
     def close(self) -> None:
         pass
+
+
+def failed_records(count: int, status: str, progress: tqdm | None) -> list[RequestRecord]:
+    now = time.perf_counter()
+    if progress is not None:
+        progress.update(count)
+    return [RequestRecord(now, now, error=status) for _ in range(count)]
 
 
 # ---- one benchmark point --------------------------------------------------------------------

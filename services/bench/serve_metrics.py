@@ -138,6 +138,8 @@ class ServeSummary:
     prompt_tokens: int
     """Over completed requests (failed ones count in no throughput)."""
     output_tokens: int
+    cached_prompt_tokens: int
+    """Prompt tokens the server reported serving from its prefix cache (completed requests)."""
     requests_per_s: float
     output_tokens_per_s: float
     total_tokens_per_s: float
@@ -180,6 +182,7 @@ def summarize(
         e2e=Distribution.of_seconds([r.e2e_s for r in completed]),
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in completed),
         requests_per_s=_rate(len(completed), duration),
         output_tokens_per_s=_rate(output_tokens, duration),
         total_tokens_per_s=_rate(prompt_tokens + output_tokens, duration),

@@ -23,14 +23,16 @@ from services.bench import serve
 from services.bench.serve_clients import InProcessTarget
 from services.bench.serve_compare import (
     COMPARE_HEADERS,
-    COMPARE_LEGEND,
-    CompareRow,
+    INPROCESS,
+    STACK,
     SystemFigures,
+    SystemRow,
     compare_document,
-    compare_rows,
+    compare_legend,
     compare_table,
     ratio,
     stack_up_flags,
+    system_rows,
 )
 from services.bench.serve_metrics import Chunk, RequestRecord, Slo, summarize
 from services.bench.sweep import PointResult, SweepPoint
@@ -128,11 +130,11 @@ def test_flags_that_fit_pass() -> None:
 # ---- rows, ratios, the table -------------------------------------------------------------------
 
 
-def test_ratio_is_stack_over_inprocess_and_undefined_without_two_values() -> None:
+def test_ratio_is_value_over_reference_and_undefined_without_two_values() -> None:
     assert ratio(12.0, 10.0) == pytest.approx(1.2)
     assert ratio(80.0, 100.0) == pytest.approx(0.8)
-    for stack, inprocess in ((math.nan, 1.0), (1.0, math.nan), (0.0, 1.0), (1.0, 0.0)):
-        assert math.isnan(ratio(stack, inprocess))
+    for value, reference in ((math.nan, 1.0), (1.0, math.nan), (0.0, 1.0), (1.0, 0.0)):
+        assert math.isnan(ratio(value, reference))
 
 
 def _result(point: SweepPoint, tpot_ms: float, tokens: int = 4, failed: int = 0) -> PointResult:
@@ -147,64 +149,102 @@ def _result(point: SweepPoint, tpot_ms: float, tokens: int = 4, failed: int = 0)
 
 
 def _figures(tpot_ms: float, ttft_ms: float, tok_s: float) -> SystemFigures:
-    return SystemFigures(tpot_ms, ttft_ms, tok_s, 2, 2)
+    return SystemFigures(tok_s, ttft_ms, 2 * ttft_ms, tpot_ms, 2 * tpot_ms, 2, 2)
 
 
-def test_rows_pair_the_systems_point_by_point_in_load_order() -> None:
+def test_rows_pair_the_systems_point_by_point_in_load_order_reference_first() -> None:
     c8, c1 = SweepPoint(math.inf, 8), SweepPoint(math.inf, 1)
-    inprocess = [_result(c8, 5.0), _result(c1, 4.0)]
     stack = [_result(c8, 6.0), _result(c1, 5.0, failed=1)]
-    rows = compare_rows(inprocess, stack)
-    assert [row.point for row in rows] == [c1, c8]
-    assert rows[0].inprocess.tpot_p50_ms == pytest.approx(4.0)
-    assert rows[0].stack.tpot_p50_ms == pytest.approx(5.0)
-    assert rows[0].tpot_ratio == pytest.approx(1.25)
-    assert rows[0].ttft_ratio == pytest.approx(1.0)
-    assert (rows[0].stack.num_completed, rows[0].stack.num_requests) == (2, 3)
+    inprocess = [_result(c8, 5.0), _result(c1, 4.0)]
+    rows = system_rows({STACK: stack, INPROCESS: inprocess}, INPROCESS)
+    assert [(row.point, row.system) for row in rows] == [
+        (c1, INPROCESS),
+        (c1, STACK),
+        (c8, INPROCESS),
+        (c8, STACK),
+    ]
+    reference, stack_c1 = rows[0], rows[1]
+    assert reference.tpot_ratio == pytest.approx(1.0)
+    assert stack_c1.figures.tpot_p50_ms == pytest.approx(5.0)
+    assert stack_c1.reference.tpot_p50_ms == pytest.approx(4.0)
+    assert stack_c1.tpot_ratio == pytest.approx(1.25)
+    assert stack_c1.ttft_ratio == pytest.approx(1.0)
+    assert (stack_c1.figures.num_completed, stack_c1.figures.num_requests) == (2, 3)
+    assert stack_c1.figures.errors == {"UNAVAILABLE": 1}
 
 
 def test_rows_stop_where_one_system_stopped_and_refuse_different_loads() -> None:
     c1, c2 = SweepPoint(math.inf, 1), SweepPoint(math.inf, 2)
-    assert len(compare_rows([_result(c1, 4.0), _result(c2, 4.0)], [_result(c1, 5.0)])) == 1
+    results = {"a": [_result(c1, 4.0), _result(c2, 4.0)], "b": [_result(c1, 5.0)]}
+    assert {row.point for row in system_rows(results, "a")} == {c1}
     with pytest.raises(ValueError, match="different loads"):
-        compare_rows([_result(c1, 4.0)], [_result(c2, 4.0)])
+        system_rows({"a": [_result(c1, 4.0)], "b": [_result(c2, 4.0)]}, "a")
+
+
+def test_rounds_give_medians_of_figures_and_sums_of_counts() -> None:
+    c1 = SweepPoint(math.inf, 1)
+    rounds = [_result(c1, 4.0), _result(c1, 10.0, failed=1), _result(c1, 5.0)]
+    (row,) = system_rows({"a": rounds}, "a")
+    assert row.figures.tpot_p50_ms == pytest.approx(5.0)
+    assert row.figures.num_rounds == 3
+    assert (row.figures.num_completed, row.figures.num_requests) == (6, 7)
+    assert row.figures.errors == {"UNAVAILABLE": 1}
+    # A round whose requests all failed has no figures: the median is over the others.
+    failed = PointResult(c1, 1, summarize([RequestRecord(0.0, 0.1, error="HTTP 401")]))
+    (row,) = system_rows({"a": [_result(c1, 4.0), failed]}, "a")
+    assert row.figures.tpot_p50_ms == pytest.approx(4.0)
+    assert row.figures.errors == {"HTTP 401": 1}
 
 
 def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
-def test_table_sets_the_systems_side_by_side_with_their_ratios() -> None:
+def test_table_has_a_row_per_system_with_its_ratios_to_the_reference() -> None:
+    c1, rate2 = SweepPoint(math.inf, 1), SweepPoint(2.0, None)
+    reference = _figures(10.0, 20.0, 100.0)
+    failed = SystemFigures(0.0, math.nan, math.nan, math.nan, math.nan, 0, 2, {"HTTP 401": 2})
     rows = [
-        CompareRow(
-            SweepPoint(math.inf, 1), _figures(10.0, 20.0, 100.0), _figures(12.5, 30.0, 80.0)
-        ),
-        CompareRow(SweepPoint(2.0, None), _figures(10.0, 20.0, 100.0), _figures(math.nan, 1, 0.0)),
+        SystemRow(c1, "in", reference, reference),
+        SystemRow(c1, "out", _figures(12.5, 30.0, 80.0), reference),
+        SystemRow(rate2, "out", failed, reference),
     ]
-    lines = compare_table(rows).splitlines()
+    lines = compare_table(rows, "in").splitlines()
     assert _cells(lines[0]) == COMPARE_HEADERS
     assert _cells(lines[2]) == [
-        "c=1",
-        "2/2, 2/2",
-        *("10.0", "12.5", "1.25"),
-        *("20.0", "30.0", "1.50"),
-        *("100.0", "80.0", "0.80"),
+        *("c=1", "in", "2/2", "0"),
+        *("100.0", "1.00", "20.0", "40.0", "1.00", "10.0", "1.00", "-"),
     ]
-    assert _cells(lines[3])[4] == "-" and _cells(lines[3])[-1] == "-"
-    assert lines[-1] == COMPARE_LEGEND
-    assert "lower is better" in COMPARE_LEGEND and "higher is better" in COMPARE_LEGEND
+    assert _cells(lines[3]) == [
+        *("c=1", "out", "2/2", "0"),
+        *("80.0", "0.80", "30.0", "60.0", "1.50", "12.5", "1.25", "-"),
+    ]
+    assert _cells(lines[4])[:6] == ["2 req/s", "out", "0/2", "HTTP 401: 2", "0.00", "-"]
+    assert lines[-1] == compare_legend("in")
+    assert "/ in at the same load" in lines[-1]
+    assert "lower is better" in lines[-1] and "higher is better" in lines[-1]
+    assert "medians over 3 rounds" in compare_legend("in", 3)
 
 
-def test_json_section_holds_both_systems_and_the_ratios() -> None:
-    row = CompareRow(SweepPoint(math.inf, 1), _figures(10.0, 20.0, 100.0), _figures(11, 22, 90.0))
+def test_json_section_holds_every_system_and_the_ratios() -> None:
+    c1 = SweepPoint(math.inf, 1)
+    reference = _figures(10.0, 20.0, 100.0)
+    rows = [
+        SystemRow(c1, INPROCESS, reference, reference),
+        SystemRow(c1, STACK, _figures(11, 22, 90.0), reference),
+    ]
     targets = {"stack": "grpc://h:1 (1 channels)", "inprocess": "inprocess (m, f32)"}
-    document = compare_document([row], targets, ["llmserve", "up", "--dtype", "auto"])
+    command = ["llmserve", "up", "--dtype", "auto"]
+    document = compare_document(rows, targets, INPROCESS, command)
+    assert document["reference"] == "inprocess"
     assert document["run_order"] == ["stack", "inprocess"]
     assert document["stack_command"] == ["llmserve", "up", "--dtype", "auto"]
-    (written,) = document["rows"]
+    assert document["rounds"] == 1
+    written_reference, written = document["rows"]
     assert written["label"] == "c=1" and written["concurrency"] == 1
-    assert written["inprocess"]["tpot_p50_ms"] == 10.0 and written["stack"]["ttft_p50_ms"] == 22
-    assert written["stack_over_inprocess"] == pytest.approx(
+    assert written_reference["target"] == "inprocess" and written["target"] == "stack"
+    assert written_reference["tpot_p50_ms"] == 10.0 and written["ttft_p50_ms"] == 22
+    assert written["over_reference"] == pytest.approx(
         {"tpot_p50": 1.1, "ttft_p50": 1.1, "output_tokens_per_s": 0.9}
     )
 
@@ -317,9 +357,14 @@ def test_compare_runs_the_stack_then_the_engine_on_the_same_samples(
     report = capsys.readouterr().out
     assert "llmserve up stopped: exit 0" in report
     table = report[report.index("## in-process vs stack") :].splitlines()
-    assert _cells(table[2])[:2] == ["load", "requests ok (in-process, stack)"]
-    assert [_cells(line)[:2] for line in table[4:6]] == [["c=1", "3/3, 3/3"], ["c=2", "3/3, 3/3"]]
-    assert table[6] == COMPARE_LEGEND
+    assert _cells(table[2])[:3] == ["load", "target", "requests ok"]
+    assert [_cells(line)[:3] for line in table[4:8]] == [
+        ["c=1", "inprocess", "3/3"],
+        ["c=1", "stack", "3/3"],
+        ["c=2", "inprocess", "3/3"],
+        ["c=2", "stack", "3/3"],
+    ]
+    assert table[8] == compare_legend("inprocess")
     document = json.loads(out.read_text())
     assert [(p["system"], p["concurrency"]) for p in document["points"]] == [
         ("stack", 1),
@@ -329,10 +374,16 @@ def test_compare_runs_the_stack_then_the_engine_on_the_same_samples(
     ]
     compare = document["compare"]
     assert compare["stack_command"] == ["llmserve", "up", *flags]
-    assert [row["label"] for row in compare["rows"]] == ["c=1", "c=2"]
+    assert compare["reference"] == "inprocess"
+    assert [(row["label"], row["target"]) for row in compare["rows"]] == [
+        ("c=1", "inprocess"),
+        ("c=1", "stack"),
+        ("c=2", "inprocess"),
+        ("c=2", "stack"),
+    ]
     for row in compare["rows"]:
-        assert row["inprocess"]["output_tokens_per_s"] > 0 and row["stack"]["tpot_p50_ms"] > 0
-        assert row["stack_over_inprocess"]["output_tokens_per_s"] > 0
+        assert row["output_tokens_per_s"] > 0 and row["tpot_p50_ms"] > 0
+        assert row["over_reference"]["output_tokens_per_s"] > 0
 
 
 def test_compare_with_a_running_stack_starts_none(
