@@ -68,15 +68,16 @@ def parse_key_file(text: str, source: str = "key file") -> list[_Key]:
         key, *options = line.split()
         tenant_id: str | None = None
         admin = False
-        for option in options:
+        for position, option in enumerate(options, 2):
             if option == "admin":
                 admin = True
             elif option.startswith("tenant=") and len(option) > len("tenant="):
                 tenant_id = option.removeprefix("tenant=")
             else:
+                # Not echoed: a line holding two keys would put the second in the log.
                 raise ValueError(
-                    f"{source} line {number}: unknown option {option!r} "
-                    "(expected tenant=ID or admin)"
+                    f"{source} line {number}: word {position} is not an option "
+                    "(expected tenant=ID or admin; one key per line)"
                 )
         if admin and tenant_id is not None:
             raise ValueError(f"{source} line {number}: an admin key is not bound to a tenant")

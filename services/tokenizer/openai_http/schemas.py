@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from services.common.chat_template import ChatMessage
 from services.common.errors import InvalidRequestError
@@ -28,12 +28,20 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) default for the legacy completions endpoint."""
 
 
+def _null_is_false(value: object) -> object:
+    return False if value is None else value
+
+
+Flag = Annotated[bool, BeforeValidator(_null_is_false)]
+"""A boolean parameter that may also be sent as null, meaning false (OpenAI's are nullable)."""
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: Flag = False
     """One more chunk before [DONE] with usage and no choices."""
 
 
@@ -62,7 +70,7 @@ class _Sampling(_Body):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     user: str | None = None
     """The end user, for the caller's own records: logged with the request, nothing else."""
-    stream: bool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     # Known, implemented only at their "off" value (checked in _refuse_unimplemented).
     n: int | None = None
@@ -71,7 +79,7 @@ class _Sampling(_Body):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: Flag = False
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
@@ -84,7 +92,7 @@ class _Sampling(_Body):
 class ChatCompletionBody(_Sampling):
     messages: Annotated[list[ChatMessageBody], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
+    logprobs: Flag = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_name: str | None = None
     response_format: dict[str, Any] | None = None
@@ -96,7 +104,7 @@ class ChatCompletionBody(_Sampling):
 class CompletionBody(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    echo: Flag = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -122,11 +130,14 @@ def _parse(model: type[BodyT], body: bytes) -> BodyT:
 
 
 def _invalid(exc: ValidationError) -> InvalidRequestError:
-    """The first error, its parameter as a path (`messages[1].role`)."""
-    error = exc.errors(include_url=False)[0]
+    """The first of the deepest errors, its parameter as a path (`messages[1].role`). A value
+    that fits no member of a union gets an error per member; the one that got furthest into
+    the value says most (an image part: `messages[0].content[0].type`, not "should be a
+    string")."""
+    error = max(exc.errors(include_url=False), key=lambda error: len(error["loc"]))
     if error["type"] == "json_invalid":
         return InvalidRequestError("", f"the body is not valid JSON: {error['msg']}")
-    if error["type"] == "model_type":
+    if error["type"] == "model_type" and not error["loc"]:
         return InvalidRequestError("", "the body must be a JSON object")
     param = _param(error["loc"])
     if error["type"] == "extra_forbidden":
