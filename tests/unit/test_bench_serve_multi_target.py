@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
 import json
 import ssl
 import threading
@@ -30,6 +28,7 @@ from services.bench.serve_clients import Access, OpenAIClient
 from services.bench.serve_compare import COMPARE_HEADERS
 from services.bench.serve_load import Generation, drive
 from services.bench.serve_workload import Sample
+from tests.tls_certs import self_signed
 
 KEY = "sk-test-good-key"
 
@@ -92,77 +91,9 @@ class Certificates:
 
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
-
-    def name(common_name: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-    def usage(**flags: bool) -> x509.KeyUsage:
-        names = [
-            "digital_signature",
-            "content_commitment",
-            "key_encipherment",
-            "data_encipherment",
-            "key_agreement",
-            "key_cert_sign",
-            "crl_sign",
-            "encipher_only",
-            "decipher_only",
-        ]
-        return x509.KeyUsage(**{flag: flags.get(flag, False) for flag in names})
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name("llmserve test CA"))
-        .issuer_name(name("llmserve test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid[0])
-        .not_valid_after(valid[1])
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(usage(key_cert_sign=True, crl_sign=True), critical=True)
-        .add_extension(ca_ski, critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(name("localhost"))
-        .issuer_name(ca.subject)
-        .public_key(server_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid[0])
-        .not_valid_after(valid[1])
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(usage(digital_signature=True), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    ca_file = tmp_path_factory.mktemp("tls") / "ca.pem"
-    ca_file.write_bytes(ca.public_bytes(pem))
-    key = server_key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return Certificates(ca_file, key, server.public_bytes(pem))
+    # A self-signed certificate is its own CA: trusting it (--tls-ca) is trusting the server.
+    cert, key = self_signed(tmp_path_factory.mktemp("tls"))
+    return Certificates(cert, key.read_bytes(), cert.read_bytes())
 
 
 # ---- a fake OpenAI-compatible server that wants a bearer token --------------------------------
