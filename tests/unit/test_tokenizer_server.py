@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -560,6 +561,58 @@ def test_scheduler_errors_keep_their_code(model: ServedModel, code: grpc.StatusC
         assert "scripted failure" in error.details()
         if code == grpc.StatusCode.UNAVAILABLE:
             assert "scheduler 127.0.0.1:" in error.details()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
+def test_scheduler_errors_reach_http_as_statuses(
+    model: ServedModel, code: grpc.StatusCode, status: int
+) -> None:
+    """The scheduler refuses at Submit: a stream's status waits for its first token, so the
+    refusal is the response's status, not an event inside a 200 stream."""
+    engine = FakeEngine(abort_with=(code, "scripted failure"))
+
+    async def scenario() -> None:
+        async with running_stack(model, [engine]) as stack:
+            assert stack.server.http is not None
+            url = f"http://127.0.0.1:{stack.server.http.port}/v1/completions"
+            body = {"model": model.name, "prompt": "a", "stream": True}
+            async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
+                response = await http.post(url, json=body)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert "scripted failure" in error["message"]
+        assert ("retry-after" in response.headers) == (status == 503)
+
+    run(scenario)
+
+
+def test_http_ready_only_once_warm(model: ServedModel) -> None:
+    async def scenario() -> None:
+        async with running_stack(model, warm=False) as stack:
+            assert stack.server.http is not None
+            base = f"http://127.0.0.1:{stack.server.http.port}"
+            async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
+                assert (await http.get(f"{base}/health")).status_code == 200
+                cold = await http.get(f"{base}/ready")
+                loading = await http.post(
+                    f"{base}/v1/completions", json={"model": model.name, "prompt": "a"}
+                )
+                await asyncio.wait_for(stack.server.warm_up(), TIMEOUT_S)
+                await asyncio.sleep(0.3)  # a stats poll marks the scheduler as answering
+                warm = await http.get(f"{base}/ready")
+        assert cold.status_code == 503 and cold.headers["retry-after"] == "1"
+        assert loading.status_code == 503
+        assert "still loading" in loading.json()["error"]["message"]
+        assert warm.status_code == 200
 
     run(scenario)
 

@@ -214,14 +214,8 @@ async def _events(
     code: str | None = None
     try:
         head = sse_event(builder.first_chunk()) if chat else b""
-        pending = [first] if first is not None else []
-        while True:
-            if pending:
-                delta = pending.pop()
-            else:
-                delta = await anext(deltas, None)
-            if delta is None:
-                break
+        delta = first
+        while delta is not None:
             request_metrics.on_tokens(len(delta.token_ids))
             out = head + b"".join(sse_event(chunk) for chunk in builder.chunks(delta))
             head = b""
@@ -231,6 +225,7 @@ async def _events(
                 return
             if out:
                 yield out
+            delta = await anext(deltas, None)
     except LLMServeError as exc:
         error = http_error(exc, chat)
         code = error.grpc_code_name
@@ -255,8 +250,7 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
     if task.done():
         return task.result()
     task.cancel()
-    with_suppressed = asyncio.gather(task, return_exceptions=True)
-    await with_suppressed
+    await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
     raise ClientGone
 
 
