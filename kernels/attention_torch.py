@@ -49,14 +49,32 @@ def paged_decode_attention(
     scale: float,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    *,
+    batch_invariant: bool = False,
 ) -> Tensor:
     """One query token per sequence attending to its paged context.
 
     query [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] (int8 with k_scale/
     v_scale [num_blocks, block_size, Hkv, D // group]); block_tables [B, max_blocks] int32;
     context_lens [B] int32 >= 1 (the current token's K/V is already in the cache).
-    Returns [B, Hq, D] in query's dtype.
+    Returns [B, Hq, D] in query's dtype. batch_invariant: one call per sequence, cut to its
+    own length, so no row's arithmetic depends on the others' lengths.
     """
+    if batch_invariant and query.shape[0] > 1:
+        rows = [
+            paged_decode_attention(
+                query[b : b + 1],
+                k_cache,
+                v_cache,
+                block_tables[b : b + 1],
+                context_lens[b : b + 1],
+                scale,
+                k_scale,
+                v_scale,
+            )
+            for b in range(query.shape[0])
+        ]
+        return torch.cat(rows)
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} % Hkv {num_kv_heads} != 0"

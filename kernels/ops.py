@@ -74,9 +74,15 @@ def paged_decode_attention(
     scale: float,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> Tensor:
-    """query [B, Hq, D], one token per sequence, over its paged KV -> [B, Hq, D]."""
+    """query [B, Hq, D], one token per sequence, over its paged KV -> [B, Hq, D].
+
+    batch_invariant: each row's output depends only on its own query and context (no split
+    of a context whose place depends on the rest of the batch); CPU only."""
     if use_triton(query):
+        if batch_invariant:
+            raise NotImplementedError("batch-invariant decode attention is CPU-only")
         from kernels import triton_decode_attention
 
         return triton_decode_attention.paged_decode_attention(
@@ -86,10 +92,26 @@ def paged_decode_attention(
     # faster in every cell of kernels/bench_decode_cpu.py: bf16, bf16 + int8 KV, fp32.
     if use_cpu_extension(query):
         return torch.ops.llmserve.paged_decode_attention(  # type: ignore[no-any-return]
-            query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            k_scale,
+            v_scale,
+            batch_invariant,
         )
     return attention_torch.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        k_scale,
+        v_scale,
+        batch_invariant=batch_invariant,
     )
 
 
@@ -211,23 +233,40 @@ def nf4_gemm(x: Tensor, packed: Tensor, absmax: Tensor) -> Tensor:
 # GGUF Q4_0 / Q4_1 / Q8_0 weights kept as the file's blocks: the C++ kernels on CPU
 # (kernels/csrc/gguf_gemm.cpp), dequantize + matmul elsewhere. Imported here, below the
 # functions above, so this section stays self-contained.
-from kernels import gguf_blocks_torch  # noqa: E402
+from kernels import batch_invariant_torch, gguf_blocks_torch  # noqa: E402
 
 __all__ += ["gguf_embedding", "gguf_linear"]
 
 
-def gguf_linear(x: Tensor, blocks: Tensor, kind: int, int8_activations: bool = False) -> Tensor:
+def gguf_linear(
+    x: Tensor,
+    blocks: Tensor,
+    kind: int,
+    int8_activations: bool = False,
+    batch_invariant: bool = False,
+) -> Tensor:
     """x [M, K] @ W^T, W = GGUF blocks uint8 [N, K / 32 * bytes] of ggml kind 2 (Q4_0),
     3 (Q4_1) or 8 (Q8_0) -> [M, N] in x.dtype. fp32: exact weights, fp32 sums. bf16/fp16 on
     CPU, or any dtype with `int8_activations`: activations rounded to int8 per 32 values,
-    integer block dot products."""
+    integer block dot products.
+
+    batch_invariant: one arithmetic path at every M, so each output row depends only on its
+    own input row (the fast path otherwise switches to fp32 panels from 16 rows on)."""
     if use_cpu_extension(x):
-        return torch.ops.llmserve.gguf_linear(x.contiguous(), blocks, kind, int8_activations)  # type: ignore[no-any-return]
+        return torch.ops.llmserve.gguf_linear(  # type: ignore[no-any-return]
+            x.contiguous(), blocks, kind, int8_activations, batch_invariant
+        )
     if int8_activations and (
-        kind == gguf_blocks_torch.GGUF_Q8_0 or x.shape[0] < gguf_blocks_torch.HALF_PANEL_MIN_ROWS
+        kind == gguf_blocks_torch.GGUF_Q8_0
+        or batch_invariant
+        or x.shape[0] < gguf_blocks_torch.HALF_PANEL_MIN_ROWS
     ):
         # The rows the C++ kernels round too (Q4 layers of many rows compute exactly there).
         x = gguf_blocks_torch.quantize_activation_blocks(x).to(x.dtype)
+    if batch_invariant:
+        return batch_invariant_torch.row_tiled(
+            lambda tile: gguf_blocks_torch.gguf_linear(tile, blocks, kind), x
+        )
     return gguf_blocks_torch.gguf_linear(x, blocks, kind)
 
 

@@ -7,15 +7,18 @@
 #include <optional>
 
 // gguf_gemm.cpp
+// batch_invariant: each output row depends only on its own input row (one arithmetic path
+// for every M), so a sequence's result does not depend on what it is batched with.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                       bool int8_activations);
+                       bool int8_activations, bool batch_invariant = false);
 
 // paged_decode_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
                                   const std::optional<at::Tensor>& k_scale,
-                                  const std::optional<at::Tensor>& v_scale);
+                                  const std::optional<at::Tensor>& v_scale,
+                                  bool batch_invariant = false);
 
 // write_kv_cache.cpp
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,

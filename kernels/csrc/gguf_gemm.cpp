@@ -416,9 +416,10 @@ void fast_tile_avx2(const Activations& a, int64_t m0, const uint8_t* w, int64_t 
       const float* orow = o + r * nb;
 #pragma omp simd
       for (int64_t b = 0; b < nb; ++b) dsr[b] = dr[b] * s[b];
+      // In block order, as fast_tile_small_avx2 adds it: a row's result is then the same
+      // whichever tile height computed it (a vectorized reduction would reorder the sum).
       float total = 0.f;
       if constexpr (KIND != kQ8_0) {
-#pragma omp simd reduction(+ : total)
         for (int64_t b = 0; b < nb; ++b) total += orow[b] * sums[b];
       }
       offset[m][r] = total;
@@ -652,8 +653,10 @@ void exact_linear_panel(const float* x, int64_t m_total, int64_t k, const uint8_
 
 template <int64_t KIND>
 void exact_linear(const float* x, int64_t m_total, int64_t k, const uint8_t* w,
-                  int64_t row_bytes, int64_t n_total, float* out) {
-  if (m_total >= kPanelMinRows) {
+                  int64_t row_bytes, int64_t n_total, float* out, bool batch_invariant) {
+  // The panel tiles sum every (row, weight row) pair in one chain whatever the tile shape, so
+  // batch-invariant calls take them at every M.
+  if (m_total >= kPanelMinRows || batch_invariant) {
     exact_linear_panel<KIND>(x, m_total, k, w, row_bytes, n_total, out);
     return;
   }
@@ -711,7 +714,7 @@ void check_blocks(const at::Tensor& blocks, int64_t kind) {
 }  // namespace
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                       bool int8_activations) {
+                       bool int8_activations, bool batch_invariant) {
   check_blocks(blocks, kind);
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K], got ", x.dim(), " dims");
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
@@ -731,13 +734,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
     if (m_total == 0 || n_total == 0) return out;
     dispatch_kind(kind, [&](auto kind_constant) {
       exact_linear<decltype(kind_constant)::value>(xc.data_ptr<float>(), m_total, k, w,
-                                                   row_bytes, n_total, out.data_ptr<float>());
+                                                   row_bytes, n_total, out.data_ptr<float>(),
+                                                   batch_invariant);
     });
     return out;
   }
   auto out32 = at::empty({m_total, n_total}, x.options().dtype(at::kFloat));
   if (m_total == 0 || n_total == 0) return out32.to(dtype);
-  if (kind != kQ8_0 && m_total >= kHalfPanelMinRows) {
+  // Batch-invariant calls stay on the int8 blocks at every M: its tiles of every height add
+  // a row's blocks in the same order, while switching to the panel at some M would not.
+  if (kind != kQ8_0 && m_total >= kHalfPanelMinRows && !batch_invariant) {
     // Enough rows to amortize a dequantized fp32 panel: exact weights and fp32 sums beat the
     // int8 blocks here (see kHalfPanelMinRows), and are more accurate too.
     auto x32 = xc.to(at::kFloat);
@@ -799,7 +805,7 @@ at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks,
 
 // Shape functions for torch.compile (symbolic M and token counts).
 at::Tensor gguf_linear_meta(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                            bool int8_activations) {
+                            bool int8_activations, bool batch_invariant) {
   check_blocks(blocks, kind);
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K], got ", x.dim(), " dims");
   return at::empty_symint({x.sym_size(0), blocks.sym_size(0)}, x.options());
@@ -826,7 +832,9 @@ std::string gguf_kernel_isa() {
 }
 
 TORCH_LIBRARY_FRAGMENT(LLMSERVE_GGUF_NAMESPACE, m) {
-  m.def("gguf_linear(Tensor x, Tensor blocks, int kind, bool int8_activations=False) -> Tensor");
+  m.def(
+      "gguf_linear(Tensor x, Tensor blocks, int kind, bool int8_activations=False,"
+      " bool batch_invariant=False) -> Tensor");
   m.def("gguf_embedding(Tensor token_ids, Tensor blocks, int kind, ScalarType dtype) -> Tensor");
   m.def("gguf_kernel_isa() -> str", &gguf_kernel_isa);
 }

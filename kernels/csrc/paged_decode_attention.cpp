@@ -55,6 +55,9 @@ constexpr int64_t kItemOverhead = 16;
 constexpr int64_t kMinParallelWork = 1 << 18;
 
 struct DecodeArgs {
+  // Never split a context: where a split falls depends on the whole batch's tokens, so with
+  // it each sequence's output depends only on its own query and context.
+  bool batch_invariant = false;
   const void* query;
   at::ScalarType query_dtype;
   int64_t query_stride_batch, query_stride_head;
@@ -430,7 +433,7 @@ Schedule plan(const DecodeArgs& a, int64_t batch_size) {
   schedule.parallel = threads > 1 && !at::in_parallel_region() && work >= kMinParallelWork;
   // Split contexts longer than 1 / (threads x kItemsPerThread) of the batch's tokens: no item
   // is then big enough to leave a thread idle while another finishes it.
-  const int64_t split = schedule.parallel
+  const int64_t split = schedule.parallel && !a.batch_invariant
                             ? std::max(kMinSplit, (total_tokens + threads * kItemsPerThread - 1) /
                                                       (threads * kItemsPerThread))
                             : std::numeric_limits<int64_t>::max();
@@ -565,7 +568,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
                                   const at::Tensor& v_cache, const at::Tensor& block_tables_in,
                                   const at::Tensor& context_lens_in, double scale,
                                   const std::optional<at::Tensor>& k_scale,
-                                  const std::optional<at::Tensor>& v_scale) {
+                                  const std::optional<at::Tensor>& v_scale,
+                                  bool batch_invariant) {
   TORCH_CHECK(query_in.dim() == 3, "query must be [B, Hq, D], got ", query_in.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache/v_cache must be [num_blocks, block_size, Hkv, D] of one shape");
@@ -634,6 +638,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   for (int64_t b = 0; b < batch; ++b) {
     if (lens[b] == 0) std::memset(static_cast<char*>(out.data_ptr()) + b * row_bytes, 0, row_bytes);
   }
+  a.batch_invariant = batch_invariant;
   a.query = query.data_ptr();
   a.query_dtype = query.scalar_type();
   a.query_stride_batch = query.stride(0);
@@ -676,7 +681,8 @@ at::Tensor paged_decode_attention_meta(const at::Tensor& query, const at::Tensor
                                        const at::Tensor& v_cache, const at::Tensor& block_tables,
                                        const at::Tensor& context_lens, double scale,
                                        const std::optional<at::Tensor>& k_scale,
-                                       const std::optional<at::Tensor>& v_scale) {
+                                       const std::optional<at::Tensor>& v_scale,
+                                       bool batch_invariant) {
   TORCH_CHECK(query.dim() == 3, "query must be [B, Hq, D]");
   return at::empty(query.sizes(), query.options());
 }
@@ -701,7 +707,8 @@ bool set_scalar_kernels(bool enabled) {
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,"
-      " Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+      " Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None,"
+      " bool batch_invariant=False) -> Tensor");
   m.def("cpu_kernel_isa() -> str", &cpu_kernel_isa);
   m.def("set_scalar_kernels(bool enabled) -> bool", &set_scalar_kernels);
 }

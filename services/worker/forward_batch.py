@@ -37,6 +37,13 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None
     """[R] int64 rows of the hidden states to turn into logits (the sampled positions);
     None = every row (a decode step samples every sequence)."""
+    token_block_tables: torch.Tensor | None = None
+    """[T, max_blocks] int32 block table of each token's sequence; with token_context_lens,
+    set only in batch-invariant mode, where every token (prefill ones too) attends to the
+    cache as a decode query does, so a token's attention never depends on how its prompt was
+    chunked or what it was batched with."""
+    token_context_lens: torch.Tensor | None = None
+    """[T] int32 keys each token sees (its position + 1; its own K/V is written first)."""
 
     @classmethod
     def for_decode(

@@ -43,9 +43,14 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, block_size: int, device: torch.device | str) -> None:
+    def __init__(
+        self, block_size: int, device: torch.device | str, *, per_token_attention: bool = False
+    ) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
+        self.per_token_attention = per_token_attention
+        """Give every token its own block table row and context length (batch-invariant
+        mode: each token attends as a decode query does)."""
         self.sequences: dict[str, CachedSequence] = {}
 
     def apply(self, plan: BatchPlan) -> None:
@@ -126,6 +131,9 @@ class InputBatch:
             decode_context_lens=self._tensor((decode_positions + 1).astype(np.int32)),
             logits_indices=self._tensor(np.asarray(logits_rows, dtype=np.int64)),
         )
+        if self.per_token_attention:
+            forward.token_block_tables = self._tensor(np.ascontiguousarray(block_table[token_rows]))
+            forward.token_context_lens = self._tensor((all_positions + 1).astype(np.int32))
         return StepInputs(forward=forward, sampled_ids=sampled_ids)
 
     def advance(self, plan: BatchPlan, sampled: dict[str, int]) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from services.common.serving_config import DEFAULT_KV_GROUP_SIZE
 from services.contracts.step import BatchPlan, StepResult
+from services.worker.batch_invariance import make_batch_invariant
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode
 from services.worker.host_memory import keep_freed_memory
@@ -37,6 +38,7 @@ class ModelRunner:
         seed: int | None = None,
         decode_graphs: DecodeGraphs | None = None,
         fused_decode: FusedDecode | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         if kv_cache.storage.device.type == "cpu":
             keep_freed_memory()
@@ -49,7 +51,10 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
         self.device = kv_cache.storage.device
-        self.batch = InputBatch(kv_cache.spec.block_size, self.device)
+        self.batch_invariant = batch_invariant
+        """Each sequence's logits depend only on its own tokens, not on what it is batched
+        with; set up by services/worker/batch_invariance.py."""
+        self.batch = self._new_batch()
         self.sampler = Sampler(seed=seed)
         self.vocab_size = model.config.vocab_size
 
@@ -67,6 +72,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_BATCH_BUCKETS[-1],
         fused_decode: bool = True,
+        batch_invariant: bool = False,
     ) -> ModelRunner:
         """A runner with a KV cache of as many blocks as `kv_cache_bytes` holds (an int8 cache
         holds more: its blocks are smaller).
@@ -74,7 +80,13 @@ class ModelRunner:
         Pure-decode steps run, in order of preference: fused in C++ (`fused_decode`, for the
         models services/worker/fused_decode.py supports: GGUF blocks in float32 on a CPU);
         else, unless `enforce_eager`, compiled graphs for up to `max_num_seqs` sequences (call
-        `compile_step_graphs()` before serving); else eagerly."""
+        `compile_step_graphs()` before serving); else eagerly.
+
+        `batch_invariant`: batch-invariant layers and attention, every step eager (a fused or
+        compiled decode rounds differently from the eager ops a mixed step runs, so a token
+        would depend on whether its step held a prefill). Not yet exposed as a serving flag:
+        greedy bf16 output still drifts from its run-alone tokens after a few dozen tokens
+        (services/worker/batch_invariance.py)."""
         spec = KVCacheSpec.for_model(
             loaded.model.config,
             block_size,
@@ -82,9 +94,15 @@ class ModelRunner:
             check_kv_cache_group_size(kv_cache_group_size),
         )
         kv_cache = PagedKVCache(spec, spec.num_blocks_for_budget(kv_cache_bytes), loaded.device)
-        fused = FusedDecode.for_model(loaded.model, kv_cache) if fused_decode else None
+        if batch_invariant:
+            make_batch_invariant(loaded.model)
+        fused = (
+            FusedDecode.for_model(loaded.model, kv_cache)
+            if fused_decode and not batch_invariant
+            else None
+        )
         decode_graphs = None
-        if fused is None and not enforce_eager:
+        if fused is None and not enforce_eager and not batch_invariant:
             decode_graphs = DecodeGraphs(
                 loaded.model,
                 kv_cache,
@@ -98,6 +116,7 @@ class ModelRunner:
             seed=seed,
             decode_graphs=decode_graphs,
             fused_decode=fused,
+            batch_invariant=batch_invariant,
         )
 
     def compile_step_graphs(self, show_progress: bool = True) -> None:
@@ -112,7 +131,12 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every sequence (a new scheduler session); the KV bytes are simply reused."""
-        self.batch = InputBatch(self.kv_cache.spec.block_size, self.device)
+        self.batch = self._new_batch()
+
+    def _new_batch(self) -> InputBatch:
+        return InputBatch(
+            self.kv_cache.spec.block_size, self.device, per_token_attention=self.batch_invariant
+        )
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:

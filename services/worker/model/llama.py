@@ -58,7 +58,9 @@ class Attention(nn.Module):
         )
 
         num_prefill = batch.num_prefill_tokens
-        if num_prefill == num_tokens:
+        if batch.token_context_lens is not None:
+            out = self._per_token(q, batch, kv_cache)
+        elif num_prefill == num_tokens:
             out = self._prefill(q, k, v, batch, kv_cache)
         elif num_prefill == 0:
             out = self._decode(q, batch, kv_cache)
@@ -86,6 +88,21 @@ class Attention(nn.Module):
             self.scale,
             kv.key_scale,
             kv.value_scale,
+        )
+
+    def _per_token(self, q: Tensor, batch: ForwardBatch, kv: KVCache) -> Tensor:
+        """Every token as a decode query over the cache (batch-invariant mode)."""
+        assert batch.token_block_tables is not None and batch.token_context_lens is not None
+        return ops.paged_decode_attention(
+            q,
+            kv.key,
+            kv.value,
+            batch.token_block_tables,
+            batch.token_context_lens,
+            self.scale,
+            kv.key_scale,
+            kv.value_scale,
+            batch_invariant=True,
         )
 
     def _decode(self, q: Tensor, batch: ForwardBatch, kv: KVCache) -> Tensor:

@@ -28,17 +28,22 @@ class GGUFLinear(QuantizedLinear):
         self.int8_activations = int8_activations
         """Round activations to int8 per 32 values at every dtype (llama.cpp's arithmetic);
         otherwise only bf16/fp16 activations are, and fp32 ones get the exact product."""
+        self.batch_invariant = False
+        """One arithmetic path at every batch size (services/worker/batch_invariance.py)."""
         self.out_features = blocks.shape[0]
         self.in_features = in_features(blocks, kind)
         self.register_buffer("blocks", blocks)
         self.register_buffer("bias", bias)
 
     def _matmul(self, x: Tensor) -> Tensor:
-        return ops.gguf_linear(x, self.blocks, self.kind, self.int8_activations)
+        return ops.gguf_linear(
+            x, self.blocks, self.kind, self.int8_activations, self.batch_invariant
+        )
 
     def extra_repr(self) -> str:
         activations = ", int8_activations=True" if self.int8_activations else ""
-        return f"{super().extra_repr()}, kind={_KIND_NAMES[self.kind]}{activations}"
+        invariant = ", batch_invariant=True" if self.batch_invariant else ""
+        return f"{super().extra_repr()}, kind={_KIND_NAMES[self.kind]}{activations}{invariant}"
 
 
 class GGUFEmbedding(nn.Module):

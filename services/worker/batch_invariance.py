@@ -1,0 +1,77 @@
+"""Batch-invariant mode: a sequence's logits should depend only on its own tokens.
+
+Status: every layer type below is batch-invariant on its own (tests/kernels/
+test_batch_invariance.py), but the whole model is not yet: on the embedded model in bf16, a
+sequence prefilled in one step and the same sequence decoded token by token agree for about
+40 positions, then one MLP output differs by one bf16 ulp. Until that source is found the mode
+is reachable only through ModelRunner.create(batch_invariant=True), not as a serving flag.
+
+Without it, greedy output in bf16 can depend on what a request is batched with: the GGUF
+kernels take another arithmetic path from 16 rows on, a GEMM library picks its blocking from
+M, decode attention splits long contexts by the batch's total length, a prompt's attention
+depends on how it was chunked, and a compiled or fused decode step rounds differently from
+the eager ops of a step that also holds a prefill. In this mode:
+
+    linear layers   GGUF blocks: one kernel path at every M (kernels/csrc/gguf_gemm.cpp);
+                    float weights: GEMM calls of one fixed tile shape (kernels/
+                    batch_invariant_torch.py)
+    attention       every token, prefill ones too, is a decode query over the paged cache,
+                    never split (services/worker/input_batch.py builds its block table row)
+    steps           always eager: no fused or compiled decode (services/worker/runner.py)
+
+Row-wise ops (norms, rotary, SiLU, embedding lookups, argmax) are already invariant; the unit
+tests check every layer type row by row against batches of other sizes.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from kernels import batch_invariant_torch
+from services.common.errors import ModelLoadError
+from services.worker.model.llama import LlamaForCausalLM
+from services.worker.quantization.gguf_linear import GGUFLinear
+from services.worker.quantization.linear import QuantizedLinear
+
+
+class BatchInvariantLinear(nn.Module):
+    """nn.Linear computed in GEMM tiles of one shape (same weight and bias objects)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = batch_invariant_torch.linear(flat, self.weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def make_batch_invariant(model: LlamaForCausalLM) -> None:
+    """Switch every linear layer of `model` to its batch-invariant form, in place.
+
+    Raises ModelLoadError for what has no batch-invariant path: a CUDA device (the Triton
+    decode attention splits by batch) and the weight formats other than GGUF blocks and
+    plain float."""
+    if model.norm.device.type != "cpu":
+        raise ModelLoadError("batch-invariant mode is implemented for CPU workers only")
+    replacements: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, GGUFLinear):
+                child.batch_invariant = True
+            elif isinstance(child, nn.Linear):
+                replacements.append((parent, name, BatchInvariantLinear(child)))
+            elif isinstance(child, QuantizedLinear):
+                raise ModelLoadError(
+                    f"batch-invariant mode supports GGUF blocks and float weights, not "
+                    f"{type(child).__name__} ({name}); serve with --quantization none or a GGUF"
+                )
+    for parent, name, replacement in replacements:
+        setattr(parent, name, replacement)
