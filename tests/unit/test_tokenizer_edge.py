@@ -1,22 +1,28 @@
 """The public gRPC door against requests no well-behaved client sends: bytes that do not
-decode, fields of the wrong wire type, oversized identifiers and prompts. Real gRPC on
-loopback with raw bytes, the fake scheduler of test_tokenizer_server."""
+decode, fields of the wrong wire type, oversized identifiers and prompts (on the HTTP door
+too). Real gRPC on loopback with raw bytes, the fake scheduler of test_tokenizer_server."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import grpc
+import httpx
 import pytest
 
 from protos.llmserve.v1 import text_pb2
 from services.tokenizer.server import ServedModel
 from tests.unit.test_tokenizer_server import (
+    MAX_MODEL_LEN,
     TIMEOUT_S,
+    FakeEngine,
     Stack,
     rpc_error,
     run,
     running_stack,
+    script_for,
     served_model,
 )
 from tests.wire_bytes import FIXED32, LEN, VARINT, len_field, tag, varint, varint_field
@@ -150,5 +156,146 @@ def test_fields_of_a_newer_client_are_ignored(model: ServedModel) -> None:
             (answer,) = await call_raw(stack, "Tokenize", request + unknown)
             tokens = text_pb2.TokenizeResponse.FromString(answer)
             assert list(tokens.token_ids) == model.tokenizer.encode("hello")
+
+    run(scenario)
+
+
+# ---- oversized input ------------------------------------------------------------------------
+
+LONG = "n" * 10_000
+
+
+def generate(**fields: object) -> Callable[[Stack], object]:
+    request = text_pb2.GenerateRequest(**fields)  # type: ignore[arg-type]
+    return lambda stack: stack.generate(request)
+
+
+OVERSIZED = [
+    # A prompt name that could never be registered: refused before any lookup.
+    (
+        generate(messages=[text_pb2.ChatMessage(role="user", content="x")], prompt_name=LONG),
+        "prompt_name:",
+    ),
+    (generate(prompt="hi", tenant_id=LONG), "tenant_id:"),
+    (generate(prompt="hi", request_id=LONG), "request_id:"),
+    (generate(prompt="hi", model=LONG), "model:"),
+    (generate(prompt="hi", sampling=text_pb2.SamplingParams(stop=[LONG])), "sampling.stop:"),
+    # Refused by its size, before tokenization.
+    (generate(prompt="word " * 400_000), "prompt:"),
+    (generate(messages=[text_pb2.ChatMessage(role="user", content=LONG * 200)]), "messages:"),
+    (generate(prompt_token_ids=[1] * 1_000_000), "prompt:"),
+    (
+        lambda stack: stack.stub.ListPrompts(text_pb2.ListPromptsRequest(tenant_id=LONG)),
+        "tenant_id:",
+    ),
+    (
+        lambda stack: stack.stub.DeletePrompt(text_pb2.DeletePromptRequest(name=LONG)),
+        "name:",
+    ),
+]
+
+
+def test_oversized_input_is_refused_with_a_short_message(model: ServedModel) -> None:
+    async def scenario() -> None:
+        async with running_stack(model) as stack:
+            for call, prefix in OVERSIZED:
+                error = await rpc_error(call(stack))  # type: ignore[arg-type]
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (prefix, error.details())
+                assert error.details().startswith(prefix), error.details()
+                assert len(error.details()) <= MAX_DETAILS, error.details()
+            assert stack.engine.requests == []
+
+    run(scenario)
+
+
+def test_an_unknown_model_is_quoted_short(model: ServedModel) -> None:
+    async def scenario() -> None:
+        async with running_stack(model) as stack:
+            error = await rpc_error(
+                stack.generate(text_pb2.GenerateRequest(prompt="hi", model="m" * 200))
+            )
+            assert error.code() == grpc.StatusCode.NOT_FOUND
+            assert error.details().startswith("model: unknown model 'mmm")
+            assert "…" in error.details() and len(error.details()) <= MAX_DETAILS
+
+    run(scenario)
+
+
+def test_a_prompt_within_the_size_bound_is_tokenized(model: ServedModel) -> None:
+    # Runs of spaces take many characters per token: a size bound of a few characters per
+    # token would refuse this prompt, which fits.
+    spaces = " " * (MAX_MODEL_LEN * 40)
+    assert len(model.tokenizer.encode(spaces)) < MAX_MODEL_LEN
+
+    async def scenario() -> None:
+        async with running_stack(model, [FakeEngine(script_for([1]))]) as stack:
+            await stack.generate(text_pb2.GenerateRequest(prompt=spaces))
+            submitted = stack.engine.requests[0]
+            assert list(submitted.prompt_token_ids) == model.tokenizer.encode(spaces)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        " " * 5000,
+        "-" * 5000,
+        "\n" * 5000,
+        "<|im_start|>" * 500,
+        "1234567890" * 500,
+        "🦊日本語" * 1000,
+        "e\u0301" * 2000,  # decomposed accents
+    ],
+)
+def test_the_size_bound_never_refuses_what_fits(model: ServedModel, text: str) -> None:
+    # Whatever the text, it has at least len(text) / max_chars_per_token tokens: a prompt over
+    # max_prompt_chars cannot fit.
+    num_tokens = len(model.tokenizer.encode(text, add_special_tokens=False))
+    assert num_tokens * model.tokenizer.max_chars_per_token >= len(text)
+    assert model.max_prompt_chars == MAX_MODEL_LEN * model.tokenizer.max_chars_per_token
+
+
+# ---- the HTTP door --------------------------------------------------------------------------
+
+OVERSIZED_BODIES: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
+    # (path, body, headers, the parameter named)
+    ("chat/completions", {"messages": [{"role": "user", "content": LONG * 200}]}, {}, "messages"),
+    ("completions", {"prompt": "word " * 400_000}, {}, "prompt"),
+    ("completions", {"prompt": [1] * 1_000_000}, {}, "prompt"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "prompt_name": LONG},
+        {},
+        "prompt_name",
+    ),
+    ("completions", {"prompt": "hi", "tenant_id": LONG}, {}, "tenant_id"),
+    ("completions", {"prompt": "hi", "user": LONG}, {}, "user"),
+    ("completions", {"prompt": "hi", "stop": [LONG]}, {}, "stop"),
+    ("completions", {"prompt": "hi", LONG: 1}, {}, "n" * 63 + "…"),
+    ("completions", {"prompt": "hi"}, {"X-Request-Id": "r" * 1000}, "X-Request-Id"),
+]
+
+
+def test_http_refuses_oversized_input_with_a_short_message(model: ServedModel) -> None:
+    async def scenario() -> None:
+        async with running_stack(model) as stack:
+            assert stack.server.http is not None
+            base = f"http://127.0.0.1:{stack.server.http.port}/v1/"
+            async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
+                for path, body, headers, param in OVERSIZED_BODIES:
+                    response = await http.post(
+                        base + path, json={"model": model.name, **body}, headers=headers
+                    )
+                    assert response.status_code == 400, (param, response.text[:300])
+                    error = response.json()["error"]
+                    assert error["param"] == param, error
+                    assert len(error["message"]) <= MAX_DETAILS, error["message"]
+                unknown = await http.post(
+                    base + "completions", json={"model": "m" * 200, "prompt": "hi"}
+                )
+            assert stack.engine.requests == []
+        assert unknown.status_code == 404
+        assert len(unknown.json()["error"]["message"]) <= MAX_DETAILS
 
     run(scenario)
