@@ -9,7 +9,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, quoted, shortened
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 
@@ -53,9 +53,10 @@ class ChatTemplate:
             if message.role not in ALLOWED_ROLES:
                 raise InvalidRequestError(
                     f"messages[{index}].role",
-                    f"unknown role {message.role!r} (allowed: {', '.join(ALLOWED_ROLES)})",
+                    f"unknown role {quoted(message.role)} (allowed: {', '.join(ALLOWED_ROLES)})",
                 )
         payload: list[dict[str, Any]] = [{"role": m.role, "content": m.content} for m in messages]
+        # A template's own error message may quote a message's content: keep it short.
         try:
             return self._template.render(
                 messages=payload,
@@ -64,6 +65,7 @@ class ChatTemplate:
                 eos_token=self._eos_token,
             )
         except _TemplateRaised as exc:
-            raise InvalidRequestError("messages", str(exc)) from exc
+            raise InvalidRequestError("messages", shortened(str(exc), 200)) from exc
         except TemplateError as exc:
-            raise InvalidRequestError("messages", f"chat template failed: {exc}") from exc
+            reason = shortened(str(exc), 200)
+            raise InvalidRequestError("messages", f"chat template failed: {reason}") from exc

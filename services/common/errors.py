@@ -1,5 +1,6 @@
 """Typed errors. Validation raises them with the field at fault; each shell maps them to a
-status (a gRPC code, a CLI exit) in one place."""
+status (a gRPC code, a CLI exit) in one place. Their messages quote a client's strings through
+`quoted`, so an error never echoes a long input back."""
 
 from __future__ import annotations
 
@@ -61,3 +62,21 @@ class InternalError(LLMServeError):
 
 class ModelLoadError(LLMServeError):
     """A model file or directory cannot be read or is of an unsupported kind."""
+
+
+QUOTED_CHARS = 48
+"""The most of a client's own string an error message quotes."""
+
+
+def quoted(value: str, limit: int = QUOTED_CHARS) -> str:
+    """`value` quoted for an error message, cut to its first `limit` characters with an
+    ellipsis. A message may quote what the client sent, never all of it: a gRPC status message
+    travels in a header, and 8 KB is the default limit for all of a response's headers."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}…"
+
+
+def shortened(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, the last one an ellipsis when it was cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -114,6 +114,23 @@ class ModelTokenizer:
         return self.apply_chat_template(conversation)
 
     @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for: a text of n characters has
+        at least n / max_chars_per_token tokens, which lets the edge refuse a prompt too long
+        for the context without tokenizing it.
+
+        A vocabulary string is never shorter than the text it stands for: byte-level BPE
+        spells each byte as one character (a character is 1-4 bytes), SentencePiece's ▁ is
+        one space, a byte-fallback token (<0x41>) stands for one byte. So the longest string
+        bounds it (81 for SmolLM2: a newline and 80 spaces), unless a normalizer rewrites the
+        text first: Unicode composition (NFC, NFKC) folds up to 4 characters into one (a
+        Greek vowel with three accents), hence 4x then.
+        """
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        longest = max(map(len, vocab), default=1)
+        return longest * (4 if self.tokenizer.normalizer is not None else 1)
+
+    @functools.cached_property
     def _special_texts(self) -> tuple[str, ...]:
         decoder = self.tokenizer.get_added_tokens_decoder()
         return tuple(token.content for token in decoder.values() if token.special) or ("\0",)

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.errors import PermissionDeniedError, UnauthenticatedError
+from services.common.errors import PermissionDeniedError, UnauthenticatedError, quoted
 
 BEARER = "bearer "
 
@@ -143,7 +143,9 @@ def tenant_for(caller: Caller, requested: str, field: str = "tenant_id") -> str:
     if caller.tenant_id is None:
         return requested
     if requested and requested != caller.tenant_id:
-        raise PermissionDeniedError(f"{field}: this API key may not act for tenant {requested!r}")
+        raise PermissionDeniedError(
+            f"{field}: this API key may not act for tenant {quoted(requested)}"
+        )
     return caller.tenant_id
 
 

@@ -92,6 +92,7 @@ class Generator:
             default_ttl_s=self.config.prompt_ttl_s,
             max_ttl_s=self.config.max_prompt_ttl_s,
             max_model_len=model.max_model_len,
+            max_prompt_chars=model.max_prompt_chars,
         )
         self._model = model
 

@@ -13,11 +13,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.cache_keys import PROMPT_NAME_PATTERN
 from services.common.chat_template import ChatMessage
-from services.common.errors import DependencyUnavailableError, InvalidRequestError, NotFoundError
+from services.common.errors import (
+    DependencyUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    quoted,
+)
 from services.common.named_prompt import NamedPrompt
 from services.common.prompt_store import PromptStore
+from services.tokenizer.validation import validate_prompt_name, validate_tenant_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,7 @@ class PromptRegistry:
         default_ttl_s: int = 3600,
         max_ttl_s: int = 7 * 24 * 3600,
         max_model_len: int | None = None,
+        max_prompt_chars: int | None = None,
         refresh_s: float = 1.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -44,16 +50,23 @@ class PromptRegistry:
         self.default_ttl_s = default_ttl_s
         self.max_ttl_s = max_ttl_s
         self.max_model_len = max_model_len
+        self.max_prompt_chars = max_prompt_chars
         self.refresh_s = refresh_s
         self._clock = clock
         self._copies: dict[tuple[str, str], _Copy] = {}
 
     def build(self, name: str, system_prompt: str, ttl_s: int, tenant_id: str) -> NamedPrompt:
         """Validate a registration and tokenize it (InvalidRequestError names the field)."""
-        if not PROMPT_NAME_PATTERN.match(name):
-            raise InvalidRequestError("name", "must be 1-128 characters of A-Z a-z 0-9 _ . -")
+        validate_prompt_name(name)
+        validate_tenant_id(tenant_id)
         if not system_prompt:
             raise InvalidRequestError("system_prompt", "must not be empty")
+        if self.max_prompt_chars is not None and len(system_prompt) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                "system_prompt",
+                f"has {len(system_prompt)} characters; the context holds at most "
+                f"{self.max_prompt_chars}",
+            )
         if ttl_s > self.max_ttl_s:
             raise InvalidRequestError("ttl_s", f"must be at most {self.max_ttl_s} seconds")
         ttl = ttl_s or self.default_ttl_s
@@ -78,7 +91,10 @@ class PromptRegistry:
         self._copies[(prompt.tenant_id, prompt.name)] = _Copy(prompt, self._clock())
 
     async def get(self, tenant_id: str, name: str) -> NamedPrompt:
-        """The live prompt of that name, or NotFoundError / DependencyUnavailableError."""
+        """The live prompt of that name, or NotFoundError / DependencyUnavailableError (a name
+        or tenant no registration could have: InvalidRequestError, before any lookup)."""
+        validate_prompt_name(name, "prompt_name")
+        validate_tenant_id(tenant_id)
         now = self._clock()
         copy = self._copies.get((tenant_id, name))
         if copy is not None and copy.prompt.expired(now):
@@ -86,22 +102,24 @@ class PromptRegistry:
             copy = None
         if self.store is None or (copy is not None and now - copy.fetched_at < self.refresh_s):
             if copy is None:
-                raise NotFoundError("prompt_name", f"no registered prompt named {name!r}")
+                raise NotFoundError("prompt_name", f"no registered prompt named {quoted(name)}")
             return copy.prompt
         answered, prompt = await self.store.get(tenant_id, name)
         if answered:
             if prompt is None or prompt.expired(now):
                 self._copies.pop((tenant_id, name), None)
-                raise NotFoundError("prompt_name", f"no registered prompt named {name!r}")
+                raise NotFoundError("prompt_name", f"no registered prompt named {quoted(name)}")
             self._copies[(tenant_id, name)] = _Copy(prompt, now)
             return prompt
         if copy is not None:
             return copy.prompt  # Redis is down: serve what this replica already knows
         raise DependencyUnavailableError(
-            f"prompt_name: redis is not answering and {name!r} is not known to this replica"
+            f"prompt_name: redis is not answering and {quoted(name)} is not known to this replica"
         )
 
     async def delete(self, tenant_id: str, name: str) -> bool:
+        validate_prompt_name(name)
+        validate_tenant_id(tenant_id)
         had_copy = self._copies.pop((tenant_id, name), None) is not None
         if self.store is None:
             return had_copy
@@ -111,6 +129,7 @@ class PromptRegistry:
         return deleted
 
     async def list(self, tenant_id: str) -> list[NamedPrompt]:
+        validate_tenant_id(tenant_id)
         now = self._clock()
         if self.store is None:
             return sorted(

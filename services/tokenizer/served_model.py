@@ -43,7 +43,13 @@ class ServedModel:
             max_new_tokens_limit=config.max_new_tokens_limit or self.max_model_len,
             max_stop_strings=config.max_stop_strings,
             max_stop_string_len=config.max_stop_string_len,
+            max_prompt_chars=self.max_prompt_chars,
         )
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters of text that can fit the context, whatever its tokens."""
+        return self.max_model_len * self.tokenizer.max_chars_per_token
 
 
 def one_model(answers: dict[str, ModelDescription]) -> ModelDescription:

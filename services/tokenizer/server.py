@@ -13,7 +13,6 @@ from typing import Any
 
 import grpc
 
-from protos.llmserve.v1 import text_pb2_grpc
 from services.common.cache_keys import CacheKeys
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
@@ -23,6 +22,7 @@ from services.common.redis_store import open_store
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.decoding_handlers import add_text_generation_servicer
 from services.tokenizer.generation import Generator
 from services.tokenizer.openai_http.app import OpenAIDoor, create_app
 from services.tokenizer.openai_http.server import HttpServer
@@ -61,7 +61,7 @@ class TokenizerServer:
         self.servicer = TextGenerationServicer(self.generator, self.access)
         self._poller: asyncio.Task[None] | None = None
         self.service = GrpcService("tokenizer", [SERVICE_NAME])
-        self.service.add(text_pb2_grpc.add_TextGenerationServicer_to_server, self.servicer)
+        self.service.add(add_text_generation_servicer, self.servicer)
         self.http: HttpServer | None = None
         if config.http:
             app = create_app(OpenAIDoor(self.generator, self.access))

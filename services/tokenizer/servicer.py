@@ -18,7 +18,7 @@ from typing import NoReturn
 import grpc
 
 from protos.llmserve.v1 import engine_pb2, text_pb2, text_pb2_grpc
-from services.common.errors import InvalidRequestError, LLMServeError
+from services.common.errors import InvalidRequestError, LLMServeError, shortened
 from services.common.grpc_server import status_for
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
@@ -27,10 +27,15 @@ from services.tokenizer import convert, metrics
 from services.tokenizer.access import OPEN_CALLER, AccessPolicy, Caller, require_admin, tenant_for
 from services.tokenizer.generation import Generator
 from services.tokenizer.scheduler_pool import SchedulerClient
+from services.tokenizer.validation import MAX_REQUEST_ID_LEN
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+
+MAX_STATUS_MESSAGE_CHARS = 1024
+"""A status message travels in a header (8 KB for all of them by default). Our messages quote
+at most a short prefix of the client's input; this bounds any that would not."""
 
 
 class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
@@ -72,7 +77,8 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             )
         except LLMServeError as exc:
             code, message = status_for(exc)
-            log.info("rejected", extra={"request_id": request.request_id, "error": message})
+            request_id = shortened(request.request_id, MAX_REQUEST_ID_LEN)
+            log.info("rejected", extra={"request_id": request_id, "error": message})
             metrics.on_rejected(exc)
             await _abort(context, code, message)
         request_id = prepared.request.request_id
@@ -220,5 +226,5 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
 async def _abort(
     context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
 ) -> NoReturn:
-    await context.abort(code, message)
+    await context.abort(code, shortened(message, MAX_STATUS_MESSAGE_CHARS))
     raise AssertionError("context.abort returned")  # it raises; this tells the type checker

@@ -9,15 +9,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
+from services.common.cache_keys import PROMPT_NAME_PATTERN
 from services.common.chat_template import ChatMessage
-from services.common.errors import InvalidRequestError, NotFoundError
+from services.common.errors import InvalidRequestError, NotFoundError, PromptTooLongError, quoted
 from services.common.named_prompt import NamedPrompt
 from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.common.sampling_params import SamplingParams
 
-# A request id is echoed into every log line about the request; keep lines bounded.
+# Identifiers are echoed into log lines and keys; bounded at the edge, both doors. A UUID is 36
+# characters, a W3C trace id 55, a Hugging Face model id rarely over 100.
 MAX_REQUEST_ID_LEN = 128
+MAX_TENANT_ID_LEN = 128
+MAX_MODEL_NAME_LEN = 256
+MAX_PROMPT_NAME_LEN = 128  # as PROMPT_NAME_PATTERN says
 
 _DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens
 
@@ -84,6 +89,9 @@ class Limits:
     max_new_tokens_limit: int
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
+    max_prompt_chars: int | None = None
+    """Most characters of prompt text that can fit the context (ServedModel derives it from
+    the tokenizer): longer text is refused without tokenizing it. None = no such bound."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,16 +119,12 @@ def validate_generate(
     Cheap checks first, tokenization last, so a bad sampling field costs no tokenizer work.
     """
     request_id = validate_request_id(request.request_id)
-    if request.model and request.model != limits.model_name:
-        raise NotFoundError(
-            "model", f"unknown model {request.model!r} (served: {limits.model_name!r})"
-        )
+    validate_model(request.model, limits.model_name)
+    validate_tenant_id(request.tenant_id)
+    if request.prompt_name:
+        validate_prompt_name(request.prompt_name, "prompt_name")
     sampling = validate_sampling(request.sampling, limits)
     stop = validate_stop_strings(request.sampling.stop, limits)
-    if len(request.tenant_id) > MAX_REQUEST_ID_LEN or not request.tenant_id.isprintable():
-        raise InvalidRequestError(
-            "tenant_id", f"must be at most {MAX_REQUEST_ID_LEN} printable characters"
-        )
     prompt_token_ids = prompt_to_token_ids(request, limits, tokenizer, named_prompt)
     deadline_s = request.deadline_ms / 1000.0 if request.deadline_ms > 0 else None
     return ValidatedRequest(
@@ -136,6 +140,31 @@ def validate_request_id(request_id: str) -> str:
             "request_id", f"must be at most {MAX_REQUEST_ID_LEN} printable characters"
         )
     return request_id
+
+
+def validate_model(model: str, served: str) -> None:
+    """An empty model means the served one."""
+    if not model or model == served:
+        return
+    if len(model) > MAX_MODEL_NAME_LEN:
+        raise InvalidRequestError("model", f"must be at most {MAX_MODEL_NAME_LEN} characters")
+    raise NotFoundError("model", f"unknown model {quoted(model)} (served: {served!r})")
+
+
+def validate_tenant_id(tenant_id: str, field_name: str = "tenant_id") -> None:
+    if len(tenant_id) > MAX_TENANT_ID_LEN or not tenant_id.isprintable():
+        raise InvalidRequestError(
+            field_name, f"must be at most {MAX_TENANT_ID_LEN} printable characters"
+        )
+
+
+def validate_prompt_name(name: str, field_name: str = "name") -> None:
+    """A name RegisterPrompt would accept; any other can name no prompt, and is refused before
+    it is looked up."""
+    if not PROMPT_NAME_PATTERN.match(name):
+        raise InvalidRequestError(
+            field_name, f"must be 1-{MAX_PROMPT_NAME_LEN} characters of A-Z a-z 0-9 _ . -"
+        )
 
 
 def validate_sampling(sampling: SamplingInput, limits: Limits) -> SamplingParams:
@@ -204,6 +233,7 @@ def prompt_to_token_ids(
         raise InvalidRequestError(
             "prompt", f"set exactly one of prompt, messages, prompt_token_ids; got {given}"
         )
+    check_prompt_size(request, limits)
     if named_prompt is not None:
         token_ids = _ids_after_named_prompt(request, tokenizer, named_prompt)
     elif request.prompt_token_ids:
@@ -215,6 +245,31 @@ def prompt_to_token_ids(
         token_ids = tuple(tokenizer.encode(request.prompt))
     check_prompt_length(len(token_ids), limits.max_model_len)
     return token_ids
+
+
+def check_prompt_size(request: GenerateInput, limits: Limits) -> None:
+    """Refuse, before any tokenizer work, a prompt too large for the context whatever its
+    tokens: more ids than the context holds, more text than max_prompt_chars, more chat
+    messages than the context has tokens (every chat template marks where a message starts)."""
+    if len(request.prompt_token_ids) >= limits.max_model_len:
+        check_prompt_length(len(request.prompt_token_ids), limits.max_model_len)
+    if len(request.messages) >= limits.max_model_len:
+        raise PromptTooLongError(
+            "messages",
+            f"has {len(request.messages)} messages; the context holds {limits.max_model_len} "
+            "tokens",
+        )
+    if limits.max_prompt_chars is None:
+        return
+    field_name, num_chars = "prompt", len(request.prompt)
+    if request.messages:
+        field_name, num_chars = "messages", sum(len(m.content) for m in request.messages)
+    if num_chars > limits.max_prompt_chars:
+        raise PromptTooLongError(
+            field_name,
+            f"has {num_chars} characters; a context of {limits.max_model_len} tokens holds at "
+            f"most {limits.max_prompt_chars}",
+        )
 
 
 def _ids_after_named_prompt(

@@ -25,6 +25,8 @@ PURE_MODULES = (
     "services/tokenizer/stop_strings.py",
     "services/tokenizer/validation.py",
     "services/tokenizer/output.py",
+    # strict decoding of public requests
+    "services/common/request_decoding.py",
     # the shapes shared between services
     "services/contracts",
 )

@@ -139,3 +139,34 @@ def test_registry_without_redis_is_local() -> None:
             await registry.get("", "a")
 
     asyncio.run(scenario())
+
+
+def test_names_and_tenants_no_registration_could_have_are_refused_before_a_lookup() -> None:
+    async def scenario() -> None:
+        registry = PromptRegistry(None, lambda text: [1], max_prompt_chars=100)
+        long_name, long_tenant = "n" * 10_000, "t" * 10_000
+        for call, field in [
+            (registry.get("", long_name), "prompt_name"),
+            (registry.get("", "has space"), "prompt_name"),
+            (registry.get(long_tenant, "a"), "tenant_id"),
+            (registry.delete("", long_name), "name"),
+            (registry.delete(long_tenant, "a"), "tenant_id"),
+            (registry.list(long_tenant), "tenant_id"),
+        ]:
+            with pytest.raises(InvalidRequestError) as error:
+                await call
+            assert error.value.field == field
+            assert len(str(error.value)) < 100
+        for name, text, tenant, field in [
+            (long_name, "x", "", "name"),
+            ("a", "x", long_tenant, "tenant_id"),
+            ("a", "x" * 101, "", "system_prompt"),  # by its size, before it is tokenized
+        ]:
+            with pytest.raises(InvalidRequestError) as error:
+                registry.build(name, text, 0, tenant)
+            assert error.value.field == field
+        with pytest.raises(NotFoundError) as missing:
+            await registry.get("", "x" * 128)
+        assert "…" in missing.value.message and len(missing.value.message) < 100
+
+    asyncio.run(scenario())

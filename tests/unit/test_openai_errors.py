@@ -172,3 +172,8 @@ def test_an_unknown_route() -> None:
     error = not_found_route("POST", "/v1/embeddings")
     assert (error.status, error.type, error.code) == (404, "not_found_error", "not_found")
     assert "POST /v1/embeddings" in error.message
+
+
+def test_a_bad_request_id_names_the_header_it_came_in() -> None:
+    error = http_error(InvalidRequestError("request_id", "must be at most 128 characters"))
+    assert (error.status, error.param) == (400, "X-Request-Id")

@@ -479,3 +479,20 @@ def test_a_nested_non_object_is_not_called_the_body(fields: dict[str, Any], name
     error = chat_error(chat_body(**fields))
     assert error.field == named
     assert "body" not in error.message
+
+
+@pytest.mark.parametrize(
+    ("field", "limit"),
+    [("model", 256), ("tenant_id", 128), ("user", 256), ("prompt_name", 128)],
+)
+def test_identifiers_are_bounded(field: str, limit: int) -> None:
+    assert getattr(chat(**{field: "a" * limit}), field, "a" * limit) == "a" * limit
+    error = chat_error(chat_body(**{field: "a" * (limit + 1)}))
+    assert error.field == field
+    assert str(limit) in error.message
+
+
+def test_an_unknown_parameter_is_quoted_short() -> None:
+    error = completion_error(completion_body(**{"x" * 10_000: 1}))
+    assert len(error.field) <= 64 and error.field.endswith("…")
+    assert len(error.message) < 150

@@ -26,8 +26,7 @@ MAX_MODEL_LEN = 128
 TIMEOUT_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def model() -> ServedModel:
+def served_model() -> ServedModel:
     """What the tokenizer tier builds from the fake scheduler's Describe answer."""
     tokenizer = ModelTokenizer.from_path(embedded_model_path())
     # A short context keeps the over-length test cheap; vocab as in the model file.
@@ -38,6 +37,11 @@ def model() -> ServedModel:
         eos_token_ids=(),
     )
     return ServedModel.from_description(description)
+
+
+@pytest.fixture(scope="module")
+def model() -> ServedModel:
+    return served_model()
 
 
 # ---- the fake scheduler -----------------------------------------------------------------

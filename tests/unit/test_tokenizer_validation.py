@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from services.common.chat_template import ChatMessage, ChatTemplate
-from services.common.errors import InvalidRequestError, NotFoundError
+from services.common.errors import InvalidRequestError, NotFoundError, PromptTooLongError
 from services.tokenizer.validation import (
     GenerateInput,
     Limits,
@@ -163,3 +163,75 @@ def test_an_unknown_model_is_not_found_naming_the_served_one() -> None:
         validate_generate(GenerateInput(prompt="a", model="other"), LIMITS, TOKENIZER)
     assert info.value.field == "model"
     assert "unknown model 'other'" in info.value.message
+
+
+# ---- bounds: identifiers and the size of the prompt ------------------------------------------
+
+SIZED = replace(LIMITS, max_prompt_chars=64)
+
+
+class Untouchable(ByteTokenizer):
+    """A tokenizer the request must never reach."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        raise AssertionError("tokenized a request refused by its size")
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (GenerateInput(prompt="x" * 65), "prompt"),
+        (
+            GenerateInput(messages=(ChatMessage("user", "x" * 40), ChatMessage("user", "y" * 25))),
+            "messages",
+        ),
+        (GenerateInput(messages=(ChatMessage("user", ""),) * 32), "messages"),
+        # Too many ids is said before any id is checked against the vocabulary.
+        (GenerateInput(prompt_token_ids=(10**7,) * 32), "prompt"),
+    ],
+)
+def test_a_prompt_too_large_for_any_tokenization_is_refused_untokenized(
+    request_: GenerateInput, field: str
+) -> None:
+    with pytest.raises(PromptTooLongError) as info:
+        validate_generate(request_, SIZED, Untouchable())
+    assert info.value.field == field
+
+
+def test_a_prompt_at_the_size_bound_is_tokenized() -> None:
+    roomy = replace(SIZED, max_model_len=100)
+    assert len(validate(GenerateInput(prompt="x" * 64), roomy).prompt_token_ids) == 64
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (GenerateInput(prompt="a", tenant_id="t" * 129), "tenant_id"),
+        (GenerateInput(prompt="a", tenant_id="a\nb"), "tenant_id"),
+        (GenerateInput(prompt="a", model="m" * 257), "model"),
+        (GenerateInput(prompt="a", request_id="r\x00"), "request_id"),
+        (GenerateInput(messages=(ChatMessage("user", "a"),), prompt_name="p" * 129), "prompt_name"),
+        (
+            GenerateInput(messages=(ChatMessage("user", "a"),), prompt_name="no spaces"),
+            "prompt_name",
+        ),
+    ],
+)
+def test_identifiers_are_bounded(request_: GenerateInput, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validate_generate(request_, LIMITS, Untouchable())
+    assert info.value.field == field
+    assert len(str(info.value)) < 100
+
+
+def test_errors_quote_a_short_prefix_of_what_was_sent() -> None:
+    long_model = "m" * 256
+    with pytest.raises(NotFoundError) as info:
+        validate_generate(GenerateInput(prompt="a", model=long_model), LIMITS, TOKENIZER)
+    assert "'mmmm" in info.value.message and "…" in info.value.message
+    assert len(info.value.message) < 120
+    long_role = "r" * 10_000
+    with pytest.raises(InvalidRequestError) as error:
+        validate(GenerateInput(messages=(ChatMessage(long_role, "x"),)))
+    assert error.value.field == "messages[0].role"
+    assert len(error.value.message) < 150

@@ -78,6 +78,7 @@ def http_param(field_name: str, chat: bool) -> str:
         "sampling.logprobs": "top_logprobs" if chat else "logprobs",
         "prompt_token_ids": "prompt",
         "prompt": "messages" if chat else "prompt",
+        "request_id": "X-Request-Id",  # the HTTP door takes it from that header
     }
     if field_name in renames:
         return renames[field_name]

@@ -20,8 +20,14 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from services.common.chat_template import ChatMessage
-from services.common.errors import InvalidRequestError
-from services.tokenizer.validation import GenerateInput, SamplingInput
+from services.common.errors import InvalidRequestError, quoted, shortened
+from services.tokenizer.validation import (
+    MAX_MODEL_NAME_LEN,
+    MAX_PROMPT_NAME_LEN,
+    MAX_TENANT_ID_LEN,
+    GenerateInput,
+    SamplingInput,
+)
 
 MAX_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -34,6 +40,13 @@ def _null_is_false(value: object) -> object:
 
 Flag = Annotated[bool, BeforeValidator(_null_is_false)]
 """A boolean parameter that may also be sent as null, meaning false (OpenAI's are nullable)."""
+
+# Identifiers, bounded as the gRPC door bounds them (validation.py); `user` is the caller's
+# id for its end user, only logged.
+ModelName = Annotated[str, Field(max_length=MAX_MODEL_NAME_LEN)]
+TenantId = Annotated[str, Field(max_length=MAX_TENANT_ID_LEN)]
+PromptName = Annotated[str, Field(max_length=MAX_PROMPT_NAME_LEN)]
+EndUser = Annotated[str, Field(max_length=256)]
 
 
 class _Body(BaseModel):
@@ -60,7 +73,7 @@ class ChatMessageBody(_Body):
 class _Sampling(_Body):
     """Parameters both endpoints share."""
 
-    model: str
+    model: ModelName
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -68,7 +81,7 @@ class _Sampling(_Body):
     seed: int | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    user: str | None = None
+    user: EndUser | None = None
     """The end user, for the caller's own records: logged with the request, nothing else."""
     stream: Flag = False
     stream_options: StreamOptions | None = None
@@ -86,7 +99,7 @@ class _Sampling(_Body):
     """Each choice (and stream chunk) also carries the generated token ids."""
     # Ours, as the gRPC API names them.
     deadline_ms: Annotated[int, Field(ge=0)] | None = None
-    tenant_id: str | None = None
+    tenant_id: TenantId | None = None
 
 
 class ChatCompletionBody(_Sampling):
@@ -94,7 +107,7 @@ class ChatCompletionBody(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: Flag = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    prompt_name: str | None = None
+    prompt_name: PromptName | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -139,12 +152,13 @@ def _invalid(exc: ValidationError) -> InvalidRequestError:
         return InvalidRequestError("", f"the body is not valid JSON: {error['msg']}")
     if error["type"] == "model_type" and not error["loc"]:
         return InvalidRequestError("", "the body must be a JSON object")
-    param = _param(error["loc"])
+    # A parameter's name is the client's own text when it is one we do not know.
+    param = shortened(_param(error["loc"]), 64)
     if error["type"] == "extra_forbidden":
-        return InvalidRequestError(param, f"unsupported parameter {param!r}")
+        return InvalidRequestError(param, f"unsupported parameter {quoted(param)}")
     if error["type"] == "missing":
         return InvalidRequestError(param, f"{param!r} is required")
-    return InvalidRequestError(param, error["msg"])
+    return InvalidRequestError(param, shortened(error["msg"], 200))
 
 
 def _param(loc: tuple[int | str, ...]) -> str:
