@@ -88,13 +88,37 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens needs more KV blocks than exist "
                 f"({self.kv.num_total_blocks})"
             )
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(f"{len(self.waiting)} requests already waiting")
+        if self.num_unfinished_requests >= self.max_num_unfinished_requests:
+            raise QueueFullError(
+                f"{len(self.waiting)} requests waiting and {len(self.running)} running "
+                f"(at most {self.config.max_waiting_requests} waiting beyond "
+                f"{self.config.max_num_seqs} seats)"
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
         self._num_submitted += 1
         self.waiting.append(request)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests held: waiting (never admitted, or preempted) or running."""
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def max_num_unfinished_requests(self) -> int:
+        """The admission bound: every seat taken and max_waiting_requests waiting behind them.
+
+        Free seats count as queue room. Requests in a burst all queue in `waiting` until the
+        next step admits them; bounding `waiting` alone refused part of a burst smaller than
+        seats + queue while the seats stood empty. Equivalently: refuse when waiting would
+        exceed max_waiting_requests + (max_num_seqs - running). Admission and preemption move
+        requests between the two lists and leave the count as it is: only a finish makes
+        room. A free seat counts even when the KV blocks for it are not free: its request
+        waits for blocks as any queued one does, and the bound still holds the queue to
+        max_waiting_requests + max_num_seqs.
+        """
+        return self.config.max_num_seqs + self.config.max_waiting_requests
 
     def unpin(self, name: str) -> bool:
         """Let a pinned prefix's blocks be evicted again; False if nothing is pinned so."""
