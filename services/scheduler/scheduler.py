@@ -7,6 +7,7 @@ scheduled request a slice of the token budget (a decode takes 1, a prompt takes 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -119,6 +120,16 @@ class Scheduler:
         max_waiting_requests + max_num_seqs.
         """
         return self.config.max_num_seqs + self.config.max_waiting_requests
+
+    def num_steps_until_a_seat_frees(self) -> int:
+        """At most how many steps until a request holding a seat finishes, which is what makes
+        room at the admission bound (a stop token may end one sooner): the fewest any running
+        request has left to its length limit. With no seat taken yet, the fewest among the
+        requests the next steps admit."""
+        holders = self.running or list(itertools.islice(self.waiting, self.config.max_num_seqs))
+        if not holders:
+            return 1
+        return max(1, min(self._num_steps_to_length_limit(r) for r in holders))
 
     def unpin(self, name: str) -> bool:
         """Let a pinned prefix's blocks be evicted again; False if nothing is pinned so."""
@@ -312,6 +323,16 @@ class Scheduler:
         if threshold > 0:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
+
+    def _num_steps_to_length_limit(self, request: Request) -> int:
+        """One step per output token still to come before max_new_tokens or max_model_len,
+        plus one for a prompt not computed yet (a long one in chunks takes more)."""
+        num_left = min(
+            request.sampling.max_new_tokens - request.num_output_tokens_with_pending,
+            self.config.max_model_len - request.num_tokens_with_pending,
+        )
+        num_prefill_steps = 1 if request.num_computed_tokens < request.num_prompt_tokens else 0
+        return num_prefill_steps + max(num_left, 0)
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop the KV, requeue at the front, resend it whole later."""

@@ -1,14 +1,29 @@
 """The admission bound: a request is refused (QueueFullError) only when the scheduler already
 holds max_num_seqs + max_waiting_requests requests (running or waiting), i.e. when waiting
-would exceed max_waiting_requests plus the seats still free. Factories, no gRPC."""
+would exceed max_waiting_requests plus the seats still free; and the retry hint a refusal
+carries. Factories, no worker, no gRPC server."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.common.errors import QueueFullError
+from services.common.errors import CapacityError, QueueFullError
+from services.common.grpc_server import (
+    REASON_METADATA_KEY,
+    RETRY_PUSHBACK_METADATA_KEY,
+    refusal_metadata,
+    retry_pushback_ms,
+)
+from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.request import Request
+from services.scheduler.retry_hint import (
+    DEFAULT_RETRY_AFTER_MS,
+    MAX_RETRY_AFTER_MS,
+    StepTimeAverage,
+    retry_after_ms,
+)
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.server_config import SchedulerServerConfig
 from tests.unit.factories import create_requests, create_scheduler, result_for
 
 
@@ -77,3 +92,94 @@ def test_seats_without_blocks_still_count_as_room() -> None:
     # 4 waiting = max_waiting_requests (2) + free seats (2): the bound, not above it.
     assert submit_all(scheduler, requests[6:]) == ["req6"]
     scheduler.check_integrity()
+
+
+# ---- the retry hint ---------------------------------------------------------------------------
+
+
+def test_steps_until_a_seat_frees_is_the_running_request_closest_to_its_limit() -> None:
+    scheduler = create_scheduler(max_num_seqs=2, max_waiting_requests=1)
+    short, long_ = create_requests(2, max_new_tokens=5)
+    long_.sampling = type(long_.sampling)(max_new_tokens=50)
+    (late,) = create_requests(1, max_new_tokens=3, id_prefix="late")
+    submit_all(scheduler, [short, long_, late])
+    # Nothing admitted yet: the first two seats go to `short` (prefill + 5 tokens) and `long_`.
+    assert scheduler.num_steps_until_a_seat_frees() == 6
+    for step in range(3):
+        plan = scheduler.schedule(float(step))
+        scheduler.update(plan, result_for(scheduler, plan), float(step))
+    # `short` sampled 3 of its 5 tokens; `late` waits and does not count.
+    assert short.num_output_tokens == 3 and late.num_output_tokens == 0
+    assert scheduler.num_steps_until_a_seat_frees() == 2
+    plan = scheduler.schedule(3.0)  # its 4th token is in flight (pending)
+    assert scheduler.num_steps_until_a_seat_frees() == 1
+    scheduler.update(plan, result_for(scheduler, plan), 3.0)
+    plan = scheduler.schedule(4.0)  # the last one in flight: never less than one step
+    assert scheduler.num_steps_until_a_seat_frees() == 1
+
+
+def test_steps_until_a_seat_frees_counts_max_model_len() -> None:
+    scheduler = create_scheduler(max_model_len=14)
+    (request,) = create_requests(1, num_tokens=10, max_new_tokens=100)
+    scheduler.add_request(request)
+    assert scheduler.num_steps_until_a_seat_frees() == 1 + 4  # prefill + tokens 11..14
+
+
+@pytest.mark.parametrize(
+    ("num_steps", "step_s", "expected_ms"),
+    [
+        (20, 0.05, 1000),
+        (3, 0.0101, 31),  # rounded up
+        (0, 0.05, 50),  # at least one step
+        (1, 0.0, 1),  # at least 1 ms
+        (10_000, 0.05, MAX_RETRY_AFTER_MS),
+        (20, None, DEFAULT_RETRY_AFTER_MS),  # no step timed yet
+    ],
+)
+def test_retry_after_ms(num_steps: int, step_s: float | None, expected_ms: int) -> None:
+    assert retry_after_ms(num_steps, step_s) == expected_ms
+
+
+def test_step_time_average_follows_recent_steps() -> None:
+    average = StepTimeAverage(weight=0.5)
+    assert average.seconds is None
+    average.observe(1.0)  # a slow prefill step
+    assert average.seconds == 1.0
+    for _ in range(10):
+        average.observe(0.1)  # decodes
+    assert average.seconds == pytest.approx(0.1, abs=0.001)
+
+
+def test_a_refusal_carries_the_hint_as_grpc_retry_pushback() -> None:
+    """The engine loop turns the core's steps into milliseconds with its step time; the hint
+    goes out as gRPC's retry pushback beside the reason, and reads back the same."""
+    loop = EngineLoop(SchedulerServerConfig(max_num_seqs=1, max_waiting_requests=1))
+    loop.scheduler = create_scheduler(max_num_seqs=1, max_waiting_requests=1)
+    loop.connected.set()
+    first, second, third = create_requests(3, max_new_tokens=20)
+    loop.submit(first)
+    loop.submit(second)
+    with pytest.raises(QueueFullError) as no_step_yet:
+        loop.submit(third)
+    assert no_step_yet.value.retry_after_ms == DEFAULT_RETRY_AFTER_MS
+    loop.step_time.observe(0.05)
+    with pytest.raises(QueueFullError) as refused:
+        loop.submit(third)
+    assert refused.value.retry_after_ms == 21 * 50  # prefill + 20 tokens of `first`
+    metadata = refusal_metadata(refused.value)
+    assert metadata == (
+        (REASON_METADATA_KEY, "queue_full"),
+        (RETRY_PUSHBACK_METADATA_KEY, "1050"),
+    )
+    assert retry_pushback_ms(dict(metadata)) == 1050
+    # No hint, no pushback; the reason alone tells the refusals apart.
+    assert refusal_metadata(QueueFullError("full")) == ((REASON_METADATA_KEY, "queue_full"),)
+    assert refusal_metadata(CapacityError("never fits")) == (
+        (REASON_METADATA_KEY, "prompt_too_long"),
+    )
+
+
+@pytest.mark.parametrize("value", ["", "-1", "1.5", "soon", "١٢"])
+def test_a_pushback_that_is_no_wait_is_no_hint(value: str) -> None:
+    assert retry_pushback_ms({RETRY_PUSHBACK_METADATA_KEY: value}) is None
+    assert retry_pushback_ms({}) is None
