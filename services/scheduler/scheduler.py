@@ -110,9 +110,9 @@ class Scheduler:
     def max_num_unfinished_requests(self) -> int:
         """The admission bound: every seat taken and max_waiting_requests waiting behind them.
 
-        Free seats count as queue room. Requests in a burst all queue in `waiting` until the
-        next step admits them; bounding `waiting` alone refused part of a burst smaller than
-        seats + queue while the seats stood empty. Equivalently: refuse when waiting would
+        Free seats count as queue room: a burst queues whole in `waiting` until the next step
+        admits it, and a bound on `waiting` alone would refuse part of a burst smaller than
+        seats + queue while the seats stand empty. Equivalently: refuse when waiting would
         exceed max_waiting_requests + (max_num_seqs - running). Admission and preemption move
         requests between the two lists and leave the count as it is: only a finish makes
         room. A free seat counts even when the KV blocks for it are not free: its request

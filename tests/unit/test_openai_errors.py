@@ -81,7 +81,7 @@ def test_back_off_statuses_carry_retry_after(exc: Exception) -> None:
 @pytest.mark.parametrize(
     ("retry_after_ms", "header"), [(None, "1"), (1, "1"), (1000, "1"), (1001, "2"), (9500, "10")]
 )
-def test_a_full_queue_s_retry_after_is_the_scheduler_s_hint_rounded_up(
+def test_a_full_queue_sends_the_scheduler_hint_as_retry_after_rounded_up(
     retry_after_ms: int | None, header: str
 ) -> None:
     error = http_error(QueueFullError("full", retry_after_ms=retry_after_ms))
