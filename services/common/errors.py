@@ -40,7 +40,12 @@ class CapacityError(LLMServeError):
 
 
 class QueueFullError(LLMServeError):
-    """The scheduler's waiting queue is at max_waiting_requests; the caller should back off."""
+    """The scheduler holds max_num_seqs + max_waiting_requests requests; the caller should back
+    off, for `retry_after_ms` when the scheduler estimated it (None: no estimate)."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class DeadlineExceededError(LLMServeError):

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -43,6 +43,10 @@ SERVER_OPTIONS = [
 # Trailing metadata of a refused call: rejection_reason() of the error, for the caller to
 # tell apart refusals that share a status code (queue_full vs prompt_too_long).
 REASON_METADATA_KEY = "llmserve-reason"
+# With queue_full: milliseconds to wait before retrying. gRPC's own key (gRFC A6 "pushback"):
+# a client whose service config retries RESOURCE_EXHAUSTED waits exactly this long before its
+# next attempt instead of its own backoff, and any other client can read it as a hint.
+RETRY_PUSHBACK_METADATA_KEY = "grpc-retry-pushback-ms"
 
 
 class GrpcService:
@@ -164,6 +168,26 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, LLMServeError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+def refusal_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata of a call refused with `exc`: its reason, and for a full queue the
+    retry pushback when the scheduler estimated one."""
+    from services.common.errors import QueueFullError
+
+    metadata = ((REASON_METADATA_KEY, rejection_reason(exc)),)
+    if isinstance(exc, QueueFullError) and exc.retry_after_ms is not None:
+        metadata += ((RETRY_PUSHBACK_METADATA_KEY, str(exc.retry_after_ms)),)
+    return metadata
+
+
+def retry_pushback_ms(metadata: Mapping[str, str | bytes]) -> int | None:
+    """The retry pushback in a refused call's trailing metadata; None when absent or not a
+    non-negative integer (gRPC reads those as "do not retry": no hint to pass on)."""
+    value = metadata.get(RETRY_PUSHBACK_METADATA_KEY)
+    if not isinstance(value, str) or not (value.isascii() and value.isdigit()):
+        return None
+    return int(value)
 
 
 def rejection_reason(exc: BaseException) -> str:

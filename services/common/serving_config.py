@@ -78,7 +78,9 @@ class BatchingConfig:
     max_num_batched_tokens: int = 1024
     """Token budget of one step, shared by prefill chunks and decodes."""
     max_waiting_requests: int = 256
-    """Bound of the waiting queue; beyond it a request fails at once (RESOURCE_EXHAUSTED)."""
+    """Requests that may wait beyond the max_num_seqs seats: a scheduler holding
+    max_num_seqs + max_waiting_requests (running or waiting) refuses the next at once
+    (RESOURCE_EXHAUSTED), so free seats count as queue room."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose chained token hash is already cached."""
 

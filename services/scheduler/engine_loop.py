@@ -21,7 +21,7 @@ import grpc
 
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.cache_keys import CacheKeys
-from services.common.errors import LLMServeError
+from services.common.errors import LLMServeError, QueueFullError
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
@@ -30,6 +30,7 @@ from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.scheduler import metrics
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
+from services.scheduler.retry_hint import StepTimeAverage, retry_after_ms
 from services.scheduler.scheduler import Scheduler, SchedulerStats
 from services.scheduler.server_config import SchedulerServerConfig
 from services.scheduler.worker_convert import plan_to_proto, result_from_proto
@@ -79,15 +80,23 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self.connected = asyncio.Event()
         self.num_steps = 0
+        self.step_time = StepTimeAverage()
 
     # ---- the server's calls --------------------------------------------------------------
 
     def submit(self, request: Request) -> EventQueue:
         """Queue a request; its events arrive on the returned queue. Raises WorkerUnavailable,
-        or the scheduler's typed errors (invalid, queue full, can never fit)."""
+        or the scheduler's typed errors (invalid, queue full with a retry hint, can never
+        fit)."""
         if self.scheduler is None or not self.connected.is_set():
             raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except QueueFullError as exc:
+            # The core counts steps; this loop knows how long they take.
+            num_steps = self.scheduler.num_steps_until_a_seat_frees()
+            hint_ms = retry_after_ms(num_steps, self.step_time.seconds)
+            raise QueueFullError(str(exc), retry_after_ms=hint_ms) from None
         queue: EventQueue = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._wakeup.set()
@@ -282,6 +291,8 @@ class EngineLoop:
             step_s = finished_at - worker_busy_since
             worker_busy_since = finished_at
             self.num_steps += 1
+            if plan.num_scheduled_tokens:  # a plan of drops only is no step time
+                self.step_time.observe(step_s)
             events = scheduler.update(plan, result, self.clock())
             metrics.on_step(scheduler, plan, events, step_s)
             self._dispatch(events)

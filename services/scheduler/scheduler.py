@@ -7,6 +7,7 @@ scheduled request a slice of the token budget (a decode takes 1, a prompt takes 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -88,13 +89,47 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens needs more KV blocks than exist "
                 f"({self.kv.num_total_blocks})"
             )
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(f"{len(self.waiting)} requests already waiting")
+        if self.num_unfinished_requests >= self.max_num_unfinished_requests:
+            raise QueueFullError(
+                f"{len(self.waiting)} requests waiting and {len(self.running)} running "
+                f"(at most {self.config.max_waiting_requests} waiting beyond "
+                f"{self.config.max_num_seqs} seats)"
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
         self._num_submitted += 1
         self.waiting.append(request)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests held: waiting (never admitted, or preempted) or running."""
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def max_num_unfinished_requests(self) -> int:
+        """The admission bound: every seat taken and max_waiting_requests waiting behind them.
+
+        Free seats count as queue room: a burst queues whole in `waiting` until the next step
+        admits it, and a bound on `waiting` alone would refuse part of a burst smaller than
+        seats + queue while the seats stand empty. Equivalently: refuse when waiting would
+        exceed max_waiting_requests + (max_num_seqs - running). Admission and preemption move
+        requests between the two lists and leave the count as it is: only a finish makes
+        room. A free seat counts even when the KV blocks for it are not free: its request
+        waits for blocks as any queued one does, and the bound still holds the queue to
+        max_waiting_requests + max_num_seqs.
+        """
+        return self.config.max_num_seqs + self.config.max_waiting_requests
+
+    def num_steps_until_a_seat_frees(self) -> int:
+        """At most how many steps until a request holding a seat finishes, which is what makes
+        room at the admission bound (a stop token may end one sooner): the fewest any running
+        request has left to its length limit. With no seat taken yet, the fewest among the
+        requests the next steps admit."""
+        holders = self.running or list(itertools.islice(self.waiting, self.config.max_num_seqs))
+        if not holders:
+            return 1
+        return max(1, min(self._num_steps_to_length_limit(r) for r in holders))
 
     def unpin(self, name: str) -> bool:
         """Let a pinned prefix's blocks be evicted again; False if nothing is pinned so."""
@@ -288,6 +323,16 @@ class Scheduler:
         if threshold > 0:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
+
+    def _num_steps_to_length_limit(self, request: Request) -> int:
+        """One step per output token still to come before max_new_tokens or max_model_len,
+        plus one for a prompt not computed yet (a long one in chunks takes more)."""
+        num_left = min(
+            request.sampling.max_new_tokens - request.num_output_tokens_with_pending,
+            self.config.max_model_len - request.num_tokens_with_pending,
+        )
+        num_prefill_steps = 1 if request.num_computed_tokens < request.num_prompt_tokens else 0
+        return num_prefill_steps + max(num_left, 0)
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop the KV, requeue at the front, resend it whole later."""

@@ -17,9 +17,8 @@ from services.common.cache_keys import CacheKeys
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError
 from services.common.grpc_server import (
-    REASON_METADATA_KEY,
     GrpcService,
-    rejection_reason,
+    refusal_metadata,
     run_service,
     status_for,
 )
@@ -93,9 +92,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 log.exception("submit failed", extra={"request_id": request_id})
             else:
                 log.info("rejected", extra={"request_id": request_id, "code": code.name})
-            # The reason tells a full queue (retry later) from a prompt that can never fit,
-            # which share RESOURCE_EXHAUSTED.
-            context.set_trailing_metadata(((REASON_METADATA_KEY, rejection_reason(exc)),))
+            # The reason tells a full queue (retry later: the pushback says when) from a
+            # prompt that can never fit, which share RESOURCE_EXHAUSTED.
+            context.set_trailing_metadata(refusal_metadata(exc))
             await context.abort(code, message)
         first = True
         # Events that arrived while the last message waited for the reader: they go out as

@@ -34,7 +34,7 @@ from services.common.errors import (
     LLMServeError,
     QueueFullError,
 )
-from services.common.grpc_server import REASON_METADATA_KEY
+from services.common.grpc_server import REASON_METADATA_KEY, retry_pushback_ms
 from services.common.prompt_store import PromptStore
 from services.tokenizer import convert
 from services.tokenizer.config import TokenizerConfig
@@ -290,7 +290,7 @@ def scheduler_error(exc: grpc.aio.AioRpcError, address: str) -> LLMServeError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         reasons = dict(exc.trailing_metadata() or ())
         if reasons.get(REASON_METADATA_KEY) == "queue_full":
-            return QueueFullError(details)
+            return QueueFullError(details, retry_pushback_ms(reasons))
         return CapacityError(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceededError(details or "deadline passed")

@@ -19,7 +19,7 @@ import grpc
 
 from protos.llmserve.v1 import engine_pb2, text_pb2, text_pb2_grpc
 from services.common.errors import InvalidRequestError, LLMServeError, shortened
-from services.common.grpc_server import status_for
+from services.common.grpc_server import refusal_metadata, status_for
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_token_ids
@@ -94,7 +94,11 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                     request_metrics.finish_reason = delta.finish_reason
                 yield convert.generate_response(request_id, delta)
         except LLMServeError as exc:
-            await _abort(context, *status_for(exc))
+            code, message = status_for(exc)
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # The scheduler's reason and retry pushback, passed on as it sent them.
+                context.set_trailing_metadata(refusal_metadata(exc))
+            await _abort(context, code, message)
         finally:
             await deltas.aclose()
 

@@ -19,6 +19,7 @@ PURE_MODULES = (
     "services/scheduler/config.py",
     "services/scheduler/request.py",
     "services/scheduler/coalesce.py",
+    "services/scheduler/retry_hint.py",
     # the tokenizer tier's logic
     "services/tokenizer/routing.py",
     "services/tokenizer/detokenizer.py",

@@ -78,6 +78,17 @@ def test_back_off_statuses_carry_retry_after(exc: Exception) -> None:
     assert int(headers["Retry-After"]) > 0
 
 
+@pytest.mark.parametrize(
+    ("retry_after_ms", "header"), [(None, "1"), (1, "1"), (1000, "1"), (1001, "2"), (9500, "10")]
+)
+def test_a_full_queue_sends_the_scheduler_hint_as_retry_after_rounded_up(
+    retry_after_ms: int | None, header: str
+) -> None:
+    error = http_error(QueueFullError("full", retry_after_ms=retry_after_ms))
+    assert error.status == 429
+    assert error.headers == {"Retry-After": header}
+
+
 def test_401_asks_for_a_bearer_token() -> None:
     assert http_error(UnauthenticatedError("missing API key")).headers == {
         "WWW-Authenticate": "Bearer"

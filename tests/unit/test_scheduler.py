@@ -252,7 +252,11 @@ def test_deadline_expires_while_waiting_and_while_running() -> None:
 
 
 def test_queue_full_and_capacity_errors() -> None:
-    scheduler = create_scheduler(max_waiting_requests=2, num_blocks=4, max_model_len=100)
+    # One seat and one place in the queue behind it: two requests (tests/unit/
+    # test_scheduler_admission.py has the bound itself).
+    scheduler = create_scheduler(
+        max_num_seqs=1, max_waiting_requests=1, num_blocks=4, max_model_len=100
+    )
     first, second, third = create_requests(3)
     scheduler.add_request(first)
     scheduler.add_request(second)

@@ -55,6 +55,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     hold_open: bool = False
     """After the script, keep the stream open until the caller cancels."""
     abort_with: tuple[grpc.StatusCode, str] | None = None
+    abort_metadata: tuple[tuple[str, str], ...] = ()
+    """Trailing metadata sent with `abort_with`."""
     fail_after_script: tuple[grpc.StatusCode, str] | None = None
     """After the script, end the stream with this status."""
     stats_available: bool = True
@@ -70,6 +72,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.requests.append(request)
         self.time_remaining.append(context.time_remaining())
         if self.abort_with is not None:
+            context.set_trailing_metadata(self.abort_metadata)
             await context.abort(*self.abort_with)
         finished = False
 
@@ -595,6 +598,55 @@ def test_scheduler_errors_reach_http_as_statuses(
         error = response.json()["error"]
         assert "scripted failure" in error["message"]
         assert ("retry-after" in response.headers) == (status == 503)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "retry_after"),
+    [
+        ((("llmserve-reason", "queue_full"), ("grpc-retry-pushback-ms", "2500")), "3"),
+        ((("llmserve-reason", "queue_full"), ("grpc-retry-pushback-ms", "40")), "1"),
+        ((("llmserve-reason", "queue_full"),), "1"),  # a scheduler without an estimate
+    ],
+)
+def test_a_full_queue_passes_the_retry_hint_on_at_both_doors(
+    model: ServedModel, metadata: tuple[tuple[str, str], ...], retry_after: str
+) -> None:
+    """gRPC: the scheduler's reason and pushback reach the client as trailing metadata.
+    HTTP: 429 with Retry-After in whole seconds, rounded up, at least 1."""
+    engine = FakeEngine(
+        abort_with=(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"), abort_metadata=metadata
+    )
+
+    async def scenario() -> None:
+        async with running_stack(model, [engine]) as stack:
+            error = await rpc_error(stack.generate(text_pb2.GenerateRequest(prompt="a")))
+            assert stack.server.http is not None
+            url = f"http://127.0.0.1:{stack.server.http.port}/v1/completions"
+            body = {"model": model.name, "prompt": "a", "stream": True}
+            async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
+                response = await http.post(url, json=body)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(error.trailing_metadata() or ()) == dict(metadata)
+        assert response.status_code == 429, response.text
+        assert response.json()["error"]["code"] == "queue_full"
+        assert response.headers["retry-after"] == retry_after
+
+    run(scenario)
+
+
+def test_a_prompt_that_never_fits_is_told_apart_from_a_full_queue(model: ServedModel) -> None:
+    engine = FakeEngine(
+        abort_with=(grpc.StatusCode.RESOURCE_EXHAUSTED, "needs 90 blocks, 64 exist"),
+        abort_metadata=(("llmserve-reason", "prompt_too_long"),),
+    )
+
+    async def scenario() -> None:
+        async with running_stack(model, [engine]) as stack:
+            error = await rpc_error(stack.generate(text_pb2.GenerateRequest(prompt="a")))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(error.trailing_metadata() or ()) == {"llmserve-reason": "prompt_too_long"}
 
     run(scenario)
 

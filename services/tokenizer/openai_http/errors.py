@@ -6,7 +6,7 @@
 401 authentication_error   no key, or an unknown one
 403 permission_error       the key may not do this (admin calls, another tenant)
 404 not_found_error        unknown model, unknown prompt_name, unknown route
-429 rate_limit_error       the scheduler's queue is full (Retry-After)
+429 rate_limit_error       the scheduler's queue is full (Retry-After: its hint, in seconds)
 503 service_unavailable    no scheduler with a worker, or still loading (Retry-After)
 504 timeout                the request's deadline passed
 500 server_error           anything else (the message says which part failed)
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,15 @@ from services.common.errors import (
 )
 
 RETRY_AFTER_S = 1
-"""What a 429 or 503 asks the client to wait before retrying, in seconds."""
+"""What a 503, or a 429 without the scheduler's hint, asks the client to wait, in seconds."""
+
+
+def retry_after_s(retry_after_ms: int | None) -> int:
+    """The Retry-After header's whole seconds for a hint in milliseconds: rounded up, at
+    least 1 (0 would invite an immediate retry); RETRY_AFTER_S without a hint."""
+    if retry_after_ms is None:
+        return RETRY_AFTER_S
+    return max(1, math.ceil(retry_after_ms / 1000))
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +129,7 @@ def http_error(exc: BaseException, chat: bool = False) -> HttpError:
             f"the server is busy ({exc}); retry later",
             "rate_limit_error",
             code="queue_full",
-            headers=retry,
+            headers={"Retry-After": str(retry_after_s(exc.retry_after_ms))},
         )
     if isinstance(exc, DependencyUnavailableError):
         return HttpError(503, str(exc), "service_unavailable", headers=retry)
