@@ -7,7 +7,13 @@ Ctrl-C / SIGTERM stops them front to back (tokenizers drain first) and exits 0.
 
 Tokenizer replicas all bind the public gRPC port and the HTTP port with SO_REUSEPORT, so the
 kernel spreads client connections across them. Each replica routes requests over every
-scheduler. API keys reach the replicas through their environment, never their command line.
+scheduler.
+
+Secrets travel by environment, never a command line (which any local user can read in ps):
+API keys to the replicas; the stack's internal secret (the one given, else a fresh one per
+stack) to every worker, scheduler and tokenizer, whose internal ports refuse calls without it;
+the Redis URL, which carries the private redis-server's password (fresh per stack, handed to
+redis-server as configuration on its stdin).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -37,13 +44,16 @@ from services.common.config_flags import (
     add_config_flags,
     config_argv,
     config_from_args,
+    env_name,
     secret_env,
 )
 from services.common.metrics_aggregate import ScrapeTarget, start_aggregate_server
 from services.common.metrics_http import MetricsServer
+from services.common.redis_store import redact_url
 from services.common.serving_config import (
     BatchingConfig,
     DeviceConfig,
+    InternalConfig,
     ModelConfig,
     PublicConfig,
     RuntimeConfig,
@@ -62,6 +72,7 @@ class StackConfig(
     StepLoopConfig,
     RuntimeConfig,
     PublicConfig,
+    InternalConfig,
 ):
     """The shared groups (services.common.serving_config), handed to each child as flags
     (CHILD_GROUPS), plus how the stack is laid out."""
@@ -80,9 +91,10 @@ class StackConfig(
     """Where processes run: none (the kernel places them), nice (everything but the workers
     at a lower priority), split (workers pinned to all cores but the last, the rest on it),
     or auto (none: measured no slower than the others; docs/deployment.md)."""
-    redis_url: str | None = None
-    """An existing Redis (redis://[user:password@]host:port, rediss:// for TLS); unset = start
-    a private redis-server on loopback when one is installed."""
+    redis_url: str | None = field(default=None, repr=False, metadata={"secret": True})
+    """An existing Redis (redis://[user:password@]host:port, rediss:// for TLS; give it as
+    LLMSERVE_REDIS_URL when it carries a password); unset = start a private redis-server on
+    loopback, with a fresh password, when one is installed."""
     redis: bool = True
     """Use Redis at all (--no-redis: no prefix index, routing by load, local named prompts)."""
     routing: str = "cache_aware"
@@ -101,12 +113,27 @@ class StackConfig(
 
 
 CHILD_GROUPS: dict[str, tuple[type, ...]] = {
-    "worker": (ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig),
-    "scheduler": (BatchingConfig, StepLoopConfig),
+    "worker": (
+        ModelConfig,
+        WeightsConfig,
+        DeviceConfig,
+        BatchingConfig,
+        RuntimeConfig,
+        InternalConfig,
+    ),
+    "scheduler": (BatchingConfig, StepLoopConfig, InternalConfig),
     # The model reaches the tokenizer tier through the schedulers.
-    "tokenizer": (PublicConfig,),
+    "tokenizer": (PublicConfig, InternalConfig),
 }
-"""The shared groups each kind of child is given, as flags, from the stack's config."""
+"""The shared groups each kind of child is given from the stack's config: as flags, and its
+secret fields as environment (secret_env)."""
+
+
+def with_internal_secret(config: StackConfig) -> StackConfig:
+    """The config with an internal secret: the one given, else a fresh one for this stack."""
+    if config.internal_secret:
+        return config
+    return replace(config, internal_secret=secrets.token_urlsafe(32))
 
 
 @dataclass(slots=True)
@@ -122,6 +149,9 @@ class Child:
     placement: Placement = field(default_factory=Placement)
     env: dict[str, str] = field(default_factory=dict)
     """Added to the stack's environment for this child (its secrets)."""
+    stdin: bytes | None = None
+    """Written to the process's stdin at each start, then closed (redis-server's
+    configuration, which holds its password: stdin is readable by no other process)."""
     http_url: str | None = None
     """A tokenizer's OpenAI base URL, when it serves HTTP."""
     process: subprocess.Popen[bytes] | None = None
@@ -131,9 +161,17 @@ class Child:
     def start(self, env: dict[str, str]) -> None:
         # Redis prints a banner on stdout; ours go to stderr as JSON logs.
         stdout = subprocess.DEVNULL if self.kind == "redis" else None
+        stdin = subprocess.PIPE if self.stdin is not None else None
         self.process = subprocess.Popen(
-            self.command, env={**env, **self.env}, start_new_session=True, stdout=stdout
+            self.command,
+            env={**env, **self.env},
+            start_new_session=True,
+            stdout=stdout,
+            stdin=stdin,
         )
+        if self.stdin is not None and self.process.stdin is not None:
+            with self.process.stdin:
+                self.process.stdin.write(self.stdin)
         cpu_placement.apply(self.process.pid, self.placement)
         self.started_at = time.monotonic()
 
@@ -152,11 +190,15 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def redis_answers(address: str, timeout: float = 1.0) -> bool:
-    """Whether the private Redis (no password) answers a PING."""
+def redis_answers(address: str, password: str | None = None, timeout: float = 1.0) -> bool:
+    """Whether the private Redis answers a PING (authenticated with `password`)."""
     host, port = address.rsplit(":", 1)
     client = redis.Redis(
-        host=host, port=int(port), socket_timeout=timeout, socket_connect_timeout=timeout
+        host=host,
+        port=int(port),
+        password=password,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
     )
     try:
         return bool(client.ping())
@@ -188,14 +230,42 @@ def http_ready(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def private_redis(host: str) -> Child | None:
-    """A throwaway redis-server for this stack: loopback only, nothing persisted."""
+def private_redis(host: str, password: str) -> Child | None:
+    """A throwaway redis-server for this stack: loopback only, nothing persisted, and a
+    password. `-` makes it read configuration from stdin, before the flags: the password
+    stays off its command line."""
     binary = shutil.which("redis-server")
     if binary is None:
         return None
     port = free_port(host)
-    command = [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"]
-    return Child("redis", "redis", command, f"{host}:{port}", redis_answers)
+    command = [
+        *(binary, "-"),
+        *("--bind", host, "--port", str(port)),
+        *("--save", "", "--appendonly", "no"),
+    ]
+    return Child(
+        "redis",
+        "redis",
+        command,
+        f"{host}:{port}",
+        lambda address: redis_answers(address, password),
+        stdin=f"requirepass {password}\n".encode(),
+    )
+
+
+def stack_redis_url(
+    config: StackConfig, redis: Child | None, password: str | None = None
+) -> str | None:
+    """The Redis every child uses: the given one, else the private server (with its password);
+    None without Redis."""
+    if not config.redis:
+        return None
+    if config.redis_url:
+        return config.redis_url
+    if redis is None:
+        return None
+    credentials = f":{password}@" if password else ""
+    return f"redis://{credentials}{redis.address}"
 
 
 def http_url(config: PublicConfig, port: int, host: str = "127.0.0.1") -> str:
@@ -212,11 +282,13 @@ def port_open(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
-    """Redis (if private) first, then workers, schedulers, tokenizers: the start order."""
+def build_children(
+    config: StackConfig, redis: Child | None, redis_url: str | None = None
+) -> list[Child]:
+    """Redis (if private) first, then workers, schedulers, tokenizers: the start order.
+    `redis_url` (stack_redis_url) reaches the schedulers and tokenizers by environment."""
     host = config.host
-    redis_url = config.redis_url or (f"redis://{redis.address}" if redis else None)
-    redis_flag = ["--redis-url", redis_url] if config.redis and redis_url else []
+    redis_env = {env_name("redis_url"): redis_url} if redis_url else {}
     cpus = cpu_placement.usable_cpus()
 
     def placed(kind: str, index: int = 0) -> Placement:
@@ -234,7 +306,16 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
             args += ["--metrics-port", str(metrics_port)]
             metrics_url = f"http://{host}:{metrics_port}/metrics"
         command = llmserve_command(*args)
-        return Child(name, kind, command, address, healthy, metrics_url, placed(kind, index))
+        return Child(
+            name,
+            kind,
+            command,
+            address,
+            healthy,
+            metrics_url,
+            placed(kind, index),
+            env=secret_env(config, *CHILD_GROUPS[kind]),
+        )
 
     workers: list[Child] = []
     schedulers: list[Child] = []
@@ -250,15 +331,15 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
         scheduler_args = [
             *("--scheduler-id", f"scheduler-{index}"),
             *("--worker", f"{host}:{worker_port}"),
-            *redis_flag,
         ]
-        schedulers.append(child(f"scheduler-{index}", "scheduler", scheduler_port, scheduler_args))
+        scheduler = child(f"scheduler-{index}", "scheduler", scheduler_port, scheduler_args)
+        scheduler.env.update(redis_env)
+        schedulers.append(scheduler)
     public_port = config.port or free_port(host)
     http_port = config.http_port or free_port(host)  # one port for every replica
     tokenizer_args = [
         *("--scheduler", ",".join(c.address for c in schedulers)),
         *("--routing", config.routing),
-        *redis_flag,
     ]
     tokenizers = [
         child(f"tokenizer-{index}", "tokenizer", public_port, tokenizer_args)
@@ -266,7 +347,7 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
     ]
     for tokenizer in tokenizers:
         tokenizer.command += ["--http-port", str(http_port)]  # the last flag given wins
-        tokenizer.env = secret_env(config, PublicConfig)
+        tokenizer.env.update(redis_env)
         if config.http:
             tokenizer.http_url = http_url(config, http_port, host)
             # The HTTP door's /ready is true when the gRPC health would be SERVING, and it
@@ -282,16 +363,18 @@ def build_children(config: StackConfig, redis: Child | None) -> list[Child]:
 
 class Stack:
     def __init__(self, config: StackConfig) -> None:
-        self.config = config
+        self.config = config = with_internal_secret(config)
         wants_private_redis = config.redis and not config.redis_url
-        self.redis = private_redis(config.host) if wants_private_redis else None
+        redis_password = secrets.token_urlsafe(32)
+        self.redis = private_redis(config.host, redis_password) if wants_private_redis else None
         if wants_private_redis and self.redis is None:
             print(
                 "llmserve: redis-server is not installed: running without Redis "
                 "(no prefix index; routing by load)",
                 file=sys.stderr,
             )
-        self.children = build_children(config, self.redis)
+        self.redis_url = stack_redis_url(config, self.redis, redis_password)
+        self.children = build_children(config, self.redis, self.redis_url)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._stopping = False
         self.metrics: MetricsServer | None = None
@@ -335,9 +418,6 @@ class Stack:
     def describe(self) -> dict[str, object]:
         schedulers = [c.address for c in self._group("scheduler")]
         workers = [c.address for c in self._group("worker")]
-        redis_url = self.config.redis_url or (
-            f"redis://{self.redis.address}" if self.redis else None
-        )
         return {
             "public": self.public_address,
             "http": self.children[-1].http_url,
@@ -345,7 +425,8 @@ class Stack:
             "worker": workers[0],
             "schedulers": schedulers,
             "workers": workers,
-            "redis_url": redis_url if self.config.redis else None,
+            # Without its password: the ready file is for scripts, not a secret store.
+            "redis_url": redact_url(self.redis_url) if self.redis_url else None,
             "pids": {c.name: c.process.pid for c in self.children if c.process is not None},
             "metrics": self.metrics.url if self.metrics else None,
             "process_metrics": {c.name: c.metrics_url for c in self.children if c.metrics_url},

@@ -1,17 +1,23 @@
 """One way to run llmserve processes from Python (tests, benchmarks): `running_stack` starts
 `llmserve up`, `running_service` one `llmserve <service>`; each is ready once the standard gRPC
 health service says SERVING, and is stopped on exit (SIGTERM, a bounded wait, then SIGKILL).
+
+`running_stack` chooses the stack's internal secret and hands it to `llmserve up` through the
+environment (as an operator would with LLMSERVE_INTERNAL_SECRET), so a test can call the
+Engine API itself (`RunningStack.internal_metadata`) and start more services that join the
+stack (`running_service(..., env=stack.child_env)`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +27,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2_grpc
+from services.common.config_flags import env_name
+from services.common.internal_auth import Metadata, internal_metadata
 from services.launcher import free_port, llmserve_command
 
 T = TypeVar("T")
@@ -111,6 +119,20 @@ class RunningStack(RunningProcess):
     """`llmserve up` once every process reports SERVING; `info` is its ready file."""
 
     ready_file: Path = field(default_factory=Path)
+    internal_secret: str | None = None
+    """The secret every internal call of this stack carries."""
+
+    @property
+    def internal_metadata(self) -> Metadata:
+        """Metadata for a direct call to a scheduler or a worker of this stack."""
+        return internal_metadata(self.internal_secret)
+
+    @property
+    def child_env(self) -> dict[str, str]:
+        """The environment a process joining this stack needs (its internal secret)."""
+        if self.internal_secret is None:
+            return {}
+        return {env_name("internal_secret"): self.internal_secret}
 
     @property
     def info(self) -> dict[str, Any]:
@@ -141,7 +163,7 @@ class RunningStack(RunningProcess):
         """GetStats of one scheduler (the first by default)."""
         with grpc.insecure_channel(address or self.scheduler) as channel:
             return engine_pb2_grpc.EngineStub(channel).GetStats(
-                engine_pb2.GetStatsRequest(), timeout=5
+                engine_pb2.GetStatsRequest(), timeout=5, metadata=self.internal_metadata
             )
 
     def wait_all_blocks_free(self, timeout_s: float = 1.0) -> engine_pb2.EngineStats:
@@ -168,9 +190,11 @@ class RunningStack(RunningProcess):
                 os.kill(int(pid), signal.SIGKILL)
 
 
-def _popen(args: list[str], stderr: int | IO[bytes] | None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(llmserve_command(*args), env=env, stderr=stderr)
+def _popen(
+    args: list[str], stderr: int | IO[bytes] | None, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(llmserve_command(*args), env=full_env, stderr=stderr)
 
 
 @contextmanager
@@ -180,9 +204,11 @@ def running_service(
     startup_timeout_s: float = 120.0,
     stop_timeout_s: float = 60.0,
     stderr: int | IO[bytes] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[RunningProcess]:
-    """`llmserve <args>` listening on `port` of loopback (args must say so), once SERVING."""
-    running = RunningProcess(_popen(args, stderr), f"{HOST}:{port}")
+    """`llmserve <args>` listening on `port` of loopback (args must say so), once SERVING;
+    `env` is added to this process's environment (e.g. a stack's `child_env`)."""
+    running = RunningProcess(_popen(args, stderr, env), f"{HOST}:{port}")
     try:
         wait_serving(running.address, startup_timeout_s, lambda: running.alive)
         yield running
@@ -196,17 +222,28 @@ def running_stack(
     startup_timeout_s: float = 600.0,
     stop_timeout_s: float = 90.0,
     stderr: int | IO[bytes] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[RunningStack]:
     """`llmserve up <flags>` on a free public port, once the public address and every
     scheduler and worker in its ready file report SERVING. After the block `returncode` holds
-    the launcher's exit code (0 after a clean SIGTERM shutdown)."""
+    the launcher's exit code (0 after a clean SIGTERM shutdown). `env` is added to the
+    launcher's environment; its internal secret is `env`'s LLMSERVE_INTERNAL_SECRET, else a
+    fresh one."""
+    secret_variable = env_name("internal_secret")
+    env = dict(env or {})
+    env[secret_variable] = env.get(secret_variable) or secrets.token_urlsafe(32)
     with tempfile.TemporaryDirectory(prefix="llmserve-stack-") as directory:
         ready_file = Path(directory) / "ready.json"
         port = free_port(HOST)
         command = ["up", *flags, "--port", str(port), "--ready-file", str(ready_file)]
         if "--http-port" not in flags and "--no-http" not in flags:
             command += ["--http-port", str(free_port(HOST))]  # never the default 8000
-        running = RunningStack(_popen(command, stderr), f"{HOST}:{port}", ready_file=ready_file)
+        running = RunningStack(
+            _popen(command, stderr, env),
+            f"{HOST}:{port}",
+            ready_file=ready_file,
+            internal_secret=env[secret_variable],
+        )
         try:
             deadline = time.monotonic() + startup_timeout_s
 

@@ -7,9 +7,10 @@ string literal after it) is the flag's help. Fields inherited from the shared gr
 built config back into the flags that rebuild it in a child process.
 
 A `tuple[str, ...]` field is a repeatable flag (its environment variable: comma-separated
-values). A field declared with `metadata={"secret": True}` (API keys) never shows its value in
---help, and config_argv leaves it out: a child gets secrets through its environment, never its
-command line, which any local user can read.
+values). A field declared with `metadata={"secret": True}` (API keys, the internal secret, a
+Redis URL that may hold a password) never shows its value in --help, and config_argv leaves it
+out: a child gets secrets through its environment, never its command line, which any local
+user can read.
 """
 
 from __future__ import annotations

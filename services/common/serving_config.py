@@ -12,6 +12,7 @@ children unchanged (services.common.config_flags.config_argv).
     StepLoopConfig  scheduler (server), stack
     RuntimeConfig   worker, engine, stack
     PublicConfig    tokenizer, stack
+    InternalConfig  tokenizer, scheduler (server), worker, stack
 
 The groups are frozen dataclasses without slots: a class inheriting several slotted bases
 cannot be laid out, while a slotted service config may inherit any number of these.
@@ -142,3 +143,15 @@ class PublicConfig:
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+
+@dataclass(frozen=True)
+class InternalConfig:
+    """How the stack's own processes know each other: the internal ports (scheduler, worker)
+    answer only calls that carry the stack's secret (services/common/internal_auth.py)."""
+
+    internal_secret: str | None = field(default=None, repr=False, metadata={"secret": True})
+    """A secret every internal call carries (tokenizer → scheduler, scheduler → worker) and
+    the scheduler and worker ports require (UNAUTHENTICATED without it; health and reflection
+    stay open). Unset = those ports trust anyone who reaches them. `llmserve up` makes one per
+    stack; give every service the same one through LLMSERVE_INTERNAL_SECRET, never a flag."""

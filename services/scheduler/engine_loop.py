@@ -4,6 +4,11 @@ One long-lived bidirectional Step stream to the worker; each iteration sends a p
 for its result, then hands the events to the requests' queues. If the worker goes away, every
 in-flight request fails with WorkerUnavailable, all KV state is dropped (a fresh Scheduler),
 and the loop reconnects with backoff.
+
+The worker takes one controller: it accepts a stream (initial metadata, before any plan) or
+refuses it (FAILED_PRECONDITION while another stream drives it, e.g. this scheduler's own
+previous life, until the worker sees that stream end). The loop reports its worker connected
+only once accepted, and retries a refusal like a worker that is down.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.cache_keys import CacheKeys
 from services.common.errors import LLMServeError, QueueFullError
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.internal_auth import internal_metadata
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.sampling_params import SamplingParams
@@ -38,6 +44,9 @@ from services.scheduler.worker_convert import plan_to_proto, result_from_proto
 log = logging.getLogger(__name__)
 
 EventQueue = asyncio.Queue[TokenEvent | BaseException]
+
+# How long the worker may take to accept a Step stream (it resets its batch first).
+STEP_ACCEPT_TIMEOUT_S = 30.0
 
 
 class WorkerUnavailable(LLMServeError):
@@ -191,11 +200,17 @@ class EngineLoop:
     async def run(self) -> None:
         """Connect, drive, and reconnect forever (until cancelled)."""
         backoff = 0.05
+        # Passed per call rather than by a channel interceptor: an intercepted stream-stream
+        # call routes every write and read through an extra queue, on the step loop's path.
+        metadata = internal_metadata(self.config.internal_secret)
+        refusal_logged: grpc.StatusCode | None = None
         while True:
             channel = grpc.aio.insecure_channel(self.config.worker, options=CHANNEL_OPTIONS)
             try:
                 stub = worker_pb2_grpc.WorkerStub(channel)
-                self.description = await stub.Describe(worker_pb2.DescribeRequest(), timeout=5)
+                self.description = await stub.Describe(
+                    worker_pb2.DescribeRequest(), timeout=5, metadata=metadata
+                )
                 self.scheduler = Scheduler(
                     self.config.scheduler_config(
                         self.description.block_size, self.description.model.max_model_len
@@ -209,7 +224,9 @@ class EngineLoop:
                         CacheKeys(self.description.model.model_name),
                         self.scheduler.kv.pool.cached_hashes,
                     )
-                call = stub.Step()
+                call = stub.Step(metadata=metadata)
+                await _accepted(call)
+                refusal_logged = None
                 self._set_connected(True)
                 restore = asyncio.create_task(self._restore_pins())
                 backoff = 0.05
@@ -227,9 +244,18 @@ class EngineLoop:
                 finally:
                     restore.cancel()
             except (grpc.aio.AioRpcError, WorkerUnavailable) as exc:
+                refusal = _refusal_code(exc)
                 if self.connected.is_set():
                     log.error(
                         "worker lost", extra={"worker": self.config.worker, "error": str(exc)}
+                    )
+                elif refusal is not None and refusal != refusal_logged:
+                    # Once per kind until connected: a restarted scheduler may be refused for
+                    # a few seconds; a wrong secret or a second scheduler, until fixed.
+                    refusal_logged = refusal
+                    log.warning(
+                        "worker refused the step stream; retrying",
+                        extra={"worker": self.config.worker, "error": str(exc)},
                     )
                 self._fail_all(f"worker {self.config.worker} is unavailable")
                 await asyncio.sleep(backoff)
@@ -333,3 +359,24 @@ class EngineLoop:
             self.connected.clear()
         if self.on_connection_change is not None:
             self.on_connection_change(connected)
+
+
+async def _accepted(call: grpc.aio.StreamStreamCall) -> None:
+    """Returns once the worker has taken `call` as its controller's stream (its initial
+    metadata); raises its refusal (AioRpcError) or WorkerUnavailable."""
+    try:
+        await asyncio.wait_for(call.initial_metadata(), STEP_ACCEPT_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise WorkerUnavailable("the worker did not accept the step stream in time") from exc
+    if call.done():
+        await call.read()  # a refused call raises its status here
+        raise WorkerUnavailable("the worker ended the step stream at once")
+
+
+def _refusal_code(exc: BaseException) -> grpc.StatusCode | None:
+    """The code of a worker that answers but will not be driven by this scheduler (another
+    controller, a wrong secret); None for a worker that is down."""
+    refusals = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED)
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in refusals:
+        return exc.code()
+    return None

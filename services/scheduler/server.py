@@ -197,7 +197,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 
 async def serve(config: SchedulerServerConfig) -> None:
-    service = GrpcService("scheduler", [SERVICE_NAME])
+    service = GrpcService.internal("scheduler", [SERVICE_NAME], config.internal_secret)
 
     def on_connection_change(connected: bool) -> None:
         # Health follows the worker: SERVING only while a warm worker is connected.

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from services.common.serving_config import BatchingConfig, StepLoopConfig
+from services.common.serving_config import BatchingConfig, InternalConfig, StepLoopConfig
 from services.scheduler.config import AdmissionConfig, SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerServerConfig(BatchingConfig, StepLoopConfig, AdmissionConfig):
+class SchedulerServerConfig(BatchingConfig, StepLoopConfig, AdmissionConfig, InternalConfig):
     """The batching and step-loop groups (services.common.serving_config) and the core's
     admission settings, plus how the server listens and whom it talks to."""
 
     host: str = "127.0.0.1"
-    """Address to listen on."""
+    """Address to listen on (loopback: only this machine's tokenizer tier may reach it;
+    0.0.0.0 in a container, behind the stack's network and its internal secret)."""
     port: int = 50060
     """Port of the Engine service (0 = any free port)."""
     worker: str = "127.0.0.1:50070"
@@ -29,9 +30,10 @@ class SchedulerServerConfig(BatchingConfig, StepLoopConfig, AdmissionConfig):
     """On SIGTERM, how long in-flight streams may take to finish."""
     metrics_port: int | None = None
     """Port of the Prometheus /metrics HTTP endpoint (0 = any free port); unset = none."""
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False, metadata={"secret": True})
     """Redis for the shared prefix index and named prompts (redis://, rediss:// for TLS,
-    user:password@ for ACL); unset = no index, routing falls back to load."""
+    [user]:password@ for AUTH and ACL); unset = no index, routing falls back to load. It may
+    carry a password: give it as LLMSERVE_REDIS_URL rather than a flag anyone can read in ps."""
     prefix_index_ttl_s: float = 600.0
     """Lifetime of a prefix-index entry in Redis unless refreshed (they are, while cached)."""
 

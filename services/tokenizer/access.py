@@ -9,19 +9,19 @@ gRPC, no HTTP; each door passes the `Authorization` value it received.
     --admin-api-key A           A may do everything, RegisterPrompt and DeletePrompt included
 
 Keys are compared as SHA-256 digests with hmac.compare_digest against every known key (no
-early exit), so the time taken says nothing about how much of a key matched. Keys are never
+early exit), so the time taken says nothing about how much of a key matched; the stack's
+internal secret is checked the same way (services/common/shared_secret.py). Keys are never
 logged: a caller shows in logs as `key_id`, a short digest prefix.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import PermissionDeniedError, UnauthenticatedError, quoted
+from services.common.shared_secret import digest_id, find_digest, secret_digest
 
 BEARER = "bearer "
 
@@ -46,16 +46,12 @@ class _Key:
     caller: Caller
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8")).digest()
-
-
 def _key(key: str, tenant_id: str | None = None, admin: bool = False) -> _Key:
     key = key.strip()
     if not key:
         raise ValueError("an API key must not be empty")
-    digest = _digest(key)
-    return _Key(digest, Caller(digest.hex()[:8], tenant_id, admin))
+    digest = secret_digest(key)
+    return _Key(digest, Caller(digest_id(digest), tenant_id, admin))
 
 
 def parse_key_file(text: str, source: str = "key file") -> list[_Key]:
@@ -127,14 +123,11 @@ class AccessPolicy:
             )
         if authorization[: len(BEARER)].lower() != BEARER:
             raise UnauthenticatedError("the Authorization header must be 'Bearer <key>'")
-        presented = _digest(authorization[len(BEARER) :].strip())
-        found: Caller | None = None
-        for key in self._keys:  # every key, no early exit: constant time in which one matched
-            if hmac.compare_digest(presented, key.digest):
-                found = key.caller
+        presented = authorization[len(BEARER) :].strip()
+        found = find_digest(presented, [key.digest for key in self._keys])
         if found is None:
             raise UnauthenticatedError("invalid API key")
-        return found
+        return self._keys[found].caller
 
 
 def tenant_for(caller: Caller, requested: str, field: str = "tenant_id") -> str:

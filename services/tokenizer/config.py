@@ -3,14 +3,14 @@ flags and LLMSERVE_* environment fallbacks come from services.common.config_flag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from services.common.serving_config import PublicConfig
+from services.common.serving_config import InternalConfig, PublicConfig
 from services.tokenizer.routing import ROUTING_POLICIES, RoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizerConfig(PublicConfig):
+class TokenizerConfig(PublicConfig, InternalConfig):
     """How the tokenizer tier listens, which schedulers it calls and which limits it enforces.
     The model and its context length are the workers': the schedulers pass them on."""
 
@@ -30,9 +30,10 @@ class TokenizerConfig(PublicConfig):
     """On SIGTERM, how long in-flight streams may run before the server stops."""
     warmup_poll_s: float = 0.5
     """How often to retry GetStats on the schedulers until one answers (then SERVING)."""
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False, metadata={"secret": True})
     """Redis for the prefix index and named prompts (redis://, rediss:// for TLS,
-    user:password@ for ACL); unset = routing by load only, named prompts local to this replica."""
+    [user]:password@ for AUTH and ACL); unset = routing by load only, named prompts local to
+    this replica. It may carry a password: give it as LLMSERVE_REDIS_URL, not a flag."""
     routing: RoutingPolicy = "cache_aware"
     """cache_aware (longest cached prefix, then load), least_loaded or round_robin."""
     route_overload_queued: int = 8

@@ -19,6 +19,7 @@ import grpc
 
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2
 from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.internal_auth import internal_channel
 from services.common.model_description import ModelDescription
 from services.common.model_description_proto import description_from_proto
 from services.common.prefix_hash import BlockHash, prefix_block_hashes
@@ -62,8 +63,10 @@ class SchedulerPool:
         locator: PrefixLocator | None = None,
         overload_queued: int = 8,
         poll_s: float = 0.1,
+        internal_secret: str | None = None,
     ) -> None:
         self.addresses = tuple(addresses)
+        self.internal_secret = internal_secret
         self.policy = policy
         self.locator = locator
         self.overload_queued = overload_queued
@@ -73,9 +76,10 @@ class SchedulerPool:
         self._recent = RecentRoutes()
 
     def open(self) -> None:
-        """Creates the channels; must run on the event loop that will use them."""
+        """Creates the channels; must run on the event loop that will use them. Every call on
+        them carries the stack's internal secret, whichever module makes it."""
         for address in self.addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = internal_channel(address, self.internal_secret, CHANNEL_OPTIONS)
             self.clients.append(
                 SchedulerClient(address, channel, engine_pb2_grpc.EngineStub(channel))
             )

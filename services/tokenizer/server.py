@@ -53,6 +53,7 @@ class TokenizerServer:
             policy=config.routing,
             overload_queued=config.route_overload_queued,
             poll_s=config.stats_poll_s,
+            internal_secret=config.internal_secret,
         )
         self.access = AccessPolicy.from_settings(
             config.api_key, config.admin_api_key, config.api_key_file

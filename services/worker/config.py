@@ -9,6 +9,7 @@ import torch
 from services.common.serving_config import (
     BatchingConfig,
     DeviceConfig,
+    InternalConfig,
     ModelConfig,
     RuntimeConfig,
     WeightsConfig,
@@ -23,12 +24,15 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerConfig(ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig):
+class WorkerConfig(
+    ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig, InternalConfig
+):
     """The shared groups (services.common.serving_config) plus what only the worker has. Of
     the batching group the worker reads max_num_seqs (its largest compiled step graph)."""
 
     host: str = "127.0.0.1"
-    """Address to listen on."""
+    """Address to listen on (loopback: only this machine's scheduler may reach it; 0.0.0.0 in
+    a container, behind the stack's network and its internal secret)."""
     port: int = 50070
     """Port of the Worker service (0 = any free port)."""
     threads: int | None = None

@@ -1,5 +1,14 @@
 """The worker process: owns the device, the weights and the paged KV cache. Serves Describe
-and one bidirectional Step stream (plan in, sampled ids out) at a time."""
+and one bidirectional Step stream (plan in, sampled ids out) at a time.
+
+One controller: the worker's batch belongs to the scheduler whose Step stream is live. A second
+stream is refused (FAILED_PRECONDITION) without touching the live batch; the next stream is let
+in once the live one has ended, however it ends: closed, cancelled, or its connection found
+dead (a killed process's connection is reset at once; a hung or unreachable peer is dropped by
+gRPC keepalive, SERVER_OPTIONS: a ping every 10 s, 5 s to answer). That is what a restarted
+scheduler waits for, retrying as it does for a worker that is down. No takeover of a live
+stream, whatever the caller presents: every stack member holds the secret, and two schedulers
+sharing one worker by mistake would take turns wiping each other's batch."""
 
 from __future__ import annotations
 
@@ -34,6 +43,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# Initial metadata of a Step stream the worker took as its controller's.
+STEP_SESSION_KEY = "llmserve-step-session"
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -43,6 +54,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.runner: ModelRunner | None = None
         self.epoch = uuid.uuid4().hex
         self._session = 0
+        self._controller: Controller | None = None
+        """The live Step stream, if any: the one scheduler driving the batch."""
         # Every forward runs on this one thread, in the order plans arrive: steps queue behind
         # each other without waiting for the event loop (which reads plans and sends results
         # meanwhile). Loading and warm-up run here too: OpenMP gives each thread that opens a
@@ -91,12 +104,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Plans are queued on the forward thread the moment they arrive (a scheduler that
         overlaps sends plan N+1 while step N runs), and results go back in plan order."""
         _, runner = await self._ready(context)
-        # A new stream means a new scheduler session: whatever the old one held is gone.
+        live = self._controller
+        if live is not None:
+            log.warning(
+                "step stream refused: the worker has a controller",
+                extra={"peer": context.peer(), "controller": live.peer, "session": live.session},
+            )
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker is driven by another Step stream (session {live.session}); "
+                "a new one is let in once that one ends",
+            )
+        # No await between the check above and this claim: no second stream slips in between.
         self._session += 1
         session = self._session
+        self._controller = Controller(session, context.peer())
+        # However the stream ends, the worker is free again; the done callback also covers a
+        # stream cancelled while this generator waits at a `yield` (no CancelledError there).
+        context.add_done_callback(lambda _: self._release(session))
+        # A new controller starts from an empty batch: whatever an ended stream held is gone.
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._forward_thread, runner.reset)
-        log.info("step stream opened", extra={"session": session})
+        # Sent before any plan arrives: the scheduler reports its worker connected only on it.
+        await context.send_initial_metadata(((STEP_SESSION_KEY, str(session)),))
+        log.info("step stream opened", extra={"session": session, "peer": context.peer()})
         steps: asyncio.Queue[tuple[BatchPlan, asyncio.Future[TimedResult]] | None]
         steps = asyncio.Queue()
 
@@ -104,7 +135,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 async for message in request_iterator:
                     if session != self._session:
-                        break  # a newer stream took over: queue nothing more of this one
+                        break  # this stream ended and a newer one began: queue nothing more
                     plan = plan_from_proto(message)
                     _log_sequences(plan)
                     future = loop.run_in_executor(self._forward_thread, _timed_step, runner, plan)
@@ -130,8 +161,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 metrics.on_step(plan, timed.forward_s, timed.mode)
                 yield result_to_proto(timed.result, timed.forward_s * 1000)
             await reader  # re-raises a failure to read the stream
-            if session != self._session:
-                await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream took over")
         finally:
             reader.cancel()
             # Steps of this stream not started yet are dropped; a newer stream resets first.
@@ -141,7 +170,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     queued.append(item[1])
             for future in queued:
                 future.cancel()
+            self._release(session)
             log.info("step stream closed", extra={"session": session})
+
+    def _release(self, session: int) -> None:
+        if self._controller is not None and self._controller.session == session:
+            self._controller = None
+
+
+@dataclass(frozen=True, slots=True)
+class Controller:
+    """The scheduler whose Step stream drives the batch."""
+
+    session: int
+    peer: str
+    """Its address as gRPC sees it (ipv4:host:port), for logs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +261,7 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
 
 
 async def serve(config: WorkerConfig) -> None:
-    service = GrpcService("worker", [SERVICE_NAME])
+    service = GrpcService.internal("worker", [SERVICE_NAME], config.internal_secret)
     servicer = WorkerServicer(config)
     service.add(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
     # Listen first (health NOT_SERVING) so a supervisor sees the port while the model loads.

@@ -77,7 +77,9 @@ def test_scheduler_merges_what_a_slow_reader_let_pile_up(stack: RunningStack) ->
         request = engine_pb2.SubmitRequest(
             request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling=sampling
         )
-        return engine_pb2_grpc.EngineStub(channel).Submit(request, timeout=120)  # type: ignore[no-any-return]
+        return engine_pb2_grpc.EngineStub(channel).Submit(  # type: ignore[no-any-return]
+            request, timeout=120, metadata=stack.internal_metadata
+        )
 
     with grpc.insecure_channel(stack.scheduler) as channel:
         fast = list(submit(channel))

@@ -76,7 +76,7 @@ def redis_stack() -> Iterator[RedisStack]:
         port = free_port("127.0.0.1")
         replica_args = ["tokenizer", "--port", str(port), "--redis-url", redis.url, "--no-http"]
         replica_args += ["--scheduler", ",".join(stack.schedulers)]
-        with running_service(replica_args, port) as replica_b:
+        with running_service(replica_args, port, env=stack.child_env) as replica_b:
             yield RedisStack(stack, redis, replica_b.address)
     assert stack.returncode == 0
     redis.stop()
@@ -140,7 +140,11 @@ def test_pin_rejects_bad_input_naming_the_field(
 ) -> None:
     address = redis_stack.stack.info["schedulers"][0]
     with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as error:
-        engine_pb2_grpc.EngineStub(channel).Pin(engine_pb2.PinRequest(**fields), timeout=10)
+        engine_pb2_grpc.EngineStub(channel).Pin(
+            engine_pb2.PinRequest(**fields),
+            timeout=10,
+            metadata=redis_stack.stack.internal_metadata,
+        )
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details().startswith(f"{field}:")
 

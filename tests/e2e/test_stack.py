@@ -266,7 +266,7 @@ def test_sigterm_drains_in_flight_streams(stack: RunningStack) -> None:
     port = free_port("127.0.0.1")
     args = ["tokenizer", "--port", str(port), "--scheduler", stack.scheduler, "--drain-s", "30"]
     args += ["--http-port", str(free_port("127.0.0.1"))]
-    with running_service(args, port) as replica:
+    with running_service(args, port, env=stack.child_env) as replica:
         channel = grpc.insecure_channel(replica.address)
         stub = text_pb2_grpc.TextGenerationStub(channel)
         call = stub.Generate(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common import shared_secret
 from services.common.errors import PermissionDeniedError, UnauthenticatedError
 from services.tokenizer import access
 from services.tokenizer.access import (
@@ -180,7 +181,7 @@ def test_every_key_is_compared_whichever_matches(
     # first configured), every comparison goes through hmac.compare_digest.
     keys = policy()
     compare = CountingCompare()
-    monkeypatch.setattr(access.hmac, "compare_digest", compare)
+    monkeypatch.setattr(shared_secret.hmac, "compare_digest", compare)
     known = presented != "sk-unknown"
     if known:
         keys.authenticate(bearer(presented))
