@@ -10,6 +10,8 @@ order, whatever M is. The C++ GGUF kernels have their own batch-invariant path
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -18,9 +20,8 @@ TILE_ROWS = 16
 step of one sequence pays little for the padding (the weights are read once per call)."""
 
 
-def row_tiled(matmul: object, x: Tensor) -> Tensor:
+def row_tiled(matmul: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """matmul(x_tile [TILE_ROWS, K]) -> [TILE_ROWS, N], applied to x [M, K] tile by tile."""
-    assert callable(matmul)
     m = x.shape[0]
     padded_rows = -(-m // TILE_ROWS) * TILE_ROWS if m else TILE_ROWS
     if padded_rows != m:

@@ -80,39 +80,18 @@ def paged_decode_attention(
 
     batch_invariant: each row's output depends only on its own query and context (no split
     of a context whose place depends on the rest of the batch); CPU only."""
+    args = (query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     if use_triton(query):
         if batch_invariant:
             raise NotImplementedError("batch-invariant decode attention is CPU-only")
         from kernels import triton_decode_attention
 
-        return triton_decode_attention.paged_decode_attention(
-            query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
-        )
+        return triton_decode_attention.paged_decode_attention(*args)
     # The C++ kernel reads K/V in place (the torch path gathers a dense copy first) and is
     # faster in every cell of kernels/bench_decode_cpu.py: bf16, bf16 + int8 KV, fp32.
     if use_cpu_extension(query):
-        return torch.ops.llmserve.paged_decode_attention(  # type: ignore[no-any-return]
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            scale,
-            k_scale,
-            v_scale,
-            batch_invariant,
-        )
-    return attention_torch.paged_decode_attention(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        scale,
-        k_scale,
-        v_scale,
-        batch_invariant=batch_invariant,
-    )
+        return torch.ops.llmserve.paged_decode_attention(*args, batch_invariant)  # type: ignore[no-any-return]
+    return attention_torch.paged_decode_attention(*args, batch_invariant=batch_invariant)
 
 
 def prefill_attention(
