@@ -263,7 +263,7 @@ void fast_row_scalar(const Activations& a, int64_t m0, int mr, const uint8_t* w_
       int32_t dot = 0;
       for (int j = 0; j < kBlock; ++j) dot += q[j] * static_cast<int32_t>(c[j]);
       acc[m] += static_cast<float>(dot) * (d * a.scale[(m0 + m) * nb + b]);
-      offset[m] += o * a.sum[(m0 + m) * nb + b];
+      offset[m] = std::fma(o, a.sum[(m0 + m) * nb + b], offset[m]);
     }
   }
   for (int m = 0; m < mr; ++m) out[m * ldo] = acc[m] + offset[m];
@@ -416,11 +416,13 @@ void fast_tile_avx2(const Activations& a, int64_t m0, const uint8_t* w, int64_t 
       const float* orow = o + r * nb;
 #pragma omp simd
       for (int64_t b = 0; b < nb; ++b) dsr[b] = dr[b] * s[b];
-      // In block order, as fast_tile_small_avx2 adds it: a row's result is then the same
-      // whichever tile height computed it (a vectorized reduction would reorder the sum).
+      // In block order and with one rounding per block, as fast_tile_small_avx2 adds it: a
+      // row's result is then the same whichever tile height computed it. A vectorized
+      // reduction would reorder the sum, and an unfused multiply-add is free to be contracted
+      // in one kernel and not the other, so the fused form is spelled out in both.
       float total = 0.f;
       if constexpr (KIND != kQ8_0) {
-        for (int64_t b = 0; b < nb; ++b) total += orow[b] * sums[b];
+        for (int64_t b = 0; b < nb; ++b) total = std::fma(orow[b], sums[b], total);
       }
       offset[m][r] = total;
     }
@@ -495,7 +497,8 @@ void fast_tile_small_avx2(const Activations& a, int64_t m0, const uint8_t* w,
           _mm_load_sd(reinterpret_cast<const double*>(pairs + (m * nb + b) * 2)));
       for (int r = 0; r < NR; ++r) {
         const __m128 scaled = _mm_mul_ps(factors[r], pair);  // (d s, o s sum c)
-        offset[m][r] = _mm_add_ps(offset[m][r], scaled);
+        // Fused, as fast_tile_avx2 adds its offsets (lane 1 is the one used).
+        offset[m][r] = _mm_fmadd_ps(factors[r], pair, offset[m][r]);
         const __m256 dot = _mm256_cvtepi32_ps(dot_avx2<KIND>(wq[r], c));
         acc[m][r] = _mm256_fmadd_ps(dot, _mm256_broadcastss_ps(scaled), acc[m][r]);
       }

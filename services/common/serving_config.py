@@ -108,6 +108,10 @@ class RuntimeConfig:
     fused_decode: bool = True
     """Pure-decode steps of a float32 GGUF model run every layer in one C++ call (no
     compilation needed); --no-fused-decode uses compiled graphs or eager ops instead."""
+    deterministic: bool = False
+    """Batch-invariant kernels: a sequence's logits depend only on its own tokens, so greedy
+    output is the same whatever a request is batched with (in bf16 too). Every step runs
+    eagerly (no fused or compiled decode); CPU workers with GGUF or float weights only."""
 
 
 @dataclass(frozen=True)

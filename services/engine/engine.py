@@ -86,6 +86,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs,
             fused_decode=config.fused_decode,
+            batch_invariant=config.deterministic,
         )
         self.runner.compile_step_graphs()
         self.kv_cache = self.runner.kv_cache

@@ -1,10 +1,4 @@
-"""Batch-invariant mode: a sequence's logits should depend only on its own tokens.
-
-Status: every layer type below is batch-invariant on its own (tests/kernels/
-test_batch_invariance.py), but the whole model is not yet: on the embedded model in bf16, a
-sequence prefilled in one step and the same sequence decoded token by token agree for about
-40 positions, then one MLP output differs by one bf16 ulp. Until that source is found the mode
-is reachable only through ModelRunner.create(batch_invariant=True), not as a serving flag.
+"""Batch-invariant mode (--deterministic): a sequence's logits depend only on its own tokens.
 
 Without it, greedy output in bf16 can depend on what a request is batched with: the GGUF
 kernels take another arithmetic path from 16 rows on, a GEMM library picks its blocking from
@@ -20,7 +14,13 @@ the eager ops of a step that also holds a prefill. In this mode:
     steps           always eager: no fused or compiled decode (services/worker/runner.py)
 
 Row-wise ops (norms, rotary, SiLU, embedding lookups, argmax) are already invariant; the unit
-tests check every layer type row by row against batches of other sizes.
+tests check every layer type row by row against batches of other sizes
+(tests/kernels/test_batch_invariance.py), and tests/model/test_deterministic.py a probe alone
+against the same probe among 16 busy requests.
+
+The smallest difference counts: a GGUF tile of 1-2 rows and one of 3-4 rows once added each
+block's offset term with a fused multiply-add in one and a multiply then an add in the other,
+one fp32 rounding apart, and that was enough to turn a greedy token 30 positions later.
 """
 
 from __future__ import annotations

@@ -84,8 +84,7 @@ class ModelRunner:
 
         `batch_invariant`: batch-invariant layers and attention, every step eager (a fused or
         compiled decode rounds differently from the eager ops a mixed step runs, so a token
-        would depend on whether its step held a prefill). Not yet exposed as a serving flag:
-        greedy bf16 output still drifts from its run-alone tokens after a few dozen tokens
+        would depend on whether its step held a prefill): the --deterministic flag
         (services/worker/batch_invariance.py)."""
         spec = KVCacheSpec.for_model(
             loaded.model.config,

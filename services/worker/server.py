@@ -254,6 +254,7 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         fused_decode=config.fused_decode,
+        batch_invariant=config.deterministic,
     )
     runner.compile_step_graphs()
     warm_up(runner)

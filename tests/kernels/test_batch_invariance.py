@@ -76,6 +76,21 @@ def test_gguf_linear_rows_do_not_depend_on_the_batch(gguf_ops, kind: int, dtype)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_int8_tiles_agree_in_fp32(gguf_ops, kind: int) -> None:  # type: ignore[no-untyped-def]
+    """The int8 path bf16 serving takes, read before its output is rounded to bf16: in fp32
+    a single rounding that one tile height makes and another does not (a multiply-add fused
+    in one kernel only) shows in most rows, where bf16 output hides it in all but a few."""
+    k, n = 576, 256
+    blocks = random_blocks(n, k, kind, seed=kind * 5 + 3)
+    x = activations(40, k, seed=kind + 17)
+
+    def compute(rows: torch.Tensor) -> torch.Tensor:
+        return gguf_ops.gguf_linear(rows, blocks, kind, True, True)
+
+    assert_rows_invariant(compute, x)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_linear_torch_fallback_is_batch_invariant(kind: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("LLMSERVE_KERNEL_BACKEND", "torch")
     blocks = random_blocks(64, 96, kind, seed=3)

@@ -2,8 +2,8 @@
 model in fp32 and bf16: every linear layer switched, steps eager, and a prompt's logits the same
 whether its tokens were prefilled in one step or prefilled in part and then decoded one by
 one (each token attends over the cache as a decode query does; in fp32 the default path,
-SDPA for the prefill, fails this). Not yet a serving flag:
-services/worker/batch_invariance.py says what still differs on longer runs."""
+SDPA for the prefill, fails this). The serving flag is --deterministic
+(tests/model/test_deterministic.py)."""
 
 from __future__ import annotations
 
