@@ -320,11 +320,15 @@ def _build_logit_bias(
     fields: dict[str, torch.Tensor | None] = dict.fromkeys(
         ("logit_bias_index", "logit_bias", "allowed_rows", "allowed_index")
     )
+    used = [i for i, p in enumerate(params) if p.logit_bias or p.allowed_token_ids is not None]
+    if not used:
+        return fields
     bias_index: list[int] = []
     bias_values: list[float] = []
     allowed_rows: list[int] = []
     allowed_index: list[int] = []
-    for i, p in enumerate(params):
+    for i in used:
+        p = params[i]
         if p.logit_bias:
             offset = i * vocab_size
             bias_index.extend(offset + token_id for token_id, _ in p.logit_bias)
