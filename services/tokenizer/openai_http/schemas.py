@@ -83,14 +83,14 @@ class _Sampling(_Body):
     seed: int | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, float] | None = None
+    """Token ids as strings → bias in [-100, 100]; the keys are parsed in `_sampling`."""
     user: EndUser | None = None
     """The end user, for the caller's own records: logged with the request, nothing else."""
     stream: Flag = False
     stream_options: StreamOptions | None = None
     # Known, implemented only at their "off" value (checked in _refuse_unimplemented).
     n: int | None = None
-    logit_bias: dict[str, float] | None = None
-    """Token ids as strings → bias in [-100, 100]; the keys are parsed in `_sampling`."""
     # vLLM's extensions.
     top_k: int | None = None
     min_p: float | None = None
