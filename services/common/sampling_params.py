@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, quoted, shortened
 
 # Most stop strings or stop ids a request may carry; guards the per-step checks.
 MAX_STOP_ITEMS = 16
 MAX_LOGPROBS = 20
+# OpenAI's bounds on logit_bias: at most 300 tokens, each bias in [-100, 100].
+MAX_LOGIT_BIAS_ITEMS = 300
+MAX_LOGIT_BIAS = 100.0
+
+T = TypeVar("T")
+# A JSON object's key naming a token id: decimal digits, optionally negative (validate() then
+# names the negative id); no spaces, signs or underscores that int() would also take.
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +53,24 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks)."""
     logprobs: int = 0
     """Return the log-probability of the sampled token and of this many top alternatives."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to those logits after the penalties, before temperature
+    and greedy argmax; -100 bans a token, +100 all but forces it. A mapping is accepted and
+    stored as pairs sorted by id (hashable, and equal whatever order it came in)."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens may be sampled (every other logit is -inf); None = all. Stored sorted
+    and without duplicates."""
+
+    def __post_init__(self) -> None:
+        bias = self.logit_bias
+        pairs = tuple(bias.items()) if isinstance(bias, Mapping) else tuple(bias)
+        if all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
+            # Ill-typed ids are left unsorted for validate() to name.
+            pairs = _sorted_if_ints(pairs, key=lambda pair: pair[0])
+        object.__setattr__(self, "logit_bias", pairs)
+        if self.allowed_token_ids is not None:
+            allowed = tuple(dict.fromkeys(self.allowed_token_ids))
+            object.__setattr__(self, "allowed_token_ids", _sorted_if_ints(allowed))
 
     @property
     def is_greedy(self) -> bool:
@@ -55,8 +84,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    def validate(self, *, max_new_tokens_limit: int | None = None) -> None:
-        """Raise InvalidRequestError naming the first bad field."""
+    def validate(
+        self, *, max_new_tokens_limit: int | None = None, vocab_size: int | None = None
+    ) -> None:
+        """Raise InvalidRequestError naming the first bad field. With `vocab_size`, the ids of
+        logit_bias and allowed_token_ids must also be inside the vocabulary."""
         _finite("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
@@ -101,6 +133,95 @@ class SamplingParams:
             raise InvalidRequestError(
                 "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
             )
+        self._validate_logit_bias(vocab_size)
+        self._validate_allowed_token_ids(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ITEMS:
+            raise InvalidRequestError(
+                "logit_bias",
+                f"at most {MAX_LOGIT_BIAS_ITEMS} tokens allowed, got {len(self.logit_bias)}",
+            )
+        seen: set[int] = set()
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0])):
+                raise InvalidRequestError("logit_bias", "must map token ids to numbers")
+            token_id, bias = pair
+            name = f"logit_bias[{token_id}]"
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                raise InvalidRequestError(name, _outside_vocabulary(token_id, vocab_size))
+            if token_id in seen:
+                raise InvalidRequestError(name, "token id given twice")
+            seen.add(token_id)
+            if isinstance(bias, bool):
+                raise InvalidRequestError(name, f"must be a number, got {bias!r}")
+            _finite(name, bias)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    name, f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+                )
+
+    def _validate_allowed_token_ids(self, vocab_size: int | None) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is None:
+            return
+        if not allowed:
+            raise InvalidRequestError("allowed_token_ids", "must not be empty when given")
+        if vocab_size is not None and len(allowed) > vocab_size:
+            raise InvalidRequestError(
+                "allowed_token_ids",
+                f"at most the vocabulary size ({vocab_size}) ids allowed, got {len(allowed)}",
+            )
+        for token_id in allowed:
+            if not _is_int(token_id):
+                raise InvalidRequestError(
+                    "allowed_token_ids", f"token ids must be integers, got {token_id!r}"
+                )
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                raise InvalidRequestError(
+                    "allowed_token_ids", _outside_vocabulary(token_id, vocab_size)
+                )
+
+
+def logit_bias_from_json(
+    value: object, field_name: str = "logit_bias"
+) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, a JSON object from token ids as strings ("50256") to numbers, as
+    (id, bias) pairs; null is none. Ranges are validate()'s job; this checks the shape."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidRequestError(field_name, "must be an object mapping token ids to numbers")
+    pairs: list[tuple[int, float]] = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)):
+            raise InvalidRequestError(
+                field_name, f"keys must be token ids (integers), got {quoted(str(key))}"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidRequestError(
+                f"{field_name}[{key}]", f"must be a number, got {shortened(repr(bias), 40)}"
+            )
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sorted_if_ints(items: tuple[T, ...], key: Callable[[T], Any] | None = None) -> tuple[T, ...]:
+    """`items` sorted when their ids compare; as given otherwise, for validate() to refuse."""
+    try:
+        return tuple(sorted(items, key=key))
+    except TypeError:
+        return items
+
+
+def _outside_vocabulary(token_id: int, vocab_size: int | None) -> str:
+    if vocab_size is None:
+        return f"token id {token_id} must be >= 0"
+    return f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
 
 
 def _finite(name: str, value: float) -> None:

@@ -20,6 +20,8 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.TokenSamplingParam
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=list(params.allowed_token_ids or ()),
     )
     if params.seed is not None:
         message.seed = params.seed
@@ -41,4 +43,7 @@ def sampling_from_proto(message: sampling_pb2.TokenSamplingParams) -> SamplingPa
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs,
+        logit_bias=tuple(message.logit_bias.items()),
+        # proto3 cannot tell an empty list from an absent one: empty means no restriction.
+        allowed_token_ids=tuple(message.allowed_token_ids) or None,
     )

@@ -128,7 +128,9 @@ class LLMEngine:
         CapacityError if it can never fit, QueueFullError if the queue is full."""
         sampling = sampling or SamplingParams()
         prompt = self.validate_prompt(prompt_token_ids)
-        sampling.validate(max_new_tokens_limit=self.max_model_len)
+        sampling.validate(
+            max_new_tokens_limit=self.max_model_len, vocab_size=self.model_config.vocab_size
+        )
         if deadline_s is not None and not deadline_s > 0:
             raise InvalidRequestError("deadline_ms", f"must be > 0, got {deadline_s * 1000}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"

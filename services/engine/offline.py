@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from services.common.chat_template import ChatMessage
 from services.common.errors import CapacityError, InvalidRequestError
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, logit_bias_from_json
 from services.engine.engine import LLMEngine
 
 _SAMPLING_FIELDS = {f.name: f for f in fields(SamplingParams)}
@@ -40,6 +40,14 @@ def parse_sampling(raw: Any) -> SamplingParams:
             if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
                 raise InvalidRequestError("sampling.stop_token_ids", "must be a list of ints")
             value = tuple(value)
+        elif key == "logit_bias":
+            value = logit_bias_from_json(value, "sampling.logit_bias")
+        elif key == "allowed_token_ids":
+            if value is not None and (
+                not isinstance(value, list) or not all(isinstance(v, int) for v in value)
+            ):
+                raise InvalidRequestError("sampling.allowed_token_ids", "must be a list of ints")
+            value = None if value is None else tuple(value)
         elif key == "seed" and value is not None and not isinstance(value, int):
             raise InvalidRequestError("sampling.seed", "must be an integer")
         elif key != "seed" and isinstance(value, bool) != (key == "ignore_eos"):

@@ -55,7 +55,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         remaining = context.time_remaining()
         try:
             sampling = sampling_from_proto(request.sampling)
-            sampling.validate()
+            # The tokenizer tier has checked it all; the worker would index its logits with
+            # these ids, so an out-of-vocabulary one must not reach it from any client.
+            description = self.loop.description
+            sampling.validate(vocab_size=description.model.vocab_size if description else None)
             if not request.prompt_token_ids:
                 raise InvalidRequestError("prompt_token_ids", "must not be empty")
             if self.loop.description is not None:

@@ -36,6 +36,9 @@ def sampling_input(sampling: text_pb2.SamplingParams) -> SamplingInput:
         stop_token_ids=tuple(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
+        logit_bias=tuple(sampling.logit_bias.items()),
+        # proto3: an empty list is an absent one, no restriction.
+        allowed_token_ids=tuple(sampling.allowed_token_ids) or None,
     )
 
 

@@ -62,6 +62,8 @@ class SamplingInput:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +181,9 @@ def validate_sampling(sampling: SamplingInput, limits: Limits) -> SamplingParams
         given["max_new_tokens"] = min(_DEFAULT_MAX_NEW_TOKENS, limits.max_new_tokens_limit)
     params = SamplingParams(**given, stop_token_ids=tuple(sampling.stop_token_ids))
     try:
-        params.validate(max_new_tokens_limit=limits.max_new_tokens_limit)
+        params.validate(
+            max_new_tokens_limit=limits.max_new_tokens_limit, vocab_size=limits.vocab_size
+        )
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", exc.message) from exc
     bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)

@@ -8,6 +8,7 @@ The order of operations, per row, is the one vLLM and Hugging Face users expect:
         │
         ├─ min_new_tokens: EOS and stop ids -> -inf while the output is too short
         ├─ penalties: repetition (prompt + output), presence, frequency (output)
+        ├─ logit_bias: + bias on the listed tokens; allowed_token_ids: the others -> -inf
         ├─ greedy rows: argmax                                     ─┐
         └─ other rows: / temperature -> top-k -> top-p -> min-p     ├─► token_ids [B]
                        -> exponential race argmax(p / E), E ~ Exp(1)┘
@@ -91,6 +92,28 @@ class _Candidates:
 
     probs: torch.Tensor
     token_ids: torch.Tensor | None
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """logit_bias added, then every token outside a row's allowed_token_ids set to -inf, in
+    place. After the penalties and before temperature, as OpenAI and vLLM order them; the mask
+    comes last so that no bias can bring a disallowed token back."""
+    if metadata.logit_bias_index is None and metadata.allowed_rows is None:
+        return logits
+    if not logits.is_contiguous():
+        raise ValueError("apply_logit_bias needs contiguous logits (it indexes logits.view(-1))")
+    flat = logits.view(-1)
+    if metadata.logit_bias_index is not None:
+        assert metadata.logit_bias is not None
+        flat.index_add_(0, metadata.logit_bias_index, metadata.logit_bias)
+    if metadata.allowed_rows is not None:
+        assert metadata.allowed_index is not None
+        # Keep the allowed logits aside, blank the rows, put them back: O(allowed) indices
+        # rather than a [rows, V] mask built per step.
+        kept = flat[metadata.allowed_index]
+        logits[metadata.allowed_rows] = -math.inf
+        flat[metadata.allowed_index] = kept
+    return logits
 
 
 def _candidate_logits(
@@ -211,6 +234,7 @@ def filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     and debugging; the sampler itself never scatters back to the vocabulary.
     """
     logits = apply_penalties(apply_min_tokens(logits, metadata), metadata)
+    logits = apply_logit_bias(logits, metadata)
     one_hot = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(logits.dtype)
     if metadata.all_greedy:
         return one_hot
@@ -228,7 +252,7 @@ def filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 class Sampler:
     """Picks one token per row. Holds the generator shared by unseeded rows.
 
-    `logits` is consumed: penalties and min-tokens masking write into it.
+    `logits` is consumed: min-tokens masking, penalties and logit bias write into it.
     """
 
     def __init__(self, seed: int | None = None) -> None:
@@ -252,6 +276,7 @@ class Sampler:
 
         apply_min_tokens(logits, metadata)
         apply_penalties(logits, metadata)
+        apply_logit_bias(logits, metadata)
 
         if metadata.all_greedy:
             token_ids = logits.argmax(dim=-1)

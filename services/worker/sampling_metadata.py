@@ -85,6 +85,16 @@ class SamplingMetadata:
     """With min_tokens_token_ids: (row, token) pairs to set to -inf this step."""
     min_tokens_token_ids: torch.Tensor | None
 
+    logit_bias_index: torch.Tensor | None
+    """[N] int64 flat index (row * V + token) of each biased logit, as for the penalties; None
+    when no row has a logit_bias."""
+    logit_bias: torch.Tensor | None
+    """[N] float32, the bias added at each index."""
+    allowed_rows: torch.Tensor | None
+    """[R] int64 rows restricted to their allowed_token_ids; None when no row is."""
+    allowed_index: torch.Tensor | None
+    """[M] int64 flat index (row * V + token) of every allowed token of those rows."""
+
     seeded_rows: tuple[int, ...]
     """Rows with a seed, and per row the generator seed mixed from (seed, output position)."""
     row_seeds: tuple[int, ...]
@@ -101,6 +111,8 @@ class SamplingMetadata:
             self.all_greedy
             and self.penalty_index is None
             and self.min_tokens_rows is None
+            and self.logit_bias_index is None
+            and self.allowed_rows is None
             and self.logprobs_rows is None
         )
 
@@ -189,11 +201,18 @@ def build_sampling_metadata(
             # EOS is masked even with ignore_eos: min_new_tokens is about the length, and a
             # sampled EOS that is then ignored would still be a token nobody asked for.
             ids = {t for t in (*row.eos_token_ids, *row.sampling.stop_token_ids) if t < vocab_size}
+            allowed = row.sampling.allowed_token_ids
+            if allowed is not None and ids.issuperset(allowed):
+                # Only ending tokens are allowed: masking them would leave the row nothing to
+                # sample, so the allow-list wins over min_new_tokens.
+                ids = set()
             mask_ids.extend(sorted(ids))
             mask_rows.extend([i] * len(ids))
     if mask_rows:
         min_tokens_rows = torch.tensor(mask_rows, dtype=torch.int64, device=device)
         min_tokens_token_ids = torch.tensor(mask_ids, dtype=torch.int64, device=device)
+
+    logit_bias_fields = _build_logit_bias(params, vocab_size, device)
 
     seeded_rows: list[int] = []
     row_seeds: list[int] = []
@@ -226,6 +245,7 @@ def build_sampling_metadata(
         **penalties,
         min_tokens_rows=min_tokens_rows,
         min_tokens_token_ids=min_tokens_token_ids,
+        **logit_bias_fields,
         seeded_rows=tuple(seeded_rows),
         row_seeds=tuple(row_seeds),
         logprobs_rows=logprobs_rows,
@@ -289,4 +309,38 @@ def _build_penalties(
         fields["repetition_penalty"] = per_entry(
             [row.sampling.repetition_penalty for row in chosen]
         )
+    return fields
+
+
+def _build_logit_bias(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> dict[str, torch.Tensor | None]:
+    """Flat indices for logit_bias and allowed_token_ids; a batch that uses neither builds
+    nothing (one truthiness test per row)."""
+    fields: dict[str, torch.Tensor | None] = dict.fromkeys(
+        ("logit_bias_index", "logit_bias", "allowed_rows", "allowed_index")
+    )
+    used = [i for i, p in enumerate(params) if p.logit_bias or p.allowed_token_ids is not None]
+    if not used:
+        return fields
+    bias_index: list[int] = []
+    bias_values: list[float] = []
+    allowed_rows: list[int] = []
+    allowed_index: list[int] = []
+    for i in used:
+        p = params[i]
+        if p.logit_bias:
+            offset = i * vocab_size
+            bias_index.extend(offset + token_id for token_id, _ in p.logit_bias)
+            bias_values.extend(bias for _, bias in p.logit_bias)
+        if p.allowed_token_ids is not None:
+            offset = i * vocab_size
+            allowed_rows.append(i)
+            allowed_index.extend(offset + token_id for token_id in p.allowed_token_ids)
+    if bias_index:
+        fields["logit_bias_index"] = torch.tensor(bias_index, dtype=torch.int64, device=device)
+        fields["logit_bias"] = torch.tensor(bias_values, dtype=torch.float32, device=device)
+    if allowed_rows:
+        fields["allowed_rows"] = torch.tensor(allowed_rows, dtype=torch.int64, device=device)
+        fields["allowed_index"] = torch.tensor(allowed_index, dtype=torch.int64, device=device)
     return fields

@@ -2,13 +2,14 @@
 
 Pure: JSON in, plain data out, InvalidRequestError naming the parameter at fault out of a bad
 body. Every parameter a body may carry is declared: one we do not know, or one we know but do
-not implement given a value that would change the result (n > 1, logit_bias, tools, echo...),
-is refused with 400 naming it, never silently ignored. A known parameter at its "off" value
-(null, n = 1, an empty logit_bias) is accepted: many clients send those by default.
+not implement given a value that would change the result (n > 1, tools, echo...), is refused
+with 400 naming it, never silently ignored. A known parameter at its "off" value (null, n = 1)
+is accepted: many clients send those by default.
 
 Defaults follow OpenAI and vLLM: temperature 1, top_p 1; max_tokens unset = the rest of the
 context for chat, 16 for completions. Beyond OpenAI: vLLM's top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids and return_token_ids, and ours:
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids and
+return_token_ids, and ours:
 deadline_ms, prompt_name (a registered prompt as the system message) and tenant_id (what the
 gRPC API calls them).
 """
@@ -21,6 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from services.common.chat_template import ChatMessage
 from services.common.errors import InvalidRequestError, quoted, shortened
+from services.common.sampling_params import logit_bias_from_json
 from services.tokenizer.validation import (
     MAX_MODEL_NAME_LEN,
     MAX_PROMPT_NAME_LEN,
@@ -81,13 +83,14 @@ class _Sampling(_Body):
     seed: int | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, float] | None = None
+    """Token ids as strings → bias in [-100, 100]; the keys are parsed in `_sampling`."""
     user: EndUser | None = None
     """The end user, for the caller's own records: logged with the request, nothing else."""
     stream: Flag = False
     stream_options: StreamOptions | None = None
     # Known, implemented only at their "off" value (checked in _refuse_unimplemented).
     n: int | None = None
-    logit_bias: dict[str, float] | None = None
     # vLLM's extensions.
     top_k: int | None = None
     min_p: float | None = None
@@ -95,6 +98,7 @@ class _Sampling(_Body):
     ignore_eos: Flag = False
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     return_token_ids: bool = False
     """Each choice (and stream chunk) also carries the generated token ids."""
     # Ours, as the gRPC API names them.
@@ -179,8 +183,6 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 def _refuse_unimplemented(body: _Sampling) -> None:
     if body.n is not None and body.n != 1:
         raise InvalidRequestError("n", "only n = 1 is supported")
-    if body.logit_bias:
-        raise InvalidRequestError("logit_bias", "is not supported")
     if isinstance(body, ChatCompletionBody):
         if body.response_format is not None and body.response_format.get("type") != "text":
             raise InvalidRequestError("response_format", "only {'type': 'text'} is supported")
@@ -260,6 +262,10 @@ def _sampling(
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        logit_bias=logit_bias_from_json(body.logit_bias),
+        # vLLM refuses an empty list rather than read it as "no restriction"; so does
+        # validation (SamplingParams), so [] stays distinct from null here.
+        allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
         # The engine reports a token's logprob along with at least one alternative; a
         # request for none gets that one dropped on the way out (responses.py).
         logprobs=max(top_logprobs, 1) if wants_logprobs else 0,
