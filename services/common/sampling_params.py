@@ -10,6 +10,8 @@ from services.common.errors import InvalidRequestError
 # Most stop strings or stop ids a request may carry; guards the per-step checks.
 MAX_STOP_ITEMS = 16
 MAX_LOGPROBS = 20
+# Most choices (n) one request may ask for: each holds a seat and KV blocks of its own.
+MAX_N = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,9 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks)."""
     logprobs: int = 0
     """Return the log-probability of the sampled token and of this many top alternatives."""
+    n: int = 1
+    """Completions of the one prompt. The scheduler prefills the prompt once and forks the
+    choices, which share its KV blocks; with a seed s, choice i samples with seed s + i."""
 
     @property
     def is_greedy(self) -> bool:
@@ -101,6 +106,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
             )
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
 
 
 def _finite(name: str, value: float) -> None:

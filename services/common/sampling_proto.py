@@ -20,6 +20,7 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.TokenSamplingParam
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        n=params.n,
     )
     if params.seed is not None:
         message.seed = params.seed
@@ -41,4 +42,6 @@ def sampling_from_proto(message: sampling_pb2.TokenSamplingParams) -> SamplingPa
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs,
+        # 0 from a sender that predates the field: one choice.
+        n=message.n or 1,
     )

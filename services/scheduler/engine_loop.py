@@ -326,12 +326,13 @@ class EngineLoop:
     def _note_scheduled(self, plan: BatchPlan) -> None:
         now = self.clock()
         for seq in plan.new_sequences:
-            self._scheduled_at.setdefault(seq.request_id, now)
+            if seq.request_id in self._queues:  # not a forked choice: its request's is set
+                self._scheduled_at.setdefault(seq.request_id, now)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:
             queue = self._queues.get(event.request_id)
-            if event.finished:
+            if event.request_finished:
                 self._queues.pop(event.request_id, None)
                 log.info(
                     "finished",
