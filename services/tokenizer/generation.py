@@ -5,7 +5,9 @@
     stream:  Engine.Submit, timeout = the remaining budget
              → per SubmitResponse: output.OutputPipeline (detokenize, stop strings, finish,
                usage); responses a slow client let pile up go through it merged, as one
-             → OutputDelta, the last one with its finish reason
+               per choice
+             → OutputDelta, each choice's last one with its finish reason; the stream ends
+               when every choice has finished (n > 1: the choices share one engine call)
 
 Failures are our typed errors (services.common.errors), so each door maps them to its own
 status in one place: a gRPC code (grpc_server.status_for) or an HTTP status
@@ -174,7 +176,11 @@ class GenerationStream:
             convert.submit_request(request, prepared.arrival_unix_s), timeout=prepared.timeout_s
         )
         self.output = OutputPipeline.create(
-            model.tokenizer.tokenizer, request.prompt_token_ids, request.stop, prepared.started
+            model.tokenizer.tokenizer,
+            request.prompt_token_ids,
+            request.stop,
+            prepared.started,
+            n=request.sampling.n,
         )
         # The client may be slower than the engine. Read the engine stream at once into a
         # local queue: a stalled client must never stall the shared scheduler connection
@@ -217,32 +223,32 @@ class GenerationStream:
                         raise item
                     log.info("deadline passed in the scheduler", extra=extra)
                     raise DeadlineExceededError("deadline passed")
-                engine_output = convert.merged_engine_output(batch)
-                delta = self.output.step(engine_output, time.perf_counter())
-                if delta is None:
-                    continue
-                if not delta.finish_reason:
-                    yield delta
-                    continue
-                if delta.finish_reason not in PUBLIC_FINISH_REASONS:
-                    log.warning(
-                        "unknown finish reason",
-                        extra={**extra, "reason": delta.finish_reason},
+                for engine_output in convert.engine_outputs_by_choice(batch):
+                    delta = self.output.step(engine_output, time.perf_counter())
+                    if delta is None:
+                        continue
+                    if delta.finish_reason and delta.finish_reason not in PUBLIC_FINISH_REASONS:
+                        log.warning(
+                            "unknown finish reason",
+                            extra={**extra, "reason": delta.finish_reason},
+                        )
+                    if not delta.ends_stream:
+                        yield delta
+                        continue
+                    # Cancel before the last send: the scheduler frees the KV sooner.
+                    self.cancel()
+                    log.info(
+                        "generate done",
+                        extra={
+                            **extra,
+                            "finish_reason": delta.finish_reason,
+                            "completion_tokens": progress.num_completion_tokens,
+                            "ttft_ms": round(progress.ttft_ms or 0.0, 2),
+                            "total_ms": round(progress.elapsed_ms(time.perf_counter()), 2),
+                        },
                     )
-                # Cancel before the last send: the scheduler frees the KV sooner.
-                self.cancel()
-                log.info(
-                    "generate done",
-                    extra={
-                        **extra,
-                        "finish_reason": delta.finish_reason,
-                        "completion_tokens": progress.num_completion_tokens,
-                        "ttft_ms": round(progress.ttft_ms or 0.0, 2),
-                        "total_ms": round(progress.elapsed_ms(time.perf_counter()), 2),
-                    },
-                )
-                yield delta
-                return
+                    yield delta
+                    return
         except (asyncio.CancelledError, GeneratorExit):
             log.info("client went away", extra=extra)
             raise

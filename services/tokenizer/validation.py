@@ -62,6 +62,7 @@ class SamplingInput:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    n: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
