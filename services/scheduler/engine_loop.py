@@ -119,6 +119,12 @@ class EngineLoop:
             self.scheduler.abort_request(request_id)
             self._wakeup.set()
 
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """Free one choice's blocks now (n > 1); its request's stream goes on."""
+        if self.scheduler is not None:
+            self.scheduler.abort_choice(request_id, index)
+            self._wakeup.set()
+
     def queue_seconds(self, request: Request) -> float | None:
         scheduled = self._scheduled_at.get(request.request_id)
         return None if scheduled is None else scheduled - request.arrival_time

@@ -189,6 +189,16 @@ class Scheduler:
         if request is not None:
             self._finish_early(request, FinishReason.ABORT)
 
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """End one forked choice of a request with n > 1 (its text hit a stop string); the
+        others go on. Its blocks are free on return; unknown, unforked or finished choices
+        are ignored."""
+        group = self._groups.get(request_id)
+        if group is not None and 0 <= index < len(group.choices):
+            choice = group.choices[index]
+            if not choice.is_finished:
+                self._finish_early(choice, FinishReason.ABORT)
+
     def schedule(self, now: float) -> BatchPlan:
         self._expire_deadlines(now)
         plan = BatchPlan(step_id=self._step_id)

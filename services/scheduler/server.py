@@ -195,6 +195,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> engine_pb2.UnpinResponse:
         return engine_pb2.UnpinResponse(unpinned=self.loop.unpin(request.name))
 
+    async def CancelChoice(
+        self, request: engine_pb2.CancelChoiceRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.CancelChoiceResponse:
+        self.loop.abort_choice(request.request_id, request.index)
+        return engine_pb2.CancelChoiceResponse()
+
 
 async def serve(config: SchedulerServerConfig) -> None:
     service = GrpcService.internal("scheduler", [SERVICE_NAME], config.internal_secret)

@@ -188,11 +188,26 @@ class GenerationStream:
         # the pipeline as one engine output and out as one message.
         self._responses: asyncio.Queue[EngineItem] = asyncio.Queue()
         self._reader = asyncio.create_task(_drain(self._call, self._responses))
+        self._cancels: set[asyncio.Future[engine_pb2.CancelChoiceResponse]] = set()
 
     def cancel(self) -> None:
         """The scheduler's signal to free the request's KV blocks."""
         self._call.cancel()
         self._reader.cancel()
+
+    def _cancel_choice(self, index: int) -> None:
+        """A stop string ended one choice while others go on: the scheduler frees its blocks
+        (the last choice's end cancels the whole call instead)."""
+        if self.output.num_unfinished == 0:
+            return
+        cancel = self.prepared.scheduler.stub.CancelChoice(
+            engine_pb2.CancelChoiceRequest(request_id=self.request_id, index=index), timeout=5.0
+        )
+        task = asyncio.ensure_future(cancel)
+        # Best effort: a failure leaves the choice running until its own stop or length.
+        task.add_done_callback(_log_cancel_failure)
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         extra, progress = self._extra, self.output.progress
@@ -227,6 +242,8 @@ class GenerationStream:
                     delta = self.output.step(engine_output, time.perf_counter())
                     if delta is None:
                         continue
+                    if delta.finish_reason and not engine_output.finish_reason:
+                        self._cancel_choice(delta.index)
                     if delta.finish_reason and delta.finish_reason not in PUBLIC_FINISH_REASONS:
                         log.warning(
                             "unknown finish reason",
@@ -260,6 +277,11 @@ class GenerationStream:
         raise DependencyUnavailableError(
             f"scheduler {address} closed the stream without a finish reason"
         )
+
+
+def _log_cancel_failure(task: asyncio.Future[engine_pb2.CancelChoiceResponse]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("cancelling a choice failed", extra={"error": str(task.exception())})
 
 
 def _take_batch(backlog: deque[EngineItem]) -> list[engine_pb2.SubmitResponse]:

@@ -200,6 +200,10 @@ class OutputPipeline:
     finished: list[bool]
     """Per choice: its finish delta was made (later events of it are dropped)."""
 
+    @property
+    def num_unfinished(self) -> int:
+        return self.finished.count(False)
+
     @classmethod
     def create(
         cls,

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from protos.llmserve.v1 import text_pb2
-from services.stack import RunningStack
+from services.stack import RunningStack, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -191,4 +191,41 @@ def test_openai_client_n2_streaming_and_not(stack: RunningStack) -> None:
             streamed_texts[choice.index] += choice.text
     assert streamed_texts == {c.index: c.text for c in completions.choices}
     stats = stack.wait_all_blocks_free()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_stop_string_ends_one_choice_and_frees_its_blocks(stack: RunningStack) -> None:
+    """Choice 0's text hits a stop string that choice 1's does not: choice 0 ends (the
+    scheduler stops computing it) while choice 1 streams on."""
+    stop = ""
+    for seed in range(100, 110):
+        sampling = text_pb2.SamplingParams(
+            n=2, temperature=1.0, seed=seed, max_new_tokens=16, ignore_eos=True
+        )
+        texts: dict[int, str] = {0: "", 1: ""}
+        for response in generate(stack, prompt=PROMPT, sampling=sampling):
+            texts[response.index] += response.text
+        candidates = [texts[0][i : i + 4] for i in range(2, len(texts[0]) - 4)]
+        stop = next((c for c in candidates if c.strip() and c not in texts[1]), "")
+        if stop:
+            break
+    assert stop, "no seed gave choice 0 a stop string choice 1 lacks"
+    sampling = text_pb2.SamplingParams(
+        n=2, temperature=1.0, seed=seed, max_new_tokens=1000, ignore_eos=True, stop=[stop]
+    )
+    call = stack.text_stub().Generate(
+        text_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling), timeout=120
+    )
+    for response in call:
+        if response.index == 0 and response.finish_reason:
+            assert response.finish_reason == "stop"
+            break
+
+    def choice_0_gone() -> bool:
+        return stack.stats().num_running <= 1
+
+    # Without the cancel, choice 0 would run on to 1000 tokens.
+    assert wait_until(choice_0_gone, 2.0, "choice 0 ended")
+    call.cancel()
+    stats = stack.wait_all_blocks_free(timeout_s=2.0)
     assert stats.num_free_blocks == stats.num_total_blocks

@@ -317,3 +317,32 @@ def test_random_workload_with_choices_keeps_integrity(seed: int) -> None:
         if request_id != aborted:
             assert all(len(t) == max_new for t in tokens_of(events[request_id]).values())
     assert_all_free(scheduler)
+
+
+def test_one_choice_can_end_while_the_others_go_on() -> None:
+    scheduler = create_scheduler()
+    worker = FakeWorker(sample=choice_sampler)
+    (request,) = create_requests(1, num_tokens=40, max_new_tokens=10, n=3)
+    scheduler.add_request(request)
+    events: list[TokenEvent] = []
+    for step in range(4):
+        plan = scheduler.schedule(now=float(step))
+        events += scheduler.update(plan, worker.step(plan), now=float(step))
+    held = scheduler.get_stats().num_total_blocks - scheduler.get_stats().num_free_blocks
+    scheduler.abort_choice("req0", 1)
+    scheduler.abort_choice("req0", 1)  # twice: ignored
+    scheduler.abort_choice("unknown", 0)
+    scheduler.check_integrity()
+    stats = scheduler.get_stats()
+    assert stats.num_total_blocks - stats.num_free_blocks < held  # its own blocks, at once
+    assert stats.num_running == 2
+    events += run_until_done(scheduler, worker)["req0"]
+    finishes = [e for e in events if e.finished]
+    assert [(e.index, e.finish_reason) for e in finishes] == [
+        (1, FinishReason.ABORT),
+        (0, FinishReason.LENGTH),
+        (2, FinishReason.LENGTH),
+    ]
+    assert finishes[-1].request_finished and not finishes[0].request_finished
+    assert {i: len(t) for i, t in tokens_of(events).items()} == {0: 10, 1: 3, 2: 10}
+    assert_all_free(scheduler)

@@ -123,3 +123,15 @@ class UnpinResponse(_message.Message):
     UNPINNED_FIELD_NUMBER: _ClassVar[int]
     unpinned: bool
     def __init__(self, unpinned: _Optional[bool] = ...) -> None: ...
+
+class CancelChoiceRequest(_message.Message):
+    __slots__ = ("request_id", "index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class CancelChoiceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
