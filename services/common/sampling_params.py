@@ -22,6 +22,9 @@ T = TypeVar("T")
 # names the negative id); no spaces, signs or underscores that int() would also take.
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
 
+# Most choices (n) one request may ask for: each holds a seat and KV blocks of its own.
+MAX_N = 16
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -53,6 +56,9 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks)."""
     logprobs: int = 0
     """Return the log-probability of the sampled token and of this many top alternatives."""
+    n: int = 1
+    """Completions of the one prompt. The scheduler prefills the prompt once and forks the
+    choices, which share its KV blocks; with a seed s, choice i samples with seed s + i."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to those logits after the penalties, before temperature
     and greedy argmax; -100 bans a token, +100 all but forces it. A mapping is accepted and
@@ -133,6 +139,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
             )
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
         self._validate_logit_bias(vocab_size)
         self._validate_allowed_token_ids(vocab_size)
 

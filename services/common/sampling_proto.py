@@ -22,6 +22,7 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.TokenSamplingParam
         logprobs=params.logprobs,
         logit_bias=dict(params.logit_bias),
         allowed_token_ids=list(params.allowed_token_ids or ()),
+        n=params.n,
     )
     if params.seed is not None:
         message.seed = params.seed
@@ -46,4 +47,6 @@ def sampling_from_proto(message: sampling_pb2.TokenSamplingParams) -> SamplingPa
         logit_bias=tuple(message.logit_bias.items()),
         # proto3 cannot tell an empty list from an absent one: empty means no restriction.
         allowed_token_ids=tuple(message.allowed_token_ids) or None,
+        # 0 from a sender that predates the field: one choice.
+        n=message.n or 1,
     )

@@ -118,7 +118,17 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at first admission."""
+    index: int = 0
+    """The choice (0..n-1) of a request with n > 1 choices; finish_reason is this choice's."""
+    num_unfinished_choices: int = 0
+    """Choices of the request still running after this event (0 once the last has finished)."""
 
     @property
     def finished(self) -> bool:
+        """This choice has finished."""
         return self.finish_reason is not None
+
+    @property
+    def request_finished(self) -> bool:
+        """Every choice of the request has finished: nothing more comes for it."""
+        return self.finish_reason is not None and self.num_unfinished_choices == 0

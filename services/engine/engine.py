@@ -184,11 +184,16 @@ class LLMEngine:
         *,
         on_finish: Callable[[GenerationResult], None] | None = None,
     ) -> list[GenerationResult]:
-        """Run every prompt to completion with continuous batching; results in input order."""
+        """Run every prompt to completion with continuous batching; results in input order.
+        One completion per prompt: for n > 1, add_request() and read the events' `index`."""
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
+        if any(params.n != 1 for params in sampling):
+            raise InvalidRequestError(
+                "n", "generate() returns one completion per prompt; use add_request() for n > 1"
+            )
         results: dict[str, GenerationResult] = {}
         order: list[str] = []
         for prompt, params in zip(prompts, sampling, strict=True):

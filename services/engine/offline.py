@@ -58,6 +58,9 @@ def parse_sampling(raw: Any) -> SamplingParams:
         params.validate()
     except InvalidRequestError as exc:  # name the field where it sits in the input line
         raise InvalidRequestError(f"sampling.{exc.field}", exc.message) from exc
+    if params.n != 1:
+        # A line's result holds one completion; repeat the line (with seeds) for more.
+        raise InvalidRequestError("sampling.n", "offline lines take n = 1")
     return params
 
 

@@ -10,6 +10,9 @@ all of them at once:
 
 Errors and the deadline finish never merge: the tokens queued before them still go out first,
 and the stream then ends with their status code, exactly as without merging.
+
+A request with n > 1 choices has one queue for all of them: a batch goes out as one message
+per choice (`merge_by_choice`), and only the last choice's finish ends the stream.
 """
 
 from __future__ import annotations
@@ -38,13 +41,24 @@ def merge_events(events: Sequence[TokenEvent]) -> TokenEvent:
         # The request's counters as of the last event (the scheduler repeats them on each).
         num_prompt_tokens=last.num_prompt_tokens,
         num_cached_tokens=last.num_cached_tokens,
+        index=last.index,
+        num_unfinished_choices=last.num_unfinished_choices,
     )
 
 
+def merge_by_choice(events: Sequence[TokenEvent]) -> list[TokenEvent]:
+    """One merged event per choice, in the order the choices first appear (their order
+    between choices carries no meaning: each choice is its own stream of text)."""
+    by_index: dict[int, list[TokenEvent]] = {}
+    for event in events:
+        by_index.setdefault(event.index, []).append(event)
+    return [merge_events(group) for group in by_index.values()]
+
+
 def take_batch(backlog: deque[QueueItem]) -> list[TokenEvent]:
-    """Pops the leading events of `backlog` that go out as one message: up to an error or a
-    deadline finish (left in place), and never past a finished event. Empty when the head
-    is such an error or deadline finish."""
+    """Pops the leading events of `backlog` that go out together: up to an error or a
+    deadline finish (left in place), and never past the request's finish (its last
+    choice's). Empty when the head is such an error or deadline finish."""
     batch: list[TokenEvent] = []
     while backlog:
         head = backlog[0]
@@ -53,6 +67,6 @@ def take_batch(backlog: deque[QueueItem]) -> list[TokenEvent]:
             break
         backlog.popleft()
         batch.append(head)
-        if head.finished:
+        if head.request_finished:
             break
     return batch

@@ -22,6 +22,7 @@ def event_to_proto(event: TokenEvent) -> engine_pb2.SubmitResponse:
         ],
         num_prompt_tokens=event.num_prompt_tokens,
         num_cached_tokens=event.num_cached_tokens,
+        index=event.index,
     )
 
 
@@ -53,4 +54,6 @@ def stats_to_proto(
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         quantization=quantization,
+        num_forked_block_refs=stats.num_forked_block_refs,
+        num_block_copies=stats.num_block_copies,
     )

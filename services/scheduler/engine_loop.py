@@ -119,6 +119,12 @@ class EngineLoop:
             self.scheduler.abort_request(request_id)
             self._wakeup.set()
 
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """Free one choice's blocks now (n > 1); its request's stream goes on."""
+        if self.scheduler is not None:
+            self.scheduler.abort_choice(request_id, index)
+            self._wakeup.set()
+
     def queue_seconds(self, request: Request) -> float | None:
         scheduled = self._scheduled_at.get(request.request_id)
         return None if scheduled is None else scheduled - request.arrival_time
@@ -326,12 +332,13 @@ class EngineLoop:
     def _note_scheduled(self, plan: BatchPlan) -> None:
         now = self.clock()
         for seq in plan.new_sequences:
-            self._scheduled_at.setdefault(seq.request_id, now)
+            if seq.request_id in self._queues:  # not a forked choice: its request's is set
+                self._scheduled_at.setdefault(seq.request_id, now)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:
             queue = self._queues.get(event.request_id)
-            if event.finished:
+            if event.request_finished:
                 self._queues.pop(event.request_id, None)
                 log.info(
                     "finished",

@@ -41,6 +41,10 @@ class KVCacheManager:
         self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.num_forked_block_refs = 0
+        """Block references forks gave away instead of allocating (running total)."""
+        self.num_block_copies = 0
+        """Shared blocks copied on a write (running total)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -162,6 +166,7 @@ class KVCacheManager:
         source = table[index]
         (copy,) = self.pool.allocate(1)
         self._pending_copies.append((source, copy))
+        self.num_block_copies += 1
         self.pool.free([source])
         table[index] = copy
 
@@ -228,14 +233,42 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
         return True
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int | None = None) -> None:
         """Give `child_id` the parent's blocks, shared (refcount + 1); the first write into a
-        shared block copies it. The caller gives the child the parent's tokens."""
+        shared block copies it. The caller gives the child the parent's tokens.
+
+        With `num_computed_tokens`, the partial block the child writes next is copied now
+        (one free block needed: `num_blocks_to_fork`). The parent may already be on the
+        worker, whose block tables only grow: so the parent keeps the original, and each
+        child, not sent yet, gets the copy in its first table.
+        """
         table = self._block_tables[parent_id]
         self.pool.touch(table)
-        self._block_tables[child_id] = list(table)
+        child_table = list(table)
+        self._block_tables[child_id] = child_table
         self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
         self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
+        num_copied = 0
+        if (
+            num_computed_tokens is not None
+            and self._partial_block_index(table, num_computed_tokens) is not None
+        ):
+            self._copy_on_write(child_table, num_computed_tokens // self.block_size)
+            num_copied = 1
+        self.num_forked_block_refs += len(table) - num_copied
+
+    def num_blocks_to_fork(self, request: Request) -> int:
+        """Free blocks one `fork(..., request.num_computed_tokens)` of `request` takes."""
+        table = self._block_tables[request.request_id]
+        return int(self._partial_block_index(table, request.num_computed_tokens) is not None)
+
+    def _partial_block_index(self, table: list[int], num_computed_tokens: int) -> int | None:
+        """The index of the block that holds token `num_computed_tokens` when it is already in
+        `table` with earlier tokens in it (None: the token starts a block not allocated yet)."""
+        index = num_computed_tokens // self.block_size
+        if num_computed_tokens % self.block_size and index < len(table):
+            return index
+        return None
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (no-op if it holds none). Cached ones stay findable."""

@@ -72,9 +72,21 @@ PREEMPTIONS = Counter(
     "Running requests preempted (KV dropped, to be recomputed).",
     registry=REGISTRY,
 )
+FORKED_BLOCK_REFS = Counter(
+    "llmserve_forked_block_refs_total",
+    "KV block references the choices of n > 1 requests took from their prompt instead of "
+    "allocating (the prompt is computed once for all choices).",
+    registry=REGISTRY,
+)
+BLOCK_COPIES = Counter(
+    "llmserve_kv_block_copies_total",
+    "Shared KV blocks copied on write (the partial last prompt block, once per forked choice).",
+    registry=REGISTRY,
+)
 FINISHED = Counter(
     "llmserve_scheduler_requests_finished_total",
-    "Requests the scheduler finished, by reason (stop, length, abort, deadline).",
+    "Sequences the scheduler finished (a request, or one choice of an n > 1 request), by "
+    "reason (stop, length, abort, deadline).",
     ("finish_reason",),
     registry=REGISTRY,
 )
@@ -115,6 +127,8 @@ class _Delta:
 _preemptions = _Delta()
 _prefix_queried = _Delta()
 _prefix_hits = _Delta()
+_forked_block_refs = _Delta()
+_block_copies = _Delta()
 
 
 def on_admitted(request: Request) -> None:
@@ -159,6 +173,8 @@ def on_step(
         (PREEMPTIONS, _preemptions, stats.num_preemptions),
         (PREFIX_CACHE_QUERIED_TOKENS, _prefix_queried, stats.prefix_queried_tokens),
         (PREFIX_CACHE_HIT_TOKENS, _prefix_hits, stats.prefix_hit_tokens),
+        (FORKED_BLOCK_REFS, _forked_block_refs, stats.num_forked_block_refs),
+        (BLOCK_COPIES, _block_copies, stats.num_block_copies),
     ):
         increment = delta.step(scheduler, total)
         if increment > 0:

@@ -8,6 +8,14 @@ from enum import Enum
 from services.common.sampling_params import SamplingParams
 from services.contracts.step import FinishReason
 
+# Joins a request's id and a choice index into the forked sequence's id. A control character:
+# the public doors refuse it in request ids, so a forked id never collides with a submitted one.
+CHOICE_ID_SEPARATOR = "\x1f"
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    return f"{request_id}{CHOICE_ID_SEPARATOR}{index}"
+
 
 class RequestStatus(Enum):
     WAITING = "waiting"  # queued, never admitted
@@ -51,6 +59,21 @@ class Request:
     pin_name: str | None = None
     """Set on a pinning request: when it finishes, its prompt's full blocks stay pinned
     under this name instead of becoming evictable."""
+    group: ChoiceGroup | None = None
+    """The choices this sequence is one of (a request with n > 1); None for n = 1."""
+    choice_index: int = 0
+
+    @property
+    def public_id(self) -> str:
+        """The id its owner submitted: a forked choice's events go out under it."""
+        return self.group.request_id if self.group is not None else self.request_id
+
+    @property
+    def num_unforked_choices(self) -> int:
+        """Choices still to fork off this sequence (only choice 0 forks; 0 once forked)."""
+        if self.group is None or self.choice_index != 0:
+            return 0
+        return self.group.n - len(self.group.choices)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,3 +113,20 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
+@dataclass(slots=True, eq=False)
+class ChoiceGroup:
+    """The n sequences of one request with n > 1.
+
+    Choice 0 is the submitted Request itself: it prefills the prompt up to its last token,
+    then forks choices 1..n-1, which share its blocks (see Scheduler._fork). Every choice's
+    events go out under `request_id`, with its index.
+    """
+
+    request_id: str
+    n: int
+    choices: list[Request] = field(default_factory=list)
+    """The choices created so far, in index order (choice 0 first)."""
+    num_unfinished: int = 0
+    """Choices not finished yet, forked or not: the request ends when it reaches 0."""

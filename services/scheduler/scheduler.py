@@ -2,6 +2,21 @@
 
 No prefill phase: every request has num_computed_tokens and num_tokens, and a step gives each
 scheduled request a slice of the token budget (a decode takes 1, a prompt takes a chunk).
+
+A request with n > 1 choices computes its prompt once. Choice 0 prefills all but the prompt's
+last token, then forks choices 1..n-1, which share its block table (reference counts); each
+choice then computes the last prompt token itself, a one-token step like a decode, and
+samples its own first token. The partial last block is copied on the first write of each
+choice but the last to write it (copy-on-write, `BatchPlan.block_copies`):
+
+    prompt:   [ block 0 (full) | block 1 (full) | block 2: t32..t38 . | t39 ]
+    choice 0: ─ prefill t0..t38 ──────────────────────────────────────▶ fork
+    choice i:   block 0, 1 shared │ block 2 copied, then t39 computed, first token sampled
+
+Needing no worker change is why: a worker samples one token per sequence per step, and here
+each choice's first token comes from its own step. A forked choice is then an ordinary
+sequence (preempted, it is recomputed alone); its events go out under the request's id with
+its index, and the request ends when its last choice does.
 """
 
 from __future__ import annotations
@@ -9,7 +24,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.common.errors import CapacityError, InvalidRequestError, QueueFullError
 from services.contracts.step import (
@@ -23,9 +38,10 @@ from services.contracts.step import (
 )
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, RequestStatus
+from services.scheduler.request import ChoiceGroup, Request, RequestStatus, choice_request_id
 
 _COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +54,10 @@ class SchedulerStats:
     prefix_hit_tokens: int
     num_preemptions: int
     num_pinned_blocks: int = 0
+    num_forked_block_refs: int = 0
+    """Block references forked choices took from their request's prompt (running total)."""
+    num_block_copies: int = 0
+    """Shared blocks copied on a choice's first write into them (running total)."""
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -70,13 +90,27 @@ class Scheduler:
         self._pending_events: list[TokenEvent] = []  # aborts/expiries, out with the next update
         self._step_id = 0
         self.num_preemptions = 0
+        # Requests with n > 1, by the submitted id, until their last choice finishes.
+        self._groups: dict[str, ChoiceGroup] = {}
+        # Seats held for the choices running requests will fork: admitting choice 0 takes n
+        # seats at once, so forks never wait for seats (two half-admitted requests could
+        # otherwise each wait for the other's).
+        self._num_reserved_seats = 0
 
     # ---- the engine's calls -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits)."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
+        n = request.sampling.n
+        if n > min(self.config.max_num_seqs, self.config.max_num_batched_tokens):
+            raise InvalidRequestError(
+                "n",
+                f"{n} choices run at once; this scheduler runs at most "
+                f"{self.config.max_num_seqs} sequences and {self.config.max_num_batched_tokens} "
+                "tokens per step",
+            )
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids", "must not be empty")
         if request.num_prompt_tokens + 1 > self.config.max_model_len:
@@ -100,6 +134,13 @@ class Scheduler:
         self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
         self._num_submitted += 1
         self.waiting.append(request)
+        if n > 1:
+            group = ChoiceGroup(request.request_id, n, [request], num_unfinished=n)
+            request.group = group
+            self._groups[request.request_id] = group
+            if not self.kv.is_paged:
+                # A max-length reservation cannot be shared: each choice reserves its own.
+                self._split(request, len(self.waiting))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -136,10 +177,27 @@ class Scheduler:
         return self.kv.unpin(name)
 
     def abort_request(self, request_id: str) -> None:
-        """Cancel a request; its blocks are free on return. Unknown or finished ids are ignored."""
+        """Cancel a request (every choice of it); its blocks are free on return. Unknown or
+        finished ids are ignored."""
+        group = self._groups.get(request_id)
+        if group is not None:
+            for choice in list(group.choices):
+                if not choice.is_finished:
+                    self._finish_early(choice, FinishReason.ABORT)
+            return
         request = self.requests.get(request_id)
         if request is not None:
             self._finish_early(request, FinishReason.ABORT)
+
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """End one forked choice of a request with n > 1 (its text hit a stop string); the
+        others go on. Its blocks are free on return; unknown, unforked or finished choices
+        are ignored."""
+        group = self._groups.get(request_id)
+        if group is not None and 0 <= index < len(group.choices):
+            choice = group.choices[index]
+            if not choice.is_finished:
+                self._finish_early(choice, FinishReason.ABORT)
 
     def schedule(self, now: float) -> BatchPlan:
         self._expire_deadlines(now)
@@ -181,6 +239,8 @@ class Scheduler:
             if running:
                 self.kv.cache_full_blocks(request)
             reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                self._count_finished(request)
             logprobs = result.logprobs.get(request_id)
             logprobs_list = [logprobs] if logprobs is not None else None
             events.append(self._event(request, [token_id], reason, logprobs_list))
@@ -216,6 +276,8 @@ class Scheduler:
             prefix_hit_tokens=self.kv.prefix_hit_tokens,
             num_preemptions=self.num_preemptions,
             num_pinned_blocks=self.kv.num_pinned_blocks,
+            num_forked_block_refs=self.kv.num_forked_block_refs,
+            num_block_copies=self.kv.num_block_copies,
         )
 
     def check_integrity(self) -> None:
@@ -224,7 +286,13 @@ class Scheduler:
         assert len(queued) == len(set(queued)) == len(self.requests), "request lists disagree"
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, request.request_id
-        assert len(self.running) <= self.config.max_num_seqs
+        reserved = sum(r.num_unforked_choices for r in self.running)
+        assert reserved == self._num_reserved_seats, (reserved, self._num_reserved_seats)
+        assert len(self.running) + reserved <= self.config.max_num_seqs
+        for group in self._groups.values():
+            live = [c for c in group.choices if not c.is_finished]
+            assert group.num_unfinished > 0, group.request_id
+            assert all(self.requests.get(c.request_id) is c for c in live), group.request_id
 
     # ---- scheduling ---------------------------------------------------------------------
 
@@ -235,6 +303,16 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            num_unforked = request.num_unforked_choices
+            if num_unforked and request.num_computed_tokens == request.num_prompt_tokens - 1:
+                # Its prefill was in an earlier plan, so the shared KV is written before this
+                # plan's forward. All choices start in one step, or none does.
+                if budget < 1 + num_unforked or not self._make_room_to_fork(request, index):
+                    if request.is_finished:
+                        break  # it could never fork: ended, and everyone after it is gone
+                    index += 1
+                    continue
+                self._fork(request, index)
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 index += 1
@@ -242,10 +320,7 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new)
             if new_blocks is None:
                 break  # the request itself is gone, and so is everyone after it
-            if new_blocks:
-                plan.block_deltas.append(SequenceDelta(request.request_id, new_blocks))
-            plan.num_scheduled_tokens[request.request_id] = num_new
-            self._advance(request, num_new)
+            self._add_to_plan(plan, request, num_new, new_blocks)
             budget -= num_new
             index += 1
         return budget, self.num_preemptions > num_preemptions_before
@@ -260,6 +335,7 @@ class Scheduler:
                 self._finish_early(request, FinishReason.LENGTH)
                 return None
             victim = self.running.pop()
+            self._num_reserved_seats -= victim.num_unforked_choices
             self._preempt(victim)
             if victim is request:
                 return None
@@ -268,13 +344,21 @@ class Scheduler:
     def _schedule_waiting(self, plan: BatchPlan, budget: int) -> None:
         """Admit waiting requests first-come first-served until budget, seats or blocks run out.
         The head blocks the queue: skipping it for smaller requests could starve it."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        max_num_seqs = self.config.max_num_seqs
+        while self.waiting and budget > 0 and self._num_seats_taken < max_num_seqs:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 # Preempted while a step that samples for it was in flight: its token arrives
                 # with the next result, and must be part of the sequence it is resent as.
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            if request.num_unforked_choices and num_cached >= request.num_prompt_tokens - 1:
+                # No prompt token is left to compute before the last one (a one-token prompt,
+                # or a cache hit up to it): nothing to fork. The choices queue right behind as
+                # sequences of their own, and take the cached blocks by their own hits.
+                self._split(request, 1)
+            if self._num_seats_taken + 1 + request.num_unforked_choices > max_num_seqs:
+                break
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
             # With nothing running there is no decode to keep headroom for, and insisting on
             # it could leave a long resumed request stuck at the head of the queue forever.
@@ -288,7 +372,24 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
+            self._num_reserved_seats += request.num_unforked_choices
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
+            self._add_to_plan(plan, request, num_new, new_blocks)
+            budget -= num_new
+
+    @property
+    def _num_seats_taken(self) -> int:
+        return len(self.running) + self._num_reserved_seats
+
+    def _add_to_plan(
+        self, plan: BatchPlan, request: Request, num_new: int, new_blocks: list[int]
+    ) -> None:
+        """Schedule `num_new` tokens of a running request: sent whole the first time the
+        worker sees it (admitted, resumed or forked), as a block delta after that."""
+        if request.request_id in self._on_worker:
+            if new_blocks:
+                plan.block_deltas.append(SequenceDelta(request.request_id, new_blocks))
+        else:
             self._on_worker.add(request.request_id)
             plan.new_sequences.append(
                 NewSequence(
@@ -296,13 +397,84 @@ class Scheduler:
                     token_ids=request.all_token_ids,
                     num_prompt_tokens=request.num_prompt_tokens,
                     block_ids=list(self.kv.get_block_table(request.request_id)),
-                    num_computed_tokens=num_cached,
+                    num_computed_tokens=request.num_computed_tokens,
                     sampling=request.sampling,
                 )
             )
-            plan.num_scheduled_tokens[request.request_id] = num_new
-            self._advance(request, num_new)
-            budget -= num_new
+        plan.num_scheduled_tokens[request.request_id] = num_new
+        self._advance(request, num_new)
+
+    # ---- choices of one request (n > 1) --------------------------------------------------
+
+    def _new_choice(self, first: Request, index: int) -> Request:
+        """Choice `index` of `first`'s request: the same prompt and limits, seed + index."""
+        group = first.group
+        assert group is not None
+        sampling = first.sampling
+        if sampling.seed is not None:
+            # vLLM's rule, so each choice is reproducible alone; wrapped into int64 (the
+            # protos' type) for a seed near the top of the range.
+            seed = sampling.seed + index
+            sampling = replace(sampling, seed=seed - 2**64 if seed > _INT64_MAX else seed)
+        choice = Request(
+            request_id=choice_request_id(first.request_id, index),
+            prompt_token_ids=first.prompt_token_ids,
+            sampling=sampling,
+            eos_token_ids=first.eos_token_ids,
+            arrival_time=first.arrival_time,
+            deadline=first.deadline,
+            cache_salt=first.cache_salt,
+            group=group,
+            choice_index=index,
+        )
+        group.choices.append(choice)
+        self.requests[choice.request_id] = choice
+        # The request's place in line: a choice is never preempted before its own choice 0.
+        self._priority[choice.request_id] = self._priority[first.request_id]
+        return choice
+
+    def _make_room_to_fork(self, first: Request, position: int) -> bool:
+        """Free blocks for the fork's copies of the partial block, preempting requests after
+        `first` (later arrivals) if needed. False when they do not fit this step; a request
+        alone that cannot fork ends with "length", like one that cannot grow."""
+        needed = self.kv.num_blocks_to_fork(first) * first.num_unforked_choices
+        while self.kv.num_free_blocks < needed:
+            if len(self.running) == 1:
+                self._finish_early(first, FinishReason.LENGTH)
+                return False
+            if len(self.running) - 1 <= position:
+                return False  # only earlier arrivals hold blocks: wait for them to finish
+            victim = self.running.pop()
+            self._num_reserved_seats -= victim.num_unforked_choices
+            self._preempt(victim)
+        return True
+
+    def _fork(self, first: Request, position: int) -> None:
+        """Create the unforked choices of the running `first` (its prompt computed up to the
+        last token) right after it in `running`, sharing its blocks."""
+        num_unforked = first.num_unforked_choices
+        assert first.group is not None
+        for index in range(len(first.group.choices), first.group.n):
+            choice = self._new_choice(first, index)
+            self.kv.fork(first.request_id, choice.request_id, first.num_computed_tokens)
+            choice.status = RequestStatus.RUNNING
+            choice.num_computed_tokens = first.num_computed_tokens
+            choice.num_cached_tokens = first.num_cached_tokens
+            position += 1
+            self.running.insert(position, choice)
+        self._num_reserved_seats -= num_unforked
+
+    def _split(self, first: Request, position: int) -> None:
+        """Queue the unforked choices of the waiting `first` as sequences of their own, at
+        `position` in `waiting` (right behind it)."""
+        assert first.group is not None
+        for index in range(len(first.group.choices), first.group.n):
+            self.waiting.insert(position, self._new_choice(first, index))
+            position += 1
+
+    def _count_finished(self, request: Request) -> None:
+        if request.group is not None:
+            request.group.num_unfinished -= 1
 
     @staticmethod
     def _advance(request: Request, num_new: int) -> None:
@@ -319,6 +491,10 @@ class Scheduler:
         ):
             return 0  # its last token is already being sampled: it finishes on that result
         num_new = request.num_tokens_with_pending - num_computed
+        if request.num_unforked_choices:
+            # Choice 0 stops one token short of the prompt's end: every choice computes the
+            # last token itself, and samples its own first token from it.
+            num_new = min(num_new, request.num_prompt_tokens - 1 - num_computed)
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
@@ -357,14 +533,33 @@ class Scheduler:
     # ---- finishing ----------------------------------------------------------------------
 
     def _finish_early(self, request: Request, reason: FinishReason) -> None:
-        """Finish a request outside update() (abort, deadline); its event goes out next update."""
+        """Finish a request outside update() (abort, deadline); its event goes out next update.
+        Choices it has not forked yet end with it, for the same reason."""
+        num_unforked = request.num_unforked_choices
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._num_reserved_seats -= num_unforked
         else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._count_finished(request)
         self._pending_events.append(self._event(request, [], reason, None))
+        group = request.group
+        if num_unforked and group is not None:
+            for index in range(len(group.choices), group.n):
+                group.num_unfinished -= 1
+                self._pending_events.append(
+                    TokenEvent(
+                        request_id=group.request_id,
+                        new_token_ids=[],
+                        finish_reason=reason,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=request.num_cached_tokens,
+                        index=index,
+                        num_unfinished_choices=group.num_unfinished,
+                    )
+                )
         self._release(request)
 
     def _release(self, request: Request) -> None:
@@ -375,6 +570,8 @@ class Scheduler:
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]
         del self._priority[request.request_id]
+        if request.group is not None and request.group.num_unfinished == 0:
+            self._groups.pop(request.group.request_id, None)
 
     def _drop_from_worker(self, request_id: str) -> None:
         if request_id in self._on_worker:
@@ -402,11 +599,18 @@ class Scheduler:
         reason: FinishReason | None,
         logprobs: list[TokenLogprobs] | None,
     ) -> TokenEvent:
+        group = request.group
+        if group is not None:
+            num_unfinished = group.num_unfinished
+        else:
+            num_unfinished = 0 if reason is not None else 1
         return TokenEvent(
-            request_id=request.request_id,
+            request_id=request.public_id,
             new_token_ids=token_ids,
             finish_reason=reason,
             logprobs=logprobs or [],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            index=request.choice_index,
+            num_unfinished_choices=num_unfinished,
         )

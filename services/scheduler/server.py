@@ -29,7 +29,7 @@ from services.common.prompt_store import PromptStore
 from services.common.redis_store import RedisStore, open_store, redact_url
 from services.common.sampling_proto import sampling_from_proto
 from services.scheduler import metrics
-from services.scheduler.coalesce import QueueItem, merge_events, take_batch
+from services.scheduler.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.engine_loop import EngineLoop, WorkerUnavailable
 from services.scheduler.prefix_index import PrefixIndexPublisher
@@ -123,15 +123,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                             grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"request {request_id} passed its deadline",
                         )
-                event = merge_events(events)
-                response = event_to_proto(event)
-                if first:
-                    queued = self.loop.queue_seconds(scheduled)
-                    metrics.on_first_scheduled(queued)
-                    response.queue_ms = (queued or 0.0) * 1000
-                    first = False
-                yield response
-                if event.finished:
+                for event in merge_by_choice(events):
+                    response = event_to_proto(event)
+                    if first:
+                        queued = self.loop.queue_seconds(scheduled)
+                        metrics.on_first_scheduled(queued)
+                        response.queue_ms = (queued or 0.0) * 1000
+                        first = False
+                    yield response
+                if events[-1].request_finished:
                     return
         finally:
             # Client gone, deadline, or done: free the blocks now (no-op when finished).
@@ -197,6 +197,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.UnpinRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.UnpinResponse:
         return engine_pb2.UnpinResponse(unpinned=self.loop.unpin(request.name))
+
+    async def CancelChoice(
+        self, request: engine_pb2.CancelChoiceRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.CancelChoiceResponse:
+        self.loop.abort_choice(request.request_id, request.index)
+        return engine_pb2.CancelChoiceResponse()
 
 
 async def serve(config: SchedulerServerConfig) -> None:

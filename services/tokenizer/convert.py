@@ -82,13 +82,14 @@ def engine_output(response: engine_pb2.SubmitResponse) -> EngineOutput:
         queue_ms=response.queue_ms,
         num_cached_tokens=response.num_cached_tokens,
         num_prompt_tokens=response.num_prompt_tokens,
+        index=response.index,
     )
 
 
 def merged_engine_output(responses: Sequence[engine_pb2.SubmitResponse]) -> EngineOutput:
-    """Consecutive messages of one Submit stream as one EngineOutput: ids and logprobs in
-    order, the last finish reason, and of each counter the last value reported (the value
-    `output.Progress` would keep, reading them one at a time).
+    """Consecutive messages of one choice of a Submit stream as one EngineOutput: ids and
+    logprobs in order, the last finish reason, and of each counter the last value reported
+    (the value `output.Progress` would keep, reading them one at a time).
 
     That is protobuf's own merge for proto3 messages (repeated fields append, a scalar set
     to a non-default value overwrites), done in C: k responses cost about one conversion.
@@ -99,6 +100,17 @@ def merged_engine_output(responses: Sequence[engine_pb2.SubmitResponse]) -> Engi
     for response in responses:
         merged.MergeFrom(response)
     return engine_output(merged)
+
+
+def engine_outputs_by_choice(
+    responses: Sequence[engine_pb2.SubmitResponse],
+) -> list[EngineOutput]:
+    """Messages of a Submit stream as one EngineOutput per choice (n > 1 interleaves them),
+    in the order the choices first appear."""
+    by_index: dict[int, list[engine_pb2.SubmitResponse]] = {}
+    for response in responses:
+        by_index.setdefault(response.index, []).append(response)
+    return [merged_engine_output(group) for group in by_index.values()]
 
 
 def generate_response(request_id: str, delta: OutputDelta) -> text_pb2.GenerateResponse:
@@ -117,6 +129,7 @@ def generate_response(request_id: str, delta: OutputDelta) -> text_pb2.GenerateR
             for item in delta.logprobs
         ],
         finish_reason=delta.finish_reason,
+        index=delta.index,
     )
     if delta.usage is not None:
         response.usage.CopyFrom(

@@ -5,7 +5,9 @@
     stream:  Engine.Submit, timeout = the remaining budget
              → per SubmitResponse: output.OutputPipeline (detokenize, stop strings, finish,
                usage); responses a slow client let pile up go through it merged, as one
-             → OutputDelta, the last one with its finish reason
+               per choice
+             → OutputDelta, each choice's last one with its finish reason; the stream ends
+               when every choice has finished (n > 1: the choices share one engine call)
 
 Failures are our typed errors (services.common.errors), so each door maps them to its own
 status in one place: a gRPC code (grpc_server.status_for) or an HTTP status
@@ -174,7 +176,11 @@ class GenerationStream:
             convert.submit_request(request, prepared.arrival_unix_s), timeout=prepared.timeout_s
         )
         self.output = OutputPipeline.create(
-            model.tokenizer.tokenizer, request.prompt_token_ids, request.stop, prepared.started
+            model.tokenizer.tokenizer,
+            request.prompt_token_ids,
+            request.stop,
+            prepared.started,
+            n=request.sampling.n,
         )
         # The client may be slower than the engine. Read the engine stream at once into a
         # local queue: a stalled client must never stall the shared scheduler connection
@@ -182,11 +188,26 @@ class GenerationStream:
         # the pipeline as one engine output and out as one message.
         self._responses: asyncio.Queue[EngineItem] = asyncio.Queue()
         self._reader = asyncio.create_task(_drain(self._call, self._responses))
+        self._cancels: set[asyncio.Future[engine_pb2.CancelChoiceResponse]] = set()
 
     def cancel(self) -> None:
         """The scheduler's signal to free the request's KV blocks."""
         self._call.cancel()
         self._reader.cancel()
+
+    def _cancel_choice(self, index: int) -> None:
+        """A stop string ended one choice while others go on: the scheduler frees its blocks
+        (the last choice's end cancels the whole call instead)."""
+        if self.output.num_unfinished == 0:
+            return
+        cancel = self.prepared.scheduler.stub.CancelChoice(
+            engine_pb2.CancelChoiceRequest(request_id=self.request_id, index=index), timeout=5.0
+        )
+        task = asyncio.ensure_future(cancel)
+        # Best effort: a failure leaves the choice running until its own stop or length.
+        task.add_done_callback(_log_cancel_failure)
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         extra, progress = self._extra, self.output.progress
@@ -217,32 +238,34 @@ class GenerationStream:
                         raise item
                     log.info("deadline passed in the scheduler", extra=extra)
                     raise DeadlineExceededError("deadline passed")
-                engine_output = convert.merged_engine_output(batch)
-                delta = self.output.step(engine_output, time.perf_counter())
-                if delta is None:
-                    continue
-                if not delta.finish_reason:
-                    yield delta
-                    continue
-                if delta.finish_reason not in PUBLIC_FINISH_REASONS:
-                    log.warning(
-                        "unknown finish reason",
-                        extra={**extra, "reason": delta.finish_reason},
+                for engine_output in convert.engine_outputs_by_choice(batch):
+                    delta = self.output.step(engine_output, time.perf_counter())
+                    if delta is None:
+                        continue
+                    if delta.finish_reason and not engine_output.finish_reason:
+                        self._cancel_choice(delta.index)
+                    if delta.finish_reason and delta.finish_reason not in PUBLIC_FINISH_REASONS:
+                        log.warning(
+                            "unknown finish reason",
+                            extra={**extra, "reason": delta.finish_reason},
+                        )
+                    if not delta.ends_stream:
+                        yield delta
+                        continue
+                    # Cancel before the last send: the scheduler frees the KV sooner.
+                    self.cancel()
+                    log.info(
+                        "generate done",
+                        extra={
+                            **extra,
+                            "finish_reason": delta.finish_reason,
+                            "completion_tokens": progress.num_completion_tokens,
+                            "ttft_ms": round(progress.ttft_ms or 0.0, 2),
+                            "total_ms": round(progress.elapsed_ms(time.perf_counter()), 2),
+                        },
                     )
-                # Cancel before the last send: the scheduler frees the KV sooner.
-                self.cancel()
-                log.info(
-                    "generate done",
-                    extra={
-                        **extra,
-                        "finish_reason": delta.finish_reason,
-                        "completion_tokens": progress.num_completion_tokens,
-                        "ttft_ms": round(progress.ttft_ms or 0.0, 2),
-                        "total_ms": round(progress.elapsed_ms(time.perf_counter()), 2),
-                    },
-                )
-                yield delta
-                return
+                    yield delta
+                    return
         except (asyncio.CancelledError, GeneratorExit):
             log.info("client went away", extra=extra)
             raise
@@ -254,6 +277,11 @@ class GenerationStream:
         raise DependencyUnavailableError(
             f"scheduler {address} closed the stream without a finish reason"
         )
+
+
+def _log_cancel_failure(task: asyncio.Future[engine_pb2.CancelChoiceResponse]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("cancelling a choice failed", extra={"error": str(task.exception())})
 
 
 def _take_batch(backlog: deque[EngineItem]) -> list[engine_pb2.SubmitResponse]:

@@ -5,6 +5,11 @@ Pure (no gRPC, no protobuf, no clock reads: times are passed in). Per engine eve
     token ids → incremental detokenize → stop strings → OutputDelta
     last event (or a stop string) → finish_reason, usage, timings
 
+A request with n > 1 choices has a detokenizer and a stop-string matcher per choice: each
+event and delta names its choice (`index`), each choice finishes on its own, and the delta
+that finishes the last one also carries the usage (the prompt counted once, the completion
+tokens of every choice summed) and the timings.
+
 Several engine events that waited for a slow client go through as one (convert.py merges
 them): one detokenizer call and one public message for all their ids, with the same text and
 ids as one event at a time, cut at the token that completes a stop string.
@@ -46,6 +51,8 @@ class EngineOutput:
     queue_ms: float = 0.0
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
+    index: int = 0
+    """The choice (n > 1) the message belongs to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +71,8 @@ class Timings:
 
 @dataclass(frozen=True, slots=True)
 class OutputDelta:
-    """One public message: new text and ids; the last one also finish_reason, usage, timings."""
+    """One public message of one choice: new text and ids; the choice's last one also its
+    finish_reason, and the stream's last one (every choice finished) usage and timings."""
 
     text: str
     token_ids: tuple[int, ...] = ()
@@ -72,6 +80,12 @@ class OutputDelta:
     finish_reason: str = ""
     usage: Usage | None = None
     timings: Timings | None = None
+    index: int = 0
+
+    @property
+    def ends_stream(self) -> bool:
+        """The last delta of the request: only it carries the usage."""
+        return self.usage is not None
 
 
 # ---- text out: whole characters, never a stop string --------------------------------------
@@ -179,10 +193,16 @@ class Progress:
 
 @dataclass(slots=True)
 class OutputPipeline:
-    """Engine events of one request → public deltas."""
+    """Engine events of one request → public deltas; one OutputText per choice."""
 
-    text: OutputText
+    texts: list[OutputText]
     progress: Progress
+    finished: list[bool]
+    """Per choice: its finish delta was made (later events of it are dropped)."""
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.finished.count(False)
 
     @classmethod
     def create(
@@ -191,27 +211,34 @@ class OutputPipeline:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str],
         started_s: float,
+        n: int = 1,
     ) -> OutputPipeline:
         return cls(
-            OutputText(tokenizer, prompt_token_ids, stop),
+            [OutputText(tokenizer, prompt_token_ids, stop) for _ in range(n)],
             Progress(len(prompt_token_ids), started_s),
+            [False] * n,
         )
 
     def step(self, engine_output: EngineOutput, now_s: float) -> OutputDelta | None:
         """One engine message → the public message to send (None: nothing to send yet).
 
         A message may carry token ids with empty text (half a character, or text held back
-        because it may begin a stop string).
+        because it may begin a stop string). Messages of a choice that has finished (a stop
+        string ended it while the scheduler went on) are dropped.
         """
+        index = engine_output.index
+        if not 0 <= index < len(self.texts) or self.finished[index]:
+            return None
         progress = self.progress
         progress.observe(engine_output)
-        step = self.text.add(engine_output.token_ids)
+        output_text = self.texts[index]
+        step = output_text.add(engine_output.token_ids)
         text = step.text
         token_ids = engine_output.token_ids[: step.num_token_ids]
         logprobs = engine_output.logprobs[: step.num_token_ids]
         finish_reason = "stop" if step.stopped else engine_output.finish_reason
         if finish_reason and not step.stopped:
-            tail = self.text.finish()
+            tail = output_text.finish()
             text += tail.text
             if tail.stopped:
                 finish_reason = "stop"
@@ -219,13 +246,17 @@ class OutputPipeline:
         if not finish_reason:
             if not (text or token_ids):
                 return None
-            return OutputDelta(text, token_ids, logprobs)
+            return OutputDelta(text, token_ids, logprobs, index=index)
+        self.finished[index] = True
+        if not all(self.finished):
+            return OutputDelta(text, token_ids, logprobs, finish_reason=finish_reason, index=index)
         total_ms = progress.elapsed_ms(now_s)
         return OutputDelta(
             text,
             token_ids,
             logprobs,
             finish_reason=finish_reason,
+            index=index,
             usage=Usage(
                 prompt_tokens=progress.num_prompt_tokens,
                 completion_tokens=progress.num_completion_tokens,

@@ -64,6 +64,7 @@ class SamplingInput:
     logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    n: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

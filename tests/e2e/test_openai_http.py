@@ -227,7 +227,7 @@ def test_stop_strings_and_seeded_sampling(stack: RunningStack) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
-        ("/completions", {"prompt": "a", "n": 2}, 400, "n"),
+        ("/completions", {"prompt": "a", "n": 17}, 400, "n"),
         ("/completions", {"prompt": "a", "frobnicate": 1}, 400, "frobnicate"),
         ("/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
         ("/completions", {"prompt": "a", "max_tokens": 100000}, 400, "max_tokens"),

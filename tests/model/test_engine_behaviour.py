@@ -161,3 +161,34 @@ def test_seeded_sampling_is_reproducible_across_batches(engine: LLMEngine) -> No
         [*others, prompt], [SamplingParams(temperature=1.0, max_new_tokens=16)] * 5 + [seeded]
     )[-1].token_ids
     assert alone == batched
+
+
+def run_choices(engine: LLMEngine, prompt: list[int], sampling: SamplingParams) -> list[list[int]]:
+    request_id = engine.add_request(prompt, sampling)
+    tokens: list[list[int]] = [[] for _ in range(sampling.n)]
+    for event in engine.stream():
+        if event.request_id == request_id:
+            tokens[event.index].extend(event.new_token_ids)
+    return tokens
+
+
+def test_forked_choices_compute_what_separate_requests_do(loaded_fp32: LoadedModel) -> None:
+    """n choices read the prompt's KV through shared blocks and a copied partial block: greedy
+    choices equal a lone greedy run, and seeded choice i equals a lone run with seed s + i."""
+    engine = make_engine(loaded_fp32, enable_prefix_caching=False)
+    block_size = engine.config.block_size
+    prompt = engine.tokenizer.encode(PROMPTS[1] * 4)
+    prompt = prompt[: (len(prompt) - 2) // block_size * block_size + 5]  # a partial last block
+    assert len(prompt) > block_size and (len(prompt) - 1) % block_size
+    alone = run_alone(loaded_fp32, prompt, GREEDY)
+    assert run_choices(engine, prompt, replace(GREEDY, n=3)) == [alone] * 3
+    stats = engine.get_stats()
+    assert stats.num_forked_block_refs == 2 * ((len(prompt) - 1) // block_size)
+    assert stats.num_block_copies == 2
+    assert stats.num_free_blocks == stats.num_total_blocks
+    seeded = SamplingParams(temperature=1.0, seed=77, max_new_tokens=12)
+    choices = run_choices(engine, prompt, replace(seeded, n=3))
+    assert choices == [
+        run_alone(loaded_fp32, prompt, replace(seeded, seed=77 + i)) for i in range(3)
+    ]
+    assert len({tuple(c) for c in choices}) == 3

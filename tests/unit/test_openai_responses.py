@@ -350,3 +350,47 @@ def test_sse_event_with_newlines_in_the_text_is_still_one_data_line(text: str) -
 
 def test_the_done_event() -> None:
     assert DONE_EVENT == b"data: [DONE]\n\n"
+
+
+# ---- n > 1 ----------------------------------------------------------------------------------
+
+CHOICES = (
+    OutputDelta("A", (1,), index=1),
+    OutputDelta("B", (2,), index=0),
+    OutputDelta("a", (3,), finish_reason="stop", index=1),
+    OutputDelta("b", (4,), finish_reason="length", index=0, usage=USAGE),
+)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_stream_of_choices_names_each_by_index(chat: bool) -> None:
+    build = builder(chat, n=2, include_usage=True)
+    chunks = stream_chunks(build, CHOICES)
+    if chat:
+        assert [c["index"] for c in chunks[0]["choices"]] == [0, 1]
+        chunks = chunks[1:]
+    *choice_chunks, usage_chunk = chunks
+    key = "delta" if chat else "text"
+    texts: dict[int, str] = {}
+    for chunk in choice_chunks:
+        (choice,) = chunk["choices"]
+        part = choice[key]["content"] if chat else choice[key]
+        texts[choice["index"]] = texts.get(choice["index"], "") + part
+    assert texts == {0: "Bb", 1: "Aa"}
+    finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in choice_chunks}
+    assert finishes == {1: "stop", 0: "length"}
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == usage_body(USAGE)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_whole_response_lists_the_choices_in_index_order(chat: bool) -> None:
+    build = builder(chat, n=3, return_token_ids=True)
+    for delta in CHOICES:
+        build.add(delta)
+    body = build.response()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    texts = [c["message"]["content"] if chat else c["text"] for c in body["choices"]]
+    assert texts == ["Bb", "Aa", ""]
+    assert [c["token_ids"] for c in body["choices"]] == [[2, 4], [1, 3], []]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop", None]
+    assert body["usage"] == usage_body(USAGE)

@@ -178,6 +178,13 @@ def test_sampling_parameters_pass_through() -> None:
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.25)
 
 
+@pytest.mark.parametrize("n", [None, 1, 2, 16, 0, 17])
+def test_n_passes_through_to_be_checked_with_the_sampling_fields(n: int | None) -> None:
+    """n = 0 or 17 is refused where every sampling field is checked (validation.py)."""
+    assert chat(n=n).sampling.n == n
+    assert completion(n=n).sampling.n == n
+
+
 def test_unset_sampling_parameters_stay_unset() -> None:
     # None lets SamplingParams' defaults apply (temperature 1, top_p 1...).
     sampling = completion().sampling
@@ -288,8 +295,6 @@ def test_an_unknown_nested_parameter_names_its_path() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
-        ("n", 0),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
         ("tool_choice", "required"),
@@ -305,7 +310,6 @@ def test_chat_parameters_we_do_not_implement_are_refused(field: str, value: obje
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
         ("echo", True),
         ("suffix", " the end"),
         ("best_of", 2),

@@ -17,7 +17,7 @@ from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.sampling_proto import sampling_to_proto
 from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
-from services.scheduler.coalesce import QueueItem, merge_events, take_batch
+from services.scheduler.coalesce import QueueItem, merge_by_choice, merge_events, take_batch
 from services.scheduler.engine_loop import EventQueue, WorkerUnavailable
 from services.scheduler.request import Request
 from services.scheduler.server import EngineServicer
@@ -204,3 +204,33 @@ def test_tokens_before_the_deadline_are_delivered_then_deadline_exceeded() -> No
 def test_a_failure_with_nothing_before_it_sends_no_message() -> None:
     responses, code = run(FakeLoop([WorkerUnavailable("worker gone")]))
     assert code is grpc.StatusCode.UNAVAILABLE and responses == []
+
+
+def choice_event(index: int, *token_ids: int, unfinished: int, finish: bool = False) -> TokenEvent:
+    return TokenEvent(
+        request_id="r",
+        new_token_ids=list(token_ids),
+        finish_reason=FinishReason.LENGTH if finish else None,
+        index=index,
+        num_unfinished_choices=unfinished,
+    )
+
+
+def test_choices_merge_per_index_and_only_the_last_finish_ends_the_batch() -> None:
+    backlog: deque[QueueItem] = deque(
+        [
+            choice_event(0, 1, unfinished=2),
+            choice_event(1, 2, unfinished=2),
+            choice_event(0, 3, unfinished=1, finish=True),  # choice 0 ends, choice 1 goes on
+            choice_event(1, 4, unfinished=0, finish=True),
+            choice_event(0, 9, unfinished=0),  # never: past the request's end
+        ]
+    )
+    batch = take_batch(backlog)
+    assert len(batch) == 4 and len(backlog) == 1
+    merged = merge_by_choice(batch)
+    assert [(e.index, e.new_token_ids, e.finished) for e in merged] == [
+        (0, [1, 3], True),
+        (1, [2, 4], True),
+    ]
+    assert merged[-1].request_finished and not merged[0].request_finished

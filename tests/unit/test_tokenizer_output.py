@@ -150,3 +150,42 @@ def test_logprobs_travel_with_their_ids(tokenizer: ModelTokenizer) -> None:
     pipeline = OutputPipeline.create(tokenizer.tokenizer, tokenizer.encode("x"), (), 0.0)
     delta = pipeline.step(EngineOutput(token_ids=ids, logprobs=logprobs), 1.0)
     assert delta is not None and delta.logprobs == logprobs
+
+
+def test_choices_have_their_own_text_stops_and_finish_and_share_one_usage(
+    tokenizer: ModelTokenizer,
+) -> None:
+    """Interleaved events of three choices: each its own detokenizer and stop matcher; the
+    last finish carries the usage, the prompt counted once and the completions summed."""
+    prompt_ids = tokenizer.encode("x")
+    pipeline = OutputPipeline.create(tokenizer.tokenizer, prompt_ids, ["STOP"], 0.0, n=3)
+    texts = {0: "Hello there", 1: "Good STOP morning", 2: "日本語"}
+    ids = {index: tokenizer.encode(text, add_special_tokens=False) for index, text in texts.items()}
+    deltas: list[OutputDelta] = []
+    longest = max(len(v) for v in ids.values())
+    for position in range(longest + 1):
+        for index in (2, 0, 1):
+            token_ids = tuple(ids[index][position : position + 1])
+            last = position == len(ids[index]) - 1
+            if position >= len(ids[index]):
+                continue
+            event = EngineOutput(
+                token_ids=token_ids, finish_reason="length" if last else "", index=index
+            )
+            delta = pipeline.step(event, float(position))
+            if delta is not None:
+                deltas.append(delta)
+    text = {i: "".join(d.text for d in deltas if d.index == i) for i in range(3)}
+    assert text == {0: "Hello there", 1: "Good ", 2: "日本語"}
+    finishes = {d.index: d.finish_reason for d in deltas if d.finish_reason}
+    assert finishes == {0: "length", 1: "stop", 2: "length"}
+    assert [d.ends_stream for d in deltas].count(True) == 1 and deltas[-1].ends_stream
+    assert all(d.usage is None for d in deltas[:-1])
+    sent = sum(len(d.token_ids) for d in deltas)
+    stop_at = len(tokenizer.encode("Good STOP", add_special_tokens=False))
+    assert sent == len(ids[0]) + len(ids[2]) + stop_at
+    assert deltas[-1].usage == Usage(
+        prompt_tokens=len(prompt_ids), completion_tokens=sent, cached_prompt_tokens=0
+    )
+    # A choice a stop string ended may still get events from the scheduler: dropped.
+    assert pipeline.step(EngineOutput(token_ids=(5,), index=1), 99.0) is None

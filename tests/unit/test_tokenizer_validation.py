@@ -131,6 +131,8 @@ def test_messages_go_through_the_chat_template() -> None:
         (with_sampling(stop_token_ids=(300,)), "sampling.stop_token_ids", "outside"),
         (with_sampling(stop_token_ids=(-1,)), "sampling.stop_token_ids", ">= 0"),
         (with_sampling(logprobs=21), "sampling.logprobs", "[0, 20]"),
+        (with_sampling(n=0), "sampling.n", "[1, 16]"),
+        (with_sampling(n=17), "sampling.n", "[1, 16]"),
     ],
 )
 def test_bad_requests_name_the_field(
@@ -235,3 +237,8 @@ def test_errors_quote_a_short_prefix_of_what_was_sent() -> None:
         validate(GenerateInput(messages=(ChatMessage(long_role, "x"),)))
     assert error.value.field == "messages[0].role"
     assert len(error.value.message) < 150
+
+
+def test_n_defaults_to_one_and_passes_through() -> None:
+    assert validate(with_sampling()).sampling.n == 1
+    assert validate(with_sampling(n=16)).sampling.n == 16

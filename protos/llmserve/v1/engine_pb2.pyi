@@ -35,27 +35,29 @@ class EngineTokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "logprobs", "num_prompt_tokens", "num_cached_tokens", "queue_ms")
+    __slots__ = ("token_ids", "finish_reason", "logprobs", "num_prompt_tokens", "num_cached_tokens", "queue_ms", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     logprobs: _containers.RepeatedCompositeFieldContainer[EngineTokenLogprob]
     num_prompt_tokens: int
     num_cached_tokens: int
     queue_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[EngineTokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[EngineTokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "prefix_hit_rate", "num_preemptions", "scheduler_id", "max_waiting_requests", "block_size", "worker_epoch", "max_num_seqs", "num_pinned_blocks", "dtype", "kv_cache_dtype", "quantization")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "prefix_hit_rate", "num_preemptions", "scheduler_id", "max_waiting_requests", "block_size", "worker_epoch", "max_num_seqs", "num_pinned_blocks", "dtype", "kv_cache_dtype", "quantization", "num_forked_block_refs", "num_block_copies")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,8 @@ class EngineStats(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORKED_BLOCK_REFS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -86,7 +90,9 @@ class EngineStats(_message.Message):
     dtype: str
     kv_cache_dtype: str
     quantization: str
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_epoch: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    num_forked_block_refs: int
+    num_block_copies: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_epoch: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_forked_block_refs: _Optional[int] = ..., num_block_copies: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("name", "token_ids", "cache_salt", "ttl_s")
@@ -117,3 +123,15 @@ class UnpinResponse(_message.Message):
     UNPINNED_FIELD_NUMBER: _ClassVar[int]
     unpinned: bool
     def __init__(self, unpinned: _Optional[bool] = ...) -> None: ...
+
+class CancelChoiceRequest(_message.Message):
+    __slots__ = ("request_id", "index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class CancelChoiceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -60,6 +60,11 @@ class EngineStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinResponse.FromString,
                 _registered_method=True)
+        self.CancelChoice = channel.unary_unary(
+                '/llmserve.v1.Engine/CancelChoice',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -101,6 +106,14 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelChoice(self, request, context):
+        """Ends one choice of a running n > 1 request (a stop string ended its text) and frees its
+        blocks; the other choices go on. Unknown ids and finished choices are ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +141,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinRequest.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinResponse.SerializeToString,
+            ),
+            'CancelChoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelChoice,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +283,33 @@ class Engine:
             '/llmserve.v1.Engine/Unpin',
             protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelChoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Engine/CancelChoice',
+            protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -140,6 +140,7 @@ class OpenAIDoor:
             top_logprobs=top_logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             return_token_ids=body.return_token_ids,
+            n=prepared.request.sampling.n,
         )
         stream = self.generator.stream(prepared)
         deltas = stream.deltas()
@@ -221,6 +222,7 @@ async def _events(
             head = b""
             if delta.finish_reason:
                 request_metrics.finish_reason = delta.finish_reason
+            if delta.ends_stream:
                 yield out + DONE_EVENT
                 return
             if out:

@@ -5,6 +5,10 @@ A stream is: chunks with text (chat: the first one also carries the role), the l
 finish_reason, then, when stream_options.include_usage is set, one chunk with usage and no
 choices, then `data: [DONE]`. With include_usage every other chunk carries "usage": null, as
 OpenAI's do.
+
+With n > 1 each chunk carries one choice, named by its `index`; the choices' chunks interleave,
+each choice ends with its own finish_reason, and the usage (the prompt counted once) comes
+after the last. A whole response lists the n choices in index order.
 """
 
 from __future__ import annotations
@@ -57,14 +61,12 @@ class _Accumulated:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
-    usage: Usage | None = None
 
     def add(self, delta: OutputDelta) -> None:
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
-        self.usage = delta.usage or self.usage
 
 
 @dataclass(slots=True)
@@ -83,10 +85,14 @@ class ResponseBuilder:
     top_logprobs: int | None = None
     include_usage: bool = False
     return_token_ids: bool = False
+    n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
-    _sent_role: bool = False
-    _text_offset: int = 0
-    _collected: _Accumulated = field(default_factory=_Accumulated)
+    # Per choice index: whether its role went out, its text offset (completions logprobs),
+    # what a whole response collects.
+    _sent_role: set[int] = field(default_factory=set)
+    _text_offset: dict[int, int] = field(default_factory=dict)
+    _collected: dict[int, _Accumulated] = field(default_factory=dict)
+    _usage: Usage | None = None
 
     @property
     def id(self) -> str:
@@ -99,16 +105,16 @@ class ResponseBuilder:
 
     def chunks(self, delta: OutputDelta) -> list[dict[str, Any]]:
         """The chunks one delta becomes (none when it carries nothing to say)."""
-        logprobs = self._logprobs(delta.logprobs)
+        logprobs = self._logprobs(delta.logprobs, delta.index)
         ids = self.return_token_ids and delta.token_ids
         if not (delta.text or delta.finish_reason or logprobs or ids):
             return []
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": delta.index}
         if self.chat:
             message: dict[str, Any] = {}
-            if not self._sent_role:
+            if delta.index not in self._sent_role:
                 message["role"] = "assistant"
-                self._sent_role = True
+                self._sent_role.add(delta.index)
             if delta.text or not delta.finish_reason:
                 message["content"] = delta.text
             choice["delta"] = message
@@ -123,7 +129,7 @@ class ResponseBuilder:
         if self.include_usage:
             chunk["usage"] = None
         chunks = [chunk]
-        if delta.finish_reason and self.include_usage and delta.usage is not None:
+        if self.include_usage and delta.usage is not None:
             last = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
             last["choices"] = []
             last["usage"] = usage_body(delta.usage)
@@ -132,16 +138,17 @@ class ResponseBuilder:
 
     def first_chunk(self) -> dict[str, Any]:
         """Chat streams open with the role alone, before any token, as OpenAI's do: a client
-        sees the response start at once."""
-        self._sent_role = True
+        sees the response start at once. One chunk names every choice."""
+        self._sent_role.update(range(self.n))
         chunk = self._envelope("chat.completion.chunk")
         chunk["choices"] = [
             {
-                "index": 0,
+                "index": index,
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
+            for index in range(self.n)
         ]
         if self.include_usage:
             chunk["usage"] = None
@@ -150,39 +157,45 @@ class ResponseBuilder:
     # ---- whole response ----
 
     def add(self, delta: OutputDelta) -> None:
-        self._collected.add(delta)
+        self._collected.setdefault(delta.index, _Accumulated()).add(delta)
+        self._usage = delta.usage or self._usage
 
     def response(self) -> dict[str, Any]:
-        collected = self._collected
+        body = self._envelope("chat.completion" if self.chat else "text_completion")
+        body["choices"] = [self._choice(index) for index in range(self.n)]
+        if self._usage is not None:
+            body["usage"] = usage_body(self._usage)
+        return body
+
+    def _choice(self, index: int) -> dict[str, Any]:
+        collected = self._collected.get(index, _Accumulated())
         text = "".join(collected.text)
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        self._text_offset = 0
-        choice["logprobs"] = self._logprobs(tuple(collected.logprobs))
+        self._text_offset[index] = 0
+        choice["logprobs"] = self._logprobs(tuple(collected.logprobs), index)
         choice["finish_reason"] = collected.finish_reason or None
         if self.return_token_ids:
             choice["token_ids"] = collected.token_ids
-        body = self._envelope("chat.completion" if self.chat else "text_completion")
-        body["choices"] = [choice]
-        if collected.usage is not None:
-            body["usage"] = usage_body(collected.usage)
-        return body
+        return choice
 
     # ---- logprobs ----
 
-    def _logprobs(self, items: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, items: Sequence[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
         if self.top_logprobs is None or not items:
             return None
         if self.chat:
             return {"content": [self._chat_logprob(item) for item in items], "refusal": None}
         tokens = [self.token_text(item.token_id) for item in items]
         offsets = []
+        offset = self._text_offset.get(index, 0)
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offset[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": [item.logprob for item in items],

@@ -2,9 +2,10 @@
 
 Pure: JSON in, plain data out, InvalidRequestError naming the parameter at fault out of a bad
 body. Every parameter a body may carry is declared: one we do not know, or one we know but do
-not implement given a value that would change the result (n > 1, tools, echo...), is refused
-with 400 naming it, never silently ignored. A known parameter at its "off" value (null, n = 1)
-is accepted: many clients send those by default.
+not implement given a value that would change the result (tools, echo...), is refused
+with 400 naming it, never silently ignored. A known parameter at its "off" value (null)
+is accepted: many clients send those by default. `n` (1..16) asks for that many choices
+of the one prompt.
 
 Defaults follow OpenAI and vLLM: temperature 1, top_p 1; max_tokens unset = the rest of the
 context for chat, 16 for completions. Beyond OpenAI: vLLM's top_k, min_p,
@@ -89,8 +90,8 @@ class _Sampling(_Body):
     """The end user, for the caller's own records: logged with the request, nothing else."""
     stream: Flag = False
     stream_options: StreamOptions | None = None
-    # Known, implemented only at their "off" value (checked in _refuse_unimplemented).
     n: int | None = None
+    """Choices of the one prompt, 1..16 (checked with the other sampling fields)."""
     # vLLM's extensions.
     top_k: int | None = None
     min_p: float | None = None
@@ -181,8 +182,6 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def _refuse_unimplemented(body: _Sampling) -> None:
-    if body.n is not None and body.n != 1:
-        raise InvalidRequestError("n", "only n = 1 is supported")
     if isinstance(body, ChatCompletionBody):
         if body.response_format is not None and body.response_format.get("type") != "text":
             raise InvalidRequestError("response_format", "only {'type': 'text'} is supported")
@@ -269,6 +268,7 @@ def _sampling(
         # The engine reports a token's logprob along with at least one alternative; a
         # request for none gets that one dropped on the way out (responses.py).
         logprobs=max(top_logprobs, 1) if wants_logprobs else 0,
+        n=body.n,
     )
 
 
