@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidRequestError
+from services.common.structured_output import StructuredOutput
 
 # Most stop strings or stop ids a request may carry; guards the per-step checks.
 MAX_STOP_ITEMS = 16
@@ -42,6 +43,9 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks)."""
     logprobs: int = 0
     """Return the log-probability of the sampled token and of this many top alternatives."""
+    structured_output: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, a JSON object, a regex or a grammar; the request
+    ends with "stop" (the model's EOS, the only token the grammar then allows) once complete."""
 
     @property
     def is_greedy(self) -> bool:
@@ -101,6 +105,16 @@ class SamplingParams:
             raise InvalidRequestError(
                 "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
             )
+        if self.structured_output is not None:
+            self.structured_output.validate()
+            # A complete output allows only EOS: ignore_eos would leave no token to sample,
+            # min_new_tokens would mask the only one allowed.
+            if self.ignore_eos:
+                raise InvalidRequestError("ignore_eos", "cannot be combined with structured output")
+            if self.min_new_tokens:
+                raise InvalidRequestError(
+                    "min_new_tokens", "cannot be combined with structured output"
+                )
 
 
 def _finite(name: str, value: float) -> None:

@@ -51,6 +51,9 @@ class Request:
     pin_name: str | None = None
     """Set on a pinning request: when it finishes, its prompt's full blocks stay pinned
     under this name instead of becoming evictable."""
+    grammar_ready: bool = True
+    """False while the worker compiles the request's structured-output grammar: it stays
+    waiting (the requests behind it may go first) so that no step waits for a compile."""
 
     @property
     def num_prompt_tokens(self) -> int:
