@@ -118,6 +118,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         assert runner.grammars is not None
         compiler = runner.grammars.compiler
         if compiler.is_compiled(spec):
+            metrics.GRAMMAR_PREPARES.labels("cached").inc()
             return worker_pb2.PrepareGrammarResponse(compile_ms=0.0)
         started = time.perf_counter()
         try:
@@ -125,7 +126,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._grammar_thread, compiler.compile, spec
             )
         except InvalidRequestError as exc:
+            metrics.GRAMMAR_PREPARES.labels("refused").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        metrics.GRAMMAR_PREPARES.labels("compiled").inc()
         compile_ms = (time.perf_counter() - started) * 1000
         log.info("grammar compiled", extra={"kind": spec.kind.value, "compile_ms": compile_ms})
         return worker_pb2.PrepareGrammarResponse(compile_ms=compile_ms)
