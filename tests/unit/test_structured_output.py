@@ -337,3 +337,37 @@ def test_an_unready_request_counts_toward_the_queue_bound_and_can_be_aborted() -
     plan = scheduler.schedule(0.0)
     assert plan.is_empty and not scheduler.requests
     scheduler.check_integrity()
+
+
+# ---- the tokenizer tier's compile ----------------------------------------------------------
+
+
+def test_the_tier_compiles_off_the_loop_and_names_the_parameter(tokenizer: ModelTokenizer) -> None:
+    import asyncio
+
+    from services.tokenizer.config import TokenizerConfig
+    from services.tokenizer.generation import Generator
+    from services.tokenizer.served_model import ServedModel
+    from services.tokenizer.validation import ValidatedRequest
+
+    description = tokenizer.describe(
+        model_name="m", vocab_size=tokenizer.vocab_size, max_model_len=512, eos_token_ids=()
+    )
+    generator = Generator(TokenizerConfig(), pool=None)  # type: ignore[arg-type]
+    generator.set_model(ServedModel.from_description(description))
+
+    def request(spec: StructuredOutput, param: str) -> ValidatedRequest:
+        sampling = SamplingParams(structured_output=spec)
+        return ValidatedRequest("r", (1, 2), sampling, (), None, b"", param)
+
+    async def check(spec: StructuredOutput, param: str) -> None:
+        await generator.check_structured_output(request(spec, param))
+
+    asyncio.run(check(JSON_SPEC, "response_format"))  # compiles: no error
+    with pytest.raises(InvalidRequestError) as caught:
+        asyncio.run(check(StructuredOutput(K.REGEX, "a(b"), "guided_regex"))
+    assert caught.value.field == "guided_regex" and "parenthesis" in caught.value.message
+    bad_schema = StructuredOutput(K.JSON_SCHEMA, '{"type": "objekt"}')
+    with pytest.raises(InvalidRequestError) as caught:
+        asyncio.run(check(bad_schema, "sampling.structured_output.json_schema"))
+    assert caught.value.field == "sampling.structured_output.json_schema"
