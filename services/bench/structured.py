@@ -68,8 +68,8 @@ class MaskTimer:
             finally:
                 self.apply_s += perf_counter() - started
 
-        grammars.fill = timed_fill  # type: ignore[method-assign]
-        sampler_module.apply_grammar_mask = timed_apply
+        grammars.fill = timed_fill  # type: ignore[method-assign, assignment]
+        sampler_module.apply_grammar_mask = timed_apply  # type: ignore[assignment]
         self._undo: Callable[[], None] = lambda: _restore(grammars, apply)
 
     def reset(self) -> None:
