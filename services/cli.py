@@ -179,6 +179,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         quant_table,
         serve,
         step_profile,
+        structured,
     )
 
     for benchmark in (
@@ -190,6 +191,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         quant_table,
         peers,
         step_profile,
+        structured,
         detokenize,
         interleaved,
     ):

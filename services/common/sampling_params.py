@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from services.common.errors import InvalidRequestError, quoted, shortened
+from services.common.structured_output import StructuredOutput
 
 # Most stop strings or stop ids a request may carry; guards the per-step checks.
 MAX_STOP_ITEMS = 16
@@ -66,6 +67,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     """Only these tokens may be sampled (every other logit is -inf); None = all. Stored sorted
     and without duplicates."""
+    structured_output: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, a JSON object, a regex or a grammar; the request
+    ends with "stop" (the model's EOS, the only token the grammar then allows) once complete."""
 
     def __post_init__(self) -> None:
         bias = self.logit_bias
@@ -143,6 +147,16 @@ class SamplingParams:
             raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
         self._validate_logit_bias(vocab_size)
         self._validate_allowed_token_ids(vocab_size)
+        if self.structured_output is not None:
+            self.structured_output.validate()
+            # A complete output allows only EOS: ignore_eos would leave no token to sample,
+            # min_new_tokens would mask the only one allowed.
+            if self.ignore_eos:
+                raise InvalidRequestError("ignore_eos", "cannot be combined with structured output")
+            if self.min_new_tokens:
+                raise InvalidRequestError(
+                    "min_new_tokens", "cannot be combined with structured output"
+                )
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ITEMS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from protos.llmserve.v1 import sampling_pb2
 from services.common.sampling_params import SamplingParams
+from services.common.structured_output import StructuredOutput, StructuredOutputKind
 
 
 def sampling_to_proto(params: SamplingParams) -> sampling_pb2.TokenSamplingParams:
@@ -26,6 +27,8 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.TokenSamplingParam
     )
     if params.seed is not None:
         message.seed = params.seed
+    if params.structured_output is not None:
+        message.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     return message
 
 
@@ -49,4 +52,23 @@ def sampling_from_proto(message: sampling_pb2.TokenSamplingParams) -> SamplingPa
         allowed_token_ids=tuple(message.allowed_token_ids) or None,
         # 0 from a sender that predates the field: one choice.
         n=message.n or 1,
+        structured_output=structured_output_from_proto(message.structured_output),
     )
+
+
+def structured_output_to_proto(spec: StructuredOutput) -> sampling_pb2.StructuredOutput:
+    if spec.kind is StructuredOutputKind.JSON_OBJECT:
+        return sampling_pb2.StructuredOutput(json_object=True)
+    return sampling_pb2.StructuredOutput(**{spec.kind.value: spec.text})
+
+
+def structured_output_from_proto(
+    message: sampling_pb2.StructuredOutput,
+) -> StructuredOutput | None:
+    """None when no kind is set (and for json_object: false, which asks for nothing)."""
+    kind = message.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not message.json_object):
+        return None
+    if kind == "json_object":
+        return StructuredOutput(StructuredOutputKind.JSON_OBJECT)
+    return StructuredOutput(StructuredOutputKind(kind), getattr(message, kind))

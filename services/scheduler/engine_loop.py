@@ -26,12 +26,13 @@ import grpc
 
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.cache_keys import CacheKeys
-from services.common.errors import LLMServeError, QueueFullError
+from services.common.errors import InvalidRequestError, LLMServeError, QueueFullError
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.internal_auth import internal_metadata
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.sampling_params import SamplingParams
+from services.common.structured_output import StructuredOutput
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.scheduler import metrics
 from services.scheduler.prefix_index import PrefixIndexPublisher
@@ -39,7 +40,11 @@ from services.scheduler.request import Request
 from services.scheduler.retry_hint import StepTimeAverage, retry_after_ms
 from services.scheduler.scheduler import Scheduler, SchedulerStats
 from services.scheduler.server_config import SchedulerServerConfig
-from services.scheduler.worker_convert import plan_to_proto, result_from_proto
+from services.scheduler.worker_convert import (
+    plan_to_proto,
+    prepare_grammar_request,
+    result_from_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,9 @@ EventQueue = asyncio.Queue[TokenEvent | BaseException]
 
 # How long the worker may take to accept a Step stream (it resets its batch first).
 STEP_ACCEPT_TIMEOUT_S = 30.0
+# How long a grammar compile on the worker may take before the request is let in anyway (the
+# worker then compiles it with the sequence, on its step).
+PREPARE_GRAMMAR_TIMEOUT_S = 30.0
 
 
 class WorkerUnavailable(LLMServeError):
@@ -90,6 +98,8 @@ class EngineLoop:
         self.connected = asyncio.Event()
         self.num_steps = 0
         self.step_time = StepTimeAverage()
+        self._worker: worker_pb2_grpc.WorkerStub | None = None
+        self._grammar_tasks: set[asyncio.Task[None]] = set()
 
     # ---- the server's calls --------------------------------------------------------------
 
@@ -99,6 +109,9 @@ class EngineLoop:
         fit)."""
         if self.scheduler is None or not self.connected.is_set():
             raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
+        spec = request.sampling.structured_output
+        if spec is not None:
+            request.grammar_ready = False
         try:
             self.scheduler.add_request(request)
         except QueueFullError as exc:
@@ -108,8 +121,41 @@ class EngineLoop:
             raise QueueFullError(str(exc), retry_after_ms=hint_ms) from None
         queue: EventQueue = asyncio.Queue()
         self._queues[request.request_id] = queue
+        if spec is not None:
+            task = asyncio.create_task(self._prepare_grammar(request.request_id, spec))
+            self._grammar_tasks.add(task)
+            task.add_done_callback(self._grammar_tasks.discard)
         self._wakeup.set()
         return queue
+
+    async def _prepare_grammar(self, request_id: str, spec: StructuredOutput) -> None:
+        """Have the worker compile the request's grammar (off its step loop; cached per spec)
+        while the request waits, then let the scheduler admit it. A spec the worker refuses
+        fails the request with INVALID_ARGUMENT (the tokenizer tier has compiled it already,
+        so only a client calling the Engine API directly gets here)."""
+        scheduler, worker = self.scheduler, self._worker
+        try:
+            if worker is not None:
+                await worker.PrepareGrammar(
+                    prepare_grammar_request(spec),
+                    timeout=PREPARE_GRAMMAR_TIMEOUT_S,
+                    metadata=internal_metadata(self.config.internal_secret),
+                )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                queue = self._queues.get(request_id)
+                if queue is not None:
+                    field, _, message = (exc.details() or "").partition(": ")
+                    queue.put_nowait(InvalidRequestError(field, message))
+                self.abort(request_id)
+                return
+            # Anything else (a worker restarting, a slow compile): let the request in; the
+            # worker compiles it when the sequence arrives, or the request fails with the
+            # worker like every other.
+            log.warning("grammar not prepared", extra={"request_id": request_id, "error": str(exc)})
+        if scheduler is not None and scheduler is self.scheduler:
+            scheduler.set_grammar_ready(request_id)
+            self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
         """Free the request's blocks now; the worker drops it with the next plan."""
@@ -214,6 +260,7 @@ class EngineLoop:
             channel = grpc.aio.insecure_channel(self.config.worker, options=CHANNEL_OPTIONS)
             try:
                 stub = worker_pb2_grpc.WorkerStub(channel)
+                self._worker = stub
                 self.description = await stub.Describe(
                     worker_pb2.DescribeRequest(), timeout=5, metadata=metadata
                 )
@@ -267,6 +314,7 @@ class EngineLoop:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.reconnect_max_s)
             finally:
+                self._worker = None
                 self._set_connected(False)
                 with contextlib.suppress(Exception):
                     await channel.close(grace=None)

@@ -59,6 +59,9 @@ class Request:
     pin_name: str | None = None
     """Set on a pinning request: when it finishes, its prompt's full blocks stay pinned
     under this name instead of becoming evictable."""
+    grammar_ready: bool = True
+    """False while the worker compiles the request's structured-output grammar: it stays
+    waiting (the requests behind it may go first) so that no step waits for a compile."""
     group: ChoiceGroup | None = None
     """The choices this sequence is one of (a request with n > 1); None for n = 1."""
     choice_index: int = 0

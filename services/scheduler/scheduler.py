@@ -172,6 +172,15 @@ class Scheduler:
             return 1
         return max(1, min(self._num_steps_to_length_limit(r) for r in holders))
 
+    def set_grammar_ready(self, request_id: str) -> bool:
+        """The worker has the request's grammar compiled: it may be admitted now. False for an
+        id no longer held (finished, aborted)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        request.grammar_ready = True
+        return True
+
     def unpin(self, name: str) -> bool:
         """Let a pinned prefix's blocks be evicted again; False if nothing is pinned so."""
         return self.kv.unpin(name)
@@ -343,10 +352,17 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int) -> None:
         """Admit waiting requests first-come first-served until budget, seats or blocks run out.
-        The head blocks the queue: skipping it for smaller requests could starve it."""
+        The head blocks the queue: skipping it for smaller requests could starve it. Only a
+        request whose grammar is not compiled yet is passed over (it is not runnable)."""
         max_num_seqs = self.config.max_num_seqs
-        while self.waiting and budget > 0 and self._num_seats_taken < max_num_seqs:
-            request = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and budget > 0 and self._num_seats_taken < max_num_seqs:
+            request = self.waiting[index]
+            if not request.grammar_ready:
+                # Its grammar still compiles on the worker: the requests behind it go first
+                # (a compile takes up to a second; the queue must not stall on it).
+                index += 1
+                continue
             if request.num_pending_tokens:
                 # Preempted while a step that samples for it was in flight: its token arrives
                 # with the next result, and must be part of the sequence it is resent as.
@@ -367,7 +383,7 @@ class Scheduler:
             )
             if new_blocks is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING

@@ -117,7 +117,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         log.warning(
                             "request failed", extra={"request_id": request_id, "error": item}
                         )
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                        # A grammar the worker refused is the client's to fix; anything else
+                        # is the worker going away.
+                        code = (
+                            grpc.StatusCode.INVALID_ARGUMENT
+                            if isinstance(item, InvalidRequestError)
+                            else grpc.StatusCode.UNAVAILABLE
+                        )
+                        await context.abort(code, str(item))
                     else:
                         await context.abort(
                             grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -4,8 +4,13 @@ services/worker/convert.py)."""
 from __future__ import annotations
 
 from protos.llmserve.v1 import worker_pb2
-from services.common.sampling_proto import sampling_to_proto
+from services.common.sampling_proto import sampling_to_proto, structured_output_to_proto
+from services.common.structured_output import StructuredOutput
 from services.contracts.step import BatchPlan, StepResult, TokenLogprobs
+
+
+def prepare_grammar_request(spec: StructuredOutput) -> worker_pb2.PrepareGrammarRequest:
+    return worker_pb2.PrepareGrammarRequest(structured_output=structured_output_to_proto(spec))
 
 
 def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:

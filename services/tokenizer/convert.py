@@ -9,13 +9,15 @@ from collections.abc import Iterable, Sequence
 from protos.llmserve.v1 import engine_pb2, text_pb2
 from services.common.chat_template import ChatMessage
 from services.common.named_prompt import NamedPrompt
-from services.common.sampling_proto import sampling_to_proto
+from services.common.sampling_proto import sampling_to_proto, structured_output_from_proto
 from services.tokenizer.output import EngineOutput, OutputDelta, TokenLogprob
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
 
-# The public sampling fields with presence (proto3 `optional`): unset means "our default".
+# The public sampling scalars with presence (proto3 `optional`): unset means "our default".
 OPTIONAL_SAMPLING_FIELDS = tuple(
-    field.name for field in text_pb2.SamplingParams.DESCRIPTOR.fields if field.has_presence
+    field.name
+    for field in text_pb2.SamplingParams.DESCRIPTOR.fields
+    if field.has_presence and field.message_type is None
 )
 
 
@@ -39,6 +41,7 @@ def sampling_input(sampling: text_pb2.SamplingParams) -> SamplingInput:
         logit_bias=tuple(sampling.logit_bias.items()),
         # proto3: an empty list is an absent one, no restriction.
         allowed_token_ids=tuple(sampling.allowed_token_ids) or None,
+        structured_output=structured_output_from_proto(sampling.structured_output),
     )
 
 

@@ -36,6 +36,7 @@ from services.common.errors import (
     LLMServeError,
     QueueFullError,
 )
+from services.common.grammar import GrammarCompiler
 from services.common.grpc_server import REASON_METADATA_KEY, retry_pushback_ms
 from services.common.prompt_store import PromptStore
 from services.tokenizer import convert
@@ -45,6 +46,10 @@ from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, Output
 from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.validation import GenerateInput, Limits, ValidatedRequest, validate_generate
+
+# Compiled specs a tokenizer replica keeps: it compiles only to validate, so a repeated schema
+# skips the compile; the workers keep their own.
+GRAMMAR_CACHE_SIZE = 64
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,7 @@ class Generator:
         self._model: ServedModel | None = None
         self._limits: Limits | None = None
         self._prompts: PromptRegistry | None = None
+        self._grammars: GrammarCompiler | None = None
 
     def set_model(self, model: ServedModel, prompt_store: PromptStore | None = None) -> None:
         """Ready to serve `model`; named prompts live in `prompt_store` (None: this replica)."""
@@ -95,6 +101,9 @@ class Generator:
             max_ttl_s=self.config.max_prompt_ttl_s,
             max_model_len=model.max_model_len,
             max_prompt_chars=model.max_prompt_chars,
+        )
+        self._grammars = GrammarCompiler.from_description(
+            model.description, cache_size=GRAMMAR_CACHE_SIZE
         )
         self._model = model
 
@@ -140,11 +149,24 @@ class Generator:
                 generate_input.tenant_id, generate_input.prompt_name
             )
         validated = validate_generate(generate_input, limits, model.tokenizer, named_prompt)
+        await self.check_structured_output(validated)
         timeout = remaining_budget(time_remaining_s, validated.deadline_s)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceededError("deadline passed on arrival")
         scheduler = await self.pool.pick(validated.prompt_token_ids, validated.cache_salt)
         return Prepared(validated, scheduler, timeout, arrival_unix_s, started)
+
+    async def check_structured_output(self, request: ValidatedRequest) -> None:
+        """Compile the request's grammar (once per distinct spec, on a thread: a compile takes
+        10-100 ms), so that a spec xgrammar refuses never reaches a scheduler. Raises
+        InvalidRequestError naming the parameter that carried it."""
+        spec = request.sampling.structured_output
+        if spec is None or self._grammars is None:
+            return
+        try:
+            await asyncio.to_thread(self._grammars.compile, spec)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(request.structured_output_param, exc.message) from None
 
     def stream(self, prepared: Prepared) -> GenerationStream:
         """Submit the request; its deltas come from the returned stream."""

@@ -16,6 +16,7 @@ from services.common.named_prompt import NamedPrompt
 from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.common.sampling_params import SamplingParams
+from services.common.structured_output import StructuredOutput
 
 # Identifiers are echoed into log lines and keys; bounded at the edge, both doors. A UUID is 36
 # characters, a W3C trace id 55, a Hugging Face model id rarely over 100.
@@ -65,6 +66,10 @@ class SamplingInput:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     n: int | None = None
+    structured_output: StructuredOutput | None = None
+    structured_output_param: str = ""
+    """The parameter that carried structured_output, as the door spells it (HTTP:
+    "response_format", "guided_regex", ...), for errors; empty: the gRPC field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +114,9 @@ class ValidatedRequest:
     """The request's own time budget (deadline_ms); None = only the gRPC deadline applies."""
     cache_salt: bytes = b""
     """The tenant's prefix-cache salt (empty: the shared cache)."""
+    structured_output_param: str = ""
+    """The public name of the parameter holding sampling.structured_output, for the errors
+    of its compile (which runs after this validation, off the event loop)."""
 
 
 def validate_generate(
@@ -131,8 +139,21 @@ def validate_generate(
     prompt_token_ids = prompt_to_token_ids(request, limits, tokenizer, named_prompt)
     deadline_s = request.deadline_ms / 1000.0 if request.deadline_ms > 0 else None
     return ValidatedRequest(
-        request_id, prompt_token_ids, sampling, stop, deadline_s, tenant_salt(request.tenant_id)
+        request_id,
+        prompt_token_ids,
+        sampling,
+        stop,
+        deadline_s,
+        tenant_salt(request.tenant_id),
+        structured_output_param(request.sampling),
     )
+
+
+def structured_output_param(sampling: SamplingInput) -> str:
+    """Where a structured-output error points: the door's parameter, else the gRPC field."""
+    if sampling.structured_output is None:
+        return ""
+    return sampling.structured_output_param or f"sampling.{sampling.structured_output.field}"
 
 
 def validate_request_id(request_id: str) -> str:
@@ -186,6 +207,8 @@ def validate_sampling(sampling: SamplingInput, limits: Limits) -> SamplingParams
             max_new_tokens_limit=limits.max_new_tokens_limit, vocab_size=limits.vocab_size
         )
     except InvalidRequestError as exc:
+        if exc.field.startswith("structured_output") and sampling.structured_output_param:
+            raise InvalidRequestError(sampling.structured_output_param, exc.message) from exc
         raise InvalidRequestError(f"sampling.{exc.field}", exc.message) from exc
     bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
     if bad is not None:

@@ -37,6 +37,13 @@ STEPS = Counter(
     registry=REGISTRY,
 )
 
+GRAMMAR_PREPARES = Counter(
+    "llmserve_worker_grammar_prepares_total",
+    "PrepareGrammar calls by outcome: compiled now, found compiled, or refused.",
+    ["outcome"],
+    registry=REGISTRY,
+)
+
 
 def on_step(plan: BatchPlan, forward_s: float, mode: str) -> None:
     if plan.is_empty:

@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from services.common.grammar import GrammarCompiler
 from services.common.serving_config import DEFAULT_KV_GROUP_SIZE
 from services.contracts.step import BatchPlan, StepResult
 from services.worker.batch_invariance import make_batch_invariant
@@ -24,6 +25,7 @@ from services.worker.quantization.formats import (
 from services.worker.sampler import Sampler
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_graphs import DEFAULT_BATCH_BUCKETS, DecodeGraphs, buckets_up_to
+from services.worker.structured_output import GrammarMatchers
 
 StepMode = Literal["fused", "compiled", "eager"]
 
@@ -39,6 +41,7 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
         fused_decode: FusedDecode | None = None,
         batch_invariant: bool = False,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         if kv_cache.storage.device.type == "cpu":
             keep_freed_memory()
@@ -57,6 +60,9 @@ class ModelRunner:
         self.batch = self._new_batch()
         self.sampler = Sampler(seed=seed)
         self.vocab_size = model.config.vocab_size
+        self.grammars = GrammarMatchers(grammar_compiler) if grammar_compiler else None
+        """Structured output's matchers (None: a runner without a tokenizer, which refuses
+        nothing and constrains nothing)."""
 
     @classmethod
     def create(
@@ -116,6 +122,11 @@ class ModelRunner:
             decode_graphs=decode_graphs,
             fused_decode=fused,
             batch_invariant=batch_invariant,
+            grammar_compiler=GrammarCompiler(
+                loaded.tokenizer.tokenizer.to_str(),
+                loaded.model.config.vocab_size,
+                loaded.eos_token_ids,
+            ),
         )
 
     def compile_step_graphs(self, show_progress: bool = True) -> None:
@@ -131,6 +142,8 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every sequence (a new scheduler session); the KV bytes are simply reused."""
         self.batch = self._new_batch()
+        if self.grammars is not None:
+            self.grammars.clear()
 
     def _new_batch(self) -> InputBatch:
         return InputBatch(
@@ -140,6 +153,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
         self.batch.apply(plan)
+        grammars = self.grammars
+        if grammars is not None:
+            grammars.apply(plan)
         self.kv_cache.copy_blocks(plan.block_copies)
         result = StepResult(step_id=plan.step_id)
         self.last_step_mode = "eager"
@@ -154,6 +170,9 @@ class ModelRunner:
                 for rid in inputs.sampled_ids
             ]
             metadata = build_sampling_metadata(rows, self.vocab_size, self.device)
+            if grammars is not None:
+                # Every decode path (fused C++, compiled graph, eager) ends in these logits.
+                metadata.grammar_mask = grammars.fill(inputs.sampled_ids)
             output = self.sampler(logits, metadata)
             token_ids = output.token_ids.tolist()
             sampled = dict(zip(inputs.sampled_ids, token_ids, strict=True))
@@ -164,6 +183,8 @@ class ModelRunner:
             # Only partial prefill chunks this step: fill the cache, skip the vocabulary.
             self.model(inputs.forward, self.kv_cache.layers)
         self.batch.advance(plan, sampled)
+        if grammars is not None:
+            grammars.accept(sampled)
         result.sampled_token_ids = sampled
         return result
 

@@ -4,7 +4,8 @@ Per step the runner turns its persistent batch into `SamplerRow`s, calls
 `build_sampling_metadata` (plain Python in, tensors out) and then `Sampler()(logits, metadata)`.
 The order of operations, per row, is the one vLLM and Hugging Face users expect:
 
-    raw logits ──► logprobs (log_softmax of the raw logits, if asked)
+    raw logits ──► structured output: tokens the row's grammar disallows -> -inf
+        ──► logprobs (log_softmax of these logits, if asked)
         │
         ├─ min_new_tokens: EOS and stop ids -> -inf while the output is too short
         ├─ penalties: repetition (prompt + output), presence, frequency (output)
@@ -46,6 +47,23 @@ class SamplerOutput:
     """[B] int64 on the logits' device."""
     logprobs: list[TokenLogprobs | None]
     """Per row; None where the row's sampling.logprobs is 0."""
+
+
+def apply_grammar_mask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Set the logits of tokens a row's grammar disallows to -inf, in place, on the
+    constrained rows only (xgrammar's kernel: C++ on the CPU, Triton on CUDA)."""
+    mask = metadata.grammar_mask
+    if mask is None:
+        return logits
+    import xgrammar as xgr
+
+    bitmask = mask.bitmask
+    if bitmask.device != logits.device:
+        bitmask = bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask, vocab_size=metadata.vocab_size, indices=mask.rows
+    )
+    return logits
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -263,6 +281,9 @@ class Sampler:
         self._row_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        # First: a grammar decides which tokens exist at all, so logprobs describe the
+        # distribution the token is drawn from (as vLLM's do with structured output).
+        apply_grammar_mask(logits, metadata)
         if metadata.is_plain_greedy:
             return SamplerOutput(logits.argmax(dim=-1), [None] * metadata.num_rows)
         if logits.dtype != torch.float32:

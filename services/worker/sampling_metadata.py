@@ -37,6 +37,17 @@ class SamplerRow:
 
 
 @dataclass(slots=True)
+class GrammarMask:
+    """Structured output's allowed tokens this step (services/worker/structured_output.py)."""
+
+    bitmask: torch.Tensor
+    """[>= B, ceil(V / 32)] int32 on the CPU, bit t of row r set = token t allowed; only the
+    rows in `rows` are filled."""
+    rows: list[int]
+    """The constrained rows; every other row is left as it is."""
+
+
+@dataclass(slots=True)
 class SamplingMetadata:
     """The batch's sampling parameters as tensors on the logits' device, plus branch flags.
 
@@ -103,6 +114,10 @@ class SamplingMetadata:
     """[L] int64 rows that asked for logprobs, and how many alternatives each wants."""
     num_logprobs: tuple[int, ...]
     max_num_logprobs: int
+
+    grammar_mask: GrammarMask | None = None
+    """Set by the runner after building the rest: the grammars' bitmask, None when no row is
+    constrained."""
 
     @property
     def is_plain_greedy(self) -> bool:

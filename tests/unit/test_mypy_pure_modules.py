@@ -28,6 +28,7 @@ PURE_MODULES = (
     "services/tokenizer/output.py",
     # strict decoding of public requests
     "services/common/request_decoding.py",
+    "services/common/structured_output.py",
     # the shapes shared between services
     "services/contracts",
 )

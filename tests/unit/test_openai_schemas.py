@@ -299,8 +299,6 @@ def test_an_unknown_nested_parameter_names_its_path() -> None:
         ("tool_choice", "auto"),
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {}}),
     ],
 )
 def test_chat_parameters_we_do_not_implement_are_refused(field: str, value: object) -> None:

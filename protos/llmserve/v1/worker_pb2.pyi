@@ -8,6 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrepareGrammarRequest(_message.Message):
+    __slots__ = ("structured_output",)
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    structured_output: _sampling_pb2.StructuredOutput
+    def __init__(self, structured_output: _Optional[_Union[_sampling_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class PrepareGrammarResponse(_message.Message):
+    __slots__ = ("compile_ms",)
+    COMPILE_MS_FIELD_NUMBER: _ClassVar[int]
+    compile_ms: float
+    def __init__(self, compile_ms: _Optional[float] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.StepOutput.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/llmserve.v1.Worker/PrepareGrammar',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -61,6 +66,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Compile a request's grammar ahead of its first step (cached per distinct spec), so no
+        step waits for a compile. INVALID_ARGUMENT if it does not compile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +86,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.StepPlan.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.StepOutput.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +147,33 @@ class Worker:
             '/llmserve.v1.Worker/Step',
             protos_dot_llmserve_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_worker__pb2.StepOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Worker/PrepareGrammar',
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,10 +13,15 @@ repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids an
 return_token_ids, and ours:
 deadline_ms, prompt_name (a registered prompt as the system message) and tenant_id (what the
 gRPC API calls them).
+
+Structured output: chat's `response_format` (json_schema, json_object), and on both endpoints
+vLLM's `structured_outputs` ({"json" | "regex" | "grammar" | "json_object": ...}) and its older
+`guided_json`, `guided_regex`, `guided_grammar`; at most one of them per request.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -24,6 +29,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from services.common.chat_template import ChatMessage
 from services.common.errors import InvalidRequestError, quoted, shortened
 from services.common.sampling_params import logit_bias_from_json
+from services.common.structured_output import StructuredOutput, StructuredOutputKind
 from services.tokenizer.validation import (
     MAX_MODEL_NAME_LEN,
     MAX_PROMPT_NAME_LEN,
@@ -102,6 +108,10 @@ class _Sampling(_Body):
     allowed_token_ids: list[int] | None = None
     return_token_ids: bool = False
     """Each choice (and stream chunk) also carries the generated token ids."""
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
     # Ours, as the gRPC API names them.
     deadline_ms: Annotated[int, Field(ge=0)] | None = None
     tenant_id: TenantId | None = None
@@ -183,8 +193,6 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 def _refuse_unimplemented(body: _Sampling) -> None:
     if isinstance(body, ChatCompletionBody):
-        if body.response_format is not None and body.response_format.get("type") != "text":
-            raise InvalidRequestError("response_format", "only {'type': 'text'} is supported")
         if body.tools:
             raise InvalidRequestError("tools", "tool calling is not supported")
         if body.tool_choice not in (None, "none"):
@@ -198,6 +206,98 @@ def _refuse_unimplemented(body: _Sampling) -> None:
             raise InvalidRequestError("suffix", "is not supported")
         if body.best_of is not None and body.best_of != 1:
             raise InvalidRequestError("best_of", "only best_of = 1 is supported")
+
+
+# ---- structured output --------------------------------------------------------------------
+
+_STRUCTURED_OUTPUTS_KEYS = {
+    "json": StructuredOutputKind.JSON_SCHEMA,
+    "regex": StructuredOutputKind.REGEX,
+    "grammar": StructuredOutputKind.GRAMMAR,
+    "json_object": StructuredOutputKind.JSON_OBJECT,
+}
+
+
+def structured_output(body: _Sampling) -> tuple[StructuredOutput | None, str]:
+    """The body's structured-output request and the parameter that carried it (errors of its
+    compile name that parameter); (None, "") when it has none. Two of them: 400."""
+    found: list[tuple[StructuredOutput, str]] = []
+    if isinstance(body, ChatCompletionBody) and body.response_format is not None:
+        spec = _response_format(body.response_format)
+        if spec is not None:
+            found.append((spec, "response_format"))
+    if body.structured_outputs:
+        found.append(_structured_outputs(body.structured_outputs))
+    if body.guided_json is not None:
+        found.append((_json_schema(body.guided_json, "guided_json"), "guided_json"))
+    if body.guided_regex is not None:
+        found.append(
+            (StructuredOutput(StructuredOutputKind.REGEX, body.guided_regex), "guided_regex")
+        )
+    if body.guided_grammar is not None:
+        found.append(
+            (StructuredOutput(StructuredOutputKind.GRAMMAR, body.guided_grammar), "guided_grammar")
+        )
+    if len(found) > 1:
+        raise InvalidRequestError(
+            found[1][1], f"only one structured output per request; {found[0][1]} is set too"
+        )
+    return found[0] if found else (None, "")
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(StructuredOutputKind.JSON_OBJECT)
+    if kind == "json_schema":
+        wrapper = value.get("json_schema")
+        if not isinstance(wrapper, dict):
+            raise InvalidRequestError(
+                "response_format.json_schema", "must be an object with a 'schema'"
+            )
+        if "schema" not in wrapper:
+            raise InvalidRequestError("response_format.json_schema.schema", "is required")
+        return _json_schema(wrapper["schema"], "response_format.json_schema.schema")
+    raise InvalidRequestError(
+        "response_format.type",
+        f"must be 'text', 'json_object' or 'json_schema', got {quoted(str(kind))}",
+    )
+
+
+def _structured_outputs(value: dict[str, Any]) -> tuple[StructuredOutput, str]:
+    given = [key for key, item in value.items() if item is not None and item is not False]
+    if len(given) != 1:
+        raise InvalidRequestError(
+            "structured_outputs", f"set exactly one of {', '.join(_STRUCTURED_OUTPUTS_KEYS)}"
+        )
+    key = given[0]
+    param = f"structured_outputs.{shortened(key, 32)}"
+    kind = _STRUCTURED_OUTPUTS_KEYS.get(key)
+    if kind is None:
+        raise InvalidRequestError(
+            param, f"is not supported (supported: {', '.join(_STRUCTURED_OUTPUTS_KEYS)})"
+        )
+    item = value[key]
+    if kind is StructuredOutputKind.JSON_SCHEMA:
+        return _json_schema(item, param), param
+    if kind is StructuredOutputKind.JSON_OBJECT:
+        if item is not True:
+            raise InvalidRequestError(param, "must be true")
+        return StructuredOutput(kind), param
+    if not isinstance(item, str):
+        raise InvalidRequestError(param, "must be a string")
+    return StructuredOutput(kind, item), param
+
+
+def _json_schema(schema: object, param: str) -> StructuredOutput:
+    """A schema sent as a JSON object (or as its text, as vLLM also accepts)."""
+    if isinstance(schema, str):
+        return StructuredOutput(StructuredOutputKind.JSON_SCHEMA, schema)
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError(param, "must be a JSON Schema object")
+    return StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema))
 
 
 # ---- → GenerateInput --------------------------------------------------------------------
@@ -247,6 +347,7 @@ def _sampling(
     body: _Sampling, max_new_tokens: int, top_logprobs: int, wants_logprobs: bool
 ) -> SamplingInput:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    spec, spec_param = structured_output(body)
     return SamplingInput(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -269,6 +370,8 @@ def _sampling(
         # request for none gets that one dropped on the way out (responses.py).
         logprobs=max(top_logprobs, 1) if wants_logprobs else 0,
         n=body.n,
+        structured_output=spec,
+        structured_output_param=spec_param,
     )
 
 

@@ -1,0 +1,201 @@
+"""What structured output costs a decode step: the in-process engine decoding B sequences on the
+same prompts, once unconstrained and once with every sequence under a JSON schema, and the
+mask's own time per step (xgrammar's fill of the constrained rows' bitmask, then its apply to
+the logits).
+
+    llmserve bench structured --batch-sizes 1,32 --context 128 --steps 30
+
+The schema (an object holding an array of at least 200 short strings) cannot complete within
+the measured steps, so every row stays constrained and the batch stays whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from services.bench.common import format_table, machine_header, random_prompts
+from services.common.sampling_params import SamplingParams
+from services.common.structured_output import StructuredOutput, StructuredOutputKind
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.worker import sampler as sampler_module
+from services.worker.config import GiB
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "notes": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 24},
+            "minItems": 200,
+        }
+    },
+    "required": ["notes"],
+}
+HEADERS = ["batch", "constraint", "ms / step", "fill ms", "apply ms", "mask share", "overhead"]
+
+
+class MaskTimer:
+    """Wall time spent in the grammar mask's fill and apply, summed (the bench's own wrappers
+    around the runner's and the sampler's calls)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.fill_s = 0.0
+        self.apply_s = 0.0
+        grammars = engine.runner.grammars
+        assert grammars is not None
+        fill = grammars.fill
+        apply = sampler_module.apply_grammar_mask
+
+        def timed_fill(*args: Any) -> Any:
+            started = perf_counter()
+            try:
+                return fill(*args)
+            finally:
+                self.fill_s += perf_counter() - started
+
+        def timed_apply(*args: Any) -> Any:
+            started = perf_counter()
+            try:
+                return apply(*args)
+            finally:
+                self.apply_s += perf_counter() - started
+
+        grammars.fill = timed_fill  # type: ignore[method-assign, assignment]
+        sampler_module.apply_grammar_mask = timed_apply  # type: ignore[assignment]
+        self._undo: Callable[[], None] = lambda: _restore(grammars, apply)
+
+    def reset(self) -> None:
+        self.fill_s = self.apply_s = 0.0
+
+    def close(self) -> None:
+        self._undo()
+
+
+def _restore(grammars: Any, apply: Callable[..., Any]) -> None:
+    del grammars.fill  # back to the class's method
+    sampler_module.apply_grammar_mask = apply
+
+
+def decode_ms(
+    engine: LLMEngine, timer: MaskTimer, prompts: list[list[int]], steps: int, constrained: bool
+) -> tuple[float, float, float]:
+    """(ms per decode step, fill ms per step, apply ms per step) over `steps` pure decodes."""
+    spec = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    sampling = SamplingParams(
+        temperature=0.0,
+        max_new_tokens=steps + 8,
+        ignore_eos=not constrained,
+        structured_output=spec if constrained else None,
+    )
+    for prompt in prompts:
+        engine.add_request(prompt, sampling)
+    context = len(prompts[0])
+    while engine.get_stats().num_waiting or any(
+        seq.num_computed_tokens < context for seq in engine.runner.batch.sequences.values()
+    ):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    timer.reset()
+    start = perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall_ms = (perf_counter() - start) * 1e3 / steps
+    fill_ms, apply_ms = timer.fill_s * 1e3 / steps, timer.apply_s * 1e3 / steps
+    if engine.runner.batch.sequences and len(engine.runner.batch.sequences) != len(prompts):
+        print(f"note: only {len(engine.runner.batch.sequences)} of {len(prompts)} sequences ran")
+    for request_id in list(engine.scheduler.requests):
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():  # the plan that drops them from the runner
+        engine.step()
+    return wall_ms, fill_ms, apply_ms
+
+
+def run(args: argparse.Namespace) -> int:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            kv_cache_bytes=int(args.kv_cache_gib * GiB),
+            max_num_seqs=max(batch_sizes),
+            max_num_batched_tokens=max(2048, args.context * max(batch_sizes)),
+            enforce_eager=args.enforce_eager,
+            num_threads=args.threads,
+            seed=0,
+        )
+    )
+    timer = MaskTimer(engine)
+    started = perf_counter()
+    grammars = engine.runner.grammars
+    assert grammars is not None
+    grammars.compiler.compile(
+        StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    )
+    compile_ms = (perf_counter() - started) * 1e3
+    print(machine_header(torch.get_num_threads()))
+    print(
+        f"model: {engine.model_name}; dtype: {engine.dtype}; context {args.context}; "
+        f"{args.steps} decode steps; schema compiled once in {compile_ms:.0f} ms (not in the "
+        "step times)\n"
+    )
+    rows: list[list[object]] = []
+    try:
+        # One constrained run first, not measured: the first matcher steps pay one-time costs
+        # (measured: close to a second on this model).
+        decode_ms(engine, timer, random_prompts(1, args.context, seed=0), 4, constrained=True)
+        for batch in batch_sizes:
+            prompts = random_prompts(batch, args.context, seed=batch)
+            plain, _, _ = decode_ms(engine, timer, prompts, args.steps, constrained=False)
+            rows.append([batch, "none", plain, 0.0, 0.0, "", ""])
+            step, fill, apply = decode_ms(engine, timer, prompts, args.steps, constrained=True)
+            rows.append(
+                [
+                    batch,
+                    "json_schema",
+                    step,
+                    fill,
+                    apply,
+                    f"{100 * (fill + apply) / step:.1f} %",
+                    f"{100 * (step - plain) / plain:+.1f} %",
+                ]
+            )
+    finally:
+        timer.close()
+    print(format_table(HEADERS, rows))
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "structured",
+        help="decode ms/step with and without a JSON-schema constraint, and the mask's cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=30, help="measured decode steps")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.set_defaults(func=run)
+
+
+if __name__ == "__main__":
+    main_parser = argparse.ArgumentParser()
+    add_parser(main_parser.add_subparsers(dest="command", required=True))
+    parsed = main_parser.parse_args(["structured", *sys.argv[1:]])
+    sys.exit(parsed.func(parsed))

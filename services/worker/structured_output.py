@@ -1,0 +1,163 @@
+"""Grammar matching on the worker: one xgrammar matcher per constrained sequence of the
+persistent batch, a token bitmask per step, and the sampled tokens fed back.
+
+Per step, for the rows that sample (in logits order):
+
+    fill:   batch_fill_next_token_bitmask(matchers of constrained rows) -> bitmask[rows]
+    apply:  the sampler sets logits of disallowed tokens to -inf on those rows only
+    accept: each matcher accepts its row's sampled token
+
+The matchers live here, beside the sampler, because the worker is where the tokens are
+sampled: the scheduler stays pure Python and never waits for a mask, and with overlapped
+scheduling the worker appends its own sampled token before the scheduler hears of it, so
+only the worker knows a sequence's latest token in time to mask the next step.
+
+A sequence that comes back after a preemption (a NewSequence with output tokens) gets a new
+matcher that replays its output. Once the output is complete the grammar allows only the stop
+tokens (the model's EOS); the matcher terminates on it, and a step the scheduler planned
+before it heard of that EOS samples unconstrained (its token is discarded).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from services.common.grammar import GrammarCompiler
+from services.common.structured_output import StructuredOutput
+from services.contracts.step import BatchPlan
+from services.worker.sampling_metadata import GrammarMask
+
+log = logging.getLogger(__name__)
+
+
+class GrammarMatchers:
+    """The batch's matchers, by request id, and the one bitmask tensor every step reuses."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self.vocab_size = compiler.vocab_size
+        self._matchers: dict[str, Any] = {}
+        self._bitmask: torch.Tensor | None = None
+        """[rows, ceil(V / 32)] int32 on the CPU (where xgrammar fills it); grown, never
+        shrunk, so a step allocates nothing."""
+        self._batch_matcher: Any = None
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def clear(self) -> None:
+        self._matchers.clear()
+
+    def apply(self, plan: BatchPlan) -> None:
+        """Drop the matchers of dropped sequences, build those of new ones (finished ids first,
+        as the batch applies them: a preempted id may come back in the same plan)."""
+        if self._matchers:
+            for request_id in plan.finished_ids:
+                self._matchers.pop(request_id, None)
+        for seq in plan.new_sequences:
+            spec = seq.sampling.structured_output
+            if spec is not None:
+                self.add(seq.request_id, spec, seq.token_ids[seq.num_prompt_tokens :])
+
+    def add(self, request_id: str, spec: StructuredOutput, output_token_ids: Sequence[int]) -> None:
+        """A matcher for a sequence, its output so far replayed (a resumed sequence).
+
+        The grammar is normally compiled already (the scheduler asked for it with
+        PrepareGrammar before admitting the request); if the worker lost it (restarted, or
+        evicted it from the cache), it compiles here, on the step.
+        """
+        import xgrammar as xgr
+
+        try:
+            compiled = self.compiler.compile(spec)
+        except ValueError as exc:
+            # The tokenizer tier and PrepareGrammar refuse such a spec before it gets here.
+            log.error(
+                "grammar does not compile; sequence unconstrained",
+                extra={"request_id": request_id, "error": str(exc)},
+            )
+            return
+        matcher = xgr.GrammarMatcher(compiled)
+        for position, token_id in enumerate(output_token_ids):
+            if matcher.is_terminated():
+                break
+            if not matcher.accept_token(token_id):
+                log.warning(
+                    "replayed token refused by the grammar",
+                    extra={"request_id": request_id, "position": position, "token": token_id},
+                )
+                break
+        self._matchers[request_id] = matcher
+
+    def fill(self, sampled_ids: Sequence[str]) -> GrammarMask | None:
+        """The bitmask of this step's constrained rows (row i = sampled_ids[i]); None when no
+        row is constrained, so an unconstrained batch pays one dict check."""
+        if not self._matchers:
+            return None
+        rows: list[int] = []
+        matchers: list[Any] = []
+        for row, request_id in enumerate(sampled_ids):
+            matcher = self._matchers.get(request_id)
+            if matcher is not None and not matcher.is_terminated():
+                rows.append(row)
+                matchers.append(matcher)
+        if not rows:
+            return None
+        bitmask = self._bitmask_for(len(sampled_ids))
+        # One call for every row: xgrammar walks the matchers in C++ (its own threads when
+        # the batch is large), instead of a Python call per row.
+        self._batch().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return GrammarMask(bitmask, rows)
+
+    def accept(self, sampled: dict[str, int]) -> None:
+        """Advance each constrained sequence's matcher by its sampled token."""
+        if not self._matchers:
+            return
+        matchers: list[Any] = []
+        tokens: list[int] = []
+        ids: list[str] = []
+        for request_id, token_id in sampled.items():
+            matcher = self._matchers.get(request_id)
+            if matcher is not None and not matcher.is_terminated():
+                matchers.append(matcher)
+                tokens.append(token_id)
+                ids.append(request_id)
+        if not matchers:
+            return
+        import xgrammar as xgr
+
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        for request_id, token_id, ok in zip(ids, tokens, accepted, strict=True):
+            if not ok:
+                # Cannot happen for a masked row; logged rather than raised: the step's
+                # other sequences must go on.
+                log.warning(
+                    "sampled token refused by the grammar",
+                    extra={"request_id": request_id, "token": token_id},
+                )
+
+    def is_terminated(self, request_id: str) -> bool:
+        matcher = self._matchers.get(request_id)
+        return matcher is not None and bool(matcher.is_terminated())
+
+    def _bitmask_for(self, num_rows: int) -> torch.Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            import xgrammar as xgr
+
+            capacity = max(num_rows, 2 * (0 if self._bitmask is None else self._bitmask.shape[0]))
+            self._bitmask = xgr.allocate_token_bitmask(capacity, self.vocab_size)
+        return self._bitmask
+
+    def _batch(self) -> Any:
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+
+            self._batch_matcher = xgr.BatchGrammarMatcher()
+        return self._batch_matcher

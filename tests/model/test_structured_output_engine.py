@@ -1,0 +1,48 @@
+"""Structured output in the in-process engine on the real model: preempted sequences come back
+with their matcher rebuilt from their output, so a constrained greedy output is the same with
+and without preemption, and stays inside its schema."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from services.common.sampling_params import SamplingParams
+from services.common.structured_output import StructuredOutput, StructuredOutputKind
+from services.contracts.step import FinishReason
+from services.worker.loaded_model import LoadedModel
+from tests.model.test_engine_behaviour import make_engine, mixed_prompts, run_alone
+
+pytestmark = pytest.mark.slow
+
+# A string that cannot end before 60 characters: no sequence completes in 32 tokens, so every
+# one keeps growing and the small cache must preempt.
+SCHEMA = {
+    "type": "object",
+    "properties": {"story": {"type": "string", "minLength": 60, "maxLength": 80}},
+    "required": ["story"],
+}
+CONSTRAINED = SamplingParams(
+    temperature=0.0,
+    max_new_tokens=32,
+    structured_output=StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+)
+
+
+def test_preempted_constrained_sequences_replay_their_matchers(loaded_fp32: LoadedModel) -> None:
+    spec_bytes = make_engine(loaded_fp32).kv_cache.spec.bytes_per_block
+    # 16 blocks of 16 tokens; the 6 sequences need 23 at their longest: decodes must preempt.
+    engine = make_engine(loaded_fp32, kv_cache_bytes=16 * spec_bytes, enable_prefix_caching=False)
+    prompts = [p[:30] for p in mixed_prompts(engine, 6)]
+    results = engine.generate(prompts, CONSTRAINED)
+    assert engine.get_stats().num_preemptions > 0
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == run_alone(loaded_fp32, prompt, CONSTRAINED)
+        if result.finish_reason is FinishReason.STOP:
+            jsonschema.validate(json.loads(result.text), SCHEMA)
+        else:  # cut by max_new_tokens: the start of a document
+            assert result.text.startswith('{"story": "'), result.text
+    assert engine.get_stats().num_free_blocks == engine.num_kv_blocks
+    assert engine.runner.grammars is not None and len(engine.runner.grammars) == 0
