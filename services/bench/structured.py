@@ -3,7 +3,10 @@ same prompts, once unconstrained and once with every sequence under a JSON schem
 mask's own time per step (xgrammar's fill of the constrained rows' bitmask, then its apply to
 the logits).
 
-    llmserve bench structured --batch-sizes 1,32 --context 128 --steps 30
+    llmserve bench structured --batch-sizes 1,32 --context 128 --steps 30 --rounds 3
+
+Accept is the matchers taking each step's sampled tokens; the grammar share is fill + apply +
+accept over the constrained step; the overhead compares the medians of the two kinds of run.
 
 The schema (an object holding an array of at least 200 short strings) cannot complete within
 the measured steps, so every row stays constrained and the batch stays whole.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from time import perf_counter
@@ -39,7 +43,16 @@ SCHEMA = {
     },
     "required": ["notes"],
 }
-HEADERS = ["batch", "constraint", "ms / step", "fill ms", "apply ms", "mask share", "overhead"]
+HEADERS = [
+    "batch",
+    "constraint",
+    "ms / step",
+    "fill ms",
+    "apply ms",
+    "accept ms",
+    "grammar share",
+    "overhead",
+]
 
 
 class MaskTimer:
@@ -49,9 +62,11 @@ class MaskTimer:
     def __init__(self, engine: LLMEngine) -> None:
         self.fill_s = 0.0
         self.apply_s = 0.0
+        self.accept_s = 0.0
         grammars = engine.runner.grammars
         assert grammars is not None
         fill = grammars.fill
+        accept = grammars.accept
         apply = sampler_module.apply_grammar_mask
 
         def timed_fill(*args: Any) -> Any:
@@ -68,26 +83,36 @@ class MaskTimer:
             finally:
                 self.apply_s += perf_counter() - started
 
+        def timed_accept(*args: Any) -> Any:
+            started = perf_counter()
+            try:
+                return accept(*args)
+            finally:
+                self.accept_s += perf_counter() - started
+
         grammars.fill = timed_fill  # type: ignore[method-assign, assignment]
+        grammars.accept = timed_accept  # type: ignore[method-assign]
         sampler_module.apply_grammar_mask = timed_apply  # type: ignore[assignment]
         self._undo: Callable[[], None] = lambda: _restore(grammars, apply)
 
     def reset(self) -> None:
-        self.fill_s = self.apply_s = 0.0
+        self.fill_s = self.apply_s = self.accept_s = 0.0
 
     def close(self) -> None:
         self._undo()
 
 
 def _restore(grammars: Any, apply: Callable[..., Any]) -> None:
-    del grammars.fill  # back to the class's method
+    del grammars.fill  # back to the class's methods
+    del grammars.accept
     sampler_module.apply_grammar_mask = apply
 
 
 def decode_ms(
     engine: LLMEngine, timer: MaskTimer, prompts: list[list[int]], steps: int, constrained: bool
-) -> tuple[float, float, float]:
-    """(ms per decode step, fill ms per step, apply ms per step) over `steps` pure decodes."""
+) -> tuple[float, float, float, float]:
+    """(ms per decode step, then fill, apply and accept ms per step) over `steps` pure
+    decodes."""
     spec = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA))
     sampling = SamplingParams(
         temperature=0.0,
@@ -110,13 +135,14 @@ def decode_ms(
         engine.step()
     wall_ms = (perf_counter() - start) * 1e3 / steps
     fill_ms, apply_ms = timer.fill_s * 1e3 / steps, timer.apply_s * 1e3 / steps
+    accept_ms = timer.accept_s * 1e3 / steps
     if engine.runner.batch.sequences and len(engine.runner.batch.sequences) != len(prompts):
         print(f"note: only {len(engine.runner.batch.sequences)} of {len(prompts)} sequences ran")
     for request_id in list(engine.scheduler.requests):
         engine.abort(request_id)
     while engine.has_unfinished_requests():  # the plan that drops them from the runner
         engine.step()
-    return wall_ms, fill_ms, apply_ms
+    return wall_ms, fill_ms, apply_ms, accept_ms
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,9 +182,22 @@ def run(args: argparse.Namespace) -> int:
         decode_ms(engine, timer, random_prompts(1, args.context, seed=0), 4, constrained=True)
         for batch in batch_sizes:
             prompts = random_prompts(batch, args.context, seed=batch)
-            plain, _, _ = decode_ms(engine, timer, prompts, args.steps, constrained=False)
-            rows.append([batch, "none", plain, 0.0, 0.0, "", ""])
-            step, fill, apply = decode_ms(engine, timer, prompts, args.steps, constrained=True)
+            plain: list[float] = []
+            constrained: list[tuple[float, float, float, float]] = []
+            # Rounds alternate which run goes first, so a drift of the machine's speed falls
+            # on both alike; the table holds medians.
+            for round_index in range(args.rounds):
+                for is_constrained in (round_index % 2 == 1, round_index % 2 == 0):
+                    result = decode_ms(engine, timer, prompts, args.steps, is_constrained)
+                    if is_constrained:
+                        constrained.append(result)
+                    else:
+                        plain.append(result[0])
+            plain_ms = statistics.median(plain)
+            step, fill, apply, accept = (
+                statistics.median(values) for values in zip(*constrained, strict=True)
+            )
+            rows.append([batch, "none", plain_ms, 0.0, 0.0, 0.0, "", ""])
             rows.append(
                 [
                     batch,
@@ -166,8 +205,9 @@ def run(args: argparse.Namespace) -> int:
                     step,
                     fill,
                     apply,
-                    f"{100 * (fill + apply) / step:.1f} %",
-                    f"{100 * (step - plain) / plain:+.1f} %",
+                    accept,
+                    f"{100 * (fill + apply + accept) / step:.1f} %",
+                    f"{100 * (step - plain_ms) / plain_ms:+.1f} %",
                 ]
             )
     finally:
@@ -186,6 +226,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=30, help="measured decode steps")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of each kind per batch size (medians)"
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
