@@ -46,3 +46,38 @@ def test_preempted_constrained_sequences_replay_their_matchers(loaded_fp32: Load
             assert result.text.startswith('{"story": "'), result.text
     assert engine.get_stats().num_free_blocks == engine.num_kv_blocks
     assert engine.runner.grammars is not None and len(engine.runner.grammars) == 0
+
+
+def test_every_choice_has_its_own_matcher_and_keeps_the_bias(loaded_fp32: LoadedModel) -> None:
+    """n = 3 sampled choices of one prompt under one schema, with a logit_bias banning a digit:
+    the forked choices each follow the grammar from the token they fork at (a shared matcher
+    would see three tokens per step and refuse them), every output validates, none holds the
+    banned token, and each equals its own lone run with seed s + i."""
+    from dataclasses import replace
+
+    from tests.model.test_engine_behaviour import run_choices
+
+    engine = make_engine(loaded_fp32)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["n"],
+    }
+    banned = engine.tokenizer.encode("7")
+    assert len(banned) == 1
+    sampling = SamplingParams(
+        temperature=1.0,
+        seed=5,
+        max_new_tokens=24,
+        logit_bias=((banned[0], -100.0),),
+        structured_output=StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema)),
+    )
+    prompt = engine.tokenizer.encode("Pick a number and answer in JSON:")
+    choices = run_choices(engine, prompt, replace(sampling, n=3))
+    for index, tokens in enumerate(choices):
+        assert banned[0] not in tokens
+        assert tokens == run_alone(loaded_fp32, prompt, replace(sampling, seed=5 + index))
+        text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), schema)
+    assert engine.get_stats().num_free_blocks == engine.num_kv_blocks
+    assert engine.runner.grammars is not None and len(engine.runner.grammars) == 0
