@@ -75,7 +75,10 @@ class InputBatch:
         decodes: list[CachedSequence] = []
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             seq = self.sequences[request_id]
-            if num_tokens == 1 and seq.num_computed_tokens > 0:
+            # A decode computes a sequence's last token. A one-token chunk that stops short
+            # of the end (a prefix-cache hit, then a step budget with one token left) is a
+            # prefill chunk: it must not sample.
+            if num_tokens == 1 and seq.num_computed_tokens + 1 == len(seq.token_ids):
                 decodes.append(seq)
             else:
                 prefills.append((seq, num_tokens))

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.errors import InvalidRequestError
 from services.common.sampling_params import SamplingParams
-from services.contracts.step import FinishReason
+from services.contracts.step import BatchPlan, FinishReason, StepResult
 from services.engine.engine import LLMEngine
 from services.worker.loaded_model import LoadedModel
 from tests.model.conftest import FP32, PROMPTS
@@ -192,3 +192,33 @@ def test_forked_choices_compute_what_separate_requests_do(loaded_fp32: LoadedMod
         run_alone(loaded_fp32, prompt, replace(seeded, seed=77 + i)) for i in range(3)
     ]
     assert len({tuple(c) for c in choices}) == 3
+
+
+def test_a_one_token_chunk_after_a_prefix_hit_does_not_sample(loaded_fp32: LoadedModel) -> None:
+    """A prompt whose first block comes from the prefix cache, admitted with one token of the
+    step budget left, computes that one token as a prefill chunk: it samples nothing, and its
+    output is the one it has alone (it once sampled there, as if the chunk were a decode)."""
+    engine = make_engine(loaded_fp32, max_num_batched_tokens=32)
+    block_size = engine.config.block_size
+    text = engine.tokenizer.encode(PROMPTS[2] * 4)
+    probe = text[: 2 * block_size - 1]
+    other = engine.tokenizer.encode(PROMPTS[3] * 8)[:32]
+    engine.generate([probe[: block_size + 3]], GREEDY)  # caches the probe's first block
+    plans: list[BatchPlan] = []
+    execute = engine.runner.execute
+
+    def recorded(plan: BatchPlan) -> StepResult:
+        plans.append(plan)
+        return execute(plan)
+
+    engine.runner.execute = recorded  # type: ignore[method-assign]
+    other_id = engine.add_request(other[:31], GREEDY)  # 31 of the 32 budget tokens
+    probe_id = engine.add_request(probe, GREEDY)
+    outputs: dict[str, list[int]] = {other_id: [], probe_id: []}
+    for event in engine.stream():
+        outputs[event.request_id].extend(event.new_token_ids)
+    first = plans[0]
+    assert first.num_scheduled_tokens == {other_id: 31, probe_id: 1}
+    assert [s.num_computed_tokens for s in first.new_sequences] == [0, block_size]
+    assert outputs[probe_id] == run_alone(loaded_fp32, probe, GREEDY)
+    assert outputs[other_id] == run_alone(loaded_fp32, other[:31], GREEDY)
