@@ -63,6 +63,12 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-new-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="completions of the prompt (1-16); more than one are printed whole, one by one",
+    )
+    parser.add_argument(
         "--stop", action="append", default=[], help="stop string (repeatable); not printed"
     )
     parser.add_argument("--stop-token-id", type=int, action="append", default=[])
@@ -132,8 +138,11 @@ def stream(
     tls: bool = False,
     tls_ca: str | None = None,
 ) -> int:
-    """Prints the stream; returns the exit code (0, or 1 on a gRPC error)."""
+    """Prints the stream; returns the exit code (0, or 1 on a gRPC error). Several choices
+    (n > 1) arrive interleaved, so each is printed whole once the stream ends."""
     last: text_pb2.GenerateResponse | None = None
+    several = request.sampling.n > 1 and not as_json
+    choices: dict[int, list[str]] = {}
     with public_channel(target, tls=tls, tls_ca=tls_ca) as channel:
         stub = text_pb2_grpc.TextGenerationStub(channel)
         try:
@@ -142,12 +151,16 @@ def stream(
                 last = response
                 if as_json:
                     out.write(json.dumps(_to_dict(response), ensure_ascii=False) + "\n")
+                elif several:
+                    choices.setdefault(response.index, []).append(response.text)
                 else:
                     out.write(response.text)
                 out.flush()
         except grpc.RpcError as exc:
             _report_error(exc, as_json, out, err)
             return 1
+    for index in sorted(choices):
+        out.write(f"--- choice {index} ---\n{''.join(choices[index])}\n")
     if not as_json and last is not None:
         out.write("\n")
         usage, timings = last.usage, last.timings

@@ -357,6 +357,30 @@ def test_cli_client_streams_and_reports_errors(stack: RunningStack, reference_en
     )
     assert bad.returncode != 0
     assert json.loads(bad.stdout.splitlines()[-1])["error"]["code"] == "INVALID_ARGUMENT"
+    # Two greedy choices: printed whole, one after the other, the same text.
+    two = subprocess.run(
+        [
+            *command,
+            "--prompt",
+            PROMPTS[0],
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--n",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert two.returncode == 0, two.stderr
+    first, second = two.stdout.split("--- choice 1 ---\n")
+    assert first.startswith("--- choice 0 ---\n")
+    assert (
+        first.removeprefix("--- choice 0 ---\n").strip() == second.strip() == expected.text.strip()
+    )
 
 
 def test_bench_serve_against_the_stack_writes_json(stack: RunningStack, tmp_path) -> None:  # type: ignore[no-untyped-def]
