@@ -20,6 +20,9 @@ PURE_MODULES = (
     "services/scheduler/request.py",
     "services/scheduler/coalesce.py",
     "services/scheduler/retry_hint.py",
+    "services/scheduler/speculation_policy.py",
+    # the worker's draft proposer (prompt lookup)
+    "services/worker/ngram_proposer.py",
     # the tokenizer tier's logic
     "services/tokenizer/routing.py",
     "services/tokenizer/detokenizer.py",

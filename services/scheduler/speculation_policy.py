@@ -1,0 +1,143 @@
+"""How many draft tokens each sequence may verify in a step: as many as pay for themselves.
+
+A draft token that is verified costs one more token of forward work; it pays when it is
+accepted. At one user a decode step is bound by reading the weights, so a few more tokens cost
+almost nothing and every accepted draft is nearly free; in a large batch the step is bound by
+arithmetic, each extra token costs its full share, and drafts lose. The policy decides from two
+things it measures (pure: times are passed in, nothing is read from a clock):
+
+    step cost      seconds = fixed + per_token * tokens, a least-squares line over recent
+                   steps (decayed, so it follows the machine)
+    acceptance     for each sequence, the share of its proposed drafts accepted (decayed),
+                   starting from the batch-wide share
+
+With a step expected to yield N output tokens in D seconds, one more draft whose chance of
+being accepted is v raises the output tokens per second iff v > per_token * N / D. Draft j of
+a sequence is accepted only if drafts 1..j-1 were (chance alpha^j), so each sequence's
+candidates come in decreasing value; the policy takes the most valuable candidates of the whole
+batch while they pay, and stops at the first that does not. (A step that is long anyway, with a
+prefill chunk in it, makes a draft relatively cheaper, so such steps draft more.)
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+# Until the cost line has seen steps of different sizes, assume a memory-bound step whose extra
+# token costs this share of the fixed part (a 135M model on 2 CPU cores: ~2 %).
+PRIOR_TOKEN_SHARE = 0.02
+# Before any draft of a sequence was verified: the batch-wide share, or this before any at all.
+PRIOR_ACCEPTANCE = 0.5
+# Weight kept by old observations at each new one (about the last 50 steps / 20 verifications).
+STEP_DECAY = 0.98
+ACCEPTANCE_DECAY = 0.95
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """seconds = fixed + per_token * tokens, fitted by exponentially weighted least squares."""
+
+    decay: float = STEP_DECAY
+    _weight: float = 0.0
+    _sum_x: float = 0.0
+    _sum_y: float = 0.0
+    _sum_xx: float = 0.0
+    _sum_xy: float = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = self.decay
+        x, y = float(num_tokens), seconds
+        self._weight = d * self._weight + 1.0
+        self._sum_x = d * self._sum_x + x
+        self._sum_y = d * self._sum_y + y
+        self._sum_xx = d * self._sum_xx + x * x
+        self._sum_xy = d * self._sum_xy + x * y
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None before any step. While every step seen
+        had about the same size the slope is unknown, and the prior share stands in."""
+        if self._weight == 0.0:
+            return None
+        mean_x, mean_y = self._sum_x / self._weight, self._sum_y / self._weight
+        variance = self._sum_xx / self._weight - mean_x * mean_x
+        if variance < 1.0:  # sizes spread by less than a token: no slope to read
+            fixed = mean_y / (1.0 + PRIOR_TOKEN_SHARE * mean_x)
+            return fixed, PRIOR_TOKEN_SHARE * fixed
+        slope = (self._sum_xy / self._weight - mean_x * mean_y) / variance
+        slope = max(slope, 0.0)
+        return max(mean_y - slope * mean_x, 0.0), slope
+
+
+@dataclass(slots=True)
+class _Acceptance:
+    proposed: float = 0.0
+    accepted: float = 0.0
+
+    def observe(self, proposed: int, accepted: int, decay: float) -> None:
+        self.proposed = decay * self.proposed + proposed
+        self.accepted = decay * self.accepted + accepted
+
+    def rate(self, prior: float) -> float:
+        # One proposal's worth of the prior keeps a first miss from ruling a sequence out.
+        return (self.accepted + prior) / (self.proposed + 1.0)
+
+
+@dataclass(slots=True)
+class SpeculationPolicy:
+    """Draft slots per sequence for the next step, from measured step costs and acceptance."""
+
+    max_draft_tokens: int
+    cost: StepCostModel = field(default_factory=StepCostModel)
+    _batch: _Acceptance = field(default_factory=_Acceptance)
+    _sequences: dict[str, _Acceptance] = field(default_factory=dict)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step computed `num_tokens` tokens (prefill, decode and draft) in `seconds`."""
+        self.cost.observe(num_tokens, seconds)
+
+    def observe_drafts(self, request_id: str, proposed: int, accepted: int) -> None:
+        """`accepted` of the `proposed` drafts a sequence verified were accepted."""
+        if proposed <= 0:
+            return
+        self._batch.observe(proposed, accepted, ACCEPTANCE_DECAY)
+        sequence = self._sequences.setdefault(request_id, _Acceptance())
+        sequence.observe(proposed, accepted, ACCEPTANCE_DECAY)
+
+    def forget(self, request_id: str) -> None:
+        self._sequences.pop(request_id, None)
+
+    def acceptance(self, request_id: str) -> float:
+        prior = self._batch.rate(PRIOR_ACCEPTANCE) if self._batch.proposed else PRIOR_ACCEPTANCE
+        sequence = self._sequences.get(request_id)
+        return prior if sequence is None else sequence.rate(prior)
+
+    def draft_slots(self, decoding: list[str], other_tokens: int = 0) -> dict[str, int]:
+        """Slots for the decoding sequences of the next step (each also computes its one
+        regular token), given `other_tokens` of prefill in the same step. Sequences that
+        should not speculate are left out."""
+        if self.max_draft_tokens <= 0 or not decoding:
+            return {}
+        line = self.cost.line()
+        if line is None:
+            return {}
+        fixed, per_token = line
+        # Output tokens the step is expected to yield, and what it costs.
+        expected = float(len(decoding))
+        seconds = fixed + per_token * (len(decoding) + other_tokens)
+        # Candidates by value, best first: (-alpha^j, request index, j).
+        rates = [self.acceptance(request_id) for request_id in decoding]
+        heap = [(-rate, index, 1) for index, rate in enumerate(rates) if rate > 0.0]
+        heapq.heapify(heap)
+        slots: dict[str, int] = {}
+        while heap:
+            negative_value, index, depth = heapq.heappop(heap)
+            value = -negative_value
+            if seconds <= 0.0 or value <= per_token * expected / seconds:
+                break  # the best remaining candidate does not pay; no later one can
+            slots[decoding[index]] = depth
+            expected += value
+            seconds += per_token
+            if depth < self.max_draft_tokens:
+                heapq.heappush(heap, (-(value * rates[index]), index, depth + 1))
+        return slots

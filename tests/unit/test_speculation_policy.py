@@ -1,0 +1,97 @@
+"""The speculation back-off policy: drafts where verifying them is nearly free (one sequence,
+a memory-bound step), none where each token costs its full share (a large batch), more for
+sequences whose drafts are accepted, and a cost line that recovers the step's cost."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.scheduler.speculation_policy import SpeculationPolicy, StepCostModel
+
+
+def trained(fixed_s: float, per_token_s: float, max_draft_tokens: int = 4) -> SpeculationPolicy:
+    """A policy that has seen steps of 1..64 tokens costing fixed + per_token * tokens."""
+    policy = SpeculationPolicy(max_draft_tokens)
+    for tokens in range(1, 65):
+        policy.observe_step(tokens, fixed_s + per_token_s * tokens)
+    return policy
+
+
+def test_the_cost_line_is_recovered_from_noisy_steps() -> None:
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(500):
+        tokens = rng.randint(1, 200)
+        model.observe(tokens, (0.015 + 0.0004 * tokens) * rng.uniform(0.95, 1.05))
+    line = model.line()
+    assert line is not None
+    assert line[0] == pytest.approx(0.015, rel=0.15)
+    assert line[1] == pytest.approx(0.0004, rel=0.1)
+
+
+def test_no_steps_seen_means_no_drafts() -> None:
+    assert SpeculationPolicy(4).draft_slots(["a"]) == {}
+    assert StepCostModel().line() is None
+
+
+def test_steps_of_one_size_fall_back_to_the_prior_slope() -> None:
+    policy = SpeculationPolicy(4)
+    for _ in range(10):
+        policy.observe_step(1, 0.020)
+    line = policy.cost.line()
+    assert line is not None and 0 < line[1] < 0.1 * line[0]
+    assert policy.draft_slots(["a"]) == {"a": 4}  # a memory-bound guess: drafts pay
+
+
+def test_one_user_on_a_memory_bound_step_drafts_fully() -> None:
+    policy = trained(fixed_s=0.015, per_token_s=0.0003)
+    assert policy.draft_slots(["a"]) == {"a": 4}
+
+
+def test_a_large_compute_bound_batch_does_not_draft() -> None:
+    # 32 sequences at 4 ms per token: a draft accepted half the time never pays.
+    policy = trained(fixed_s=0.015, per_token_s=0.004)
+    batch = [f"r{i}" for i in range(32)]
+    assert policy.draft_slots(batch) == {}
+
+
+def test_sequences_that_accept_get_more_drafts_than_those_that_do_not() -> None:
+    policy = trained(fixed_s=0.015, per_token_s=0.0015)
+    for _ in range(10):
+        policy.observe_drafts("copying", proposed=4, accepted=4)
+        policy.observe_drafts("chatting", proposed=4, accepted=0)
+    batch = ["copying", "chatting", *[f"r{i}" for i in range(6)]]
+    slots = policy.draft_slots(batch)
+    assert slots.get("copying", 0) == 4
+    assert slots.get("chatting", 0) == 0
+
+
+def test_acceptance_drifts_with_what_is_observed_and_is_forgotten() -> None:
+    policy = SpeculationPolicy(4)
+    assert policy.acceptance("a") == pytest.approx(0.5)
+    for _ in range(30):
+        policy.observe_drafts("a", proposed=2, accepted=0)
+    assert policy.acceptance("a") < 0.1
+    policy.forget("a")
+    assert policy.acceptance("a") < 0.1  # the batch-wide share it now starts from
+    policy.observe_drafts("b", proposed=0, accepted=0)  # nothing verified: nothing learnt
+    assert "b" not in policy._sequences
+
+
+def test_a_step_long_anyway_makes_drafts_relatively_cheaper() -> None:
+    # A 512-token prefill chunk in the step: a draft's extra token adds a smaller share to a
+    # step that is long anyway, so more drafts pay than in a bare decode step.
+    policy = trained(fixed_s=0.010, per_token_s=0.0005)
+    alone = sum(policy.draft_slots(["a", "b"]).values())
+    with_prefill = sum(policy.draft_slots(["a", "b"], other_tokens=512).values())
+    assert with_prefill > alone
+
+
+def test_never_more_than_the_maximum() -> None:
+    policy = trained(fixed_s=0.015, per_token_s=0.0, max_draft_tokens=3)
+    for _ in range(20):
+        policy.observe_drafts("a", proposed=3, accepted=3)
+    assert policy.draft_slots(["a", "b"]) == {"a": 3, "b": 3}
+    assert SpeculationPolicy(0).draft_slots(["a"]) == {}
