@@ -56,56 +56,40 @@ HEADERS = [
 
 
 class MaskTimer:
-    """Wall time spent in the grammar mask's fill and apply, summed (the bench's own wrappers
-    around the runner's and the sampler's calls)."""
+    """Wall time spent in the grammar's fill, apply and accept, summed per kind (the bench's
+    own wrappers around the runner's and the sampler's calls)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.fill_s = 0.0
-        self.apply_s = 0.0
-        self.accept_s = 0.0
+        self.seconds = {"fill": 0.0, "apply": 0.0, "accept": 0.0}
         grammars = engine.runner.grammars
         assert grammars is not None
-        fill = grammars.fill
-        accept = grammars.accept
         apply = sampler_module.apply_grammar_mask
+        grammars.fill = self._timed("fill", grammars.fill)  # type: ignore[method-assign]
+        grammars.accept = self._timed("accept", grammars.accept)  # type: ignore[method-assign]
+        sampler_module.apply_grammar_mask = self._timed("apply", apply)
 
-        def timed_fill(*args: Any) -> Any:
+        def undo() -> None:
+            del grammars.fill  # back to the class's methods
+            del grammars.accept
+            sampler_module.apply_grammar_mask = apply
+
+        self._undo: Callable[[], None] = undo
+
+    def _timed(self, kind: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
             started = perf_counter()
             try:
-                return fill(*args)
+                return call(*args)
             finally:
-                self.fill_s += perf_counter() - started
+                self.seconds[kind] += perf_counter() - started
 
-        def timed_apply(*args: Any) -> Any:
-            started = perf_counter()
-            try:
-                return apply(*args)
-            finally:
-                self.apply_s += perf_counter() - started
-
-        def timed_accept(*args: Any) -> Any:
-            started = perf_counter()
-            try:
-                return accept(*args)
-            finally:
-                self.accept_s += perf_counter() - started
-
-        grammars.fill = timed_fill  # type: ignore[method-assign, assignment]
-        grammars.accept = timed_accept  # type: ignore[method-assign]
-        sampler_module.apply_grammar_mask = timed_apply  # type: ignore[assignment]
-        self._undo: Callable[[], None] = lambda: _restore(grammars, apply)
+        return timed
 
     def reset(self) -> None:
-        self.fill_s = self.apply_s = self.accept_s = 0.0
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
 
     def close(self) -> None:
         self._undo()
-
-
-def _restore(grammars: Any, apply: Callable[..., Any]) -> None:
-    del grammars.fill  # back to the class's methods
-    del grammars.accept
-    sampler_module.apply_grammar_mask = apply
 
 
 def decode_ms(
@@ -134,8 +118,9 @@ def decode_ms(
     for _ in range(steps):
         engine.step()
     wall_ms = (perf_counter() - start) * 1e3 / steps
-    fill_ms, apply_ms = timer.fill_s * 1e3 / steps, timer.apply_s * 1e3 / steps
-    accept_ms = timer.accept_s * 1e3 / steps
+    fill_ms, apply_ms, accept_ms = (
+        timer.seconds[kind] * 1e3 / steps for kind in ("fill", "apply", "accept")
+    )
     if engine.runner.batch.sequences and len(engine.runner.batch.sequences) != len(prompts):
         print(f"note: only {len(engine.runner.batch.sequences)} of {len(prompts)} sequences ran")
     for request_id in list(engine.scheduler.requests):
