@@ -134,6 +134,15 @@ def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     return logits
 
 
+def apply_sampling_policy(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """What the request's parameters do to the logits before temperature, in order, in place:
+    min-tokens masking, penalties, logit_bias and allowed_token_ids. One chain for the sampler
+    and for filtered_probs, so the distribution the tests read is the one drawn from."""
+    apply_min_tokens(logits, metadata)
+    apply_penalties(logits, metadata)
+    return apply_logit_bias(logits, metadata)
+
+
 def _candidate_logits(
     logits: torch.Tensor, metadata: SamplingMetadata
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -248,11 +257,12 @@ def _truncate(logits: torch.Tensor, metadata: SamplingMetadata) -> _Candidates:
 def filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """[B, V] normalised distribution each row samples from (greedy rows: one-hot argmax).
 
-    Runs min-tokens and penalties (in place on `logits`) and truncation, but no draw. For tests
+    Runs the grammar mask, apply_sampling_policy (in place on `logits`) and truncation, but
+    no draw. For tests
     and debugging; the sampler itself never scatters back to the vocabulary.
     """
-    logits = apply_penalties(apply_min_tokens(logits, metadata), metadata)
-    logits = apply_logit_bias(logits, metadata)
+    apply_grammar_mask(logits, metadata)
+    logits = apply_sampling_policy(logits, metadata)
     one_hot = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(logits.dtype)
     if metadata.all_greedy:
         return one_hot
@@ -270,7 +280,7 @@ def filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 class Sampler:
     """Picks one token per row. Holds the generator shared by unseeded rows.
 
-    `logits` is consumed: min-tokens masking, penalties and logit bias write into it.
+    `logits` is consumed: the grammar mask and apply_sampling_policy write into it.
     """
 
     def __init__(self, seed: int | None = None) -> None:
@@ -295,9 +305,7 @@ class Sampler:
             # sampling policy (OpenAI and vLLM's default).
             raw_logprobs = logits.index_select(0, metadata.logprobs_rows).log_softmax(dim=-1)
 
-        apply_min_tokens(logits, metadata)
-        apply_penalties(logits, metadata)
-        apply_logit_bias(logits, metadata)
+        apply_sampling_policy(logits, metadata)
 
         if metadata.all_greedy:
             token_ids = logits.argmax(dim=-1)
