@@ -20,6 +20,7 @@ from protos.llmserve.v1 import (
     engine_pb2,
     engine_pb2_grpc,
     model_pb2,
+    sampling_pb2,
     text_pb2,
     worker_pb2,
     worker_pb2_grpc,
@@ -28,6 +29,7 @@ from services.common.internal_auth import INTERNAL_SECRET_KEY
 from services.common.prefix_hash import tenant_salt
 from services.common.sampling_params import SamplingParams
 from services.common.sampling_proto import sampling_to_proto
+from services.common.structured_output import StructuredOutput, StructuredOutputKind
 from services.stack import RunningStack, running_stack, wait_until
 from tests.e2e.conftest import STACK_FLAGS, STARTUP_TIMEOUT_S
 
@@ -173,7 +175,40 @@ def test_worker_calls_need_the_internal_secret(
             lambda: worker.Describe(worker_pb2.DescribeRequest(), timeout=10, metadata=metadata)
         )
         step = code_of(lambda: list(worker.Step(iter(()), timeout=10, metadata=metadata)))
-    assert (describe, step) == (grpc.StatusCode.UNAUTHENTICATED,) * 2
+        prepare = code_of(
+            lambda: worker.PrepareGrammar(
+                worker_pb2.PrepareGrammarRequest(
+                    structured_output=sampling_pb2.StructuredOutput(regex="[a-z]+")
+                ),
+                timeout=10,
+                metadata=metadata,
+            )
+        )
+    assert (describe, step, prepare) == (grpc.StatusCode.UNAUTHENTICATED,) * 3
+
+
+def test_a_grammar_the_worker_refuses_fails_a_direct_submit(trusted: TrustStack) -> None:
+    """A client of the Engine API skips the tokenizer tier's compile: the worker's
+    PrepareGrammar refuses the bad regex, the request ends INVALID_ARGUMENT naming the field
+    before it is admitted, and no block stays held."""
+    request = engine_pb2.SubmitRequest(
+        prompt_token_ids=[1, 2, 3, 4],
+        sampling=sampling_to_proto(
+            SamplingParams(
+                temperature=0.0,
+                max_new_tokens=4,
+                structured_output=StructuredOutput(StructuredOutputKind.REGEX, "([a-z"),
+            )
+        ),
+    )
+    with grpc.insecure_channel(trusted.stack.scheduler) as channel:
+        engine = engine_pb2_grpc.EngineStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            list(engine.Submit(request, timeout=60, metadata=trusted.stack.internal_metadata))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "regex" in (error.value.details() or "")  # type: ignore[attr-defined]
+    stats = trusted.stack.wait_all_blocks_free(timeout_s=10)
+    assert stats.num_running == 0 and stats.num_waiting == 0
 
 
 def test_a_second_step_stream_is_refused_while_a_request_runs_on(trusted: TrustStack) -> None:
