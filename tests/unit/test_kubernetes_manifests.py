@@ -80,18 +80,22 @@ def write_secret_files(overlay: Path, redis: str) -> None:
     (secrets / "api-keys.txt").write_text(API_KEYS, encoding="utf-8")
 
 
-@pytest.fixture(scope="module")
-def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of deploy/kubernetes with test secrets; a developer's own secret files are left
-    behind."""
-    copy = tmp_path_factory.mktemp("manifests") / "kubernetes"
+def copy_manifests(destination: Path) -> None:
+    """deploy/kubernetes without a developer's own secret files."""
 
     def ignore(directory: str, names: list[str]) -> list[str]:
         if Path(directory).name == "secrets":
             return [name for name in names if name != ".gitignore"]
         return []
 
-    shutil.copytree(MANIFESTS, copy, ignore=ignore)
+    shutil.copytree(MANIFESTS, destination, ignore=ignore)
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of deploy/kubernetes with the test secrets."""
+    copy = tmp_path_factory.mktemp("manifests") / "kubernetes"
+    copy_manifests(copy)
     for name in OVERLAYS:
         write_secret_files(copy / "overlays" / name, f"{REDIS_PASSWORD_ENV}={REDIS_PASSWORD}")
     return copy
@@ -281,7 +285,8 @@ def test_every_object_validates_against_the_api_schema(
                 kubernetes_validate.validate(doc, version, strict=True)
             except kubernetes_validate.ValidationError as error:
                 path = ".".join(str(part) for part in error.path)
-                pytest.fail(f"{name}: {doc['kind']}/{doc['metadata']['name']}: {path}: {error}")
+                where = f"{name}: {doc['kind']}/{doc['metadata']['name']}: {path}"
+                pytest.fail(f"{where}: {error.message}")
 
 
 def test_overlays_hold_the_whole_stack(rendered: dict[str, list[Obj]]) -> None:
@@ -674,6 +679,24 @@ def test_secret_values_are_never_committed() -> None:
             path = f"deploy/kubernetes/overlays/{overlay}/secrets/{name}"
             ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
             assert ignored.returncode == 0, f"{path} is not git-ignored"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+def test_the_documented_secret_recipe_renders(tmp_path: Path) -> None:
+    """docs/deploy.md's commands that make an overlay's secret files, run as written."""
+    from services.tokenizer.access import parse_key_file
+
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "deploy.md").read_text(), re.S)
+    (recipe,) = [block for block in blocks if "secrets/stack.env" in block]
+    copy_manifests(tmp_path / "deploy" / "kubernetes")
+    subprocess.run(["bash", "-euc", recipe], cwd=tmp_path, check=True, timeout=30)
+    overlay = tmp_path / "deploy" / "kubernetes" / "overlays" / "example"
+    secrets = secret_data(kustomize(overlay))
+    (stack,) = [data for name, data in secrets.items() if name.startswith("llmserve-secrets")]
+    for name in ("LLMSERVE_INTERNAL_SECRET", REDIS_PASSWORD_ENV):
+        assert re.fullmatch(r"[0-9a-f]{64}", stack[name]), name  # URL-safe, no newline
+    (keys,) = [data for name, data in secrets.items() if name.startswith("llmserve-api-keys")]
+    assert [key.caller.admin for key in parse_key_file(keys["api-keys.txt"])] == [True, False]
 
 
 def redis_command(connection: socket.socket, *words: str) -> bytes:
