@@ -481,6 +481,8 @@ def test_tokenizers_discover_the_pairs_by_dns(
         pairs = found["scheduler"].workload
         service = named(docs, "Service", pairs["spec"]["serviceName"])
         (engine,) = [p for p in service["spec"]["ports"] if p["name"] == "engine"]
+        # One entry, `dns:NAME:PORT`: the tokenizer re-resolves NAME every
+        # --scheduler-resolve-s seconds and routes over every address it gets.
         (entry,) = found["tokenizer"].config.scheduler_addresses
         scheme, host, port = entry.split(":")
         assert scheme == "dns"
