@@ -178,6 +178,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prefix_cache,
         quant_table,
         serve,
+        speculative,
         step_profile,
         structured,
     )
@@ -194,6 +195,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         structured,
         detokenize,
         interleaved,
+        speculative,
     ):
         benchmark.add_parser(bench_sub)
     estimate_command.add_parser(sub)

@@ -57,6 +57,7 @@ from services.common.serving_config import (
     ModelConfig,
     PublicConfig,
     RuntimeConfig,
+    SpeculationConfig,
     StepLoopConfig,
     WeightsConfig,
 )
@@ -71,6 +72,7 @@ class StackConfig(
     BatchingConfig,
     StepLoopConfig,
     RuntimeConfig,
+    SpeculationConfig,
     PublicConfig,
     InternalConfig,
 ):
@@ -110,6 +112,7 @@ class StackConfig(
 
     def __post_init__(self) -> None:
         self.check_public()
+        self.check_speculation()
 
 
 CHILD_GROUPS: dict[str, tuple[type, ...]] = {
@@ -119,9 +122,10 @@ CHILD_GROUPS: dict[str, tuple[type, ...]] = {
         DeviceConfig,
         BatchingConfig,
         RuntimeConfig,
+        SpeculationConfig,
         InternalConfig,
     ),
-    "scheduler": (BatchingConfig, StepLoopConfig, InternalConfig),
+    "scheduler": (BatchingConfig, StepLoopConfig, SpeculationConfig, InternalConfig),
     # The model reaches the tokenizer tier through the schedulers.
     "tokenizer": (PublicConfig, InternalConfig),
 }

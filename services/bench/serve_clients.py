@@ -121,6 +121,8 @@ class GrpcClient:
             max_new_tokens=sample.output_len,
             ignore_eos=self.generation.ignore_eos,
         )
+        if self.generation.num_speculative_tokens is not None:
+            sampling.num_speculative_tokens = self.generation.num_speculative_tokens
         if sample.prompt_text is not None:
             return text_pb2.GenerateRequest(prompt=sample.prompt_text, sampling=sampling)
         return text_pb2.GenerateRequest(prompt_token_ids=sample.prompt_token_ids, sampling=sampling)
@@ -246,6 +248,8 @@ class OpenAIClient:
             # llama.cpp's own server), min_tokens (vLLM, SGLang, llama-cpp-python).
             payload["ignore_eos"] = True
             payload["min_tokens"] = sample.output_len
+        if self.generation.num_speculative_tokens is not None:
+            payload["num_speculative_tokens"] = self.generation.num_speculative_tokens
         return payload
 
     async def generate(self, sample: Sample, slot: int) -> RequestRecord:

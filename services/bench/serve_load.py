@@ -51,6 +51,8 @@ class Generation:
     temperature: float = 0.0
     ignore_eos: bool = True
     timeout_s: float | None = None
+    num_speculative_tokens: int | None = None
+    """Our servers' per-request speculation limit; None: not sent (the server's default)."""
 
 
 class Target(Protocol):

@@ -25,6 +25,8 @@ _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
 
 # Most choices (n) one request may ask for: each holds a seat and KV blocks of its own.
 MAX_N = 16
+# Most draft tokens one step may verify for a sequence (speculative decoding by n-gram lookup).
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,10 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     """Constrain the output to a JSON schema, a JSON object, a regex or a grammar; the request
     ends with "stop" (the model's EOS, the only token the grammar then allows) once complete."""
+    num_speculative_tokens: int | None = None
+    """Most draft tokens (guessed by n-gram lookup in the context) one step may verify for
+    this request, 0 to MAX_SPECULATIVE_TOKENS; None = the server's --speculative-ngram. The
+    output is the same with or without (greedy: identical; sampled: the same distribution)."""
 
     def __post_init__(self) -> None:
         bias = self.logit_bias
@@ -85,6 +91,18 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether drafts may be verified for this request at all. Not with logprobs (one
+        token's alternatives per step), structured output (the grammar would have to follow
+        and roll back every draft) or a seeded sampled request (its draws are reproducible
+        only one token per step)."""
+        return (
+            self.logprobs == 0
+            and self.structured_output is None
+            and (self.seed is None or self.is_greedy)
+        )
 
     @property
     def has_penalties(self) -> bool:
@@ -145,6 +163,13 @@ class SamplingParams:
             )
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
+        if self.num_speculative_tokens is not None and not (
+            0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
+        ):
+            raise InvalidRequestError(
+                "num_speculative_tokens",
+                f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}",
+            )
         self._validate_logit_bias(vocab_size)
         self._validate_allowed_token_ids(vocab_size)
         if self.structured_output is not None:

@@ -27,6 +27,8 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.TokenSamplingParam
     )
     if params.seed is not None:
         message.seed = params.seed
+    if params.num_speculative_tokens is not None:
+        message.num_speculative_tokens = params.num_speculative_tokens
     if params.structured_output is not None:
         message.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     return message
@@ -53,6 +55,9 @@ def sampling_from_proto(message: sampling_pb2.TokenSamplingParams) -> SamplingPa
         # 0 from a sender that predates the field: one choice.
         n=message.n or 1,
         structured_output=structured_output_from_proto(message.structured_output),
+        num_speculative_tokens=(
+            message.num_speculative_tokens if message.HasField("num_speculative_tokens") else None
+        ),
     )
 
 

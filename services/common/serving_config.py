@@ -11,6 +11,7 @@ children unchanged (services.common.config_flags.config_argv).
     BatchingConfig  scheduler (core and server), worker, engine, stack
     StepLoopConfig  scheduler (server), stack
     RuntimeConfig   worker, engine, stack
+    SpeculationConfig scheduler (core and server), worker, engine, stack
     PublicConfig    tokenizer, stack
     InternalConfig  tokenizer, scheduler (server), worker, stack
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from services.common.sampling_params import MAX_SPECULATIVE_TOKENS
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingMode = Literal["overlapped", "serial"]
@@ -112,6 +115,34 @@ class RuntimeConfig:
     """Batch-invariant kernels: a sequence's logits depend only on its own tokens, so greedy
     output is the same whatever a request is batched with (in bf16 too). Every step runs
     eagerly (no fused or compiled decode); CPU workers with GGUF or float weights only."""
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding by prompt lookup: a decoding sequence's next tokens are guessed
+    from its own context (where its last n tokens occurred before), and one forward checks
+    the guesses with the regular token. Output is unchanged; only its speed differs."""
+
+    speculative_ngram: int = 0
+    """Most draft tokens a step may verify per sequence, for requests that do not set
+    num_speculative_tokens (0 = off for those). The scheduler grants fewer, or none, when the
+    batch is large enough that verifying drafts would cost more than they save."""
+    speculative_ngram_min_n: int = 2
+    """Shortest suffix of the context that prompt lookup matches."""
+    speculative_ngram_max_n: int = 4
+    """Longest suffix tried first (a longer match guesses better)."""
+
+    def check_speculation(self) -> None:
+        if not 0 <= self.speculative_ngram <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_ngram must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.speculative_ngram}"
+            )
+        if not 1 <= self.speculative_ngram_min_n <= self.speculative_ngram_max_n:
+            raise ValueError(
+                "need 1 <= speculative_ngram_min_n <= speculative_ngram_max_n, got "
+                f"{self.speculative_ngram_min_n} and {self.speculative_ngram_max_n}"
+            )
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,13 @@ Token regions of one sequence, as both sides see them:
 A step computes tokens [num_computed_tokens, num_computed_tokens + n). When that range reaches
 the end of token_ids the worker samples one token for the sequence and appends it; a partial
 prefill chunk samples nothing.
+
+Speculation (n-gram drafts): a decoding sequence may also get draft slots. The worker then
+guesses up to that many next tokens from the sequence's own context, computes them in the same
+forward as extra rows, and keeps the drafts the model agrees with; the step emits the accepted
+drafts and then one sampled token (1 to slots + 1 tokens). The scheduler has reserved KV for
+every slot, and counts only the emitted tokens as computed once the result arrives: the KV a
+rejected draft wrote sits past the sequence's end and is overwritten by the next tokens.
 """
 
 from __future__ import annotations
@@ -68,6 +75,12 @@ class BatchPlan:
     before anything else in the plan, so a preempted id may reappear in new_sequences."""
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) block copies to do before the forward (copy-on-write of a shared block)."""
+    draft_slots: dict[str, int] = field(default_factory=dict)
+    """request_id -> most draft tokens the worker may verify for this decoding sequence (its
+    KV is reserved); sequences without an entry do not speculate this step."""
+    block_truncations: dict[str, int] = field(default_factory=dict)
+    """request_id -> the number of blocks its table keeps: the scheduler freed the tail it had
+    reserved for drafts. Applied after finished_ids, before new sequences and block deltas."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -86,6 +99,7 @@ class BatchPlan:
             or self.finished_ids
             or self.new_sequences
             or self.block_copies
+            or self.block_truncations
         )
 
 
@@ -100,11 +114,25 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class StepResult:
-    """What the worker sends back: one sampled token per sequence that reached its end."""
+    """What the worker sends back: one sampled token per sequence that reached its end, after
+    the drafts it accepted (a speculating sequence's tokens this step are
+    accepted_draft_ids[rid] + [sampled_token_ids[rid]])."""
 
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens the model agreed with, in order; only sequences that accepted any."""
+    num_proposed_drafts: dict[str, int] = field(default_factory=dict)
+    """Draft tokens verified per speculating sequence (0 to its slots: the context may offer
+    no guess); only sequences that proposed any."""
+
+    def token_ids(self, request_id: str) -> list[int]:
+        """Every token the step emitted for a sequence, in order ([] if none)."""
+        sampled = self.sampled_token_ids.get(request_id)
+        if sampled is None:
+            return []
+        return [*self.accepted_draft_ids.get(request_id, ()), sampled]
 
 
 @dataclass(slots=True)

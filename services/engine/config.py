@@ -9,6 +9,7 @@ from services.common.serving_config import (
     DeviceConfig,
     ModelConfig,
     RuntimeConfig,
+    SpeculationConfig,
     WeightsConfig,
 )
 from services.scheduler.config import AllocationPolicy
@@ -16,7 +17,7 @@ from services.worker.config import GiB
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig(ModelConfig, WeightsConfig, BatchingConfig, RuntimeConfig):
+class EngineConfig(ModelConfig, WeightsConfig, BatchingConfig, RuntimeConfig, SpeculationConfig):
     """The worker's and the scheduler's shared groups (services.common.serving_config), plus
     what only the in-process engine has. quantization is ignored when a loaded model is
     given."""
@@ -40,3 +41,4 @@ class EngineConfig(ModelConfig, WeightsConfig, BatchingConfig, RuntimeConfig):
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_kv_cache_group_size(self.kv_cache_group_size)
         check_quantization(self.quantization)
+        self.check_speculation()

@@ -87,6 +87,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             fused_decode=config.fused_decode,
             batch_invariant=config.deterministic,
+            ngram_sizes=(config.speculative_ngram_min_n, config.speculative_ngram_max_n),
         )
         self.runner.compile_step_graphs()
         self.kv_cache = self.runner.kv_cache
@@ -100,6 +101,7 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 allocation_policy=config.allocation_policy,
                 max_waiting_requests=config.max_waiting_requests,
+                speculative_ngram=config.speculative_ngram,
             ),
             self.num_kv_blocks,
         )
@@ -161,7 +163,9 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         """One scheduler step and one forward; returns what happened to each request."""
         plan = self.scheduler.schedule(self.clock())
+        started = time.perf_counter()
         result = self.runner.execute(plan)
+        self.scheduler.observe_step(plan, result, time.perf_counter() - started)
         return self.scheduler.update(plan, result, self.clock())
 
     def has_unfinished_requests(self) -> bool:

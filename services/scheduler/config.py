@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from services.common.serving_config import BatchingConfig, WeightsConfig
+from services.common.serving_config import BatchingConfig, SpeculationConfig, WeightsConfig
 
 AllocationPolicy = Literal["paged", "max_length"]
 
@@ -21,7 +21,7 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerConfig(BatchingConfig, AdmissionConfig):
+class SchedulerConfig(BatchingConfig, AdmissionConfig, SpeculationConfig):
     """How the scheduler batches requests and manages KV memory."""
 
     block_size: int = WeightsConfig.block_size
@@ -45,3 +45,4 @@ class SchedulerConfig(BatchingConfig, AdmissionConfig):
             )
         if self.allocation_policy not in ("paged", "max_length"):
             raise ValueError(f"unknown allocation_policy {self.allocation_policy!r}")
+        self.check_speculation()

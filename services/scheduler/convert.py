@@ -56,4 +56,7 @@ def stats_to_proto(
         quantization=quantization,
         num_forked_block_refs=stats.num_forked_block_refs,
         num_block_copies=stats.num_block_copies,
+        num_draft_tokens_proposed=stats.num_draft_tokens_proposed,
+        num_draft_tokens_accepted=stats.num_draft_tokens_accepted,
+        num_speculative_steps=stats.num_speculative_steps,
     )

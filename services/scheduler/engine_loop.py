@@ -373,8 +373,10 @@ class EngineLoop:
             self.num_steps += 1
             if plan.num_scheduled_tokens:  # a plan of drops only is no step time
                 self.step_time.observe(step_s)
+            scheduler.observe_step(plan, result, step_s)
             events = scheduler.update(plan, result, self.clock())
             metrics.on_step(scheduler, plan, events, step_s)
+            metrics.on_drafts(result)
             self._dispatch(events)
 
     def _note_scheduled(self, plan: BatchPlan) -> None:

@@ -151,6 +151,29 @@ class KVCacheManager:
         table.extend(new_blocks)
         return new_blocks
 
+    def reserve_lookahead(self, request: Request, num_tokens_ahead: int) -> list[int] | None:
+        """Room for KV up to `num_tokens_ahead` tokens past the computed ones (draft tokens a
+        step may write), never by preempting: None when the free blocks do not hold it.
+        Returns the blocks appended (a max-length reservation already holds them: [])."""
+        table = self._block_tables[request.request_id]
+        if not self.is_paged:
+            return []
+        return self._grow(request, table, num_tokens_ahead)
+
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """Free the blocks past those `num_tokens` tokens need (a draft reservation no longer
+        wanted). Returns the table's new length, or None when nothing was freed. Only blocks
+        past every computed token qualify, so none of them is cached or shared."""
+        table = self._block_tables.get(request.request_id)
+        if table is None or not self.is_paged:
+            return None
+        num_kept = max(self.num_blocks_for(num_tokens), self._num_cached_blocks[request.request_id])
+        if len(table) <= num_kept:
+            return None
+        self.pool.free(reversed(table[num_kept:]))
+        del table[num_kept:]
+        return num_kept
+
     def _shared_blocks_to_write(
         self, request: Request, table: list[int], num_blocks_after: int
     ) -> list[int]:

@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.grpc_server import rejection_reason
 from services.common.metrics import LATENCY_BUCKETS_S
 from services.common.redis_metrics import RedisMetrics
-from services.contracts.step import BatchPlan, TokenEvent
+from services.common.sampling_params import MAX_SPECULATIVE_TOKENS
+from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 
@@ -83,6 +84,27 @@ BLOCK_COPIES = Counter(
     "Shared KV blocks copied on write (the partial last prompt block, once per forked choice).",
     registry=REGISTRY,
 )
+DRAFT_TOKENS = Counter(
+    "llmserve_spec_decode_draft_tokens_total",
+    "Draft tokens (n-gram prompt lookup) the worker verified.",
+    registry=REGISTRY,
+)
+ACCEPTED_DRAFT_TOKENS = Counter(
+    "llmserve_spec_decode_accepted_tokens_total",
+    "Draft tokens the model agreed with (acceptance rate: this / draft tokens).",
+    registry=REGISTRY,
+)
+SPECULATIVE_STEPS = Counter(
+    "llmserve_spec_decode_sequence_steps_total",
+    "Sequence-steps that verified drafts (mean tokens per such step: 1 + accepted / this).",
+    registry=REGISTRY,
+)
+TOKENS_PER_STEP = Histogram(
+    "llmserve_spec_decode_tokens_per_sequence_step",
+    "Tokens one speculating sequence emitted in one step (accepted drafts + 1).",
+    buckets=tuple(float(n) for n in range(1, MAX_SPECULATIVE_TOKENS + 2)),
+    registry=REGISTRY,
+)
 FINISHED = Counter(
     "llmserve_scheduler_requests_finished_total",
     "Sequences the scheduler finished (a request, or one choice of an n > 1 request), by "
@@ -129,6 +151,9 @@ _prefix_queried = _Delta()
 _prefix_hits = _Delta()
 _forked_block_refs = _Delta()
 _block_copies = _Delta()
+_draft_tokens = _Delta()
+_accepted_draft_tokens = _Delta()
+_speculative_steps = _Delta()
 
 
 def on_admitted(request: Request) -> None:
@@ -175,7 +200,16 @@ def on_step(
         (PREFIX_CACHE_HIT_TOKENS, _prefix_hits, stats.prefix_hit_tokens),
         (FORKED_BLOCK_REFS, _forked_block_refs, stats.num_forked_block_refs),
         (BLOCK_COPIES, _block_copies, stats.num_block_copies),
+        (DRAFT_TOKENS, _draft_tokens, stats.num_draft_tokens_proposed),
+        (ACCEPTED_DRAFT_TOKENS, _accepted_draft_tokens, stats.num_draft_tokens_accepted),
+        (SPECULATIVE_STEPS, _speculative_steps, stats.num_speculative_steps),
     ):
         increment = delta.step(scheduler, total)
         if increment > 0:
             counter.inc(increment)
+
+
+def on_drafts(result: StepResult) -> None:
+    """Tokens each speculating sequence emitted in the step."""
+    for request_id in result.num_proposed_drafts:
+        TOKENS_PER_STEP.observe(1 + len(result.accepted_draft_ids.get(request_id, ())))

@@ -54,6 +54,10 @@ class Request:
     num_preemptions: int = 0
     num_pending_tokens: int = 0
     """Tokens sampled on the worker for plans whose results have not arrived yet."""
+    num_unconfirmed_drafts: int = 0
+    """Draft slots granted in plans whose results have not arrived: the worker may have
+    accepted up to that many tokens more than num_pending_tokens, so KV reserved ahead must
+    cover them too."""
     cache_salt: bytes = b""
     """Mixed into the first block's hash: requests with different salts share no KV."""
     pin_name: str | None = None

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from services.common.errors import CapacityError, InvalidRequestError, QueueFullError
+from services.common.sampling_params import MAX_SPECULATIVE_TOKENS
 from services.contracts.step import (
     BatchPlan,
     FinishReason,
@@ -39,6 +40,7 @@ from services.contracts.step import (
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import ChoiceGroup, Request, RequestStatus, choice_request_id
+from services.scheduler.speculation_policy import SpeculationPolicy
 
 _COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
 _INT64_MAX = 2**63 - 1
@@ -58,6 +60,18 @@ class SchedulerStats:
     """Block references forked choices took from their request's prompt (running total)."""
     num_block_copies: int = 0
     """Shared blocks copied on a choice's first write into them (running total)."""
+    num_draft_tokens_proposed: int = 0
+    """Draft tokens the worker verified (speculative decoding; running total)."""
+    num_draft_tokens_accepted: int = 0
+    """Of those, the ones the model agreed with, each an output token for free."""
+    num_speculative_steps: int = 0
+    """Sequence-steps that verified drafts (tokens per such step: 1 + accepted / steps)."""
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        if self.num_draft_tokens_proposed == 0:
+            return 0.0
+        return self.num_draft_tokens_accepted / self.num_draft_tokens_proposed
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -96,6 +110,12 @@ class Scheduler:
         # seats at once, so forks never wait for seats (two half-admitted requests could
         # otherwise each wait for the other's).
         self._num_reserved_seats = 0
+        # Speculative decoding: which decodes of the plan being made may draft, and how many.
+        self.speculation = SpeculationPolicy(MAX_SPECULATIVE_TOKENS)
+        self._plan_decodes: list[Request] = []
+        self.num_draft_tokens_proposed = 0
+        self.num_draft_tokens_accepted = 0
+        self.num_speculative_steps = 0
 
     # ---- the engine's calls -------------------------------------------------------------
 
@@ -213,10 +233,12 @@ class Scheduler:
         plan = BatchPlan(step_id=self._step_id)
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
+        self._plan_decodes = []
         budget, preempted = self._schedule_running(plan, budget)
         if not preempted:
             # Admitting while decodes are being evicted would only thrash the cache.
             self._schedule_waiting(plan, budget)
+        self._grant_draft_slots(plan)
         plan.finished_ids, self._finished_ids = self._finished_ids, []
         plan.block_copies = self.kv.take_pending_copies()
         return plan
@@ -236,23 +258,38 @@ class Scheduler:
             if request is None:
                 continue  # finished, aborted or expired after this plan was made
             running = request.status is RequestStatus.RUNNING
-            token_id = result.sampled_token_ids.get(request_id)
-            if token_id is None:
+            request.num_unconfirmed_drafts -= plan.draft_slots.get(request_id, 0)
+            token_ids = result.token_ids(request_id)
+            if not token_ids:
                 if running:
                     self.kv.cache_full_blocks(request)  # a partial prefill chunk samples nothing
                 continue
-            # Also for a request preempted after this plan was made: the token was computed
-            # from its full context, so it stands (the resumed request recomputes its KV).
+            # Also for a request preempted after this plan was made: the tokens were computed
+            # from its full context, so they stand (the resumed request recomputes its KV).
             request.num_pending_tokens -= 1
-            request.output_token_ids.append(token_id)
+            num_accepted = len(token_ids) - 1
+            num_proposed = result.num_proposed_drafts.get(request_id)
+            if num_proposed is not None:
+                self._observe_drafts(request_id, num_proposed, num_accepted)
+            if running:
+                # Accepted drafts' KV was written in this step; a rejected draft's lies past
+                # the end, where the next tokens overwrite it.
+                request.num_computed_tokens += num_accepted
+            reason = None
+            emitted: list[int] = []
+            for token_id in token_ids:
+                request.output_token_ids.append(token_id)
+                emitted.append(token_id)
+                reason = self._stop_reason(request, token_id)
+                if reason is not None:
+                    break  # tokens after a stop are dropped; the sequence ends here
             if running:
                 self.kv.cache_full_blocks(request)
-            reason = self._stop_reason(request, token_id)
             if reason is not None:
                 self._count_finished(request)
             logprobs = result.logprobs.get(request_id)
             logprobs_list = [logprobs] if logprobs is not None else None
-            events.append(self._event(request, [token_id], reason, logprobs_list))
+            events.append(self._event(request, emitted, reason, logprobs_list))
             if reason is None:
                 continue
             if running:
@@ -287,7 +324,17 @@ class Scheduler:
             num_pinned_blocks=self.kv.num_pinned_blocks,
             num_forked_block_refs=self.kv.num_forked_block_refs,
             num_block_copies=self.kv.num_block_copies,
+            num_draft_tokens_proposed=self.num_draft_tokens_proposed,
+            num_draft_tokens_accepted=self.num_draft_tokens_accepted,
+            num_speculative_steps=self.num_speculative_steps,
         )
+
+    def observe_step(self, plan: BatchPlan, result: StepResult, seconds: float) -> None:
+        """The worker took `seconds` for this plan: what speculation learns its step cost
+        from (tokens computed: scheduled, plus the drafts verified)."""
+        if plan.num_scheduled_tokens:
+            num_drafts = sum(result.num_proposed_drafts.values())
+            self.speculation.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
@@ -326,7 +373,11 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new)
+            # Drafts of plans in flight may have been accepted: the worker's sequence can be
+            # that much further along than this one, and the step writes there.
+            new_blocks = self._allocate_or_preempt(
+                request, num_new + request.num_unconfirmed_drafts
+            )
             if new_blocks is None:
                 break  # the request itself is gone, and so is everyone after it
             self._add_to_plan(plan, request, num_new, new_blocks)
@@ -418,7 +469,88 @@ class Scheduler:
                 )
             )
         plan.num_scheduled_tokens[request.request_id] = num_new
+        if num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens_with_pending:
+            self._plan_decodes.append(request)  # it samples this step: it may also draft
         self._advance(request, num_new)
+
+    # ---- speculative decoding -------------------------------------------------------------
+
+    def _grant_draft_slots(self, plan: BatchPlan) -> None:
+        """Give the plan's decodes the draft slots the policy finds worth their cost, within
+        the token budget and only where free blocks hold their KV (drafts never preempt).
+        Blocks reserved for drafts no longer granted are freed."""
+        decodes = [r for r in self._plan_decodes if r.status is RequestStatus.RUNNING]
+        self._plan_decodes = []
+        if not decodes:
+            return
+        caps = {r.request_id: self._draft_cap(r) for r in decodes}
+        caps = {request_id: cap for request_id, cap in caps.items() if cap > 0}
+        budget = self.config.max_num_batched_tokens - plan.total_num_scheduled_tokens
+        if caps and budget > 0:
+            other_tokens = plan.total_num_scheduled_tokens - len(decodes)
+            slots = self.speculation.draft_slots(list(caps), other_tokens, caps)
+            for request_id, num_slots in slots.items():
+                num_slots = min(num_slots, budget)
+                if num_slots <= 0:
+                    break
+                request = self.requests[request_id]
+                new_blocks = self.kv.reserve_lookahead(
+                    request, num_slots + request.num_unconfirmed_drafts
+                )
+                if new_blocks is None:
+                    continue
+                self._send_blocks(plan, request, new_blocks)
+                plan.draft_slots[request_id] = num_slots
+                request.num_unconfirmed_drafts += num_slots
+                budget -= num_slots
+        for request in decodes:
+            # What the worker may still write: this step's token and drafts, and the drafts
+            # of plans in flight whose outcome is not known yet.
+            keep = request.num_computed_tokens + request.num_unconfirmed_drafts
+            num_kept = self.kv.trim(request, keep)
+            if num_kept is not None:
+                self._send_truncation(plan, request, num_kept)
+
+    def _draft_cap(self, request: Request) -> int:
+        """Most drafts a decode may verify: its request's limit (or the server's), within
+        the output and context it has left counting the drafts still in flight."""
+        sampling = request.sampling
+        cap = sampling.num_speculative_tokens
+        if cap is None:
+            cap = self.config.speculative_ngram
+        if cap <= 0 or not sampling.can_speculate:
+            return 0
+        ahead = request.num_unconfirmed_drafts
+        room_output = sampling.max_new_tokens - request.num_output_tokens_with_pending - ahead
+        room_context = self.config.max_model_len - request.num_tokens_with_pending - ahead
+        return max(0, min(cap, room_output, room_context))
+
+    def _observe_drafts(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        self.speculation.observe_drafts(request_id, num_proposed, num_accepted)
+        self.num_draft_tokens_proposed += num_proposed
+        self.num_draft_tokens_accepted += num_accepted
+        self.num_speculative_steps += 1
+
+    @staticmethod
+    def _new_sequence_in(plan: BatchPlan, request_id: str) -> NewSequence | None:
+        return next((s for s in plan.new_sequences if s.request_id == request_id), None)
+
+    def _send_blocks(self, plan: BatchPlan, request: Request, new_blocks: list[int]) -> None:
+        """Blocks appended to a table after its request joined the plan."""
+        if not new_blocks:
+            return
+        new_sequence = self._new_sequence_in(plan, request.request_id)
+        if new_sequence is not None:
+            new_sequence.block_ids.extend(new_blocks)
+        else:
+            plan.block_deltas.append(SequenceDelta(request.request_id, new_blocks))
+
+    def _send_truncation(self, plan: BatchPlan, request: Request, num_kept: int) -> None:
+        new_sequence = self._new_sequence_in(plan, request.request_id)
+        if new_sequence is not None:
+            del new_sequence.block_ids[num_kept:]
+        else:
+            plan.block_truncations[request.request_id] = num_kept
 
     # ---- choices of one request (n > 1) --------------------------------------------------
 
@@ -583,6 +715,7 @@ class Scheduler:
             # Before free(): the blocks must not pass through the free queue in between.
             self.kv.pin(request.pin_name, request)
         self.kv.free(request)
+        self.speculation.forget(request.request_id)
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]
         del self._priority[request.request_id]

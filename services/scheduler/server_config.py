@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.serving_config import BatchingConfig, InternalConfig, StepLoopConfig
+from services.common.serving_config import (
+    BatchingConfig,
+    InternalConfig,
+    SpeculationConfig,
+    StepLoopConfig,
+)
 from services.scheduler.config import AdmissionConfig, SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerServerConfig(BatchingConfig, StepLoopConfig, AdmissionConfig, InternalConfig):
+class SchedulerServerConfig(
+    BatchingConfig, StepLoopConfig, AdmissionConfig, SpeculationConfig, InternalConfig
+):
     """The batching and step-loop groups (services.common.serving_config) and the core's
     admission settings, plus how the server listens and whom it talks to."""
 
@@ -37,6 +44,9 @@ class SchedulerServerConfig(BatchingConfig, StepLoopConfig, AdmissionConfig, Int
     prefix_index_ttl_s: float = 600.0
     """Lifetime of a prefix-index entry in Redis unless refreshed (they are, while cached)."""
 
+    def __post_init__(self) -> None:
+        self.check_speculation()
+
     def scheduler_config(self, block_size: int, worker_max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=block_size,
@@ -47,4 +57,5 @@ class SchedulerServerConfig(BatchingConfig, StepLoopConfig, AdmissionConfig, Int
             enable_prefix_caching=self.enable_prefix_caching,
             max_waiting_requests=self.max_waiting_requests,
             max_pinned_fraction=self.max_pinned_fraction,
+            speculative_ngram=self.speculative_ngram,
         )

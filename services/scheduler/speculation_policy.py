@@ -22,6 +22,7 @@ prefill chunk in it, makes a draft relatively cheaper, so such steps draft more.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Until the cost line has seen steps of different sizes, assume a memory-bound step whose extra
@@ -112,10 +113,16 @@ class SpeculationPolicy:
         sequence = self._sequences.get(request_id)
         return prior if sequence is None else sequence.rate(prior)
 
-    def draft_slots(self, decoding: list[str], other_tokens: int = 0) -> dict[str, int]:
+    def draft_slots(
+        self,
+        decoding: Sequence[str],
+        other_tokens: int = 0,
+        caps: Mapping[str, int] | None = None,
+    ) -> dict[str, int]:
         """Slots for the decoding sequences of the next step (each also computes its one
-        regular token), given `other_tokens` of prefill in the same step. Sequences that
-        should not speculate are left out."""
+        regular token), given `other_tokens` of prefill in the same step; `caps` bounds a
+        sequence's slots below max_draft_tokens (its request's own limit, its room left).
+        Sequences that should not speculate are left out."""
         if self.max_draft_tokens <= 0 or not decoding:
             return {}
         line = self.cost.line()
@@ -127,7 +134,15 @@ class SpeculationPolicy:
         seconds = fixed + per_token * (len(decoding) + other_tokens)
         # Candidates by value, best first: (-alpha^j, request index, j).
         rates = [self.acceptance(request_id) for request_id in decoding]
-        heap = [(-rate, index, 1) for index, rate in enumerate(rates) if rate > 0.0]
+        limits = [
+            self.max_draft_tokens if caps is None else min(self.max_draft_tokens, caps[rid])
+            for rid in decoding
+        ]
+        heap = [
+            (-rate, index, 1)
+            for index, rate in enumerate(rates)
+            if rate > 0.0 and limits[index] > 0
+        ]
         heapq.heapify(heap)
         slots: dict[str, int] = {}
         while heap:
@@ -138,6 +153,6 @@ class SpeculationPolicy:
             slots[decoding[index]] = depth
             expected += value
             seconds += per_token
-            if depth < self.max_draft_tokens:
+            if depth < limits[index]:
                 heapq.heappush(heap, (-(value * rates[index]), index, depth + 1))
         return slots

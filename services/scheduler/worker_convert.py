@@ -35,6 +35,8 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
         scheduled_ids=list(plan.num_scheduled_tokens),
         num_scheduled_tokens=list(plan.num_scheduled_tokens.values()),
         block_copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in plan.block_copies],
+        draft_slots=plan.draft_slots,
+        block_truncations=plan.block_truncations,
     )
 
 
@@ -47,5 +49,13 @@ def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
                 lp.token_logprob, list(lp.top_token_ids), list(lp.top_logprobs)
             )
             for request_id, lp in message.logprobs.items()
+        },
+        accepted_draft_ids={
+            request_id: list(outcome.accepted_token_ids)
+            for request_id, outcome in message.drafts.items()
+            if outcome.accepted_token_ids
+        },
+        num_proposed_drafts={
+            request_id: outcome.num_proposed for request_id, outcome in message.drafts.items()
         },
     )

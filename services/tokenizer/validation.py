@@ -67,6 +67,7 @@ class SamplingInput:
     allowed_token_ids: tuple[int, ...] | None = None
     n: int | None = None
     structured_output: StructuredOutput | None = None
+    num_speculative_tokens: int | None = None
     structured_output_param: str = ""
     """The parameter that carried structured_output, as the door spells it (HTTP:
     "response_format", "guided_regex", ...), for errors; empty: the gRPC field."""

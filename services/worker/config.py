@@ -12,6 +12,7 @@ from services.common.serving_config import (
     InternalConfig,
     ModelConfig,
     RuntimeConfig,
+    SpeculationConfig,
     WeightsConfig,
 )
 from services.worker.quantization.formats import (
@@ -25,7 +26,13 @@ GiB = 1 << 30
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig(
-    ModelConfig, WeightsConfig, DeviceConfig, BatchingConfig, RuntimeConfig, InternalConfig
+    ModelConfig,
+    WeightsConfig,
+    DeviceConfig,
+    BatchingConfig,
+    RuntimeConfig,
+    SpeculationConfig,
+    InternalConfig,
 ):
     """The shared groups (services.common.serving_config) plus what only the worker has. Of
     the batching group the worker reads max_num_seqs (its largest compiled step graph)."""
@@ -46,6 +53,7 @@ class WorkerConfig(
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_kv_cache_group_size(self.kv_cache_group_size)
         check_quantization(self.quantization)
+        self.check_speculation()
 
 
 def cpu_has_native_bf16() -> bool:

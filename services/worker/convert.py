@@ -30,6 +30,8 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
         ),
         finished_ids=list(message.finished_ids),
         block_copies=[(c.src, c.dst) for c in message.block_copies],
+        draft_slots=dict(message.draft_slots),
+        block_truncations=dict(message.block_truncations),
     )
 
 
@@ -48,4 +50,8 @@ def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOut
                 top_logprobs=logprobs.top_logprobs,
             )
         )
+    for request_id, num_proposed in result.num_proposed_drafts.items():
+        outcome = message.drafts[request_id]
+        outcome.num_proposed = num_proposed
+        outcome.accepted_token_ids.extend(result.accepted_draft_ids.get(request_id, ()))
     return message

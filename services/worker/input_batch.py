@@ -3,7 +3,8 @@ into the tensors of one forward step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -11,6 +12,7 @@ import torch
 from services.common.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan
 from services.worker.forward_batch import ForwardBatch
+from services.worker.ngram_proposer import NgramIndex
 from services.worker.sampling_metadata import SamplerRow
 
 
@@ -22,14 +24,21 @@ class CachedSequence:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: SamplingParams
+    ngrams: NgramIndex | None = None
+    """Prompt-lookup index of token_ids, built the first time the sequence may speculate."""
 
-    def sampler_row(self, eos_token_ids: tuple[int, ...]) -> SamplerRow:
+    def sampler_row(self, eos_token_ids: tuple[int, ...], drafts: Sequence[int] = ()) -> SamplerRow:
+        """The sampling inputs at the sequence's end, or after `drafts` (a verification row:
+        penalties and min_new_tokens count the drafts before it as output)."""
         # The prompt is only read by penalties; skip copying a long prompt every step.
         prompt = self.token_ids[: self.num_prompt_tokens] if self.sampling.has_penalties else ()
+        output = self.token_ids[self.num_prompt_tokens :]
+        if drafts:
+            output.extend(drafts)
         return SamplerRow(
             sampling=self.sampling,
             prompt_token_ids=prompt,
-            output_token_ids=self.token_ids[self.num_prompt_tokens :],
+            output_token_ids=output,
             eos_token_ids=eos_token_ids,
         )
 
@@ -38,15 +47,24 @@ class CachedSequence:
 class StepInputs:
     forward: ForwardBatch
     sampled_ids: list[str]
-    """Request ids whose scheduled range reaches their last token: one row of logits each, in
-    the order of forward.logits_indices."""
+    """Request ids whose scheduled range reaches their last token, in the order of
+    forward.logits_indices: one row of logits each, then one more per draft."""
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens each speculating sequence verifies this step (its rows follow its first)."""
 
 
 class InputBatch:
     def __init__(
-        self, block_size: int, device: torch.device | str, *, per_token_attention: bool = False
+        self,
+        block_size: int,
+        device: torch.device | str,
+        *,
+        per_token_attention: bool = False,
+        ngram_sizes: tuple[int, int] = (2, 4),
     ) -> None:
         self.block_size = block_size
+        self.ngram_sizes = ngram_sizes
+        """(min n, max n) of the suffixes prompt lookup matches."""
         self.device = torch.device(device)
         self.per_token_attention = per_token_attention
         """Give every token its own block table row and context length (batch-invariant
@@ -57,6 +75,8 @@ class InputBatch:
         """Bring the persistent batch up to date with a plan's deltas."""
         for request_id in plan.finished_ids:
             self.sequences.pop(request_id, None)
+        for request_id, num_kept in plan.block_truncations.items():
+            del self.sequences[request_id].block_ids[num_kept:]
         for new in plan.new_sequences:
             self.sequences[new.request_id] = CachedSequence(
                 request_id=new.request_id,
@@ -69,8 +89,33 @@ class InputBatch:
         for delta in plan.block_deltas:
             self.sequences[delta.request_id].block_ids.extend(delta.new_block_ids)
 
-    def prepare(self, plan: BatchPlan) -> StepInputs:
-        """Tensors for the scheduled tokens: prefill sequences first, then decodes."""
+    def propose_drafts(self, plan: BatchPlan) -> dict[str, list[int]]:
+        """Draft tokens by prompt lookup for the decoding sequences the plan gave slots (up to
+        their slots; a sequence whose context offers no guess gets none)."""
+        drafts: dict[str, list[int]] = {}
+        for request_id, num_slots in plan.draft_slots.items():
+            seq = self.sequences.get(request_id)
+            if (
+                seq is None
+                or num_slots <= 0
+                or plan.num_scheduled_tokens.get(request_id) != 1
+                or seq.num_computed_tokens + 1 != len(seq.token_ids)
+                or not seq.sampling.can_speculate
+            ):
+                continue
+            if seq.ngrams is None:
+                seq.ngrams = NgramIndex(*self.ngram_sizes, seq.token_ids)
+            proposed = seq.ngrams.propose(num_slots)
+            if proposed:
+                drafts[request_id] = proposed
+        return drafts
+
+    def prepare(self, plan: BatchPlan, drafts: dict[str, list[int]] | None = None) -> StepInputs:
+        """Tensors for the scheduled tokens: prefill sequences first, then decodes. A decode's
+        drafts follow it as decode rows of the same sequence (positions one on, the same
+        block table, a context one longer each), so every decode path verifies them: each
+        layer writes all rows' KV before any row attends."""
+        drafts = drafts or {}
         prefills: list[tuple[CachedSequence, int]] = []
         decodes: list[CachedSequence] = []
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
@@ -102,20 +147,35 @@ class InputBatch:
                 sampled_ids.append(seq.request_id)
         num_prefill_tokens = cu_seqlens[-1]
 
-        decode_positions = np.fromiter(
-            (seq.num_computed_tokens for seq in decodes), dtype=np.int64, count=len(decodes)
-        )
-        for index, seq in enumerate(decodes):
-            input_ids.append(seq.token_ids[seq.num_computed_tokens])
-            logits_rows.append(num_prefill_tokens + index)
-            sampled_ids.append(seq.request_id)
+        if drafts:
+            decode_counts = [1 + len(drafts.get(seq.request_id, ())) for seq in decodes]
+            decode_positions = np.concatenate(
+                [
+                    np.arange(seq.num_computed_tokens, seq.num_computed_tokens + count)
+                    for seq, count in zip(decodes, decode_counts, strict=True)
+                ]
+                or [np.zeros(0, np.int64)]
+            ).astype(np.int64)
+            for seq in decodes:
+                input_ids.append(seq.token_ids[seq.num_computed_tokens])
+                input_ids.extend(drafts.get(seq.request_id, ()))
+                sampled_ids.append(seq.request_id)
+        else:
+            decode_counts = [1] * len(decodes)
+            decode_positions = np.fromiter(
+                (seq.num_computed_tokens for seq in decodes), dtype=np.int64, count=len(decodes)
+            )
+            for seq in decodes:
+                input_ids.append(seq.token_ids[seq.num_computed_tokens])
+                sampled_ids.append(seq.request_id)
+        logits_rows.extend(range(num_prefill_tokens, num_prefill_tokens + len(decode_positions)))
         positions.append(decode_positions)
 
         all_positions = np.concatenate(positions) if positions else np.zeros(0, np.int64)
         seqs = [seq for seq, _ in prefills] + decodes
         block_table = _block_table(seqs, int(all_positions.max(initial=0)) // block_size + 1)
         # Row of the block table that each token belongs to.
-        counts = [n for _, n in prefills] + [1] * len(decodes)
+        counts = [n for _, n in prefills] + decode_counts
         token_rows = np.repeat(np.arange(len(seqs)), counts)
         slot_mapping = (
             block_table[token_rows, all_positions // block_size].astype(np.int64) * block_size
@@ -130,21 +190,42 @@ class InputBatch:
             prefill_cu_seqlens=self._tensor(np.asarray(cu_seqlens, dtype=np.int32)),
             prefill_prefix_lens=self._tensor(np.asarray(prefix_lens, dtype=np.int32)),
             prefill_block_tables=self._tensor(block_table[:num_prefills]),
-            decode_block_tables=self._tensor(block_table[num_prefills:]),
+            decode_block_tables=self._tensor(
+                np.repeat(block_table[num_prefills:], decode_counts, axis=0)
+                if drafts
+                else block_table[num_prefills:]
+            ),
             decode_context_lens=self._tensor((decode_positions + 1).astype(np.int32)),
             logits_indices=self._tensor(np.asarray(logits_rows, dtype=np.int64)),
         )
         if self.per_token_attention:
             forward.token_block_tables = self._tensor(np.ascontiguousarray(block_table[token_rows]))
             forward.token_context_lens = self._tensor((all_positions + 1).astype(np.int32))
-        return StepInputs(forward=forward, sampled_ids=sampled_ids)
+        return StepInputs(forward=forward, sampled_ids=sampled_ids, drafts=drafts)
 
-    def advance(self, plan: BatchPlan, sampled: dict[str, int]) -> None:
-        """After the forward: scheduled tokens are computed; sampled tokens join the sequence."""
+    def advance(
+        self,
+        plan: BatchPlan,
+        sampled: dict[str, int],
+        accepted_drafts: dict[str, list[int]] | None = None,
+    ) -> None:
+        """After the forward: scheduled tokens and accepted drafts are computed (a rejected
+        draft's KV lies past the end, to be overwritten); accepted drafts, then the sampled
+        token, join the sequence."""
+        sequences = self.sequences
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
-            self.sequences[request_id].num_computed_tokens += num_tokens
+            sequences[request_id].num_computed_tokens += num_tokens
         for request_id, token_id in sampled.items():
-            self.sequences[request_id].token_ids.append(token_id)
+            seq = sequences[request_id]
+            accepted = accepted_drafts.get(request_id) if accepted_drafts else None
+            if accepted:
+                seq.num_computed_tokens += len(accepted)
+                seq.token_ids.extend(accepted)
+            seq.token_ids.append(token_id)
+            if seq.ngrams is not None:
+                if accepted:
+                    seq.ngrams.extend(accepted)
+                seq.ngrams.extend((token_id,))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

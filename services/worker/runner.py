@@ -11,10 +11,11 @@ from services.common.grammar import GrammarCompiler
 from services.common.serving_config import DEFAULT_KV_GROUP_SIZE
 from services.contracts.step import BatchPlan, StepResult
 from services.worker.batch_invariance import make_batch_invariant
+from services.worker.draft_verification import verify_greedy, verify_sampled
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode
 from services.worker.host_memory import keep_freed_memory
-from services.worker.input_batch import InputBatch
+from services.worker.input_batch import InputBatch, StepInputs
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
 from services.worker.model.llama import LlamaForCausalLM
@@ -22,7 +23,7 @@ from services.worker.quantization.formats import (
     check_kv_cache_group_size,
     kv_cache_torch_dtype,
 )
-from services.worker.sampler import Sampler
+from services.worker.sampler import Sampler, filtered_probs
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_graphs import DEFAULT_BATCH_BUCKETS, DecodeGraphs, buckets_up_to
 from services.worker.structured_output import GrammarMatchers
@@ -42,6 +43,7 @@ class ModelRunner:
         fused_decode: FusedDecode | None = None,
         batch_invariant: bool = False,
         grammar_compiler: GrammarCompiler | None = None,
+        ngram_sizes: tuple[int, int] = (2, 4),
     ) -> None:
         if kv_cache.storage.device.type == "cpu":
             keep_freed_memory()
@@ -57,6 +59,8 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         """Each sequence's logits depend only on its own tokens, not on what it is batched
         with; set up by services/worker/batch_invariance.py."""
+        self.ngram_sizes = ngram_sizes
+        """(min n, max n) of prompt lookup's matches, for the drafts plans ask for."""
         self.batch = self._new_batch()
         self.sampler = Sampler(seed=seed)
         self.vocab_size = model.config.vocab_size
@@ -79,6 +83,7 @@ class ModelRunner:
         max_num_seqs: int = DEFAULT_BATCH_BUCKETS[-1],
         fused_decode: bool = True,
         batch_invariant: bool = False,
+        ngram_sizes: tuple[int, int] = (2, 4),
     ) -> ModelRunner:
         """A runner with a KV cache of as many blocks as `kv_cache_bytes` holds (an int8 cache
         holds more: its blocks are smaller).
@@ -122,6 +127,7 @@ class ModelRunner:
             decode_graphs=decode_graphs,
             fused_decode=fused,
             batch_invariant=batch_invariant,
+            ngram_sizes=ngram_sizes,
             grammar_compiler=GrammarCompiler(
                 loaded.tokenizer.tokenizer.to_str(),
                 loaded.model.config.vocab_size,
@@ -147,7 +153,10 @@ class ModelRunner:
 
     def _new_batch(self) -> InputBatch:
         return InputBatch(
-            self.kv_cache.spec.block_size, self.device, per_token_attention=self.batch_invariant
+            self.kv_cache.spec.block_size,
+            self.device,
+            per_token_attention=self.batch_invariant,
+            ngram_sizes=self.ngram_sizes,
         )
 
     @torch.inference_mode()
@@ -161,9 +170,16 @@ class ModelRunner:
         self.last_step_mode = "eager"
         if plan.is_empty:
             return result
-        inputs = self.batch.prepare(plan)
+        drafts = self.batch.propose_drafts(plan) if plan.draft_slots else {}
+        inputs = self.batch.prepare(plan, drafts)
         sampled: dict[str, int] = {}
-        if inputs.sampled_ids:
+        accepted: dict[str, list[int]] = {}
+        if drafts:
+            logits = self._forward_sampled(inputs.forward)
+            sampled, accepted = self._sample_and_verify(logits, inputs)
+            result.num_proposed_drafts = {rid: len(d) for rid, d in drafts.items()}
+            result.accepted_draft_ids = {rid: ids for rid, ids in accepted.items() if ids}
+        elif inputs.sampled_ids:
             logits = self._forward_sampled(inputs.forward)
             rows = [
                 self.batch.sequences[rid].sampler_row(self.eos_token_ids)
@@ -182,11 +198,71 @@ class ModelRunner:
         else:
             # Only partial prefill chunks this step: fill the cache, skip the vocabulary.
             self.model(inputs.forward, self.kv_cache.layers)
-        self.batch.advance(plan, sampled)
+        self.batch.advance(plan, sampled, accepted)
         if grammars is not None:
             grammars.accept(sampled)
         result.sampled_token_ids = sampled
         return result
+
+    def _sample_and_verify(
+        self, logits: torch.Tensor, inputs: StepInputs
+    ) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """A step with drafts: one logits row per sequence plus one per draft. Every row is
+        processed as its own sampling position (penalties and min_new_tokens count the drafts
+        before it), then each speculating sequence keeps the drafts the model agrees with
+        (draft_verification.py): greedy rows by argmax, sampled rows by the rejection rule
+        on the row's final distribution. Returns (sampled token, accepted drafts) per id."""
+        sequences, eos = self.batch.sequences, self.eos_token_ids
+        row_ids: list[str] = []
+        rows = []
+        for request_id in inputs.sampled_ids:
+            seq = sequences[request_id]
+            draft = inputs.drafts.get(request_id, ())
+            for j in range(len(draft) + 1):
+                rows.append(seq.sampler_row(eos, draft[:j]))
+                row_ids.append(request_id)
+        metadata = build_sampling_metadata(rows, self.vocab_size, self.device)
+        if self.grammars is not None:
+            # Sequences with a grammar never draft (SamplingParams.can_speculate): one row.
+            metadata.grammar_mask = self.grammars.fill(row_ids)
+        # Sampled (not greedy) speculating sequences verify against their rows' distributions,
+        # computed before the sampler consumes the logits.
+        sampled_rows = {
+            request_id: index
+            for index, request_id in enumerate(inputs.sampled_ids)
+            if request_id in inputs.drafts and not sequences[request_id].sampling.is_greedy
+        }
+        probs: dict[str, torch.Tensor] = {}
+        first_row = 0
+        row_starts: dict[str, int] = {}
+        for request_id in inputs.sampled_ids:
+            row_starts[request_id] = first_row
+            first_row += 1 + len(inputs.drafts.get(request_id, ()))
+        if sampled_rows:
+            for request_id in sampled_rows:
+                start = row_starts[request_id]
+                end = start + 1 + len(inputs.drafts[request_id])
+                sub_rows = rows[start:end]
+                sub_metadata = build_sampling_metadata(sub_rows, self.vocab_size, self.device)
+                probs[request_id] = filtered_probs(logits[start:end].float().clone(), sub_metadata)
+        output = self.sampler(logits, metadata)
+        token_ids = output.token_ids.tolist()
+        sampled: dict[str, int] = {}
+        accepted: dict[str, list[int]] = {}
+        generator = self.sampler.generator(self.device)
+        for request_id in inputs.sampled_ids:
+            start = row_starts[request_id]
+            draft = inputs.drafts.get(request_id)
+            if not draft:
+                sampled[request_id] = token_ids[start]
+                continue
+            if request_id in probs:
+                verified = verify_sampled(probs[request_id], draft, generator)
+            else:
+                verified = verify_greedy(token_ids[start : start + len(draft) + 1], draft)
+            accepted[request_id] = verified.token_ids[:-1]
+            sampled[request_id] = verified.token_ids[-1]
+        return sampled, accepted
 
     def _forward_sampled(self, forward: ForwardBatch) -> torch.Tensor:
         """Logits of a step that samples, by the fastest path that can run it."""

@@ -348,6 +348,10 @@ class Sampler:
             return choice
         return ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from (also draft verification's)."""
+        return self._generator(device)
+
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
         if generator is None:

@@ -292,6 +292,7 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
         max_num_seqs=config.max_num_seqs,
         fused_decode=config.fused_decode,
         batch_invariant=config.deterministic,
+        ngram_sizes=(config.speculative_ngram_min_n, config.speculative_ngram_max_n),
     )
     runner.compile_step_graphs()
     warm_up(runner)

@@ -77,6 +77,9 @@ class FakeWorker:
 
     block_size: int = BLOCK_SIZE
     sample: Callable[[str, int], int] = lambda request_id, position: 7
+    guess: Callable[[str, int], int] | None = None
+    """Speculation: the draft token proposed for a position (None: never proposes). A draft
+    is accepted when it is what `sample` gives there, as greedy verification does."""
     token_ids: dict[str, list[int]] = field(default_factory=dict)
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     num_computed: dict[str, int] = field(default_factory=dict)
@@ -88,6 +91,10 @@ class FakeWorker:
             assert request_id in self.token_ids, f"dropping unknown {request_id}"
             del self.token_ids[request_id], self.block_tables[request_id]
             del self.num_computed[request_id]
+        for request_id, num_kept in plan.block_truncations.items():
+            table = self.block_tables[request_id]
+            assert num_kept * self.block_size > self.num_computed[request_id], request_id
+            del table[num_kept:]
         for seq in plan.new_sequences:
             assert seq.request_id not in self.token_ids, f"{seq.request_id} sent twice"
             self.token_ids[seq.request_id] = list(seq.token_ids)
@@ -99,26 +106,53 @@ class FakeWorker:
             for offset in range(self.block_size):
                 if (src, offset) in self.kv:
                     self.kv[(dst, offset)] = self.kv[(src, offset)]
-        sampled = {}
+        result = StepResult(step_id=plan.step_id)
         for request_id, num_scheduled in plan.num_scheduled_tokens.items():
             start = self.num_computed[request_id]
             end = start + num_scheduled
             tokens = self.token_ids[request_id]
             table = self.block_tables[request_id]
             assert num_scheduled > 0 and end <= len(tokens), (request_id, end, len(tokens))
-            assert len(table) * self.block_size >= end, request_id
+            drafts = self._drafts(plan, request_id, end == len(tokens))
+            # The drafts' KV is written too (after the scheduled tokens), accepted or not.
+            assert len(table) * self.block_size >= end + len(drafts), request_id
             for position in range(start):
                 slot = (table[position // self.block_size], position % self.block_size)
                 assert self.kv.get(slot) == tokens[position], (request_id, position, slot)
-            for position in range(start, end):
-                slot = (table[position // self.block_size], position % self.block_size)
-                self.kv[slot] = tokens[position]
+            for position, token in enumerate([*tokens[start:end], *drafts], start):
+                self.kv[(table[position // self.block_size], position % self.block_size)] = token
             self.num_computed[request_id] = end
-            if end == len(tokens):
-                token = self.sample(request_id, end)
-                tokens.append(token)
-                sampled[request_id] = token
-        return StepResult(step_id=plan.step_id, sampled_token_ids=sampled)
+            if end < len(tokens):
+                continue
+            accepted: list[int] = []
+            for draft in drafts:
+                if draft != self.sample(request_id, end + len(accepted)):
+                    break
+                accepted.append(draft)
+            token = self.sample(request_id, end + len(accepted))
+            tokens.extend([*accepted, token])
+            self.num_computed[request_id] = end + len(accepted)
+            result.sampled_token_ids[request_id] = token
+            if drafts:
+                result.num_proposed_drafts[request_id] = len(drafts)
+                if accepted:
+                    result.accepted_draft_ids[request_id] = accepted
+        return result
+
+    def _drafts(self, plan: BatchPlan, request_id: str, samples: bool) -> list[int]:
+        num_slots = plan.draft_slots.get(request_id, 0)
+        if num_slots:
+            assert samples and plan.num_scheduled_tokens[request_id] == 1, request_id
+        if self.guess is None or not num_slots:
+            return []
+        end = len(self.token_ids[request_id])
+        return [self.guess(request_id, end + j) for j in range(num_slots)]
+
+
+def modelled_step_seconds(plan: BatchPlan, result: StepResult) -> float:
+    """A memory-bound step: 10 ms, and 0.1 ms per token computed (drafts included)."""
+    num_drafts = sum(result.num_proposed_drafts.values())
+    return 0.010 + 0.0001 * (plan.total_num_scheduled_tokens + num_drafts)
 
 
 _WORKERS: weakref.WeakKeyDictionary[Scheduler, FakeWorker] = weakref.WeakKeyDictionary()
@@ -153,7 +187,9 @@ def run_until_done(
     events: dict[str, list[TokenEvent]] = {}
     for step in range(max_steps):
         plan = scheduler.schedule(now=float(step))
-        for event in scheduler.update(plan, worker.step(plan), now=float(step)):
+        result = worker.step(plan)
+        scheduler.observe_step(plan, result, modelled_step_seconds(plan, result))
+        for event in scheduler.update(plan, result, now=float(step)):
             events.setdefault(event.request_id, []).append(event)
         check_worker_in_sync(scheduler, worker)
         between(step)
@@ -177,6 +213,7 @@ def run_overlapped(
     in_flight: deque[tuple[BatchPlan, StepResult]] = deque()
 
     def apply(plan: BatchPlan, result: StepResult, step: int) -> None:
+        scheduler.observe_step(plan, result, modelled_step_seconds(plan, result))
         for event in scheduler.update(plan, result, now=float(step)):
             events.setdefault(event.request_id, []).append(event)
 

@@ -95,3 +95,14 @@ def test_never_more_than_the_maximum() -> None:
         policy.observe_drafts("a", proposed=3, accepted=3)
     assert policy.draft_slots(["a", "b"]) == {"a": 3, "b": 3}
     assert SpeculationPolicy(0).draft_slots(["a"]) == {}
+
+
+def test_caps_bound_each_sequence_below_the_maximum() -> None:
+    policy = SpeculationPolicy(8)
+    for _ in range(20):
+        policy.observe_step(1, 0.010)
+        policy.observe_step(6, 0.0102)
+    slots = policy.draft_slots(["a", "b", "c"], caps={"a": 2, "b": 0, "c": 8})
+    assert slots.get("a", 0) <= 2
+    assert "b" not in slots
+    assert slots["c"] > 2

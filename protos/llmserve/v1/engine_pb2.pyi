@@ -57,7 +57,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "prefix_hit_rate", "num_preemptions", "scheduler_id", "max_waiting_requests", "block_size", "worker_epoch", "max_num_seqs", "num_pinned_blocks", "dtype", "kv_cache_dtype", "quantization", "num_forked_block_refs", "num_block_copies")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "prefix_hit_rate", "num_preemptions", "scheduler_id", "max_waiting_requests", "block_size", "worker_epoch", "max_num_seqs", "num_pinned_blocks", "dtype", "kv_cache_dtype", "quantization", "num_forked_block_refs", "num_block_copies", "num_draft_tokens_proposed", "num_draft_tokens_accepted", "num_speculative_steps")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,9 @@ class EngineStats(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     NUM_FORKED_BLOCK_REFS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_STEPS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -92,7 +95,10 @@ class EngineStats(_message.Message):
     quantization: str
     num_forked_block_refs: int
     num_block_copies: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_epoch: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_forked_block_refs: _Optional[int] = ..., num_block_copies: _Optional[int] = ...) -> None: ...
+    num_draft_tokens_proposed: int
+    num_draft_tokens_accepted: int
+    num_speculative_steps: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_epoch: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_forked_block_refs: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_draft_tokens_proposed: _Optional[int] = ..., num_draft_tokens_accepted: _Optional[int] = ..., num_speculative_steps: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("name", "token_ids", "cache_salt", "ttl_s")

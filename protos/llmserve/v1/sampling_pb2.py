@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/llmserve/v1/sampling.proto\x12\x0bllmserve.v1\"\x89\x04\n\x13TokenSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\t \x01(\x05\x12\x16\n\x0emin_new_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12\x43\n\nlogit_bias\x18\x0e \x03(\x0b\x32/.llmserve.v1.TokenSamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\x05\x12\t\n\x01n\x18\x11 \x01(\x05\x12\x38\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/llmserve/v1/sampling.proto\x12\x0bllmserve.v1\"\xc9\x04\n\x13TokenSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\t \x01(\x05\x12\x16\n\x0emin_new_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12\x43\n\nlogit_bias\x18\x0e \x03(\x0b\x32/.llmserve.v1.TokenSamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\x05\x12\t\n\x01n\x18\x11 \x01(\x05\x12\x38\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\x12#\n\x16num_speculative_tokens\x18\x12 \x01(\x05H\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENSAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_TOKENSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENSAMPLINGPARAMS']._serialized_start=51
-  _globals['_TOKENSAMPLINGPARAMS']._serialized_end=572
-  _globals['_TOKENSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=515
-  _globals['_TOKENSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=563
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=574
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=682
+  _globals['_TOKENSAMPLINGPARAMS']._serialized_end=636
+  _globals['_TOKENSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=552
+  _globals['_TOKENSAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=600
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=638
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=746
 # @@protoc_insertion_point(module_scope)

@@ -10,9 +10,8 @@ of the one prompt.
 Defaults follow OpenAI and vLLM: temperature 1, top_p 1; max_tokens unset = the rest of the
 context for chat, 16 for completions. Beyond OpenAI: vLLM's top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids and
-return_token_ids, and ours:
-deadline_ms, prompt_name (a registered prompt as the system message) and tenant_id (what the
-gRPC API calls them).
+return_token_ids, and ours: deadline_ms, num_speculative_tokens, prompt_name (a registered
+prompt as the system message) and tenant_id (what the gRPC API calls them).
 
 Structured output: chat's `response_format` (json_schema, json_object), and on both endpoints
 vLLM's `structured_outputs` ({"json" | "regex" | "grammar" | "json_object": ...}) and its older
@@ -115,6 +114,9 @@ class _Sampling(_Body):
     # Ours, as the gRPC API names them.
     deadline_ms: Annotated[int, Field(ge=0)] | None = None
     tenant_id: TenantId | None = None
+    num_speculative_tokens: int | None = None
+    """Speculative decoding by n-gram lookup: most draft tokens per step, 0 = off, null = the
+    server's default (range checked with the other sampling fields)."""
 
 
 class ChatCompletionBody(_Sampling):
@@ -372,6 +374,7 @@ def _sampling(
         n=body.n,
         structured_output=spec,
         structured_output_param=spec_param,
+        num_speculative_tokens=body.num_speculative_tokens,
     )
 
 

@@ -1,0 +1,188 @@
+"""Speculative decoding in the scheduler, against the fake worker (which proposes drafts, writes
+their KV, accepts those that match what it samples, and checks every plan): the tokens streamed
+are exactly those of plain decoding, serial or overlapped, through chunked prefill, preemption,
+prefix hits, stop tokens and length limits; KV reserved for drafts is freed when no longer
+wanted, and every block is free at the end."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from services.contracts.step import FinishReason
+from services.scheduler.request import RequestStatus
+from tests.unit.factories import FakeWorker, create_requests, create_scheduler, run_until_done
+from tests.unit.test_overlapped_scheduling import (
+    DRIVERS,
+    position_sampler,
+    random_workload,
+    streamed,
+)
+
+
+def guesser(hit_every: int, sample: object) -> object:
+    """Guesses the sampled token except at about one position in `hit_every`."""
+
+    def guess(request_id: str, position: int) -> int:
+        if zlib.crc32(f"g{request_id}:{position}".encode()) % hit_every == 0:
+            return 999_999  # a miss
+        return sample(request_id, position)  # type: ignore[operator]
+
+    return guess
+
+
+def run(seed: int, driver: str, speculative: int) -> tuple[dict, object, FakeWorker]:  # type: ignore[type-arg]
+    config, arrivals = random_workload(seed)
+    num_blocks = int(config.pop("num_blocks"))  # type: ignore[call-overload]
+    scheduler = create_scheduler(num_blocks=num_blocks, speculative_ngram=speculative, **config)
+    sample = position_sampler(eos_every=9)
+    worker = FakeWorker(sample=sample, guess=guesser(4, sample))  # type: ignore[arg-type]
+    arrivals.sort(key=lambda pair: pair[0])
+    clock = 0
+
+    def arrive(step: int) -> None:
+        nonlocal clock
+        clock += 1
+        while arrivals and arrivals[0][0] <= clock:
+            scheduler.add_request(arrivals.pop(0)[1])
+
+    events: dict = {}  # type: ignore[type-arg]
+    while arrivals:
+        clock = max(clock, arrivals[0][0])
+        arrive(clock)
+        for request_id, stream in DRIVERS[driver](scheduler, worker, between=arrive).items():
+            events.setdefault(request_id, []).extend(stream)
+    return events, scheduler, worker
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("seed", range(30))
+def test_speculation_streams_exactly_what_plain_decoding_streams(seed: int, driver: str) -> None:
+    plain, _, _ = run(seed, "serial", speculative=0)
+    speculative, scheduler, worker = run(seed, driver, speculative=5)
+    assert streamed(speculative) == streamed(plain)
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_total_blocks  # type: ignore[attr-defined]
+    assert not worker.token_ids, "the worker was told to drop every sequence"
+
+
+def test_the_workloads_speculate_accept_and_reject() -> None:
+    """The equality above means something only if drafts were granted, accepted and
+    rejected, under preemption."""
+    proposed = accepted = preemptions = 0
+    for seed in range(30):
+        _, scheduler, _ = run(seed, "overlapped", speculative=5)
+        stats = scheduler.get_stats()  # type: ignore[attr-defined]
+        proposed += stats.num_draft_tokens_proposed
+        accepted += stats.num_draft_tokens_accepted
+        preemptions += stats.num_preemptions
+    assert 0 < accepted < proposed
+    assert preemptions > 0
+
+
+def test_drafts_reserve_kv_and_the_reservation_is_freed_when_drafting_stops() -> None:
+    sample = position_sampler(eos_every=10**9)
+    worker = FakeWorker(sample=sample, guess=sample)
+    scheduler = create_scheduler(num_blocks=64, speculative_ngram=8)
+    (request,) = create_requests(1, num_tokens=15, max_new_tokens=200)
+    scheduler.add_request(request)
+    run_steps = 0
+    while request.num_output_tokens < 3:  # prefill, then decodes that learn the step cost
+        plan = scheduler.schedule(now=0.0)
+        result = worker.step(plan)
+        scheduler.observe_step(plan, result, 0.010 + 0.0001 * plan.total_num_scheduled_tokens)
+        scheduler.update(plan, result, now=0.0)
+        run_steps += 1
+    plan = scheduler.schedule(now=0.0)
+    slots = plan.draft_slots[request.request_id]
+    assert slots > 0
+    table = scheduler.kv.get_block_table(request.request_id)
+    # The table covers the token computed this step and every draft slot after it.
+    assert len(table) * 16 >= request.num_computed_tokens + slots
+    result = worker.step(plan)
+    scheduler.update(plan, result, now=0.0)
+    assert len(result.accepted_draft_ids[request.request_id]) == slots  # all guessed right
+    # The request turns speculation off (as one whose drafts never pay would be left out):
+    # its reservation beyond the next token goes back to the pool, and the worker is told.
+    request.sampling = type(request.sampling)(max_new_tokens=200, num_speculative_tokens=0)
+    plan = scheduler.schedule(now=0.0)
+    assert request.request_id not in plan.draft_slots
+    worker.step(plan)
+    assert len(scheduler.kv.get_block_table(request.request_id)) == -(
+        -request.num_computed_tokens // 16
+    )
+    scheduler.check_integrity()
+
+
+def test_a_stop_token_inside_the_accepted_drafts_ends_the_stream_there() -> None:
+    stop_at = 40
+
+    def sample(request_id: str, position: int) -> int:
+        return 2 if position == stop_at else 100 + position  # EOS at position 40
+
+    worker = FakeWorker(sample=sample, guess=sample)
+    scheduler = create_scheduler(speculative_ngram=8)
+    (request,) = create_requests(1, num_tokens=20, max_new_tokens=100)
+    scheduler.add_request(request)
+    events = run_until_done(scheduler, worker)
+    tokens, reason = streamed(events)[request.request_id]
+    assert tokens == [100 + p for p in range(20, stop_at)] + [2]
+    assert reason is FinishReason.STOP
+    assert scheduler.get_stats().num_draft_tokens_accepted > 0
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_total_blocks
+
+
+def test_max_new_tokens_holds_exactly_with_drafts() -> None:
+    sample = position_sampler(eos_every=10**9)
+    worker = FakeWorker(sample=sample, guess=sample)
+    scheduler = create_scheduler(speculative_ngram=8)
+    requests = create_requests(3, num_tokens=20, max_new_tokens=37)
+    for request in requests:
+        scheduler.add_request(request)
+    events = run_until_done(scheduler, worker)
+    for request in requests:
+        tokens, reason = streamed(events)[request.request_id]
+        assert len(tokens) == 37 and reason is FinishReason.LENGTH
+        assert request.status is RequestStatus.FINISHED
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"logprobs": 2},
+        {"temperature": 0.7, "seed": 3},
+        {"num_speculative_tokens": 0},
+    ],
+)
+def test_requests_that_cannot_speculate_get_no_slots(sampling: dict) -> None:  # type: ignore[type-arg]
+    sample = position_sampler(eos_every=10**9)
+    worker = FakeWorker(sample=sample, guess=sample)
+    scheduler = create_scheduler(speculative_ngram=8)
+    (request,) = create_requests(1, num_tokens=20, max_new_tokens=30, **sampling)
+    scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule(now=0.0)
+        assert not plan.draft_slots
+        result = worker.step(plan)
+        scheduler.observe_step(plan, result, 0.01)
+        scheduler.update(plan, result, now=0.0)
+
+
+def test_a_request_may_ask_for_speculation_when_the_server_default_is_off() -> None:
+    sample = position_sampler(eos_every=10**9)
+    worker = FakeWorker(sample=sample, guess=sample)
+    scheduler = create_scheduler()  # speculative_ngram = 0
+    (asking,) = create_requests(1, num_tokens=20, max_new_tokens=40, num_speculative_tokens=3)
+    (plain,) = create_requests(1, num_tokens=20, max_new_tokens=40, id_prefix="plain")
+    scheduler.add_request(asking)
+    scheduler.add_request(plain)
+    granted: dict[str, int] = {}
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule(now=0.0)
+        for request_id, slots in plan.draft_slots.items():
+            assert slots <= 3
+            granted[request_id] = granted.get(request_id, 0) + slots
+        result = worker.step(plan)
+        scheduler.observe_step(plan, result, 0.01 + 0.0001 * plan.total_num_scheduled_tokens)
+        scheduler.update(plan, result, now=0.0)
+    assert set(granted) == {asking.request_id}
