@@ -9,8 +9,8 @@ index (Redis) how much of the prompt each scheduler holds, then applies the rout
 dns: entries are resolved again every `resolve_s` by a second task, which applies what
 membership.py decides: a joiner gets a channel and enters routing once its GetStats answers; a
 leaver leaves routing at once, and its channel closes when its last stream ends (or after
-`drain_s`). Membership changes replace `clients` and `routable` with new lists, never edit
-them, so a caller iterating one across awaits holds a consistent snapshot.
+`drain_s`). Membership changes replace `clients`, `routable` and `draining` with new lists,
+never edit them, so a caller iterating one across awaits holds a consistent snapshot.
 
 A call on a channel that closes under it ends with a CancelledError (grpc.aio), not an
 AioRpcError; `closed_under` tells it from the caller's own task being cancelled.
@@ -265,17 +265,17 @@ class SchedulerPool:
         while True:
             answers = await asyncio.gather(*(self._resolve(n) for n in self.membership.names))
             for name, (ips, error) in zip(self.membership.names, answers, strict=True):
-                self.apply_resolution(name, ips, error)
+                self._apply_resolution(name, ips, error)
             await asyncio.sleep(self.resolve_s)
 
     async def _resolve(self, name: DnsName) -> tuple[Sequence[str] | None, str]:
         try:
             ips = await asyncio.wait_for(self.resolve(name.name, name.port), RESOLVE_TIMEOUT_S)
-        except (OSError, TimeoutError, UnicodeError) as exc:
+        except (OSError, TimeoutError, ValueError) as exc:  # gaierror; a name idna refuses
             return None, str(exc) or type(exc).__name__
         return ips, "" if ips else "no address"
 
-    def apply_resolution(self, name: DnsName, ips: Sequence[str] | None, error: str = "") -> None:
+    def _apply_resolution(self, name: DnsName, ips: Sequence[str] | None, error: str = "") -> None:
         """What one resolution of `name` changes (membership.py decides): channels for the
         joiners, out of routing and draining for the leavers."""
         change = self.membership.resolved(name, ips)
@@ -295,7 +295,7 @@ class SchedulerPool:
         for address in change.left:
             client = self._by_address.pop(address)
             client.draining = True
-            self.draining.append(client)
+            self.draining = [*self.draining, client]
             log.info(
                 "scheduler left, draining",
                 extra={**extra, "scheduler": address, "in_flight": client.num_in_flight},
@@ -317,7 +317,7 @@ class SchedulerPool:
                 extra={"scheduler": client.address, "in_flight": client.num_in_flight},
             )
         await self._close_client(client)
-        self.draining.remove(client)
+        self.draining = [c for c in self.draining if c is not client]
         self._refresh()
         log.info("scheduler drained", extra={"scheduler": client.address})
 
