@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.serving_config import InternalConfig, PublicConfig
+from services.tokenizer.membership import SchedulerEntry, parse_scheduler_entries
 from services.tokenizer.routing import ROUTING_POLICIES, RoutingPolicy
 
 
@@ -19,7 +20,12 @@ class TokenizerConfig(PublicConfig, InternalConfig):
     port: int = 50051
     """Port of the public service (0 = an ephemeral port, for tests)."""
     scheduler: str = "127.0.0.1:50060"
-    """Scheduler Engine address host:port; a comma-separated list is used round-robin."""
+    """Schedulers, comma-separated: host:port (a fixed address) or dns:NAME:PORT (every A/AAAA
+    address NAME resolves to, re-resolved every scheduler_resolve_s: a Kubernetes headless
+    Service); the two kinds mix."""
+    scheduler_resolve_s: float = 5.0
+    """How often the dns: entries of scheduler are resolved again (schedulers join and
+    leave)."""
     max_new_tokens_limit: int | None = None
     """Largest max_new_tokens a request may ask for; None = max_model_len."""
     max_stop_strings: int = 16
@@ -27,7 +33,8 @@ class TokenizerConfig(PublicConfig, InternalConfig):
     max_stop_string_len: int = 256
     """Longest stop string, in characters (bounds the text held back while matching)."""
     drain_s: float = 30.0
-    """On SIGTERM, how long in-flight streams may run before the server stops."""
+    """On SIGTERM, how long in-flight streams may run before the server stops; also how long
+    a scheduler that left DNS may finish its streams before its channel closes."""
     warmup_poll_s: float = 0.5
     """How often to retry GetStats on the schedulers until one answers (then SERVING)."""
     redis_url: str | None = field(default=None, repr=False, metadata={"secret": True})
@@ -56,8 +63,9 @@ class TokenizerConfig(PublicConfig, InternalConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if not self.scheduler_addresses:
-            raise ValueError("at least one scheduler address (host:port) is required")
+        self.scheduler_entries  # noqa: B018 - raises naming the entry at fault
+        if self.scheduler_resolve_s <= 0:
+            raise ValueError(f"scheduler_resolve_s must be > 0, got {self.scheduler_resolve_s}")
         if self.max_new_tokens_limit is not None and self.max_new_tokens_limit <= 0:
             raise ValueError(f"max_new_tokens_limit must be > 0, got {self.max_new_tokens_limit}")
         if self.max_stop_strings < 0 or self.max_stop_string_len <= 0:
@@ -70,6 +78,6 @@ class TokenizerConfig(PublicConfig, InternalConfig):
             raise ValueError("drain_s must be >= 0 and warmup_poll_s > 0")
 
     @property
-    def scheduler_addresses(self) -> tuple[str, ...]:
-        """'a:1, b:2' → ('a:1', 'b:2')."""
-        return tuple(part.strip() for part in self.scheduler.split(",") if part.strip())
+    def scheduler_entries(self) -> tuple[SchedulerEntry, ...]:
+        """'a:1, dns:pairs:50060' → ('a:1', DnsName('pairs', 50060))."""
+        return parse_scheduler_entries(self.scheduler)

@@ -43,7 +43,7 @@ from services.tokenizer import convert
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline
-from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
+from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool, closed_under
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.validation import GenerateInput, Limits, ValidatedRequest, validate_generate
 
@@ -194,9 +194,15 @@ class GenerationStream:
                 "timeout_s": prepared.timeout_s,
             },
         )
-        self._call = prepared.scheduler.stub.Submit(
-            convert.submit_request(request, prepared.arrival_unix_s), timeout=prepared.timeout_s
-        )
+        scheduler = prepared.scheduler
+        # A scheduler that left the pool may have closed its channel after routing chose it
+        # (both doors await between the two): that request ends UNAVAILABLE, unsent.
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        if not scheduler.closed:
+            self._call = scheduler.stub.Submit(
+                convert.submit_request(request, prepared.arrival_unix_s),
+                timeout=prepared.timeout_s,
+            )
         self.output = OutputPipeline.create(
             model.tokenizer.tokenizer,
             request.prompt_token_ids,
@@ -209,18 +215,23 @@ class GenerationStream:
         # (HTTP/2 flow control is per connection too). What piles up meanwhile goes through
         # the pipeline as one engine output and out as one message.
         self._responses: asyncio.Queue[EngineItem] = asyncio.Queue()
-        self._reader = asyncio.create_task(_drain(self._call, self._responses))
+        self._reader = asyncio.create_task(_drain(self._call, self._responses, scheduler))
+        # The stream is in flight until its reader ends, however it ends (a leaving
+        # scheduler's channel closes when none is).
+        scheduler.num_in_flight += 1
+        self._reader.add_done_callback(lambda _: _release(scheduler))
         self._cancels: set[asyncio.Future[engine_pb2.CancelChoiceResponse]] = set()
 
     def cancel(self) -> None:
         """The scheduler's signal to free the request's KV blocks."""
-        self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
         self._reader.cancel()
 
     def _cancel_choice(self, index: int) -> None:
         """A stop string ended one choice while others go on: the scheduler frees its blocks
         (the last choice's end cancels the whole call instead)."""
-        if self.output.num_unfinished == 0:
+        if self.output.num_unfinished == 0 or self.prepared.scheduler.closed:
             return
         cancel = self.prepared.scheduler.stub.CancelChoice(
             engine_pb2.CancelChoiceRequest(request_id=self.request_id, index=index), timeout=5.0
@@ -233,7 +244,8 @@ class GenerationStream:
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         extra, progress = self._extra, self.output.progress
-        address = self.prepared.scheduler.address
+        scheduler = self.prepared.scheduler
+        address = scheduler.address
         responses = self._responses
         backlog: deque[EngineItem] = deque()
         try:
@@ -250,7 +262,7 @@ class GenerationStream:
                     if item is None:
                         break
                     if isinstance(item, grpc.aio.AioRpcError):
-                        error = scheduler_error(item, address)
+                        error = scheduler_error(item, address, left=scheduler.draining)
                         log.warning(
                             "scheduler call failed",
                             extra={**extra, "code": item.code().name, "error": str(error)},
@@ -321,20 +333,55 @@ def _take_batch(backlog: deque[EngineItem]) -> list[engine_pb2.SubmitResponse]:
     return batch
 
 
-async def _drain(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[EngineItem]) -> None:
-    """Move every engine response into `queue`; None marks the end, an exception a failure."""
+async def _drain(
+    call: grpc.aio.UnaryStreamCall | None,
+    queue: asyncio.Queue[EngineItem],
+    scheduler: SchedulerClient,
+) -> None:
+    """Move every engine response into `queue`; None marks the end, an exception a failure.
+    `call` None: it could not be made (the scheduler's channel had closed)."""
     try:
+        if call is None:
+            queue.put_nowait(scheduler_gone(scheduler))
+            return
         async for response in call:
             queue.put_nowait(response)
         queue.put_nowait(None)
     except grpc.aio.AioRpcError as exc:
         queue.put_nowait(exc)
+    except asyncio.CancelledError:
+        if not closed_under(scheduler):
+            raise
+        # grpc.aio ends a call whose channel closes with a CancelledError, not a status.
+        queue.put_nowait(scheduler_gone(scheduler))
 
 
-def scheduler_error(exc: grpc.aio.AioRpcError, address: str) -> LLMServeError:
+def _release(scheduler: SchedulerClient) -> None:
+    scheduler.num_in_flight -= 1
+
+
+def scheduler_gone(scheduler: SchedulerClient) -> DependencyUnavailableError:
+    """A stream whose channel closed under it (or before it could start)."""
+    if scheduler.draining:
+        return DependencyUnavailableError(
+            f"scheduler {scheduler.address} left the pool (no longer listed by DNS) before "
+            "the request finished; retry"
+        )
+    return DependencyUnavailableError(
+        f"the channel to scheduler {scheduler.address} closed (this tokenizer is stopping); retry"
+    )
+
+
+def scheduler_error(exc: grpc.aio.AioRpcError, address: str, left: bool = False) -> LLMServeError:
     """A failed Submit as our typed error: what the client can act on keeps its meaning
-    (retry, back off, fix a field, too late), anything else is internal."""
+    (retry, back off, fix a field, too late), anything else is internal. `left`: the
+    scheduler left the pool (gone from DNS), so a lost connection is that."""
     code, details = exc.code(), exc.details() or ""
+    if left and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return DependencyUnavailableError(
+            f"scheduler {address} left the pool (no longer listed by DNS) and is unavailable: "
+            f"{details}; retry"
+        )
     if code == grpc.StatusCode.UNAVAILABLE:
         return DependencyUnavailableError(f"scheduler {address} is unavailable: {details}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -25,6 +25,13 @@ ROUTED = Counter(
     ("policy", "reason"),
     registry=REGISTRY,
 )
+SCHEDULERS = Gauge(
+    "llmserve_tokenizer_schedulers",
+    "Schedulers this replica knows, by state: pending (listed by DNS, not answering yet), "
+    "active (routed to) or draining (gone from DNS, its in-flight requests finishing).",
+    ("state",),
+    registry=REGISTRY,
+)
 
 REQUESTS_IN_FLIGHT = Gauge(
     "llmserve_tokenizer_requests_in_flight",

@@ -94,28 +94,34 @@ class RecentRoutes:
 
     The Redis index only knows blocks once computed; a burst of requests sharing a cold prefix
     would otherwise spread over every scheduler and compute it on each. Remembering our own
-    routing sends them to one (until it is overloaded), and works without Redis too.
+    routing sends them to one (until it is overloaded), and works without Redis too. A
+    scheduler is remembered by address, not by its place in the list: schedulers join and
+    leave (DNS discovery), which shifts places.
     """
 
     def __init__(self, capacity: int = 1 << 16) -> None:
         self.capacity = capacity
-        self._owner: OrderedDict[BlockHash, int] = OrderedDict()
+        self._owner: OrderedDict[BlockHash, str] = OrderedDict()
 
-    def leading_blocks(self, block_hashes: Sequence[BlockHash], num_schedulers: int) -> list[int]:
-        """Per scheduler: leading blocks of this prompt last sent to it."""
-        counts = [0] * num_schedulers
+    def leading_blocks(
+        self, block_hashes: Sequence[BlockHash], schedulers: Sequence[str]
+    ) -> list[int]:
+        """Per scheduler of `schedulers` (addresses): leading blocks of this prompt last sent
+        to it."""
+        counts = [0] * len(schedulers)
         owner = self._owner.get(block_hashes[0]) if block_hashes else None
-        if owner is None or owner >= num_schedulers:
+        if owner is None or owner not in schedulers:
             return counts
+        index = schedulers.index(owner)
         for block_hash in block_hashes:
             if self._owner.get(block_hash) != owner:
                 break
-            counts[owner] += 1
+            counts[index] += 1
         return counts
 
-    def remember(self, block_hashes: Sequence[BlockHash], index: int) -> None:
+    def remember(self, block_hashes: Sequence[BlockHash], scheduler: str) -> None:
         for block_hash in block_hashes:
-            self._owner[block_hash] = index
+            self._owner[block_hash] = scheduler
             self._owner.move_to_end(block_hash)
         while len(self._owner) > self.capacity:
             self._owner.popitem(last=False)

@@ -27,7 +27,7 @@ from services.tokenizer.generation import Generator
 from services.tokenizer.openai_http.app import OpenAIDoor, create_app
 from services.tokenizer.openai_http.server import HttpServer
 from services.tokenizer.prefix_locator import PrefixLocator
-from services.tokenizer.scheduler_pool import SchedulerPool
+from services.tokenizer.scheduler_pool import Resolve, SchedulerPool, resolve_ips
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.servicer import SERVICE_NAME, TextGenerationServicer
 
@@ -45,15 +45,19 @@ class TokenizerServer:
     from the model it describes, then turns health SERVING.
     """
 
-    def __init__(self, config: TokenizerConfig) -> None:
+    def __init__(self, config: TokenizerConfig, *, resolve: Resolve = resolve_ips) -> None:
+        """`resolve`: how dns: scheduler entries are resolved (tests give their own)."""
         self.config = config
         self.redis = open_store(config.redis_url, metrics.REDIS)
         self.pool = SchedulerPool(
-            config.scheduler_addresses,
+            config.scheduler_entries,
             policy=config.routing,
             overload_queued=config.route_overload_queued,
             poll_s=config.stats_poll_s,
             internal_secret=config.internal_secret,
+            resolve_s=config.scheduler_resolve_s,
+            drain_s=config.drain_s,
+            resolve=resolve,
         )
         self.access = AccessPolicy.from_settings(
             config.api_key, config.admin_api_key, config.api_key_file

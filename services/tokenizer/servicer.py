@@ -183,8 +183,12 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                 return False
             return response.num_pinned_tokens > 0
 
-        results = await asyncio.gather(*(pin_on(c) for c in self._generator.pool.clients))
-        return sum(results)
+        # A scheduler leaving the pool mid-call (its channel closed) ends its call with a
+        # CancelledError, not a status: it counts as not pinned, like one that is down.
+        results = await asyncio.gather(
+            *(pin_on(c) for c in self._generator.pool.clients), return_exceptions=True
+        )
+        return sum(result is True for result in results)
 
     async def ListPrompts(
         self, request: text_pb2.ListPromptsRequest, context: grpc.aio.ServicerContext

@@ -25,6 +25,7 @@ PURE_MODULES = (
     "services/worker/ngram_proposer.py",
     # the tokenizer tier's logic
     "services/tokenizer/routing.py",
+    "services/tokenizer/membership.py",
     "services/tokenizer/detokenizer.py",
     "services/tokenizer/stop_strings.py",
     "services/tokenizer/validation.py",

@@ -63,13 +63,16 @@ def test_recent_routes_follow_the_longest_shared_run_of_one_scheduler() -> None:
     from services.tokenizer.routing import RecentRoutes
 
     recent = RecentRoutes(capacity=4)
-    assert recent.leading_blocks([], 2) == [0, 0]
-    recent.remember([b"a", b"b", b"c"], 1)
-    assert recent.leading_blocks([b"a", b"b", b"x"], 2) == [0, 2]
-    assert recent.leading_blocks([b"x", b"b"], 2) == [0, 0]  # the run starts at the first block
-    recent.remember([b"a", b"d"], 0)  # re-routed: the first block now points elsewhere
-    assert recent.leading_blocks([b"a", b"b"], 2) == [1, 0]
-    recent.remember([b"e"], 1)  # capacity 4: the least recently used hash (b"b") goes
-    assert recent.leading_blocks([b"b"], 2) == [0, 0]
-    assert recent.leading_blocks([b"a"], 1) == [1]
-    assert recent.leading_blocks([b"e"], 1) == [0]  # an index beyond the schedulers counts not
+    both, only_a = ["a:1", "b:1"], ["a:1"]
+    assert recent.leading_blocks([], both) == [0, 0]
+    recent.remember([b"a", b"b", b"c"], "b:1")
+    assert recent.leading_blocks([b"a", b"b", b"x"], both) == [0, 2]
+    assert recent.leading_blocks([b"x", b"b"], both) == [0, 0]  # the run starts at block one
+    recent.remember([b"a", b"d"], "a:1")  # re-routed: the first block now points elsewhere
+    assert recent.leading_blocks([b"a", b"b"], both) == [1, 0]
+    recent.remember([b"e"], "b:1")  # capacity 4: the least recently used hash (b"b") goes
+    assert recent.leading_blocks([b"b"], both) == [0, 0]
+    assert recent.leading_blocks([b"a"], only_a) == [1]
+    assert recent.leading_blocks([b"e"], only_a) == [0]  # a scheduler not listed counts not
+    # Places shift when schedulers join or leave: the owner is found by address.
+    assert recent.leading_blocks([b"e"], ["c:1", "b:1"]) == [0, 1]

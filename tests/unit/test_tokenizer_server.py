@@ -678,7 +678,7 @@ def test_unreachable_scheduler_is_unavailable(model: ServedModel) -> None:
         # Warm against a live fake, then point the pool at a port nobody listens on.
         async with running_stack(model) as stack:
             await stack.server.pool.close()
-            stack.server.pool.addresses = ("127.0.0.1:1",)
+            stack.server.pool.entries = ("127.0.0.1:1",)
             stack.server.pool.open()
             error = await rpc_error(stack.generate(text_pb2.GenerateRequest(prompt="a")))
         assert error.code() == grpc.StatusCode.UNAVAILABLE
