@@ -27,6 +27,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 from services.cli import build_parser, command_of  # noqa: E402
 from services.common.config_flags import config_from_args, env_name  # noqa: E402
 from services.launcher import free_port  # noqa: E402
+from services.tokenizer.membership import DnsName  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "deploy" / "kubernetes"
@@ -483,12 +484,11 @@ def test_tokenizers_discover_the_pairs_by_dns(
         (engine,) = [p for p in service["spec"]["ports"] if p["name"] == "engine"]
         # One entry, `dns:NAME:PORT`: the tokenizer re-resolves NAME every
         # --scheduler-resolve-s seconds and routes over every address it gets.
-        (entry,) = found["tokenizer"].config.scheduler_addresses
-        scheme, host, port = entry.split(":")
-        assert scheme == "dns"
+        (entry,) = found["tokenizer"].config.scheduler_entries
+        assert isinstance(entry, DnsName)
         # The Service's name alone resolves within the namespace (the pod's DNS search path).
-        assert host == service["metadata"]["name"]
-        assert int(port) == engine["port"]
+        assert entry.name == service["metadata"]["name"]
+        assert entry.port == engine["port"]
 
 
 def test_each_pair_has_its_own_scheduler_id(
