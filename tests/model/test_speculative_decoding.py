@@ -6,14 +6,17 @@ context; sampled requests speculate too; every KV block is free afterwards."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import pytest
 import torch
 
 from services.bench.speculative_workload import grounded_messages
 from services.common.chat_template import ChatMessage
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.scheduler.speculation_policy import SpeculationPolicy
 from services.worker.loaded_model import LoadedModel
 from tests.model.conftest import PROMPTS
 
@@ -24,8 +27,24 @@ def loaded_gguf() -> LoadedModel:
     return LoadedModel.load(None, torch.float32, quantization="gguf")
 
 
+class EveryDraft(SpeculationPolicy):
+    """Grants every decode its full limit each step: the most drafts, and the most rejected
+    ones, whatever the step times (the back-off itself is tests/unit's); so what is verified
+    here does not depend on how fast this machine happens to be."""
+
+    def draft_slots(
+        self,
+        decoding: Sequence[str],
+        other_tokens: int = 0,
+        caps: Mapping[str, int] | None = None,
+    ) -> dict[str, int]:
+        return {rid: (caps or {}).get(rid, self.max_draft_tokens) for rid in decoding}
+
+
 def engine_for(loaded: LoadedModel, **config: object) -> LLMEngine:
-    return LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, seed=0, **config), loaded=loaded)  # type: ignore[arg-type]
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, seed=0, **config), loaded=loaded)  # type: ignore[arg-type]
+    engine.scheduler.speculation = EveryDraft(MAX_SPECULATIVE_TOKENS)
+    return engine
 
 
 def prompts(loaded: LoadedModel) -> list[list[int]]:
