@@ -213,45 +213,34 @@ class ModelRunner:
         (draft_verification.py): greedy rows by argmax, sampled rows by the rejection rule
         on the row's final distribution. Returns (sampled token, accepted drafts) per id."""
         sequences, eos = self.batch.sequences, self.eos_token_ids
-        row_ids: list[str] = []
         rows = []
+        row_ids: list[str] = []
+        first_row: dict[str, int] = {}
         for request_id in inputs.sampled_ids:
             seq = sequences[request_id]
             draft = inputs.drafts.get(request_id, ())
-            for j in range(len(draft) + 1):
-                rows.append(seq.sampler_row(eos, draft[:j]))
-                row_ids.append(request_id)
+            first_row[request_id] = len(rows)
+            rows.extend(seq.sampler_row(eos, draft[:j]) for j in range(len(draft) + 1))
+            row_ids.extend([request_id] * (len(draft) + 1))
         metadata = build_sampling_metadata(rows, self.vocab_size, self.device)
         if self.grammars is not None:
             # Sequences with a grammar never draft (SamplingParams.can_speculate): one row.
             metadata.grammar_mask = self.grammars.fill(row_ids)
-        # Sampled (not greedy) speculating sequences verify against their rows' distributions,
-        # computed before the sampler consumes the logits.
-        sampled_rows = {
-            request_id: index
-            for index, request_id in enumerate(inputs.sampled_ids)
-            if request_id in inputs.drafts and not sequences[request_id].sampling.is_greedy
-        }
+        # A sampled (not greedy) speculating sequence verifies against its rows' final
+        # distributions, taken before the sampler consumes the logits.
         probs: dict[str, torch.Tensor] = {}
-        first_row = 0
-        row_starts: dict[str, int] = {}
-        for request_id in inputs.sampled_ids:
-            row_starts[request_id] = first_row
-            first_row += 1 + len(inputs.drafts.get(request_id, ()))
-        if sampled_rows:
-            for request_id in sampled_rows:
-                start = row_starts[request_id]
-                end = start + 1 + len(inputs.drafts[request_id])
-                sub_rows = rows[start:end]
-                sub_metadata = build_sampling_metadata(sub_rows, self.vocab_size, self.device)
-                probs[request_id] = filtered_probs(logits[start:end].float().clone(), sub_metadata)
+        for request_id, draft in inputs.drafts.items():
+            if not sequences[request_id].sampling.is_greedy:
+                start, end = first_row[request_id], first_row[request_id] + len(draft) + 1
+                own = build_sampling_metadata(rows[start:end], self.vocab_size, self.device)
+                probs[request_id] = filtered_probs(logits[start:end].float().clone(), own)
         output = self.sampler(logits, metadata)
         token_ids = output.token_ids.tolist()
         sampled: dict[str, int] = {}
         accepted: dict[str, list[int]] = {}
         generator = self.sampler.generator(self.device)
         for request_id in inputs.sampled_ids:
-            start = row_starts[request_id]
+            start = first_row[request_id]
             draft = inputs.drafts.get(request_id)
             if not draft:
                 sampled[request_id] = token_ids[start]
