@@ -69,6 +69,13 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         help="completions of the prompt (1-16); more than one are printed whole, one by one",
     )
     parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="most draft tokens (n-gram lookup) a step may verify, 0-16; 0 = off; "
+        "unset = the server's --speculative-ngram",
+    )
+    parser.add_argument(
         "--stop", action="append", default=[], help="stop string (repeatable); not printed"
     )
     parser.add_argument("--stop-token-id", type=int, action="append", default=[])
