@@ -6,6 +6,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from services.launcher import free_port
@@ -64,3 +66,33 @@ class RedisServer:
         with socket.create_connection(("127.0.0.1", self.port), timeout=2) as sock:
             sock.sendall(b"".join(parts))
             return sock.recv(1 << 16)
+
+
+@contextmanager
+def redis_recipe(
+    script: str, env: Mapping[str, str]
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A container's `sh -c` script that starts `redis-server -` (its configuration, the
+    password, on stdin), run here on loopback and a free port instead of the container's
+    6379: (the shell's process, which exec makes redis-server, and its port) once Redis
+    answers, refusing a client without the password."""
+    port = free_port("127.0.0.1")
+    script = script.replace("redis-server -", f"redis-server - --bind 127.0.0.1 --port {port}")
+    process = subprocess.Popen(
+        ["sh", "-c", script], env=dict(env), stdout=subprocess.DEVNULL, cwd="/tmp"
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as connection:
+                    connection.sendall(b"PING\r\n")
+                    assert connection.recv(64).startswith(b"-NOAUTH")
+                break
+            except OSError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.05)
+        yield process, port
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

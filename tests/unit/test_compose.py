@@ -9,7 +9,6 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from services.cli import build_parser  # noqa: E402
-from services.launcher import free_port  # noqa: E402
+from tests.redis_server import redis_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRETS = ("LLMSERVE_INTERNAL_SECRET", "LLMSERVE_REDIS_PASSWORD")
@@ -157,20 +156,7 @@ def test_the_redis_recipe_requires_the_password_and_hides_it(compose: dict) -> N
     env = {**os.environ, "LLMSERVE_REDIS_PASSWORD": password}
     shell, flag, script = (interpolate(part, env) for part in redis["command"])
     assert (shell, flag) == ("sh", "-c")
-    port = free_port("127.0.0.1")
-    script = script.replace("redis-server -", f"redis-server - --bind 127.0.0.1 --port {port}")
-    process = subprocess.Popen(
-        [shell, flag, script], env=env, stdout=subprocess.DEVNULL, cwd="/tmp"
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                assert redis_ping(port, None).startswith(b"-NOAUTH")
-                break
-            except OSError:
-                assert time.monotonic() < deadline and process.poll() is None
-                time.sleep(0.05)
+    with redis_recipe(script, env) as (process, port):
         assert redis_ping(port, password).startswith(b"+PONG")
         # exec: the shell became redis-server, whose command line has no password.
         cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes()
@@ -180,6 +166,3 @@ def test_the_redis_recipe_requires_the_password_and_hides_it(compose: dict) -> N
         assert subprocess.run(["sh", "-c", check], env=env, timeout=10).returncode == 0
         wrong = {**env, "LLMSERVE_REDIS_PASSWORD": "wrong"}
         assert subprocess.run(["sh", "-c", check], env=wrong, timeout=10).returncode != 0
-    finally:
-        process.terminate()
-        process.wait(timeout=10)

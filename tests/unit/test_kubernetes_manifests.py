@@ -14,7 +14,6 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,8 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 from services.cli import build_parser, command_of  # noqa: E402
 from services.common.config_flags import config_from_args, env_name  # noqa: E402
-from services.launcher import free_port  # noqa: E402
 from services.tokenizer.membership import DnsName  # noqa: E402
+from tests.redis_server import redis_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "deploy" / "kubernetes"
@@ -719,21 +718,7 @@ def test_the_redis_container_requires_its_password_and_hides_it(
     assert env[REDIS_PASSWORD_ENV] == REDIS_PASSWORD
     shell, flag, script = spec["command"]
     assert (shell, flag) == ("sh", "-c") and "$(" not in script
-    port = free_port("127.0.0.1")
-    script = script.replace("redis-server -", f"redis-server - --bind 127.0.0.1 --port {port}")
-    process = subprocess.Popen(
-        [shell, flag, script], env=env, stdout=subprocess.DEVNULL, cwd="/tmp"
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=2) as connection:
-                    assert redis_command(connection, "PING").startswith(b"-NOAUTH")
-                break
-            except OSError:
-                assert time.monotonic() < deadline and process.poll() is None
-                time.sleep(0.05)
+    with redis_recipe(script, env) as (process, port):
         with socket.create_connection(("127.0.0.1", port), timeout=2) as connection:
             assert redis_command(connection, "AUTH", REDIS_PASSWORD).startswith(b"+OK")
             policy = redis_command(connection, "CONFIG", "GET", "maxmemory-policy")
@@ -748,6 +733,3 @@ def test_the_redis_container_requires_its_password_and_hides_it(
             assert subprocess.run(["sh", "-c", script], env=env, timeout=10).returncode == 0
             wrong = {**env, REDIS_PASSWORD_ENV: "wrong"}
             assert subprocess.run(["sh", "-c", script], env=wrong, timeout=10).returncode != 0
-    finally:
-        process.terminate()
-        process.wait(timeout=10)

@@ -64,12 +64,20 @@ def random_workload(seed: int) -> tuple[dict[str, object], list[tuple[int, Reque
 
 
 def run_workload(
-    seed: int, driver: Driver
+    seed: int,
+    driver: Driver,
+    *,
+    speculative_ngram: int = 0,
+    guess: Callable[[Callable[[str, int], int]], Callable[[str, int], int]] | None = None,
 ) -> tuple[dict[str, list[TokenEvent]], Scheduler, FakeWorker]:
+    """`guess` makes the worker's draft guesser from its sampler (speculative decoding)."""
     config, arrivals = random_workload(seed)
     num_blocks = int(config.pop("num_blocks"))  # type: ignore[call-overload]
-    scheduler = create_scheduler(num_blocks=num_blocks, **config)
-    worker = FakeWorker(sample=position_sampler(eos_every=9))
+    scheduler = create_scheduler(
+        num_blocks=num_blocks, speculative_ngram=speculative_ngram, **config
+    )
+    sample = position_sampler(eos_every=9)
+    worker = FakeWorker(sample=sample, guess=None if guess is None else guess(sample))
 
     arrivals.sort(key=lambda pair: pair[0])
     clock = 0

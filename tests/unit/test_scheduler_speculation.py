@@ -7,53 +7,35 @@ wanted, and every block is free at the end."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import pytest
 
 from services.contracts.step import FinishReason
 from services.scheduler.request import RequestStatus
+from services.scheduler.scheduler import Scheduler
 from tests.unit.factories import FakeWorker, create_requests, create_scheduler, run_until_done
 from tests.unit.test_overlapped_scheduling import (
     DRIVERS,
     position_sampler,
-    random_workload,
+    run_workload,
     streamed,
 )
 
 
-def guesser(hit_every: int, sample: object) -> object:
-    """Guesses the sampled token except at about one position in `hit_every`."""
+def guesser(sample: Callable[[str, int], int]) -> Callable[[str, int], int]:
+    """Guesses the sampled token except at about one position in 4."""
 
     def guess(request_id: str, position: int) -> int:
-        if zlib.crc32(f"g{request_id}:{position}".encode()) % hit_every == 0:
+        if zlib.crc32(f"g{request_id}:{position}".encode()) % 4 == 0:
             return 999_999  # a miss
-        return sample(request_id, position)  # type: ignore[operator]
+        return sample(request_id, position)
 
     return guess
 
 
-def run(seed: int, driver: str, speculative: int) -> tuple[dict, object, FakeWorker]:  # type: ignore[type-arg]
-    config, arrivals = random_workload(seed)
-    num_blocks = int(config.pop("num_blocks"))  # type: ignore[call-overload]
-    scheduler = create_scheduler(num_blocks=num_blocks, speculative_ngram=speculative, **config)
-    sample = position_sampler(eos_every=9)
-    worker = FakeWorker(sample=sample, guess=guesser(4, sample))  # type: ignore[arg-type]
-    arrivals.sort(key=lambda pair: pair[0])
-    clock = 0
-
-    def arrive(step: int) -> None:
-        nonlocal clock
-        clock += 1
-        while arrivals and arrivals[0][0] <= clock:
-            scheduler.add_request(arrivals.pop(0)[1])
-
-    events: dict = {}  # type: ignore[type-arg]
-    while arrivals:
-        clock = max(clock, arrivals[0][0])
-        arrive(clock)
-        for request_id, stream in DRIVERS[driver](scheduler, worker, between=arrive).items():
-            events.setdefault(request_id, []).extend(stream)
-    return events, scheduler, worker
+def run(seed: int, driver: str, speculative: int) -> tuple[dict, Scheduler, FakeWorker]:  # type: ignore[type-arg]
+    return run_workload(seed, DRIVERS[driver], speculative_ngram=speculative, guess=guesser)
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -62,7 +44,7 @@ def test_speculation_streams_exactly_what_plain_decoding_streams(seed: int, driv
     plain, _, _ = run(seed, "serial", speculative=0)
     speculative, scheduler, worker = run(seed, driver, speculative=5)
     assert streamed(speculative) == streamed(plain)
-    assert scheduler.kv.num_free_blocks == scheduler.kv.num_total_blocks  # type: ignore[attr-defined]
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_total_blocks
     assert not worker.token_ids, "the worker was told to drop every sequence"
 
 
@@ -72,7 +54,7 @@ def test_the_workloads_speculate_accept_and_reject() -> None:
     proposed = accepted = preemptions = 0
     for seed in range(30):
         _, scheduler, _ = run(seed, "overlapped", speculative=5)
-        stats = scheduler.get_stats()  # type: ignore[attr-defined]
+        stats = scheduler.get_stats()
         proposed += stats.num_draft_tokens_proposed
         accepted += stats.num_draft_tokens_accepted
         preemptions += stats.num_preemptions
