@@ -168,3 +168,24 @@ def test_a_request_may_ask_for_speculation_when_the_server_default_is_off() -> N
         scheduler.observe_step(plan, result, 0.01 + 0.0001 * plan.total_num_scheduled_tokens)
         scheduler.update(plan, result, now=0.0)
     assert set(granted) == {asking.request_id}
+
+
+def test_drafts_never_preempt_when_blocks_run_out() -> None:
+    """A decode whose draft slots would need blocks the pool lacks gets no slots (and nobody
+    is preempted for them); it decodes one token per step as without speculation."""
+    sample = position_sampler(eos_every=10**9)
+    worker = FakeWorker(sample=sample, guess=sample)
+    # 2 blocks of 16: the 31-token prompt + its first token fill them exactly.
+    scheduler = create_scheduler(num_blocks=2, speculative_ngram=8)
+    (request,) = create_requests(1, num_tokens=31, max_new_tokens=1)
+    scheduler.add_request(request)
+    request.sampling = type(request.sampling)(max_new_tokens=100, num_speculative_tokens=8)
+    plan = scheduler.schedule(now=0.0)
+    result = worker.step(plan)
+    scheduler.observe_step(plan, result, 0.01)
+    scheduler.update(plan, result, now=0.0)
+    plan = scheduler.schedule(now=0.0)  # position 31 is the last slot of block 1
+    assert plan.num_scheduled_tokens == {request.request_id: 1}
+    assert not plan.draft_slots
+    assert scheduler.num_preemptions == 0
+    scheduler.check_integrity()
