@@ -26,6 +26,7 @@ __all__ = [
     "apply_rotary",
     "dequantize_kv_int8",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
     "int4_packed_gemm",
     "int8_gemm",
     "int8_weight_only_gemm",
@@ -75,6 +76,8 @@ def paged_decode_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     batch_invariant: bool = False,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> Tensor:
     """query [B, Hq, D], one token per sequence, over its paged KV -> [B, Hq, D].
 
@@ -89,9 +92,15 @@ def paged_decode_attention(
         return triton_decode_attention.paged_decode_attention(*args)
     # The C++ kernel reads K/V in place (the torch path gathers a dense copy first) and is
     # faster in every cell of kernels/bench_decode_cpu.py: bf16, bf16 + int8 KV, fp32.
-    if use_cpu_extension(query):
+    plain = sliding_window == 0 and logit_softcap == 0.0
+    if plain and use_cpu_extension(query):
         return torch.ops.llmserve.paged_decode_attention(*args, batch_invariant)  # type: ignore[no-any-return]
-    return attention_torch.paged_decode_attention(*args, batch_invariant=batch_invariant)
+    return attention_torch.paged_decode_attention(
+        *args,
+        batch_invariant=batch_invariant,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
 
 
 def prefill_attention(
@@ -106,6 +115,8 @@ def prefill_attention(
     scale: float,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> Tensor:
     """Packed varlen causal prefill over cached prefix + new tokens -> [T, Hq, D]."""
     if use_triton(query):
@@ -136,6 +147,8 @@ def prefill_attention(
         scale,
         k_scale,
         v_scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
     )
 
 
@@ -177,6 +190,15 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
         return triton_activation.silu_and_mul(x)
     return activation_torch.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (GeGLU)."""
+    if use_triton(x):
+        from kernels import triton_activation
+
+        return triton_activation.gelu_tanh_and_mul(x)
+    return activation_torch.gelu_tanh_and_mul(x)
 
 
 def int8_gemm(x: Tensor, w_q: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -45,7 +45,7 @@ TABLE_HEADERS = [
 
 
 def shape_from_config(name: str, config: Any) -> ModelShape:
-    """A ModelShape from services.contracts.model_config.ModelConfig."""
+    """A ModelShape from a ModelArchitecture (services/worker/model/architecture.py)."""
     return ModelShape(
         name=name,
         num_layers=config.num_layers,
@@ -64,24 +64,19 @@ def load_model_shape(spec: str | None) -> tuple[ModelShape, str]:
     """The model's shape and where it came from: a built-in name, a config.json file, a HF
     directory or a .gguf file (None: the embedded model)."""
     from services.common.model_source import model_display_name, resolve_model_path
-    from services.contracts.model_config import ModelConfig
+    from services.worker.model.families import hf_family, model_architecture
 
     if spec is not None and spec.lower() in KNOWN_MODELS:
         return KNOWN_MODELS[spec.lower()], "built-in shape"
     if spec is not None and Path(spec).is_file() and spec.endswith(".json"):
-        config = ModelConfig.from_hf(json.loads(Path(spec).read_text()))
+        hf_config = json.loads(Path(spec).read_text())
+        config = hf_family(hf_config).read_hf(hf_config)
         return shape_from_config(Path(spec).resolve().parent.name, config), spec
     try:
         path = resolve_model_path(spec)
     except Exception as exc:  # ModelLoadError: say what else is accepted
         raise ValueError(f"{exc}; or a built-in name: {', '.join(KNOWN_MODELS)}") from None
-    if path.suffix == ".gguf":
-        from services.common.gguf_metadata import open_gguf
-        from services.contracts.model_config import gguf_model_config
-
-        config = gguf_model_config(open_gguf(path))
-    else:  # config.json alone: the HF loader module would import torch for nothing
-        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    _, config = model_architecture(path)  # metadata only: no torch, no weights
     return shape_from_config(model_display_name(path), config), str(path)
 
 

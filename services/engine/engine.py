@@ -72,7 +72,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model = loaded.model
         self.dtype = loaded.dtype
-        self.model_config = self.model.config
+        self.architecture = self.model.architecture
         self.max_model_len = loaded.max_model_len(config.max_model_len)
         self.eos_token_ids = loaded.eos_token_ids
         self.runner = ModelRunner.create(
@@ -131,7 +131,7 @@ class LLMEngine:
         sampling = sampling or SamplingParams()
         prompt = self.validate_prompt(prompt_token_ids)
         sampling.validate(
-            max_new_tokens_limit=self.max_model_len, vocab_size=self.model_config.vocab_size
+            max_new_tokens_limit=self.max_model_len, vocab_size=self.architecture.vocab_size
         )
         if deadline_s is not None and not deadline_s > 0:
             raise InvalidRequestError("deadline_ms", f"must be > 0, got {deadline_s * 1000}")
@@ -152,7 +152,7 @@ class LLMEngine:
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         prompt = [int(t) for t in prompt_token_ids]
         check_prompt_length(len(prompt), self.max_model_len)
-        check_token_ids("prompt_token_ids", prompt, self.model_config.vocab_size)
+        check_token_ids("prompt_token_ids", prompt, self.architecture.vocab_size)
         return prompt
 
     def abort(self, request_id: str) -> None:

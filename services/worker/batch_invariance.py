@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from kernels import batch_invariant_torch
 from services.common.errors import ModelLoadError
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
 from services.worker.quantization.linear import QuantizedLinear
 
@@ -53,7 +53,7 @@ class BatchInvariantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def make_batch_invariant(model: LlamaForCausalLM) -> None:
+def make_batch_invariant(model: CausalLM) -> None:
     """Switch every linear layer of `model` to its batch-invariant form, in place.
 
     Raises ModelLoadError for what has no batch-invariant path: a CUDA device (the Triton

@@ -6,7 +6,7 @@ stay in the model's own code.
 Why: on a CPU at small batches the time between the matrix products (Python, dispatch, a
 compiled graph's wrapper) was as large as the products. The fused call has no per-op cost and
 needs no compilation, so it takes any batch size. It computes what
-`LlamaForCausalLM.forward` computes for one token per sequence (fp32, the same kernels); the
+`CausalLM.forward` computes for one token per sequence (fp32, the same kernels); the
 tests hold its greedy tokens to the eager path's.
 """
 
@@ -21,18 +21,22 @@ from torch import Tensor
 from kernels import cpu_extension
 from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import PagedKVCache
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.architecture import ModelArchitecture
+from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
 
 log = logging.getLogger(__name__)
 
 
-def unsupported_reason(model: LlamaForCausalLM, kv_cache: PagedKVCache) -> str | None:
+def unsupported_reason(model: CausalLM, kv_cache: PagedKVCache) -> str | None:
     """Why the fused step cannot run this model (None: it can)."""
     if kv_cache.storage.device.type != "cpu":
         return "the KV cache is not on the CPU"
     if model.norm.dtype != torch.float32:
         return f"the model computes in {model.norm.dtype}, the fused step in float32"
+    missing = missing_features(model.architecture)
+    if missing:
+        return f"the fused step lacks {', '.join(missing)}"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -45,6 +49,22 @@ def unsupported_reason(model: LlamaForCausalLM, kv_cache: PagedKVCache) -> str |
     if not cpu_extension.load():
         return "the C++ CPU kernels are unavailable"
     return None
+
+
+def missing_features(arch: ModelArchitecture) -> list[str]:
+    """The architecture's switches the fused layer loop does not implement."""
+    checks = [
+        (arch.qk_norm != "none", "QK-norm"),
+        (arch.hidden_act != "silu", f"{arch.hidden_act} gating"),
+        (not arch.pre_norms or arch.post_norms, "post-norms"),
+        (arch.residual_multiplier != 1.0, "a residual multiplier"),
+        (arch.attn_logit_softcap != 0.0, "attention soft-capping"),
+        (arch.local_rope is not None, "a rope of its own for windowed layers"),
+        (not all(arch.layer_uses_rope or [True]), "layers without rope"),
+        (arch.rope.partial_rotary_factor != 1.0, "partial rotary"),
+        (bool(arch.layer_sliding_windows), "sliding windows"),
+    ]
+    return [name for failed, name in checks if failed]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +88,16 @@ class _LayerLists:
 class FusedDecode:
     """Runs pure-decode batches through `llmserve::llama_decode_layers`."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache) -> None:
         reason = unsupported_reason(model, kv_cache)
         if reason is not None:
             raise ValueError(f"fused decode steps cannot run this model: {reason}")
         self.model = model
-        config = model.config
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.eps = config.rms_norm_eps
-        self.scale = config.head_dim**-0.5
+        arch = model.architecture
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.eps = arch.rms_norm_eps
+        self.scale = arch.query_scale
         projections = [
             (
                 layer.self_attn.qkv_proj,
@@ -91,8 +111,8 @@ class FusedDecode:
         self.int8_activations = first_qkv.int8_activations
         caches = kv_cache.layers
         self._lists = _LayerLists(
-            input_norms=[layer.input_layernorm for layer in model.layers],
-            post_norms=[layer.post_attention_layernorm for layer in model.layers],
+            input_norms=[layer.attn_norm for layer in model.layers],
+            post_norms=[layer.mlp_norm for layer in model.layers],
             qkv_proj=[p[0].blocks for p in projections],
             o_proj=[p[1].blocks for p in projections],
             gate_up_proj=[p[2].blocks for p in projections],
@@ -108,7 +128,7 @@ class FusedDecode:
         """Steps run fused (for tests and the step profile)."""
 
     @classmethod
-    def for_model(cls, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> FusedDecode | None:
+    def for_model(cls, model: CausalLM, kv_cache: PagedKVCache) -> FusedDecode | None:
         """The fused step for this model, or None (and one log line saying why)."""
         reason = unsupported_reason(model, kv_cache)
         if reason is not None:
@@ -124,7 +144,7 @@ class FusedDecode:
         """Logits [B, vocab] (fp32) of a pure-decode batch."""
         model = self.model
         lists = self._lists
-        hidden = model.embed_tokens(batch.input_ids)
+        hidden = model.embed(batch.input_ids)
         hidden, residual = torch.ops.llmserve.llama_decode_layers(
             hidden,
             lists.input_norms,

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from services.common.errors import CapacityError
-from services.contracts.model_config import ModelConfig
+from services.worker.model.architecture import ModelArchitecture
 from services.worker.quantization.formats import InvalidFormatError
 
 
@@ -59,7 +59,7 @@ class KVCacheSpec:
     @classmethod
     def for_model(
         cls,
-        config: ModelConfig,
+        config: ModelArchitecture,
         block_size: int,
         dtype: torch.dtype,
         quant_group_size: int = 8,

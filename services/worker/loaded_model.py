@@ -12,7 +12,7 @@ from services.common.model_description import ModelDescription
 from services.common.model_source import model_display_name, resolve_model_path
 from services.common.model_tokenizer import ModelTokenizer
 from services.worker.loader.model_loader import load_model
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization import apply_quantization
 from services.worker.quantization.formats import resolve_quantization
 
@@ -20,7 +20,7 @@ from services.worker.quantization.formats import resolve_quantization
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     path: Path
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: ModelTokenizer
     quantization: str = "none"
     """The weight format the layers were swapped to at load (--quantization, auto resolved)."""
@@ -55,18 +55,18 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """The model config's EOS ids and the tokenizer's (chat models end turns with theirs)."""
-        ids = (*self.model.config.eos_token_ids, *self.tokenizer.eos_token_ids)
+        ids = (*self.model.architecture.eos_token_ids, *self.tokenizer.eos_token_ids)
         return tuple(dict.fromkeys(ids))
 
     def max_model_len(self, limit: int | None = None) -> int:
-        context = self.model.config.max_position_embeddings
+        context = self.model.architecture.max_position_embeddings
         return min(limit or context, context)
 
     def describe(self, max_model_len_limit: int | None = None) -> ModelDescription:
         """The facts the tokenizer tier serves the model with (its tokenizer included)."""
         return self.tokenizer.describe(
             model_name=self.name,
-            vocab_size=self.model.config.vocab_size,
+            vocab_size=self.model.architecture.vocab_size,
             max_model_len=self.max_model_len(max_model_len_limit),
-            eos_token_ids=self.model.config.eos_token_ids,
+            eos_token_ids=self.model.architecture.eos_token_ids,
         )

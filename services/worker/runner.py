@@ -18,7 +18,7 @@ from services.worker.host_memory import keep_freed_memory
 from services.worker.input_batch import InputBatch, StepInputs
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.formats import (
     check_kv_cache_group_size,
     kv_cache_torch_dtype,
@@ -34,7 +34,7 @@ StepMode = Literal["fused", "compiled", "eager"]
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: PagedKVCache,
         *,
         eos_token_ids: tuple[int, ...],
@@ -63,7 +63,7 @@ class ModelRunner:
         """(min n, max n) of prompt lookup's matches, for the drafts plans ask for."""
         self.batch = self._new_batch()
         self.sampler = Sampler(seed=seed)
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = model.architecture.vocab_size
         self.grammars = GrammarMatchers(grammar_compiler) if grammar_compiler else None
         """Structured output's matchers (None: a runner without a tokenizer, which refuses
         nothing and constrains nothing)."""
@@ -98,7 +98,7 @@ class ModelRunner:
         would depend on whether its step held a prefill): the --deterministic flag
         (services/worker/batch_invariance.py)."""
         spec = KVCacheSpec.for_model(
-            loaded.model.config,
+            loaded.model.architecture,
             block_size,
             kv_cache_torch_dtype(kv_cache_dtype, loaded.dtype),
             check_kv_cache_group_size(kv_cache_group_size),
@@ -130,7 +130,7 @@ class ModelRunner:
             ngram_sizes=ngram_sizes,
             grammar_compiler=GrammarCompiler(
                 loaded.tokenizer.tokenizer.to_str(),
-                loaded.model.config.vocab_size,
+                loaded.model.architecture.vocab_size,
                 loaded.eos_token_ids,
             ),
         )

@@ -90,7 +90,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.WorkerDescription:
         loaded, runner = await self._ready(context)
         return worker_pb2.WorkerDescription(
-            architecture=loaded.model.config.architecture,
+            architecture=loaded.model.architecture.family,
             dtype=str(loaded.dtype).removeprefix("torch."),
             device=str(loaded.device),
             block_size=runner.kv_cache.spec.block_size,

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from kernels import cpu_extension
 from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import LayerKVCache, PagedKVCache
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: PagedKVCache,
         *,
         max_model_len: int,
@@ -161,10 +161,12 @@ class DecodeGraphs:
         """The model's decode forward with every decoder layer replaced by the compiled one."""
         model = self.model
         batch = inputs.batch
-        hidden = model.embed_tokens(batch.input_ids)
+        hidden = model.embed(batch.input_ids)
         residual: Tensor | None = None
-        for layer, kv_cache in zip(model.layers, self.kv_cache.layers, strict=True):
-            hidden, residual = compiled_layer(layer, hidden, residual, batch, kv_cache, model.rope)
+        layers = zip(model.layers, self.kv_cache.layers, strict=True)
+        for index, (layer, kv_cache) in enumerate(layers):
+            rope = model.layer_rope(index)
+            hidden, residual = compiled_layer(layer, hidden, residual, batch, kv_cache, rope)
         assert residual is not None
         return model.logits(hidden, residual)
 

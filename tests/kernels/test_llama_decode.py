@@ -1,6 +1,6 @@
 """The fused decode op (kernels/csrc/llama_decode.cpp) against the eager model it replaces:
 a small random Llama with GGUF-block projections of every kind, a paged KV cache of random
-contents (float and int8), ragged contexts. Its reference is `LlamaForCausalLM.forward`, the
+contents (float and int8), ragged contexts. Its reference is `CausalLM.forward`, the
 same layer code every other path runs.
 """
 
@@ -13,11 +13,11 @@ import torch
 
 from kernels import cpu_extension
 from kernels.gguf_blocks_torch import GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0
-from services.contracts.model_config import ModelConfig
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode, unsupported_reason
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.architecture import ModelArchitecture
+from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
 from tests.kernels.test_gguf_gemm import random_blocks
 
@@ -28,9 +28,9 @@ CONTEXT_LENS = [5, 13, 1, 8]
 pytestmark = pytest.mark.skipif(not cpu_extension.load(), reason="no C++ CPU kernels")
 
 
-def tiny_config(attention_bias: bool) -> ModelConfig:
-    return ModelConfig(
-        architecture="llama",
+def tiny_config(attention_bias: bool) -> ModelArchitecture:
+    return ModelArchitecture(
+        family="llama",
         vocab_size=96,
         hidden_size=64,
         intermediate_size=96,
@@ -39,25 +39,22 @@ def tiny_config(attention_bias: bool) -> ModelConfig:
         num_kv_heads=2,
         head_dim=16,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
         max_position_embeddings=64,
         tie_word_embeddings=False,
         attention_bias=attention_bias,
     )
 
 
-def random_model(
-    config: ModelConfig, seed: int, int8_activations: bool = False
-) -> LlamaForCausalLM:
+def random_model(config: ModelArchitecture, seed: int, int8_activations: bool = False) -> CausalLM:
     """Random norms and embedding; every projection GGUF blocks, the kinds mixed by layer."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = CausalLM(config)
     model.embed_tokens.weight.normal_()
     model.lm_head.weight.normal_(std=0.1)
     kinds = [GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0]
     for index, layer in enumerate(model.layers):
-        layer.input_layernorm.uniform_(0.5, 1.5)
-        layer.post_attention_layernorm.uniform_(0.5, 1.5)
+        layer.attn_norm.uniform_(0.5, 1.5)
+        layer.mlp_norm.uniform_(0.5, 1.5)
         attn, mlp = layer.self_attn, layer.mlp
         for offset, (owner, name) in enumerate(
             [(attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
@@ -76,7 +73,7 @@ class DecodeCase:
     cache: PagedKVCache
 
 
-def decode_case(config: ModelConfig, kv_dtype: torch.dtype, seed: int) -> DecodeCase:
+def decode_case(config: ModelArchitecture, kv_dtype: torch.dtype, seed: int) -> DecodeCase:
     """Sequences at CONTEXT_LENS, each on its own shuffled blocks, caches full of noise."""
     g = torch.Generator().manual_seed(seed)
     spec = KVCacheSpec.for_model(config, BLOCK_SIZE, kv_dtype, quant_group_size=8)
@@ -108,7 +105,7 @@ def decode_case(config: ModelConfig, kv_dtype: torch.dtype, seed: int) -> Decode
 
 
 def eager_then_fused(
-    model: LlamaForCausalLM, case: DecodeCase
+    model: CausalLM, case: DecodeCase
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(eager logits, fused logits, the cache after eager, the cache after fused)."""
     before = case.cache.storage.clone()
@@ -156,7 +153,7 @@ def test_int8_activations_follow_the_layers_setting() -> None:
 
 def test_models_the_fused_step_cannot_run_say_why() -> None:
     config = tiny_config(attention_bias=False)
-    dense = LlamaForCausalLM(config)
+    dense = CausalLM(config)
     spec = KVCacheSpec.for_model(config, BLOCK_SIZE, torch.float32)
     cache = PagedKVCache(spec, NUM_BLOCKS, "cpu")
     assert "not GGUF blocks" in (unsupported_reason(dense, cache) or "")

@@ -87,3 +87,13 @@ def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, int]) -> None:
     expected = activation_torch.silu_and_mul(x)
     out = triton_activation.silu_and_mul(x, block=512)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 128), (3, 2 * 1536)])
+def test_gelu_tanh_and_mul(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    x = (torch.randn(shape, generator=gen(shape[0] + 7)) * 3).to(dtype)
+    expected = activation_torch.gelu_tanh_and_mul(x)
+    out = triton_activation.gelu_tanh_and_mul(x, block=512)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])

@@ -16,7 +16,7 @@ from services.common.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 from services.worker.batch_invariance import BatchInvariantLinear, make_batch_invariant
 from services.worker.loaded_model import LoadedModel
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
 from services.worker.quantization.linear import Int8WeightOnlyLinear
 from services.worker.runner import ModelRunner
@@ -85,7 +85,7 @@ def test_one_step_prefill_equals_prefill_then_decodes(runner: ModelRunner) -> No
 
 
 def test_formats_without_a_batch_invariant_path_are_refused() -> None:
-    model = LlamaForCausalLM(tiny_config(attention_bias=False))
+    model = CausalLM(tiny_config(attention_bias=False))
     layer = model.layers[0].self_attn
     assert isinstance(layer.o_proj, nn.Linear)
     layer.o_proj = Int8WeightOnlyLinear.from_float(layer.o_proj.weight.data, None)
@@ -94,7 +94,7 @@ def test_formats_without_a_batch_invariant_path_are_refused() -> None:
 
 
 def test_float_layers_become_fixed_tile_layers_sharing_their_weights() -> None:
-    model = LlamaForCausalLM(tiny_config(attention_bias=True))
+    model = CausalLM(tiny_config(attention_bias=True))
     weight = model.layers[1].mlp.down_proj.weight
     make_batch_invariant(model)
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, BatchInvariantLinear))]

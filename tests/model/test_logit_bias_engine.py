@@ -84,7 +84,7 @@ def test_bias_and_allow_lists_next_to_plain_requests(biased_engine: LLMEngine) -
 
 
 def test_out_of_vocabulary_ids_are_refused_before_queueing(biased_engine: LLMEngine) -> None:
-    vocab_size = biased_engine.model_config.vocab_size
+    vocab_size = biased_engine.architecture.vocab_size
     prompt = biased_engine.tokenizer.encode(PROMPTS[0])
     for params, field in (
         (greedy(logit_bias={vocab_size: 1.0}), f"logit_bias[{vocab_size}]"),

@@ -21,6 +21,9 @@ PURE_MODULES = (
     "services/scheduler/coalesce.py",
     "services/scheduler/retry_hint.py",
     "services/scheduler/speculation_policy.py",
+    # the model registry: architectures and what each family reads from its files
+    "services/worker/model/architecture.py",
+    "services/worker/model/families",
     # the worker's draft proposer (prompt lookup)
     "services/worker/ngram_proposer.py",
     # the tokenizer tier's logic

@@ -1,10 +1,11 @@
 """Read a GGUF file's weights (llama.cpp's format; the metadata readers are torch-free, in
-services/common/gguf_metadata.py and services/contracts/model_config.py), dequantized to
-float and renamed to Hugging Face names, with llama.cpp's Q/K row permutation undone."""
+services/common/gguf_metadata.py and services/worker/model/families/), dequantized to float
+with gguf-py (every tensor type it knows: the same values as `gguf.quants.dequantize`) and
+addressed to our parameters, with llama.cpp's Q/K row permutation undone where the family's
+converter applied it."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,26 +13,12 @@ import numpy as np
 import torch
 
 from services.common.errors import ModelLoadError
-from services.contracts.model_config import ModelConfig
+from services.worker.loader.weight_names import gguf_part
+from services.worker.model.architecture import ModelArchitecture
+from services.worker.model.causal_lm import WeightPart
+from services.worker.model.families.base import ModelFamily
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "rope_freqs",
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_QKV = "self_attn.qkv_proj"
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -50,33 +37,42 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor in the file."""
+def qk_heads(family: ModelFamily, arch: ModelArchitecture, parameter: str, part: int) -> int:
+    """The heads whose rows llama.cpp permuted in this tensor (0: not permuted)."""
+    if not family.gguf_permuted_qk or not parameter.endswith((f"{_QKV}.weight", f"{_QKV}.bias")):
+        return 0
+    return {0: arch.num_heads, 1: arch.num_kv_heads}.get(part, 0)
+
+
+def dequantized(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32, slowest dim first."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    permute_qk = config.architecture in ("llama", "mistral")
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        array = np.array(tensor.data, dtype=np.float32)  # copy: the file is mapped read-only
+    else:
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        except NotImplementedError as exc:
+            raise ModelLoadError(
+                f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name},"
+                " which gguf-py cannot dequantize"
+            ) from exc
+    # GGUF lists dims fastest-first; numpy wants them slowest-first.
+    return array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def iter_gguf_weights(
+    reader: Any, family: ModelFamily, arch: ModelArchitecture
+) -> Iterator[WeightPart]:
+    """Every weight tensor of the file, as float32, addressed to our parameters."""
     for tensor in reader.tensors:
-        if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            array = np.array(tensor.data, dtype=np.float32)  # copy: the file is mapped read-only
-        else:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        # GGUF lists dims fastest-first; numpy wants them slowest-first.
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = array.reshape(shape)
-        name = hf_tensor_name(tensor.name)
-        if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = unpermute_rows(array, config.num_heads)
-        elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = unpermute_rows(array, config.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(array))
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_RE.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        where = gguf_part(family, tensor.name)
+        if where is None:
+            continue
+        array = dequantized(tensor)
+        heads = qk_heads(family, arch, where.parameter, where.part)
+        if heads:
+            array = unpermute_rows(array, heads)
+        yield WeightPart(*where, torch.from_numpy(np.ascontiguousarray(array)))

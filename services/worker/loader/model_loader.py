@@ -12,10 +12,10 @@ import torch
 from tqdm import tqdm
 
 from services.common.gguf_metadata import open_gguf
-from services.contracts.model_config import gguf_model_config, hf_model_config
 from services.worker.loader.gguf_loader import iter_gguf_weights
 from services.worker.loader.hf_loader import hf_tensor_count, iter_hf_weights
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.causal_lm import CausalLM, WeightPart
+from services.worker.model.families import gguf_model_architecture, hf_model_architecture
 
 log = logging.getLogger(__name__)
 
@@ -27,27 +27,29 @@ def load_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     show_progress: bool | None = None,
-) -> LlamaForCausalLM:
-    """Load weights into a LlamaForCausalLM in `dtype` on `device` (eval, no grad).
+) -> CausalLM:
+    """Load weights into the decoder in `dtype` on `device` (eval, no grad).
 
     show_progress None means: a bar on stderr when it is a terminal.
     """
     started = time.perf_counter()
     if path.suffix == ".gguf":
         reader = open_gguf(path)
-        config = gguf_model_config(reader)
-        weights: Iterable[tuple[str, torch.Tensor]] = iter_gguf_weights(reader, config)
+        family, arch = gguf_model_architecture(reader)
+        weights: Iterable[WeightPart] = iter_gguf_weights(reader, family, arch)
         total = len(reader.tensors)
     else:
-        config = hf_model_config(path)
-        weights = iter_hf_weights(path)
+        family, arch = hf_model_architecture(path)
+        weights = iter_hf_weights(path, family)
         total = hf_tensor_count(path)
     # Build on the meta device so no time goes to random init of weights we overwrite.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=max_positions)
+        model = CausalLM(arch, max_positions=max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.rope = model._rope_table().to(device)
+    model.rope = model.rope_table(local=False).to(device)
+    local_rope = model.rope_table(local=True)
+    model.local_rope = None if local_rope is None else local_rope.to(device)
     if show_progress is None:
         show_progress = sys.stderr.isatty()
     bar = tqdm(
@@ -57,19 +59,22 @@ def load_model(
         disable=not show_progress,
         file=sys.stderr,
     )
-    model.load_hf_weights(_counted(weights, bar))
+    model.load_weights(_counted(weights, bar))
     bar.close()
     model.eval()
     log.info(
         "model loaded",
-        extra={"path": str(path), "dtype": str(dtype), "seconds": time.perf_counter() - started},
+        extra={
+            "path": str(path),
+            "family": family.name,
+            "dtype": str(dtype),
+            "seconds": time.perf_counter() - started,
+        },
     )
     return model
 
 
-def _counted(
-    weights: Iterable[tuple[str, torch.Tensor]], bar: tqdm
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _counted(weights: Iterable[WeightPart], bar: tqdm) -> Iterator[WeightPart]:
     for item in weights:
         yield item
         bar.update(1)

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from services.worker.quantization.formats import resolve_quantization
 
 if TYPE_CHECKING:  # the model imports the KV cache, which imports the format names from here
-    from services.worker.model.llama import LlamaForCausalLM
+    from services.worker.model.causal_lm import CausalLM
 
 
-def apply_quantization(model: LlamaForCausalLM, quantization: str, path: Path) -> None:
+def apply_quantization(model: CausalLM, quantization: str, path: Path) -> None:
     """Quantize a freshly loaded float model in place (`path`: the file it came from)."""
     quantization = resolve_quantization(quantization, path)
     if quantization == "none":

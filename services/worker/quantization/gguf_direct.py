@@ -27,8 +27,10 @@ from torch import Tensor
 
 from kernels.gguf_blocks_torch import GGUF_KINDS
 from services.common.gguf_metadata import open_gguf
-from services.worker.loader.gguf_loader import hf_tensor_name, unpermute_rows
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.loader.gguf_loader import qk_heads, unpermute_rows
+from services.worker.loader.weight_names import gguf_part
+from services.worker.model.causal_lm import CausalLM
+from services.worker.model.families import gguf_model_architecture
 from services.worker.quantization.formats import InvalidFormatError
 from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear
 from services.worker.quantization.linear import Int4Linear, Int8WeightOnlyLinear
@@ -69,22 +71,31 @@ def decode_q4(raw: np.ndarray, rows: int, kind: str) -> Int4Codes:
     return Int4Codes(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero))
 
 
-def read_block_rows(reader: Any, num_heads: int, num_kv_heads: int) -> dict[str, BlockRows]:
-    """HF weight name -> its rows of blocks, for every tensor of a kind the kernels read."""
-    found: dict[str, BlockRows] = {}
+def read_block_rows(reader: Any) -> dict[str, list[BlockRows]]:
+    """Our parameter name -> its parts' rows of blocks (in part order), for every parameter
+    whose parts are all of kinds the kernels read."""
+    family, arch = gguf_model_architecture(reader)
+    parts: dict[str, dict[int, BlockRows]] = {}
+    counts: dict[str, int] = {}
     for tensor in reader.tensors:
+        where = gguf_part(family, tensor.name)
+        if where is None:
+            continue
+        counts[where.parameter] = where.num_parts
         kind = tensor.tensor_type.name
         if kind not in GGUF_KINDS:
             continue
-        name = hf_tensor_name(tensor.name)
         rows = np.asarray(tensor.data)  # [N, row bytes], mapped read-only from the file
         # The same row order fix as the float loader (llama.cpp interleaves rotary halves).
-        if name.endswith("q_proj.weight"):
-            rows = unpermute_rows(rows, num_heads)
-        elif name.endswith("k_proj.weight"):
-            rows = unpermute_rows(rows, num_kv_heads)
-        found[name] = BlockRows(kind, rows)
-    return found
+        heads = qk_heads(family, arch, where.parameter, where.part)
+        if heads:
+            rows = unpermute_rows(rows, heads)
+        parts.setdefault(where.parameter, {})[where.part] = BlockRows(kind, rows)
+    return {
+        name: [found[i] for i in range(counts[name])]
+        for name, found in parts.items()
+        if len(found) == counts[name]
+    }
 
 
 def _buffer(rows: list[np.ndarray]) -> Tensor:
@@ -104,27 +115,19 @@ def _int4_layer(parts: list[BlockRows], bias: Tensor | None, dtype: torch.dtype)
     )
 
 
-def load_gguf_quantized(
-    model: LlamaForCausalLM, path: Path, *, int8_activations: bool = False
-) -> None:
+def load_gguf_quantized(model: CausalLM, path: Path, *, int8_activations: bool = False) -> None:
     """Swap `model`'s (float, already loaded) layers for the file's own quantized tensors;
     `int8_activations`: their products round activations to int8 blocks at every dtype."""
     if path.suffix != ".gguf":
         raise InvalidFormatError(f"--quantization gguf needs a .gguf model, got {path}")
-    config = model.config
-    if config.architecture not in ("llama", "mistral"):
-        raise InvalidFormatError(
-            f"--quantization gguf supports llama and mistral GGUF files, not {config.architecture}"
-        )
-    found = read_block_rows(open_gguf(path), config.num_heads, config.num_kv_heads)
+    found = read_block_rows(open_gguf(path))
     dtype = model.norm.dtype
 
-    def from_file_type(linear: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+    def from_file_type(linear: torch.nn.Module, name: str) -> torch.nn.Module:
         assert isinstance(linear, torch.nn.Linear)
         bias = None if linear.bias is None else linear.bias.data
-        parts = [found.get(name) for name in names]
-        present = [p for p in parts if p is not None]
-        if len(present) < len(parts):
+        present = found.get(name)
+        if present is None:
             return linear
         kinds = {p.kind for p in present}
         if len(kinds) == 1:
@@ -139,28 +142,25 @@ def load_gguf_quantized(
         return linear
 
     for index, layer in enumerate(model.layers):
-        prefix = f"model.layers.{index}"
+        prefix = f"layers.{index}"
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = from_file_type(
-            attn.qkv_proj, [f"{prefix}.self_attn.{p}_proj.weight" for p in "qkv"]
-        )
-        attn.o_proj = from_file_type(attn.o_proj, [f"{prefix}.self_attn.o_proj.weight"])
-        mlp.gate_up_proj = from_file_type(
-            mlp.gate_up_proj, [f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up")]
-        )
-        mlp.down_proj = from_file_type(mlp.down_proj, [f"{prefix}.mlp.down_proj.weight"])
+        attn.qkv_proj = from_file_type(attn.qkv_proj, f"{prefix}.self_attn.qkv_proj.weight")
+        attn.o_proj = from_file_type(attn.o_proj, f"{prefix}.self_attn.o_proj.weight")
+        mlp.gate_up_proj = from_file_type(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj.weight")
+        mlp.down_proj = from_file_type(mlp.down_proj, f"{prefix}.mlp.down_proj.weight")
 
-    embedding = found.get("model.embed_tokens.weight")
-    if embedding is None:
+    embedding_parts = found.get("embed_tokens.weight")
+    if embedding_parts is None:
         quantize_output_and_embedding(model, Int8WeightOnlyLinear.from_float)
         return
+    embedding = embedding_parts[0]
     table = GGUFEmbedding(_buffer([embedding.rows]), GGUF_KINDS[embedding.kind], dtype)
-    if config.tie_word_embeddings:
+    if model.architecture.tie_word_embeddings:
         model.lm_head = GGUFLinear(
             table.blocks, table.kind, None, int8_activations=int8_activations
         )
     else:
-        model.lm_head = from_file_type(model.lm_head, ["lm_head.weight"])
+        model.lm_head = from_file_type(model.lm_head, "lm_head.weight")
         if isinstance(model.lm_head, torch.nn.Linear):
             weight = model.lm_head.weight.data
             model.lm_head = Int8WeightOnlyLinear.from_float(weight, None)

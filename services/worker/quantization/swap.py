@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.formats import INT4_GROUP_SIZE, NF4_GROUP_SIZE
 from services.worker.quantization.linear import (
     Int4Linear,
@@ -48,7 +48,7 @@ def _from_linear(factory: LinearFactory, linear: nn.Module) -> nn.Module:
     return factory(linear.weight.data, None if linear.bias is None else linear.bias.data)
 
 
-def quantize_model(model: LlamaForCausalLM, quantization: str) -> None:
+def quantize_model(model: CausalLM, quantization: str) -> None:
     """Swap model's float layers for `quantization` ("int8", "w8a8", "int4" or "nf4")."""
     factory = _FACTORIES[quantization]
     for layer in model.layers:
@@ -61,13 +61,13 @@ def quantize_model(model: LlamaForCausalLM, quantization: str) -> None:
     quantize_output_and_embedding(model, Int8WeightOnlyLinear.from_float)
 
 
-def quantize_output_and_embedding(model: LlamaForCausalLM, head_factory: LinearFactory) -> None:
+def quantize_output_and_embedding(model: CausalLM, head_factory: LinearFactory) -> None:
     """lm_head through `head_factory`, the embedding to int8 rows (shared when both are int8
     and the model ties them, so the tied table is stored once)."""
     embedding = model.embed_tokens
     assert isinstance(embedding, nn.Embedding)
     head = _from_linear(head_factory, model.lm_head)
-    if isinstance(head, Int8WeightOnlyLinear) and model.config.tie_word_embeddings:
+    if isinstance(head, Int8WeightOnlyLinear) and model.architecture.tie_word_embeddings:
         model.embed_tokens = Int8Embedding(head.w_q, head.w_scale, embedding.weight.dtype)
     else:
         model.embed_tokens = Int8Embedding.from_float(embedding.weight.data)
