@@ -178,7 +178,7 @@ def format_report(report: ModelReport) -> str:
     tokenizer = report.tokenizer
     support = "supported" if tokenizer.supported else f"not supported: {tokenizer.error}"
     rows.append(("tokenizer", f"{tokenizer.kind}: {support}"))
-    rows.append(("chat template", report.chat_template or "none"))
+    rows.append(("chat template", report.chat_template or "none (chat uses a ChatML default)"))
     width = max(len(label) for label, _ in rows) + 2
     header = f"{report.name}  ({report.path})"
     return "\n".join([header, *(f"  {label:<{width}}{text}" for label, text in rows)])
