@@ -98,12 +98,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-# Services whose processes must stay light (a tokenizer replica is scaled by the dozen): their
-# command line is built alone, so the process never imports the worker's, the engine's or the
-# benchmarks' modules, and with them torch.
+# Commands whose processes must stay light (a tokenizer replica is scaled by the dozen; `inspect`
+# answers from metadata in seconds): their command line is built alone, so the process never
+# imports the worker's, the engine's or the benchmarks' modules, and with them torch.
 LIGHT_COMMANDS = {
     "tokenizer": "services.tokenizer.server",
     "scheduler": "services.scheduler.server",
+    "inspect": "services.inspect_command",
 }
 
 
@@ -152,7 +153,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_engine_flags(demo)
     demo.set_defaults(func=cmd_demo)
 
-    from services import client, launcher
+    from services import client, inspect_command, launcher
     from services.scheduler import server as scheduler_server
     from services.tokenizer import server as tokenizer_server
     from services.worker import server as worker_server
@@ -163,6 +164,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     client.add_parser(sub)
     client.add_prompts_parser(sub)
     launcher.add_parser(sub)
+    inspect_command.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
