@@ -84,3 +84,34 @@ def ref_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, q_offset: int) 
             scores = (kh[:visible] @ q[i, h].double()) * scale
             out[i, h] = torch.softmax(scores, dim=0) @ vh[:visible]
     return out
+
+
+def masked_ref_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    q_offset: int,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
+) -> Tensor:
+    """Dense attention in fp64 with an explicit [n, L] mask, all heads at once.
+
+    q [n, Hq, D] at positions p = q_offset .. q_offset + n - 1; k/v [L, Hkv, D] at 0 .. L - 1.
+    Key j is visible to p when j <= p and, with a window W > 0, j > p - W (transformers'
+    sliding_window_overlay). logit_softcap c > 0: scores c * tanh(scores / c) before the mask.
+    """
+    num_q_heads = q.shape[1]
+    group = num_q_heads // k.shape[1]
+    q_pos = torch.arange(q.shape[0])[:, None] + q_offset
+    k_pos = torch.arange(k.shape[0])[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window > 0:
+        mask &= k_pos > q_pos - sliding_window
+    keys = k.double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    values = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), keys) * scale
+    if logit_softcap > 0:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from kernels import backend, ops
+from kernels import attention_torch, backend, ops
 from kernels.kv_cache_torch import KV_QUANT_GROUP_SIZE, dequantize_kv_int8, quantize_kv_int8
-from tests.kernels.paged_kv_factory import make_paged_kv, ref_attention
+from tests.kernels.paged_kv_factory import make_paged_kv, masked_ref_attention, ref_attention
 
 TOLERANCES = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -223,6 +223,202 @@ def test_prefill_attention_int8_kv() -> None:
     run_prefill_case([4, 9], [19, 0], 6, 2, 64, torch.float32, seed=5, quantized=True)
 
 
+# --- sliding window and soft-capped logits -------------------------------------------------------
+# Windows of one token, inside a block, across block boundaries (block size 16), and at least
+# as long as every context; each case also checks that the feature changes the result, so a
+# kernel ignoring it fails.
+
+WINDOW_DECODE_LENS = [1, 5, 16, 17, 40, 100, 33]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("sliding_window", [1, 7, 16, 33, 200])
+def test_paged_decode_attention_sliding_window(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, sliding_window: int
+) -> None:
+    lens = WINDOW_DECODE_LENS
+    g = gen(sliding_window + num_q_heads)
+    kv = make_paged_kv(lens, num_kv_heads, 64, BLOCK_SIZE, dtype, g)
+    query = torch.randn(len(lens), num_q_heads, 64, generator=g).to(dtype)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.lens, 0.125)
+    out = attention_torch.paged_decode_attention(*args, sliding_window=sliding_window)
+    for b, n in enumerate(lens):
+        k, v = kv.dense_kv(b)
+        expected = masked_ref_attention(query[b : b + 1], k, v, 0.125, n - 1, sliding_window)
+        torch.testing.assert_close(out[b : b + 1].double(), expected, **ATTN_TOLERANCES[dtype])
+    # batch_invariant (one call per row) and batch 1 (no mask) agree with the masked batch.
+    per_row = attention_torch.paged_decode_attention(
+        *args, batch_invariant=True, sliding_window=sliding_window
+    )
+    torch.testing.assert_close(per_row, out, **ATTN_TOLERANCES[dtype])
+    full = attention_torch.paged_decode_attention(*args)
+    assert (sliding_window >= max(lens)) == torch.equal(full, out)
+
+
+def test_paged_decode_attention_sliding_window_equal_lengths() -> None:
+    """One length for the whole batch takes the unmasked path: the window is a cut there."""
+    g = gen(77)
+    lens = [45, 45, 45]
+    kv = make_paged_kv(lens, 2, 64, BLOCK_SIZE, torch.float32, g)
+    query = torch.randn(3, 6, 64, generator=g)
+    out = attention_torch.paged_decode_attention(
+        query, kv.k_cache, kv.v_cache, kv.block_tables, kv.lens, 0.125, sliding_window=20
+    )
+    for b in range(3):
+        k, v = kv.dense_kv(b)
+        expected = masked_ref_attention(query[b : b + 1], k, v, 0.125, 44, sliding_window=20)
+        torch.testing.assert_close(
+            out[b : b + 1].double(), expected, **ATTN_TOLERANCES[torch.float32]
+        )
+
+
+def test_paged_decode_attention_window_skips_blocks_before_it() -> None:
+    """Block-table entries before every row's window are never read (a serving engine may
+    free those blocks): ids outside the cache there must not matter."""
+    g = gen(78)
+    lens = [70, 50]
+    kv = make_paged_kv(lens, 2, 64, BLOCK_SIZE, torch.float32, g)
+    query = torch.randn(2, 2, 64, generator=g)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables.clone(), kv.lens, 0.125)
+    want = attention_torch.paged_decode_attention(*args, sliding_window=16)
+    args[3][0, :3] = 10_000  # row 0's window starts at 54: blocks 0-2 are before it
+    args[3][1, :2] = 10_000  # row 1's at 34: blocks 0-1
+    assert torch.equal(attention_torch.paged_decode_attention(*args, sliding_window=16), want)
+
+
+@pytest.mark.parametrize("sliding_window", [0, 10])
+def test_paged_decode_attention_sliding_window_int8_kv(sliding_window: int) -> None:
+    lens = [5, 33, 64, 17]
+    g = gen(12)
+    kv = make_paged_kv(lens, 2, 64, BLOCK_SIZE, torch.float32, g, quantized=True)
+    query = torch.randn(len(lens), 6, 64, generator=g)
+    out = attention_torch.paged_decode_attention(
+        query,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        kv.lens,
+        0.125,
+        kv.k_scale,
+        kv.v_scale,
+        sliding_window=sliding_window,
+        logit_softcap=4.0,
+    )
+    for b, n in enumerate(lens):
+        k, v = kv.dense_kv(b)
+        expected = masked_ref_attention(query[b : b + 1], k, v, 0.125, n - 1, sliding_window, 4.0)
+        torch.testing.assert_close(
+            out[b : b + 1].double(), expected, **ATTN_TOLERANCES[torch.float32]
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (6, 2)])
+@pytest.mark.parametrize("sliding_window", [0, 9])
+def test_paged_decode_attention_logit_softcap(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, sliding_window: int
+) -> None:
+    lens = [1, 20, 37, 16]
+    g = gen(num_q_heads + sliding_window)
+    kv = make_paged_kv(lens, num_kv_heads, 64, BLOCK_SIZE, dtype, g)
+    # Scores of a few units: a cap of 3 bends them visibly.
+    query = (torch.randn(len(lens), num_q_heads, 64, generator=g) * 4).to(dtype)
+    args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.lens, 0.125)
+    out = attention_torch.paged_decode_attention(
+        *args, sliding_window=sliding_window, logit_softcap=3.0
+    )
+    for b, n in enumerate(lens):
+        k, v = kv.dense_kv(b)
+        expected = masked_ref_attention(query[b : b + 1], k, v, 0.125, n - 1, sliding_window, 3.0)
+        torch.testing.assert_close(out[b : b + 1].double(), expected, **ATTN_TOLERANCES[dtype])
+    uncapped = attention_torch.paged_decode_attention(*args, sliding_window=sliding_window)
+    assert (uncapped[1:] - out[1:]).abs().max() > 0.05
+
+
+WINDOW_PREFILL_CASES = {
+    # name: (new tokens per sequence, prefix tokens per sequence, window)
+    "no_prefix": ([23], [0], 5),
+    "no_prefix_window_one": ([9], [0], 1),
+    "prefix_longer_than_window": ([5], [37], 8),
+    "prefix_shorter_than_window": ([6], [10], 30),
+    "window_covers_all": ([12], [20], 64),
+    "window_from_inside_the_chunk": ([40], [3], 16),
+    "mixed": ([1, 17, 5, 16, 20], [0, 16, 3, 0, 50], 11),
+    "batched_equal": ([12, 12, 12], [0, 0, 0], 4),
+    "batched_unequal": ([10, 13, 12, 9], [0, 0, 0, 0], 6),
+}
+
+
+def run_windowed_prefill_case(
+    new_lens: list[int],
+    prefix_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    seed: int,
+    sliding_window: int,
+    logit_softcap: float = 0.0,
+    quantized: bool = False,
+) -> None:
+    g = gen(seed)
+    head_dim = 64
+    kv = make_paged_kv(prefix_lens, num_kv_heads, head_dim, BLOCK_SIZE, dtype, g, quantized)
+    total = sum(new_lens)
+    query = (torch.randn(total, num_q_heads, head_dim, generator=g) * 3).to(dtype)
+    key = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
+    value = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = (query, key, value, kv.k_cache, kv.v_cache, cu, kv.lens, kv.block_tables, 0.125)
+    out = attention_torch.prefill_attention(
+        *args,
+        kv.k_scale,
+        kv.v_scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
+    for s, prefix in enumerate(prefix_lens):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        k_prefix, v_prefix = kv.dense_kv(s)
+        k = torch.cat([k_prefix, key[lo:hi].double()])
+        v = torch.cat([v_prefix, value[lo:hi].double()])
+        expected = masked_ref_attention(
+            query[lo:hi], k, v, 0.125, prefix, sliding_window, logit_softcap
+        )
+        torch.testing.assert_close(out[lo:hi].double(), expected, **ATTN_TOLERANCES[dtype])
+    window_cuts = any(
+        p + n > sliding_window > 0 for p, n in zip(prefix_lens, new_lens, strict=True)
+    )
+    if window_cuts or logit_softcap > 0:
+        plain = attention_torch.prefill_attention(*args, kv.k_scale, kv.v_scale)
+        assert not torch.equal(plain, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(2, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("case", list(WINDOW_PREFILL_CASES))
+def test_prefill_attention_sliding_window(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, case: str
+) -> None:
+    new_lens, prefix_lens, window = WINDOW_PREFILL_CASES[case]
+    run_windowed_prefill_case(
+        new_lens, prefix_lens, num_q_heads, num_kv_heads, dtype, seed=window, sliding_window=window
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [0, 7])
+@pytest.mark.parametrize("case", ["no_prefix", "mixed", "batched_equal", "batched_unequal"])
+def test_prefill_attention_logit_softcap(sliding_window: int, case: str) -> None:
+    new_lens, prefix_lens, _ = WINDOW_PREFILL_CASES[case]
+    run_windowed_prefill_case(
+        new_lens, prefix_lens, 6, 2, torch.float32, 5, sliding_window, logit_softcap=2.5
+    )
+
+
+def test_prefill_attention_sliding_window_int8_prefix() -> None:
+    run_windowed_prefill_case([4, 9], [40, 19], 6, 2, torch.float32, 6, 10, quantized=True)
+
+
 # --- norms, rotary, activation --------------------------------------------------------------------
 
 
@@ -293,6 +489,26 @@ def test_apply_rotary(
     torch.testing.assert_close(q_out.double(), expected_q, **TOLERANCES[dtype])
     torch.testing.assert_close(k_out.double(), expected_k, **TOLERANCES[dtype])
     assert torch.equal(qkv[:, num_q_heads + num_kv_heads :], value_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(128, 96), (64, 16), (80, 78)])
+def test_apply_rotary_partial(dtype: torch.dtype, head_dim: int, rotary_dim: int) -> None:
+    """A cos|sin table narrower than the head rotates the first rotary_dim dims (pairs i,
+    i + rotary_dim / 2) and leaves the rest bit for bit."""
+    g = gen(rotary_dim)
+    cache = rope_cache(512, rotary_dim)
+    positions = torch.randint(0, 512, (7,), generator=g)
+    qkv = torch.randn(7, 6 + 2 * 2, head_dim, generator=g).to(dtype)
+    query, key = qkv[:, :6], qkv[:, 6:8]
+    before = qkv.clone()
+    expected_q = ref_rotary(query[..., :rotary_dim], positions, cache)
+    expected_k = ref_rotary(key[..., :rotary_dim], positions, cache)
+    ops.apply_rotary(query, key, positions, cache)
+    torch.testing.assert_close(query[..., :rotary_dim].double(), expected_q, **TOLERANCES[dtype])
+    torch.testing.assert_close(key[..., :rotary_dim].double(), expected_k, **TOLERANCES[dtype])
+    assert torch.equal(qkv[:, :8, rotary_dim:], before[:, :8, rotary_dim:])
+    assert torch.equal(qkv[:, 8:], before[:, 8:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
