@@ -34,6 +34,8 @@ class ModelConfig:
     """HF rope_scaling dict (type 'linear' or 'llama3'), None for plain RoPE."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    layer_sliding_windows: tuple[int, ...] = ()
+    """Per layer, its sliding window in tokens (0: full attention); empty: no layer has one."""
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:

@@ -78,6 +78,8 @@ class FusedDecode:
         self.num_kv_heads = config.num_kv_heads
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim**-0.5
+        # One window per layer (0: full attention); a config without windows has none.
+        self.sliding_windows = list(config.layer_sliding_windows) or [0] * config.num_layers
         projections = [
             (
                 layer.self_attn.qkv_proj,
@@ -149,6 +151,7 @@ class FusedDecode:
             self.eps,
             self.scale,
             self.int8_activations,
+            self.sliding_windows,
         )
         self.num_steps += 1
         return model.logits(hidden, residual)

@@ -1,23 +1,25 @@
 """The fused decode op (kernels/csrc/llama_decode.cpp) against the eager model it replaces:
 a small random Llama with GGUF-block projections of every kind, a paged KV cache of random
-contents (float and int8), ragged contexts. Its reference is `LlamaForCausalLM.forward`, the
-same layer code every other path runs.
+contents (float and int8), ragged contexts, per-layer sliding windows and partial rotary. Its
+reference is `LlamaForCausalLM.forward`, the same layer code every other path runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from torch import Tensor
 
-from kernels import cpu_extension
+from kernels import cpu_extension, ops
 from kernels.gguf_blocks_torch import GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0
 from services.contracts.model_config import ModelConfig
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode, unsupported_reason
-from services.worker.kv_cache import KVCacheSpec, PagedKVCache
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.kv_cache import KVCacheSpec, LayerKVCache, PagedKVCache
+from services.worker.model.llama import Attention, LlamaForCausalLM
+from services.worker.model.rope import cos_sin_cache
 from services.worker.quantization.gguf_linear import GGUFLinear
 from tests.kernels.test_gguf_gemm import random_blocks
 
@@ -122,6 +124,71 @@ def eager_then_fused(
             case.cache.scales.copy_(scales_before)
         fused = FusedDecode(model, case.cache).run(case.batch)
     return eager, fused, after_eager, case.cache.storage
+
+
+def with_windowed_decode(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The eager model with each layer's decode attention given its config window (what the
+    model's layers will pass once they read `layer_sliding_windows`)."""
+    windows = model.config.layer_sliding_windows or (0,) * len(model.layers)
+    for layer, window in zip(model.layers, windows, strict=True):
+        attention: Attention = layer.self_attn
+
+        def decode(
+            q: Tensor, batch: ForwardBatch, kv: LayerKVCache, attention=attention, window=window
+        ) -> Tensor:
+            return ops.paged_decode_attention(
+                q,
+                kv.key,
+                kv.value,
+                batch.decode_block_tables,
+                batch.decode_context_lens,
+                attention.scale,
+                kv.key_scale,
+                kv.value_scale,
+                sliding_window=window,
+            )
+
+        attention._decode = decode  # type: ignore[method-assign]
+    return model
+
+
+def with_partial_rotary(model: LlamaForCausalLM, rotary_dim: int) -> LlamaForCausalLM:
+    """Rotary over the first rotary_dim dims of each head (Phi-4-mini style)."""
+    config = model.config
+    model.rope = cos_sin_cache(rotary_dim, model.max_positions, config.rope_theta, None)
+    return model
+
+
+# Layer 0 windowed inside a block of 4, layer 1 full, layer 2 across block boundaries; the
+# contexts (5, 13, 1, 8) are cut by both windows but the shortest.
+LAYER_WINDOWS = (3, 0, 6)
+
+
+@pytest.mark.parametrize("windows", [(), LAYER_WINDOWS], ids=["no-window", "windows"])
+@pytest.mark.parametrize("rotary_dim", [16, 12, 4], ids=["full-rope", "rope-12", "rope-4"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_fused_step_windows_and_partial_rotary(
+    windows: tuple[int, ...], rotary_dim: int, kv_dtype: torch.dtype
+) -> None:
+    config = replace(tiny_config(attention_bias=True), layer_sliding_windows=windows)
+    model = with_partial_rotary(with_windowed_decode(random_model(config, seed=7)), rotary_dim)
+    case = decode_case(config, kv_dtype, seed=9)
+    eager, fused, after_eager, after_fused = eager_then_fused(model, case)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-5, atol=1e-5)
+    if windows or rotary_dim != 16:
+        # The features change the logits: a fused step ignoring them would fail above.
+        plain = random_model(replace(config, layer_sliding_windows=()), seed=7)
+        plain_logits, _, _, _ = eager_then_fused(plain, decode_case(config, kv_dtype, seed=9))
+        assert (plain_logits - eager).abs().max() > 1e-2
+
+
+def test_fused_step_rejects_a_window_list_of_the_wrong_length() -> None:
+    config = replace(tiny_config(attention_bias=False), layer_sliding_windows=(4, 0))
+    model = random_model(config, seed=2)
+    case = decode_case(config, torch.float32, seed=2)
+    with pytest.raises(RuntimeError, match="one window per layer"):
+        FusedDecode(model, case.cache).run(case.batch)
 
 
 @pytest.mark.parametrize("attention_bias", [False, True], ids=["no-bias", "qkv-bias"])
