@@ -9,6 +9,7 @@
 //
 //   per layer   h, r = rms_norm(h + r)                 (layer 0: r = h, h = rms_norm(h))
 //               qkv = gguf_linear(h) (+ bias)          [B, (Hq + 2 Hkv) D]
+//               q, k = rms_norm of each head (Qwen3; only with q_norms / k_norms)
 //               rotary(q, k) at positions; write k, v at slot_mapping
 //               a = paged_decode_attention(q)          [B, Hq D], the layer's sliding window
 //               h, r = rms_norm(gguf_linear(a) + r)
@@ -113,6 +114,23 @@ void rotate_qkv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
   });
 }
 
+// RMS-normalizes `num_heads` heads of D values from `first_head` on, in every qkv row, in place
+// with one weight [D] for all of them (Qwen3's q_norm / k_norm, before the rotary).
+void norm_heads(at::Tensor& qkv, int64_t first_head, int64_t num_heads, int64_t head_dim,
+                const at::Tensor& weight, float eps) {
+  const int64_t rows = qkv.size(0), row_stride = qkv.size(1);
+  const float* w = weight.data_ptr<float>();
+  float* base = qkv.data_ptr<float>() + first_head * head_dim;
+  at::parallel_for(0, rows, row_grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* x = base + m * row_stride + h * head_dim;
+        rms_norm_row(x, w, eps, head_dim, x);
+      }
+    }
+  });
+}
+
 // [B, 2I] = [gate | up] -> silu(gate) * up [B, I], silu(g) = g / (1 + exp(-g)).
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
@@ -152,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::TensorList v_scales, const at::Tensor& positions_in, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
     int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations,
-    at::IntArrayRef sliding_windows) {
+    at::IntArrayRef sliding_windows, at::TensorList q_norms, at::TensorList k_norms) {
   const size_t num_layers = input_norms.size();
   TORCH_CHECK(num_layers > 0, "llama_decode_layers: no layers");
   for (auto [list, name] : {std::pair{post_norms, "post_norms"}, {qkv_proj, "qkv_proj"},
@@ -166,6 +184,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
               "llama_decode_layers: sliding_windows must hold one window per layer (0: none)");
   TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == num_layers,
               "llama_decode_layers: qkv_bias is empty or one per layer");
+  TORCH_CHECK(q_norms.size() == k_norms.size() && (q_norms.empty() || q_norms.size() == num_layers),
+              "llama_decode_layers: q_norms and k_norms are both empty or one per layer each");
   const bool quantized_cache = !k_scales.empty();
   if (quantized_cache) {
     check_layer_lists(num_layers, k_scales, "k_scales");
@@ -199,6 +219,12 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layers: qkv_proj gives ",
                 qkv.size(1), " features, the heads need ", q_size + 2 * kv_size);
     if (!qkv_bias.empty()) qkv.add_(qkv_bias[l]);
+    if (!q_norms.empty()) {
+      check_fp32_vector(q_norms[l], head_dim, "q_norms");
+      check_fp32_vector(k_norms[l], head_dim, "k_norms");
+      norm_heads(qkv, 0, num_heads, head_dim, q_norms[l], epsilon);
+      norm_heads(qkv, num_heads, num_kv_heads, head_dim, k_norms[l], epsilon);
+    }
     rotate_qkv(qkv, positions, rope, num_heads + num_kv_heads, head_dim);
     const at::Tensor query = qkv.narrow(1, 0, q_size).view({batch, num_heads, head_dim});
     const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({batch, num_kv_heads, head_dim});
@@ -239,7 +265,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers_meta(
     at::TensorList v_scales, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
     int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations,
-    at::IntArrayRef sliding_windows) {
+    at::IntArrayRef sliding_windows, at::TensorList q_norms, at::TensorList k_norms) {
   return {at::empty_like(hidden), at::empty_like(hidden)};
 }
 
@@ -250,7 +276,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
       " int[] kinds, Tensor[] qkv_bias, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches,"
       " Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor positions, Tensor slot_mapping,"
       " Tensor block_tables, Tensor context_lens, Tensor rope, int num_heads, int num_kv_heads,"
-      " float eps, float scale, bool int8_activations, int[] sliding_windows) -> (Tensor, Tensor)");
+      " float eps, float scale, bool int8_activations, int[] sliding_windows,"
+      " Tensor[] q_norms, Tensor[] k_norms) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("llama_decode_layers", &llama_decode_layers); }

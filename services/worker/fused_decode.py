@@ -63,6 +63,10 @@ class _LayerLists:
     v_caches: list[Tensor]
     k_scales: list[Tensor]
     v_scales: list[Tensor]
+    q_norms: list[Tensor]
+    """Per-head RMSNorm weights [head_dim] of q and k (Qwen3), one per layer; empty: none (no
+    model served yet has them)."""
+    k_norms: list[Tensor]
 
 
 class FusedDecode:
@@ -105,6 +109,8 @@ class FusedDecode:
             v_caches=[c.value for c in caches],
             k_scales=[c.key_scale for c in caches if c.key_scale is not None],
             v_scales=[c.value_scale for c in caches if c.value_scale is not None],
+            q_norms=[],
+            k_norms=[],
         )
         self.num_steps = 0
         """Steps run fused (for tests and the step profile)."""
@@ -152,6 +158,8 @@ class FusedDecode:
             self.scale,
             self.int8_activations,
             self.sliding_windows,
+            lists.q_norms,
+            lists.k_norms,
         )
         self.num_steps += 1
         return model.logits(hidden, residual)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from kernels import cpu_extension, ops
+from kernels import cpu_extension, norm_torch, ops
 from kernels.gguf_blocks_torch import GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0
 from services.contracts.model_config import ModelConfig
 from services.worker.forward_batch import ForwardBatch
@@ -110,7 +110,7 @@ def decode_case(config: ModelConfig, kv_dtype: torch.dtype, seed: int) -> Decode
 
 
 def eager_then_fused(
-    model: LlamaForCausalLM, case: DecodeCase
+    model: LlamaForCausalLM, case: DecodeCase, fused: FusedDecode | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(eager logits, fused logits, the cache after eager, the cache after fused)."""
     before = case.cache.storage.clone()
@@ -122,8 +122,8 @@ def eager_then_fused(
         if scales_before is not None:
             assert case.cache.scales is not None
             case.cache.scales.copy_(scales_before)
-        fused = FusedDecode(model, case.cache).run(case.batch)
-    return eager, fused, after_eager, case.cache.storage
+        fused_logits = (fused or FusedDecode(model, case.cache)).run(case.batch)
+    return eager, fused_logits, after_eager, case.cache.storage
 
 
 def with_windowed_decode(model: LlamaForCausalLM) -> LlamaForCausalLM:
@@ -248,3 +248,60 @@ def test_bad_arguments_raise_clear_errors() -> None:
     )
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         fused.run(bad)
+
+
+class HeadNormedQKV(nn.Module):
+    """The q|k|v projection, then an RMSNorm of every q and every k head with one weight
+    [head_dim] each (Qwen3's q_norm / k_norm), in eager torch math."""
+
+    def __init__(
+        self, projection: nn.Module, q_norm: Tensor, k_norm: Tensor, config: ModelConfig
+    ) -> None:
+        super().__init__()
+        self.projection = projection
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.config = config
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = self.projection(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = norm_torch.rms_norm(q.unflatten(-1, (c.num_heads, -1)), self.q_norm, c.rms_norm_eps)
+        k = norm_torch.rms_norm(k.unflatten(-1, (c.num_kv_heads, -1)), self.k_norm, c.rms_norm_eps)
+        return torch.cat([q.flatten(-2), k.flatten(-2), v], dim=-1)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_fused_step_normalizes_q_and_k_heads(kv_dtype: torch.dtype) -> None:
+    """With q_norms / k_norms the fused step matches the eager layers with a per-head norm
+    between the projection and the rotary (here with windows and partial rotary too)."""
+    config = replace(tiny_config(attention_bias=True), layer_sliding_windows=LAYER_WINDOWS)
+    model = with_partial_rotary(with_windowed_decode(random_model(config, seed=17)), 12)
+    g = torch.Generator().manual_seed(19)
+    q_norms = [torch.rand(config.head_dim, generator=g) + 0.5 for _ in model.layers]
+    k_norms = [torch.rand(config.head_dim, generator=g) + 0.5 for _ in model.layers]
+    case = decode_case(config, kv_dtype, seed=21)
+    plain = FusedDecode(model, case.cache)  # built on the GGUF projections themselves
+    normed = FusedDecode(model, case.cache)
+    normed._lists = replace(normed._lists, q_norms=q_norms, k_norms=k_norms)
+    for layer, q_norm, k_norm in zip(model.layers, q_norms, k_norms, strict=True):
+        attention = layer.self_attn
+        attention.qkv_proj = HeadNormedQKV(attention.qkv_proj, q_norm, k_norm, config)
+    eager, fused, after_eager, after_fused = eager_then_fused(model, case, normed)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-5, atol=1e-5)
+    _, without_norms, _, _ = eager_then_fused(model, decode_case(config, kv_dtype, seed=21), plain)
+    assert (without_norms - eager).abs().max() > 1e-2
+
+
+def test_fused_step_checks_the_head_norms() -> None:
+    config = tiny_config(attention_bias=False)
+    model = random_model(config, seed=2)
+    case = decode_case(config, torch.float32, seed=2)
+    fused = FusedDecode(model, case.cache)
+    fused._lists = replace(fused._lists, q_norms=[torch.ones(16)] * 3, k_norms=[])
+    with pytest.raises(RuntimeError, match="q_norms and k_norms"):
+        fused.run(case.batch)
+    fused._lists = replace(fused._lists, k_norms=[torch.ones(8)] * 3)
+    with pytest.raises(RuntimeError, match="k_norms must be fp32 \\[16\\]"):
+        fused.run(case.batch)
