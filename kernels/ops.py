@@ -76,25 +76,31 @@ def paged_decode_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     batch_invariant: bool = False,
+    *,
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
 ) -> Tensor:
     """query [B, Hq, D], one token per sequence, over its paged KV -> [B, Hq, D].
 
     batch_invariant: each row's output depends only on its own query and context (no split
-    of a context whose place depends on the rest of the batch); CPU only."""
+    of a context whose place depends on the rest of the batch); CPU only.
+    sliding_window W > 0: only the last W tokens of each context (0: all of them);
+    logit_softcap c > 0: scores become c * tanh(scores / c) before the softmax (0: off)."""
     args = (query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     if use_triton(query):
         if batch_invariant:
             raise NotImplementedError("batch-invariant decode attention is CPU-only")
         from kernels import triton_decode_attention
 
-        return triton_decode_attention.paged_decode_attention(*args)
+        return triton_decode_attention.paged_decode_attention(
+            *args, sliding_window=sliding_window, logit_softcap=logit_softcap
+        )
     # The C++ kernel reads K/V in place (the torch path gathers a dense copy first) and is
     # faster in every cell of kernels/bench_decode_cpu.py: bf16, bf16 + int8 KV, fp32.
-    plain = sliding_window == 0 and logit_softcap == 0.0
-    if plain and use_cpu_extension(query):
-        return torch.ops.llmserve.paged_decode_attention(*args, batch_invariant)  # type: ignore[no-any-return]
+    if use_cpu_extension(query):
+        return torch.ops.llmserve.paged_decode_attention(  # type: ignore[no-any-return]
+            *args, batch_invariant, sliding_window, logit_softcap
+        )
     return attention_torch.paged_decode_attention(
         *args,
         batch_invariant=batch_invariant,
@@ -115,10 +121,14 @@ def prefill_attention(
     scale: float,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    *,
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
 ) -> Tensor:
-    """Packed varlen causal prefill over cached prefix + new tokens -> [T, Hq, D]."""
+    """Packed varlen causal prefill over cached prefix + new tokens -> [T, Hq, D].
+
+    sliding_window W > 0: the token at position p sees keys p - W < j <= p; logit_softcap
+    c > 0: scores become c * tanh(scores / c) (0: off for both)."""
     if use_triton(query):
         from kernels import triton_prefill_attention
 
@@ -134,6 +144,8 @@ def prefill_attention(
             scale,
             k_scale,
             v_scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )
     return attention_torch.prefill_attention(
         query,
@@ -175,7 +187,9 @@ def fused_add_rms_norm(
 def apply_rotary(
     query: Tensor, key: Tensor, positions: Tensor, cos_sin_cache: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """NeoX-style rotary on query [T, Hq, D] and key [T, Hkv, D], in place; returns (q, k)."""
+    """NeoX-style rotary on query [T, Hq, D] and key [T, Hkv, D], in place; returns (q, k).
+
+    cos_sin_cache [max_pos, R]: R = D rotates the whole head, R < D the first R dims only."""
     if use_triton(query):
         from kernels import triton_rotary
 

@@ -14,6 +14,10 @@ kernel merges them. With a single partition the first kernel writes the final ou
 
 Token position p of sequence b lives at k_cache[block_tables[b, p // block_size],
 p % block_size]. Optional int8 K/V carry one scale per group of head_dim values.
+
+With a sliding window W the splits start at the window (context_len - W), not at token 0:
+the blocks before it are never read and the grid holds ceil(W / P) splits at most. With
+soft-capped logits (c > 0) the scores are c * tanh(scale * q.k / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.triton_utils import soft_cap
 
 LOG2E = 1.4426950408889634
 
@@ -39,6 +45,9 @@ def _decode_split_kernel(
     partial_out_ptr,  # [B, Hq, max_splits, D] fp32 otherwise
     partial_lse_ptr,  # [B, Hq, max_splits] fp32 otherwise
     qk_scale_log2,  # softmax scale * log2(e): the kernel works with exp2
+    qk_scale,  # the softmax scale itself (soft-capping needs the unscaled logit)
+    logit_softcap,
+    sliding_window,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -72,12 +81,17 @@ def _decode_split_kernel(
     QUANT_GROUP: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    split_start = split * PARTITION
+    if USE_WINDOW:
+        split_start = tl.maximum(context_len - sliding_window, 0) + split * PARTITION
+    else:
+        split_start = split * PARTITION
     if split_start >= context_len:
         return  # the merge kernel ignores splits past the context
     split_end = tl.minimum(split_start + PARTITION, context_len)
@@ -133,7 +147,11 @@ def _decode_split_kernel(
             k = (k.to(tl.float32) * ks.to(tl.float32)).to(q.dtype)
             v = (v.to(tl.float32) * vs.to(tl.float32)).to(q.dtype)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        if USE_SOFTCAP:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            scores = soft_cap(scores, logit_softcap) * 1.4426950408889634  # log2(e)
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one valid position, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -176,6 +194,7 @@ def _decode_merge_kernel(
     partial_lse_ptr,  # [B, Hq, max_splits] fp32, log2 units
     context_lens_ptr,
     out_ptr,  # [B, Hq, D]
+    sliding_window,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -187,10 +206,13 @@ def _decode_merge_kernel(
     PARTITION: tl.constexpr,
     BLOCK_S: tl.constexpr,  # max_splits padded to a power of two
     BLOCK_D: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
+    if USE_WINDOW:
+        context_len = tl.minimum(context_len, sliding_window)  # tokens attended
     num_splits = tl.cdiv(context_len, PARTITION)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -229,6 +251,8 @@ def paged_decode_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     *,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
     partition_size: int = 512,
     max_context_len: int | None = None,
 ) -> Tensor:
@@ -256,9 +280,11 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     block_n = 32
     assert partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
+    assert sliding_window >= 0 and logit_softcap >= 0
     if max_context_len is None:
         max_context_len = int(context_lens.max())
-    num_splits = triton.cdiv(max_context_len, partition_size)
+    attended = min(max_context_len, sliding_window) if sliding_window > 0 else max_context_len
+    num_splits = triton.cdiv(attended, partition_size)
 
     out = torch.empty_like(query)
     one_split = num_splits == 1
@@ -286,6 +312,9 @@ def paged_decode_attention(
         partial_out,
         partial_lse,
         scale * LOG2E,
+        scale,
+        logit_softcap,
+        sliding_window,
         query.stride(0),
         query.stride(1),
         *k_cache.stride()[:3],
@@ -308,6 +337,8 @@ def paged_decode_attention(
         QUANT_GROUP=quant_group,
         ONE_SPLIT=one_split,
         DOT_PRECISION=precision,
+        USE_WINDOW=sliding_window > 0,
+        USE_SOFTCAP=logit_softcap > 0,
     )
     if not one_split:
         _decode_merge_kernel[(batch, num_q_heads)](
@@ -315,6 +346,7 @@ def paged_decode_attention(
             partial_lse,
             context_lens,
             out,
+            sliding_window,
             *partial_out.stride()[:3],
             *partial_lse.stride()[:2],
             out.stride(0),
@@ -323,5 +355,6 @@ def paged_decode_attention(
             PARTITION=partition_size,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            USE_WINDOW=sliding_window > 0,
         )
     return out

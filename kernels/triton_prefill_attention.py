@@ -10,6 +10,10 @@ its new tokens sit at positions prefix_len .. prefix_len + n - 1 and come in as 
 One program per (BLOCK_M new tokens, sequence, query head). Phase 1 streams the prefix from
 the paged cache with no causal mask (every prefix key precedes every new token); phase 2
 streams the new keys up to the tile's diagonal with the causal mask.
+
+With a sliding window W (new token at position p sees keys p - W < j <= p) both phases start
+at the window of the tile's first token, so cached blocks before it are never read, and the
+window is masked per row. Soft-capped logits (c > 0): scores c * tanh(scale * q.k / c).
 """
 
 from __future__ import annotations
@@ -19,13 +23,32 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.triton_utils import soft_cap
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, acc, m_i, l_i, valid, qk_scale_log2, DOT_PRECISION):
+def _online_softmax_step(
+    q,
+    k,
+    v,
+    acc,
+    m_i,
+    l_i,
+    valid,
+    qk_scale_log2,
+    qk_scale,
+    logit_softcap,
+    DOT_PRECISION: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+):
     """Folds one K/V tile into the running (acc, max, sum); valid [BLOCK_M, BLOCK_N]."""
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+    if USE_SOFTCAP:
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        scores = soft_cap(scores, logit_softcap) * 1.4426950408889634  # log2(e)
+    else:
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
     scores = tl.where(valid, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     # Rows with nothing valid yet keep m = -inf; subtract 0 there so exp2 gives 0, not NaN.
@@ -53,6 +76,9 @@ def _prefill_kernel(
     block_tables_ptr,  # [S, max_blocks]
     out_ptr,  # [T, Hq, D]
     qk_scale_log2,
+    qk_scale,
+    logit_softcap,
+    sliding_window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -83,6 +109,8 @@ def _prefill_kernel(
     IS_INT8: tl.constexpr,
     QUANT_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -108,8 +136,12 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Phase 1: the cached prefix, through the block table.
-    for start in range(0, prefix_len, BLOCK_N):
+    # Phase 1: the cached prefix, through the block table, from the tile's first window.
+    if USE_WINDOW:
+        prefix_start = tl.maximum(prefix_len + m_block * BLOCK_M - sliding_window + 1, 0)
+    else:
+        prefix_start = 0
+    for start in range(prefix_start, prefix_len, BLOCK_N):
         pos = start + offs_n
         pos_mask = pos < prefix_len
         block_ids = tl.load(
@@ -157,13 +189,29 @@ def _prefill_kernel(
             )
             k = (k.to(tl.float32) * ks.to(tl.float32)).to(q.dtype)
             v = (v.to(tl.float32) * vs.to(tl.float32)).to(q.dtype)
+        valid = pos_mask[None, :]
+        if USE_WINDOW:
+            valid = valid & (pos[None, :] > prefix_len + offs_m[:, None] - sliding_window)
         acc, m_i, l_i = _online_softmax_step(
-            q, k, v, acc, m_i, l_i, pos_mask[None, :], qk_scale_log2, DOT_PRECISION
+            q,
+            k,
+            v,
+            acc,
+            m_i,
+            l_i,
+            valid,
+            qk_scale_log2,
+            qk_scale,
+            logit_softcap,
+            DOT_PRECISION,
+            USE_SOFTCAP,
         )
 
-    # Phase 2: this chunk's own keys, causal; tiles past the diagonal are skipped entirely.
+    # Phase 2: this chunk's own keys, causal; tiles past the diagonal (or before the window)
+    # are skipped entirely.
     end = tl.minimum(seq_len, (m_block + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
+    new_start = tl.maximum(m_block * BLOCK_M - sliding_window + 1, 0) if USE_WINDOW else 0
+    for start in range(new_start, end, BLOCK_N):
         pos = start + offs_n
         pos_mask = pos < seq_len
         kv_mask = pos_mask[:, None] & d_mask[None, :]
@@ -184,8 +232,21 @@ def _prefill_kernel(
             other=0.0,
         )
         causal = (pos[None, :] <= offs_m[:, None]) & pos_mask[None, :]
+        if USE_WINDOW:
+            causal = causal & (pos[None, :] > offs_m[:, None] - sliding_window)
         acc, m_i, l_i = _online_softmax_step(
-            q, k, v, acc, m_i, l_i, causal, qk_scale_log2, DOT_PRECISION
+            q,
+            k,
+            v,
+            acc,
+            m_i,
+            l_i,
+            causal,
+            qk_scale_log2,
+            qk_scale,
+            logit_softcap,
+            DOT_PRECISION,
+            USE_SOFTCAP,
         )
 
     # Every valid row saw at least its own key, so l_i > 0 there; padded rows are not stored.
@@ -210,6 +271,8 @@ def prefill_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     *,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
     max_seqlen_q: int | None = None,
     block_m: int = 64,
     block_n: int = 64,
@@ -238,6 +301,7 @@ def prefill_attention(
     else:
         k_scale = v_scale = k_cache  # unused placeholders
         quant_group = 1
+    assert sliding_window >= 0 and logit_softcap >= 0
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
@@ -257,6 +321,9 @@ def prefill_attention(
         block_tables,
         out,
         scale * LOG2E,
+        scale,
+        logit_softcap,
+        sliding_window,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -279,5 +346,7 @@ def prefill_attention(
         IS_INT8=is_int8,
         QUANT_GROUP=quant_group,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        USE_WINDOW=sliding_window > 0,
+        USE_SOFTCAP=logit_softcap > 0,
     )
     return out

@@ -1,7 +1,9 @@
 """Rotary position embedding (NeoX / Hugging Face rotate_half) in Triton, in place.
 
 One program per token rotates all of its query and key heads, so the token's cos/sin row is
-read once. Pairs are (i, i + D/2): out_lo = x_lo cos - x_hi sin, out_hi = x_hi cos + x_lo sin.
+read once. Pairs are (i, i + R/2), R the width of the cos|sin table (R = D, or R < D for
+partial rotary: the last D - R dims of each head are neither read nor written):
+out_lo = x_lo cos - x_hi sin, out_hi = x_hi cos + x_lo sin.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _rotary_kernel(
     query_ptr,  # [T, Hq, D], any token/head strides
     key_ptr,  # [T, Hkv, D]
     positions_ptr,  # [T]
-    cos_sin_ptr,  # [max_pos, D]: cos | sin
+    cos_sin_ptr,  # [max_pos, R]: cos | sin
     stride_qt,
     stride_qh,
     stride_kt,
@@ -90,11 +92,12 @@ def apply_rotary(
     num_kv_heads = key.shape[1]
     assert key.shape == (num_tokens, num_kv_heads, head_dim), f"key {tuple(key.shape)}"
     assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)}"
-    assert cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0
+    rotary_dim = cos_sin_cache.shape[1]
+    assert rotary_dim <= head_dim and rotary_dim % 2 == 0, f"cos_sin_cache {cos_sin_cache.shape}"
     assert query.stride(2) == 1 and key.stride(2) == 1 and cos_sin_cache.stride(1) == 1
     if num_tokens == 0:
         return query, key
-    half = head_dim // 2
+    half = rotary_dim // 2
     _rotary_kernel[(num_tokens,)](
         query,
         key,

@@ -18,6 +18,7 @@ limits, unsupported ops) on a machine with no GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -281,6 +282,26 @@ def build_cases(  # type: ignore[no-untyped-def]
                 attn_flops,
             )
         )
+        # Gemma 2's attention: a 256-token window (only its blocks are read), logits capped.
+        gemma = {"sliding_window": 256, "logit_softcap": 50.0}
+        window_fraction = min(context, 256) / context
+        window_triton = functools.partial(
+            triton_decode_attention.paged_decode_attention, *decode_args, **gemma
+        )
+        window_torch = functools.partial(
+            attention_torch.paged_decode_attention, *decode_args, **gemma
+        )
+        cases.append(
+            Case(
+                "paged_decode_attention",
+                f"B={batch} ctx={context} window 256 cap 50",
+                window_triton,
+                window_torch,
+                paired(window_triton, window_torch),
+                kv_bytes * window_fraction + 2 * query.numel() * elt,
+                attn_flops * window_fraction,
+            )
+        )
 
         # --- per-token elementwise ops of one layer ----------------------------------------
         key, value = randn(batch, kv_heads, head_dim), randn(batch, kv_heads, head_dim)
@@ -411,6 +432,24 @@ def build_cases(  # type: ignore[no-untyped-def]
                 4 * pairs * head_dim,
             )
         )
+    # The same with a cached prefix under a 256-token window and capped logits (Gemma 2).
+    gemma = {"sliding_window": 256, "logit_softcap": 50.0}
+    window_triton = functools.partial(
+        triton_prefill_attention.prefill_attention, *pre_args, **gemma
+    )
+    window_torch = functools.partial(attention_torch.prefill_attention, *pre_args, **gemma)
+    cases.append(
+        Case(
+            "prefill_attention",
+            f"S={seqs} new={new_len} prefix={prefix} window 256 cap 50",
+            window_triton,
+            window_torch,
+            paired(window_triton, window_torch),
+            (2 * q.numel() + 2 * k.numel() + 2 * seqs * min(prefix, 256) * kv_heads * head_dim)
+            * elt,
+            4 * seqs * heads * new_len * 256 * head_dim,
+        )
+    )
     return cases
 
 

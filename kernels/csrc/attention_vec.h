@@ -49,7 +49,7 @@ namespace {
 
 // Inputs to exp are clamped to [kExpLow, kExpHigh]: below kExpLow the result is flushed to 0
 // (the exact value is a denormal under 1.2e-38, nothing a softmax weight can use); above
-// kExpHigh is never reached because the kernels only take exp(score - running max) <= 0.
+// kExpHigh only tanh's exp(2|x|) goes, where any value that large gives tanh = 1.
 constexpr float kExpLow = -87.33654f;
 constexpr float kExpHigh = 88.0f;
 constexpr float kLog2e = 1.44269504088896341f;
@@ -63,6 +63,14 @@ constexpr float kExpP2 = 8.3334519073e-3f;
 constexpr float kExpP3 = 4.1665795894e-2f;
 constexpr float kExpP4 = 1.6666665459e-1f;
 constexpr float kExpP5 = 5.0000001201e-1f;
+// tanh(x) for |x| < kTanhSmall: x + x^3 Q(x^2), Q of degree 4 (Cephes tanhf), ~2 ulp; above,
+// 1 - 2 / (exp(2|x|) + 1) with x's sign, where the subtraction loses nothing.
+constexpr float kTanhSmall = 0.625f;
+constexpr float kTanhQ0 = -5.70498872745e-3f;
+constexpr float kTanhQ1 = 2.06390887954e-2f;
+constexpr float kTanhQ2 = -5.37397155531e-2f;
+constexpr float kTanhQ3 = 1.33314422036e-1f;
+constexpr float kTanhQ4 = -3.33332819422e-1f;
 
 inline float bf16_bits_to_float(uint16_t bits) {
   uint32_t widened = static_cast<uint32_t>(bits) << 16;
@@ -105,6 +113,7 @@ struct ScalarVec {
     if (x < kExpLow) return 0.f;
     return std::exp(x);
   }
+  static Reg tanh(Reg x) { return std::tanh(x); }
   // rows[j] summed over its lanes lands in lane j.
   static Reg transpose_reduce(const Reg* rows) { return rows[0]; }
   // Lane i gets scales[i / group] (scales already offset to the vector's first group).
@@ -208,6 +217,23 @@ struct Avx2Vec {
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     const Reg result = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
     return _mm256_blendv_ps(result, _mm256_setzero_ps(), tiny);
+  }
+  static Reg tanh(Reg x) {
+    const Reg z = _mm256_mul_ps(x, x);
+    Reg q = _mm256_set1_ps(kTanhQ0);
+    q = _mm256_fmadd_ps(q, z, _mm256_set1_ps(kTanhQ1));
+    q = _mm256_fmadd_ps(q, z, _mm256_set1_ps(kTanhQ2));
+    q = _mm256_fmadd_ps(q, z, _mm256_set1_ps(kTanhQ3));
+    q = _mm256_fmadd_ps(q, z, _mm256_set1_ps(kTanhQ4));
+    const Reg small = _mm256_fmadd_ps(_mm256_mul_ps(q, z), x, x);
+    const Reg ax = abs(x);
+    const Reg one = _mm256_set1_ps(1.f);
+    const Reg e = exp(_mm256_add_ps(ax, ax));  // NaN stays NaN
+    const Reg ratio = _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one));
+    Reg large = _mm256_fnmadd_ps(ratio, one, one);
+    large = _mm256_or_ps(large, _mm256_and_ps(x, _mm256_set1_ps(-0.f)));
+    return _mm256_blendv_ps(large, small,
+                            _mm256_cmp_ps(ax, _mm256_set1_ps(kTanhSmall), _CMP_LT_OQ));
   }
   static Reg transpose_reduce(const Reg* rows) {
     // hadd pairs twice: [r0 r1 r2 r3 (low halves) | r0 r1 r2 r3 (high halves)], same for r4..7.
@@ -326,6 +352,24 @@ struct Avx512Vec {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     // scalef multiplies by 2^n without building the exponent by hand.
     return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+  }
+  static Reg tanh(Reg x) {
+    const Reg z = _mm512_mul_ps(x, x);
+    Reg q = _mm512_set1_ps(kTanhQ0);
+    q = _mm512_fmadd_ps(q, z, _mm512_set1_ps(kTanhQ1));
+    q = _mm512_fmadd_ps(q, z, _mm512_set1_ps(kTanhQ2));
+    q = _mm512_fmadd_ps(q, z, _mm512_set1_ps(kTanhQ3));
+    q = _mm512_fmadd_ps(q, z, _mm512_set1_ps(kTanhQ4));
+    const Reg small = _mm512_fmadd_ps(_mm512_mul_ps(q, z), x, x);
+    const Reg ax = abs(x);
+    const Reg one = _mm512_set1_ps(1.f);
+    const Reg e = exp(_mm512_add_ps(ax, ax));  // NaN stays NaN
+    const Reg ratio = _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one));
+    Reg large = _mm512_fnmadd_ps(ratio, one, one);
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    large = _mm512_mask_mov_ps(large, negative, _mm512_mul_ps(large, _mm512_set1_ps(-1.f)));
+    const __mmask16 near_zero = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(kTanhSmall), _CMP_LT_OQ);
+    return _mm512_mask_mov_ps(large, near_zero, small);
   }
   static Reg transpose_reduce(const Reg* rows) {
     // 1: pairs of rows -> per 128-bit lane [a(0+2) b(0+2) a(1+3) b(1+3)].

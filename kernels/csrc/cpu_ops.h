@@ -18,7 +18,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                                   const at::Tensor& context_lens, double scale,
                                   const std::optional<at::Tensor>& k_scale,
                                   const std::optional<at::Tensor>& v_scale,
-                                  bool batch_invariant = false);
+                                  bool batch_invariant = false, int64_t sliding_window = 0,
+                                  double logit_softcap = 0.0);
 
 // write_kv_cache.cpp
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,

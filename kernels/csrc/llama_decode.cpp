@@ -9,14 +9,17 @@
 //
 //   per layer   h, r = rms_norm(h + r)                 (layer 0: r = h, h = rms_norm(h))
 //               qkv = gguf_linear(h) (+ bias)          [B, (Hq + 2 Hkv) D]
+//               q, k = rms_norm of each head (Qwen3; only with q_norms / k_norms)
 //               rotary(q, k) at positions; write k, v at slot_mapping
-//               a = paged_decode_attention(q)          [B, Hq D]
+//               a = paged_decode_attention(q)          [B, Hq D], the layer's sliding window
 //               h, r = rms_norm(gguf_linear(a) + r)
 //               h = gguf_linear(silu(gate) * up)       gate | up = gguf_linear(h)
 //   returns     (h, r) of the last layer; the final norm and the vocabulary stay in Python.
 //
 // Math is fp32 throughout, as the torch references do it (kernels/*_torch.py): the rotary
-// pairs (i, i + D/2) of the NeoX convention, rms_norm as x * (1 / sqrt(mean(x^2) + eps)) * w.
+// pairs (i, i + R/2) of the NeoX convention over the first R = rope.size(1) dims of each head
+// (R < D: partial rotary, the rest pass through), rms_norm as x * (1 / sqrt(mean(x^2) + eps))
+// * w. The head dim D is the KV caches'.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -79,10 +82,12 @@ void add_rms_norm(const at::Tensor* delta, at::Tensor& residual, const at::Tenso
   });
 }
 
-// Rotates the q and k heads of each qkv row in place at its position (cos | sin table rows).
+// Rotates the first R dims of the q and k heads of each qkv row in place at its position
+// (cos | sin table rows of R values).
 void rotate_qkv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& rope,
                 int64_t num_rotated_heads, int64_t head_dim) {
-  const int64_t rows = qkv.size(0), row_stride = qkv.size(1), half = head_dim / 2;
+  const int64_t rows = qkv.size(0), row_stride = qkv.size(1);
+  const int64_t rotary_dim = rope.size(1), half = rotary_dim / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_positions = rope.size(0);
   for (int64_t m = 0; m < rows; ++m) {
@@ -94,7 +99,7 @@ void rotate_qkv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
   at::parallel_for(0, rows, row_grain(num_rotated_heads * head_dim),
                    [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const float* cos = table + pos[m] * head_dim;
+      const float* cos = table + pos[m] * rotary_dim;
       const float* sin = cos + half;
       for (int64_t h = 0; h < num_rotated_heads; ++h) {
         float* x = base + m * row_stride + h * head_dim;
@@ -104,6 +109,23 @@ void rotate_qkv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
           x[i] = x1 * cos[i] - x2 * sin[i];
           x[i + half] = x2 * cos[i] + x1 * sin[i];
         }
+      }
+    }
+  });
+}
+
+// RMS-normalizes `num_heads` heads of D values from `first_head` on, in every qkv row, in place
+// with one weight [D] for all of them (Qwen3's q_norm / k_norm, before the rotary).
+void norm_heads(at::Tensor& qkv, int64_t first_head, int64_t num_heads, int64_t head_dim,
+                const at::Tensor& weight, float eps) {
+  const int64_t rows = qkv.size(0), row_stride = qkv.size(1);
+  const float* w = weight.data_ptr<float>();
+  float* base = qkv.data_ptr<float>() + first_head * head_dim;
+  at::parallel_for(0, rows, row_grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* x = base + m * row_stride + h * head_dim;
+        rms_norm_row(x, w, eps, head_dim, x);
       }
     }
   });
@@ -147,7 +169,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales,
     at::TensorList v_scales, const at::Tensor& positions_in, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
-    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations) {
+    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations,
+    at::IntArrayRef sliding_windows, at::TensorList q_norms, at::TensorList k_norms) {
   const size_t num_layers = input_norms.size();
   TORCH_CHECK(num_layers > 0, "llama_decode_layers: no layers");
   for (auto [list, name] : {std::pair{post_norms, "post_norms"}, {qkv_proj, "qkv_proj"},
@@ -157,8 +180,12 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     check_layer_lists(num_layers, list, name);
   }
   TORCH_CHECK(kinds.size() == 4 * num_layers, "llama_decode_layers: kinds must hold 4 per layer");
+  TORCH_CHECK(sliding_windows.size() == num_layers,
+              "llama_decode_layers: sliding_windows must hold one window per layer (0: none)");
   TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == num_layers,
               "llama_decode_layers: qkv_bias is empty or one per layer");
+  TORCH_CHECK(q_norms.size() == k_norms.size() && (q_norms.empty() || q_norms.size() == num_layers),
+              "llama_decode_layers: q_norms and k_norms are both empty or one per layer each");
   const bool quantized_cache = !k_scales.empty();
   if (quantized_cache) {
     check_layer_lists(num_layers, k_scales, "k_scales");
@@ -167,9 +194,13 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kFloat,
               "llama_decode_layers: hidden must be fp32 [B, H]");
   TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.dim() == 2 && rope.is_contiguous(),
-              "llama_decode_layers: rope must be a contiguous fp32 [max_positions, D] table");
+              "llama_decode_layers: rope must be a contiguous fp32 [max_positions, R] table");
+  TORCH_CHECK(k_caches[0].dim() == 4,
+              "llama_decode_layers: caches must be [num_blocks, block_size, Hkv, D]");
   const int64_t batch = hidden_in.size(0), hidden_size = hidden_in.size(1);
-  const int64_t head_dim = rope.size(1);
+  const int64_t head_dim = k_caches[0].size(3);
+  TORCH_CHECK(rope.size(1) % 2 == 0 && rope.size(1) <= head_dim, "llama_decode_layers: rope ",
+              "has ", rope.size(1), " values a row, an even number up to the head dim ", head_dim);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(positions_in.dim() == 1 && positions_in.size(0) == batch,
               "llama_decode_layers: positions must be [B]");
@@ -188,6 +219,12 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layers: qkv_proj gives ",
                 qkv.size(1), " features, the heads need ", q_size + 2 * kv_size);
     if (!qkv_bias.empty()) qkv.add_(qkv_bias[l]);
+    if (!q_norms.empty()) {
+      check_fp32_vector(q_norms[l], head_dim, "q_norms");
+      check_fp32_vector(k_norms[l], head_dim, "k_norms");
+      norm_heads(qkv, 0, num_heads, head_dim, q_norms[l], epsilon);
+      norm_heads(qkv, num_heads, num_kv_heads, head_dim, k_norms[l], epsilon);
+    }
     rotate_qkv(qkv, positions, rope, num_heads + num_kv_heads, head_dim);
     const at::Tensor query = qkv.narrow(1, 0, q_size).view({batch, num_heads, head_dim});
     const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({batch, num_kv_heads, head_dim});
@@ -206,7 +243,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     {
       LLMSERVE_RECORD("llmserve::paged_decode_attention");
       attended = paged_decode_attention(query, k_caches[l], v_caches[l], block_tables,
-                                        context_lens, scale, k_scale, v_scale);
+                                        context_lens, scale, k_scale, v_scale,
+                                        /*batch_invariant=*/false, sliding_windows[l]);
     }
     delta = profiled_linear(attended.view({batch, q_size}), o_proj[l], kinds[4 * l + 1],
                         int8_activations);
@@ -226,7 +264,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers_meta(
     at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales,
     at::TensorList v_scales, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
-    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations) {
+    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations,
+    at::IntArrayRef sliding_windows, at::TensorList q_norms, at::TensorList k_norms) {
   return {at::empty_like(hidden), at::empty_like(hidden)};
 }
 
@@ -237,7 +276,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
       " int[] kinds, Tensor[] qkv_bias, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches,"
       " Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor positions, Tensor slot_mapping,"
       " Tensor block_tables, Tensor context_lens, Tensor rope, int num_heads, int num_kv_heads,"
-      " float eps, float scale, bool int8_activations) -> (Tensor, Tensor)");
+      " float eps, float scale, bool int8_activations, int[] sliding_windows,"
+      " Tensor[] q_norms, Tensor[] k_norms) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("llama_decode_layers", &llama_decode_layers); }

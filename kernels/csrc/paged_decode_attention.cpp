@@ -15,6 +15,11 @@
 // Contexts too long for the batch to balance across the threads (batch 1 on 2 threads) are
 // split into ranges processed in parallel and merged with their log-sum-exp
 // (flash-decoding).
+//
+// Sliding window W > 0: a sequence's items cover only its last W tokens (positions
+// context_len - W .. context_len - 1), so the blocks before the window are never read and a
+// long context costs the window. Soft-capped logits (c > 0): each chunk's scores become
+// c * tanh(score / c) before the softmax.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -75,8 +80,15 @@ struct DecodeArgs {
   const int32_t* context_lens;
   int64_t num_q_heads, num_kv_heads, group, head_dim, block_size;
   float scale;
-  void* out;  // contiguous [B, Hq, D], query dtype
+  int64_t sliding_window = 0;  // 0: the whole context
+  float logit_softcap = 0.f;   // 0: scores as they are
+  void* out;                   // contiguous [B, Hq, D], query dtype
 };
+
+// The first token of `context_len` that the query attends to.
+inline int64_t window_start(const DecodeArgs& a, int64_t context_len) {
+  return a.sliding_window > 0 ? std::max<int64_t>(0, context_len - a.sliding_window) : 0;
+}
 
 struct WorkItem {
   int64_t batch, begin, end;
@@ -304,6 +316,15 @@ void attend_chunk(const DecodeArgs& a, Scratch<V>& s, int64_t kv_head, int64_t f
                         s.scale_stride, a.quant_group, n, head_dim, s.scores.data());
   // Pad the chunk to whole vectors with -inf scores (weight 0).
   const int64_t padded = (n + W - 1) / W * W;
+  if (a.logit_softcap > 0.f) {
+    const Reg cap = V::set1(a.logit_softcap), inverse_cap = V::set1(1.f / a.logit_softcap);
+    for (int g = 0; g < G; ++g) {
+      float* scores = s.scores.data() + g * kChunk;
+      for (int64_t t = 0; t < padded; t += W) {
+        V::store(scores + t, V::mul(V::tanh(V::mul(V::load(scores + t), inverse_cap)), cap));
+      }
+    }
+  }
   for (int g = 0; g < G; ++g) {
     float* scores = s.scores.data() + g * kChunk;
     for (int64_t t = n; t < padded; ++t) scores[t] = -std::numeric_limits<float>::infinity();
@@ -427,7 +448,9 @@ struct Schedule {
 Schedule plan(const DecodeArgs& a, int64_t batch_size) {
   Schedule schedule;
   int64_t total_tokens = 0;
-  for (int64_t b = 0; b < batch_size; ++b) total_tokens += a.context_lens[b];
+  for (int64_t b = 0; b < batch_size; ++b) {
+    total_tokens += a.context_lens[b] - window_start(a, a.context_lens[b]);
+  }
   const int64_t threads = at::get_num_threads();
   const int64_t work = total_tokens * a.num_q_heads * a.head_dim;
   schedule.parallel = threads > 1 && !at::in_parallel_region() && work >= kMinParallelWork;
@@ -438,13 +461,14 @@ Schedule plan(const DecodeArgs& a, int64_t batch_size) {
                                                       (threads * kItemsPerThread))
                             : std::numeric_limits<int64_t>::max();
   for (int64_t b = 0; b < batch_size; ++b) {
-    const int64_t len = a.context_lens[b];
+    const int64_t first = window_start(a, a.context_lens[b]);
+    const int64_t len = a.context_lens[b] - first;  // tokens attended
     if (len == 0) continue;
     const int64_t splits = len <= split ? 1 : (len + split - 1) / split;
     const int64_t range = (len + splits - 1) / splits;  // even ranges, not split + remainder
     if (splits > 1) schedule.merges.push_back({b, schedule.num_partials, splits});
     for (int64_t i = 0; i < splits; ++i) {
-      const int64_t begin = i * range, end = std::min(len, begin + range);
+      const int64_t begin = first + i * range, end = first + std::min(len, i * range + range);
       const int64_t partial = splits > 1 ? schedule.num_partials++ : -1;
       schedule.items.push_back({b, begin, end, partial});
     }
@@ -569,7 +593,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
                                   const at::Tensor& context_lens_in, double scale,
                                   const std::optional<at::Tensor>& k_scale,
                                   const std::optional<at::Tensor>& v_scale,
-                                  bool batch_invariant) {
+                                  bool batch_invariant, int64_t sliding_window,
+                                  double logit_softcap) {
   TORCH_CHECK(query_in.dim() == 3, "query must be [B, Hq, D], got ", query_in.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache/v_cache must be [num_blocks, block_size, Hkv, D] of one shape");
@@ -578,6 +603,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
       block_tables_in.scalar_type() == at::kInt && context_lens_in.scalar_type() == at::kInt,
       "block_tables and context_lens must be int32");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(logit_softcap >= 0, "logit_softcap must be >= 0 (0: none), got ", logit_softcap);
   const int64_t batch = query_in.size(0), num_q_heads = query_in.size(1);
   const int64_t head_dim = query_in.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
@@ -622,11 +649,14 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_width = block_tables.size(1);
   // Validate every table entry the kernel will read: a bad one would read outside the cache.
+  // Entries before a sliding window are not read (they may name freed blocks).
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 0 && lens[b] <= table_width * block_size, "context_lens[", b,
                 "] = ", lens[b], " does not fit ", table_width, " blocks of ", block_size);
     const int64_t used = (lens[b] + block_size - 1) / block_size;
-    for (int64_t i = 0; i < used; ++i) {
+    const int64_t first =
+        sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) / block_size : 0;
+    for (int64_t i = first; i < used; ++i) {
       const int32_t block = tables[b * block_tables.stride(0) + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, ", ", i, "] = ", block,
                   " is outside the cache's ", num_blocks, " blocks");
@@ -656,6 +686,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   a.head_dim = head_dim;
   a.block_size = block_size;
   a.scale = static_cast<float>(scale);
+  a.sliding_window = sliding_window;
+  a.logit_softcap = static_cast<float>(logit_softcap);
   a.out = out.data_ptr();
   if (batch == 0) return out;
 
@@ -682,7 +714,8 @@ at::Tensor paged_decode_attention_meta(const at::Tensor& query, const at::Tensor
                                        const at::Tensor& context_lens, double scale,
                                        const std::optional<at::Tensor>& k_scale,
                                        const std::optional<at::Tensor>& v_scale,
-                                       bool batch_invariant) {
+                                       bool batch_invariant, int64_t sliding_window,
+                                       double logit_softcap) {
   TORCH_CHECK(query.dim() == 3, "query must be [B, Hq, D]");
   return at::empty(query.sizes(), query.options());
 }
@@ -708,7 +741,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,"
       " Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None,"
-      " bool batch_invariant=False) -> Tensor");
+      " bool batch_invariant=False, int sliding_window=0, float logit_softcap=0.0) -> Tensor");
   m.def("cpu_kernel_isa() -> str", &cpu_kernel_isa);
   m.def("set_scalar_kernels(bool enabled) -> bool", &set_scalar_kernels);
 }

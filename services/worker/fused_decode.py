@@ -54,15 +54,13 @@ def unsupported_reason(model: CausalLM, kv_cache: PagedKVCache) -> str | None:
 def missing_features(arch: ModelArchitecture) -> list[str]:
     """The architecture's switches the fused layer loop does not implement."""
     checks = [
-        (arch.qk_norm != "none", "QK-norm"),
+        (arch.qk_norm == "across_heads", "QK-norm across heads"),
         (arch.hidden_act != "silu", f"{arch.hidden_act} gating"),
         (not arch.pre_norms or arch.post_norms, "post-norms"),
         (arch.residual_multiplier != 1.0, "a residual multiplier"),
         (arch.attn_logit_softcap != 0.0, "attention soft-capping"),
         (arch.local_rope is not None, "a rope of its own for windowed layers"),
         (not all(arch.layer_uses_rope or [True]), "layers without rope"),
-        (arch.rope.partial_rotary_factor != 1.0, "partial rotary"),
-        (bool(arch.layer_sliding_windows), "sliding windows"),
     ]
     return [name for failed, name in checks if failed]
 
@@ -83,6 +81,9 @@ class _LayerLists:
     v_caches: list[Tensor]
     k_scales: list[Tensor]
     v_scales: list[Tensor]
+    q_norms: list[Tensor]
+    """Per-head RMSNorm weights [head_dim] of q and k (Qwen3), one per layer; empty: none."""
+    k_norms: list[Tensor]
 
 
 class FusedDecode:
@@ -98,6 +99,8 @@ class FusedDecode:
         self.num_kv_heads = arch.num_kv_heads
         self.eps = arch.rms_norm_eps
         self.scale = arch.query_scale
+        # One window per layer (0: full attention).
+        self.sliding_windows = [arch.sliding_window(i) for i in range(arch.num_layers)]
         projections = [
             (
                 layer.self_attn.qkv_proj,
@@ -123,6 +126,8 @@ class FusedDecode:
             v_caches=[c.value for c in caches],
             k_scales=[c.key_scale for c in caches if c.key_scale is not None],
             v_scales=[c.value_scale for c in caches if c.value_scale is not None],
+            q_norms=[n for layer in model.layers if (n := layer.self_attn.q_norm) is not None],
+            k_norms=[n for layer in model.layers if (n := layer.self_attn.k_norm) is not None],
         )
         self.num_steps = 0
         """Steps run fused (for tests and the step profile)."""
@@ -169,6 +174,9 @@ class FusedDecode:
             self.eps,
             self.scale,
             self.int8_activations,
+            self.sliding_windows,
+            lists.q_norms,
+            lists.k_norms,
         )
         self.num_steps += 1
         return model.logits(hidden, residual)

@@ -32,6 +32,8 @@ class DecodeCase:
     context_lens: Tensor  # [B] int32, 0 = padding row
     k_scale: Tensor | None
     v_scale: Tensor | None
+    sliding_window: int = 0
+    logit_softcap: float = 0.0
 
     @property
     def scale(self) -> float:
@@ -47,6 +49,9 @@ class DecodeCase:
             self.scale,
             self.k_scale,
             self.v_scale,
+            False,  # batch_invariant
+            self.sliding_window,
+            self.logit_softcap,
         )
 
     def reference(self) -> Tensor:
@@ -65,6 +70,8 @@ class DecodeCase:
                 self.scale,
                 self.k_scale,
                 self.v_scale,
+                sliding_window=self.sliding_window,
+                logit_softcap=self.logit_softcap,
             )
         return out
 
@@ -98,6 +105,8 @@ def make_decode_case(
     block_size: int = 16,
     quant_group: int | None = None,
     scale_dtype: torch.dtype = torch.float16,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> DecodeCase:
     blocks_needed = [-(-n // block_size) for n in lengths]
     width = max(blocks_needed) + 3
@@ -129,6 +138,8 @@ def make_decode_case(
         torch.tensor(lengths, dtype=torch.int32),
         k_scale,
         v_scale,
+        sliding_window,
+        logit_softcap,
     )
 
 

@@ -85,6 +85,23 @@ def check(variant: str) -> int:
         case = make_decode_case([2100, 7, 0], 9, 3, 64, dtype, g, quant_group=quant_group)
         check_decode(ops, case, dtype)
         cases += 1
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for quant_group in (None, 8):
+            for sliding_window, logit_softcap in ((7, 0.0), (0, 1.5), (40, 0.1), (700, 2.0)):
+                g = seeded(variant, "window", dtype, quant_group, sliding_window)
+                case = make_decode_case(
+                    [2100, 129, 3, 0, 40],
+                    9,
+                    3,
+                    64,
+                    dtype,
+                    g,
+                    quant_group=quant_group,
+                    sliding_window=sliding_window,
+                    logit_softcap=logit_softcap,
+                )
+                check_decode(ops, case, dtype)
+                cases += 1
     for case_g, block_size in enumerate((1, 5, 32)):
         case = make_decode_case(
             [70, 1, 33], 9, 3, 64, torch.float32, seeded(variant, case_g), block_size=block_size

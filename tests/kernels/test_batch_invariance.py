@@ -3,8 +3,9 @@ any position, is bit for bit the row computed alone. Fresh random inputs; each k
 also checked against its torch reference, so invariance is not bought with a wrong answer.
 
 Every layer type the batch-invariant model runs is covered: GGUF linear layers (every kind,
-fp32 and bf16, every C++ build), float linear layers, decode attention (C++ and torch) on
-contexts long enough that the default schedule would split them, and the row-wise ops.
+fp32 and bf16, every C++ build), float linear layers, decode attention (C++ and torch, with
+and without a sliding window) on contexts long enough that the default schedule would split
+them, and the row-wise ops.
 """
 
 from __future__ import annotations
@@ -125,7 +126,10 @@ def decode_case(dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("path", ["cpp", "torch"])
-def test_decode_attention_rows_do_not_depend_on_the_batch(dtype, path: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("sliding_window", [0, 300], ids=["full", "window"])
+def test_decode_attention_rows_do_not_depend_on_the_batch(
+    dtype, path: str, sliding_window: int
+) -> None:  # type: ignore[no-untyped-def]
     if path == "cpp":
         assert cpu_extension.load(), "the C++ kernels must build on this machine"
     query, kv = decode_case(dtype, seed=8)
@@ -133,8 +137,10 @@ def test_decode_attention_rows_do_not_depend_on_the_batch(dtype, path: str) -> N
     def compute(rows: slice) -> torch.Tensor:
         args = (query[rows], kv.k_cache, kv.v_cache, kv.block_tables[rows], kv.lens[rows], 0.125)
         if path == "cpp":
-            return torch.ops.llmserve.paged_decode_attention(*args, None, None, True)
-        return torch_decode_attention(*args, batch_invariant=True)
+            return torch.ops.llmserve.paged_decode_attention(
+                *args, None, None, True, sliding_window
+            )
+        return torch_decode_attention(*args, batch_invariant=True, sliding_window=sliding_window)
 
     full = compute(slice(None))
     for size in [1, 2, 3, 5, 12]:
@@ -142,7 +148,13 @@ def test_decode_attention_rows_do_not_depend_on_the_batch(dtype, path: str) -> N
             part = compute(slice(start, start + size))
             assert torch.equal(part, full[start : start + size]), f"rows {start}+{size}"
     reference = torch_decode_attention(
-        query, kv.k_cache, kv.v_cache, kv.block_tables, kv.lens, 0.125
+        query,
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables,
+        kv.lens,
+        0.125,
+        sliding_window=sliding_window,
     )
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(full, reference, rtol=tol, atol=tol)

@@ -1,5 +1,6 @@
 """The C++ paged decode attention against the torch reference: fp32/bf16/fp16, int8 caches,
-unusual shapes, long contexts split across threads, and the scalar fallback."""
+unusual shapes, long contexts split across threads, sliding windows and soft-capped logits,
+and the scalar fallback."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tests.kernels.cpu_extension_cases import (
     FLOAT_DTYPES,
     GQA,
     TOLERANCES,
+    UNUSED_BLOCK,
     check_decode,
     check_write,
     make_decode_case,
@@ -127,6 +129,127 @@ def test_paged_decode_attention_rejects_bad_tables(extension) -> None:  # type: 
         extension.paged_decode_attention(*case.args())
 
 
+# --- sliding window and soft-capped logits ----------------------------------------------------
+
+WINDOW_LENGTHS = [129, 3, 64, 1, 0, 40, 17]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("sliding_window", [1, 7, 16, 100, 5000])
+@pytest.mark.parametrize("logit_softcap", [0.0, 1.5])
+def test_sliding_window_and_softcap_match_torch(
+    extension, dtype: torch.dtype, sliding_window: int, logit_softcap: float
+) -> None:  # type: ignore[no-untyped-def]
+    g = seeded("window", dtype, sliding_window, logit_softcap)
+    case = make_decode_case(
+        WINDOW_LENGTHS,
+        9,
+        3,
+        64,
+        dtype,
+        g,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
+    check_decode(extension, case, dtype)
+
+
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sliding_window_gqa_shapes(
+    extension, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> None:  # type: ignore[no-untyped-def]
+    g = seeded("window gqa", num_q_heads, head_dim)
+    case = make_decode_case(
+        WINDOW_LENGTHS,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        torch.bfloat16,
+        g,
+        sliding_window=20,
+        logit_softcap=3.0,
+    )
+    check_decode(extension, case, torch.bfloat16)
+
+
+@pytest.mark.parametrize("quant_group", [8, 64])
+@pytest.mark.parametrize("logit_softcap", [0.0, 0.1, 2.0])
+def test_sliding_window_int8_cache(extension, quant_group: int, logit_softcap: float) -> None:  # type: ignore[no-untyped-def]
+    """A cap of 0.1 saturates tanh (scores are ~10 caps): the exp(2|x|) branch at its clamp."""
+    g = seeded("window int8", quant_group, logit_softcap)
+    case = make_decode_case(
+        [33, 0, 1, 100],
+        9,
+        3,
+        64,
+        torch.float32,
+        g,
+        quant_group=quant_group,
+        sliding_window=24,
+        logit_softcap=logit_softcap,
+    )
+    check_decode(extension, case, torch.float32)
+
+
+def test_window_and_softcap_change_the_result(extension) -> None:  # type: ignore[no-untyped-def]
+    case = make_decode_case([90, 40], 4, 2, 64, torch.float32, seeded("changes"))
+    full = extension.paged_decode_attention(*case.args())
+    case.sliding_window = 30
+    windowed = extension.paged_decode_attention(*case.args())
+    case.sliding_window, case.logit_softcap = 0, 1.0
+    capped = extension.paged_decode_attention(*case.args())
+    assert (windowed - full).abs().max() > 0.05 and (capped - full).abs().max() > 0.05
+
+
+def test_blocks_before_the_window_are_not_read(extension) -> None:  # type: ignore[no-untyped-def]
+    """Table entries before a window are neither validated nor read: an id outside the cache
+    there changes nothing (an engine may free those blocks)."""
+    case = make_decode_case([70, 50, 5], 9, 3, 64, torch.float32, seeded("skip"), sliding_window=16)
+    want = extension.paged_decode_attention(*case.args())
+    case.block_tables[0, :3] = UNUSED_BLOCK  # window 54..69: blocks 3 and 4
+    case.block_tables[1, :2] = UNUSED_BLOCK  # window 34..49: blocks 2 and 3
+    assert torch.equal(extension.paged_decode_attention(*case.args()), want)
+    case.block_tables[0, 3] = UNUSED_BLOCK  # the first block the window reads
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        extension.paged_decode_attention(*case.args())
+
+
+@pytest.mark.parametrize(("dtype", "quant_group"), [(torch.float32, None), (torch.bfloat16, 8)])
+@pytest.mark.parametrize("sliding_window", [700, 3000])
+def test_sliding_window_long_context_split(
+    extension, two_threads: None, dtype: torch.dtype, quant_group: int | None, sliding_window: int
+) -> None:  # type: ignore[no-untyped-def]
+    """A window of 700 on a 2100-token context is split across threads from position 1400."""
+    g = seeded("window long", dtype, quant_group, sliding_window)
+    case = make_decode_case(
+        [2100, 7, 0, 900],
+        9,
+        3,
+        64,
+        dtype,
+        g,
+        quant_group=quant_group,
+        sliding_window=sliding_window,
+        logit_softcap=2.0,
+    )
+    check_decode(extension, case, dtype)
+    split = extension.paged_decode_attention(*case.args())
+    torch.set_num_threads(1)
+    unsplit = extension.paged_decode_attention(*case.args())
+    torch.testing.assert_close(unsplit.float(), split.float(), **TOLERANCES[dtype])
+
+
+def test_rejects_negative_window_and_cap(extension) -> None:  # type: ignore[no-untyped-def]
+    case = make_decode_case([5], 4, 4, 64, torch.float32, seeded("negative"))
+    case.sliding_window = -1
+    with pytest.raises(RuntimeError, match="sliding_window"):
+        extension.paged_decode_attention(*case.args())
+    case.sliding_window, case.logit_softcap = 0, -1.0
+    with pytest.raises(RuntimeError, match="logit_softcap"):
+        extension.paged_decode_attention(*case.args())
+
+
 # --- scalar fallback -------------------------------------------------------------------------
 
 
@@ -141,6 +264,7 @@ def test_paged_decode_attention_rejects_bad_tables(extension) -> None:  # type: 
         (torch.float32, None, [2100, 5]),
     ],
 )
+@pytest.mark.parametrize(("sliding_window", "logit_softcap"), [(0, 0.0), (20, 1.5)])
 def test_scalar_fallback_attention(
     extension,
     scalar_kernels: None,
@@ -148,7 +272,19 @@ def test_scalar_fallback_attention(
     dtype: torch.dtype,
     quant_group: int | None,
     lengths: list[int],
+    sliding_window: int,
+    logit_softcap: float,
 ) -> None:  # type: ignore[no-untyped-def]
     g = seeded("scalar", dtype, quant_group, len(lengths))
-    case = make_decode_case(lengths, 9, 3, 64, dtype, g, quant_group=quant_group)
+    case = make_decode_case(
+        lengths,
+        9,
+        3,
+        64,
+        dtype,
+        g,
+        quant_group=quant_group,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
     check_decode(extension, case, dtype)

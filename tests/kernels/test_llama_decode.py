@@ -1,12 +1,12 @@
 """The fused decode op (kernels/csrc/llama_decode.cpp) against the eager model it replaces:
 a small random Llama with GGUF-block projections of every kind, a paged KV cache of random
-contents (float and int8), ragged contexts. Its reference is `CausalLM.forward`, the
-same layer code every other path runs.
+contents (float and int8), ragged contexts, per-layer sliding windows and partial rotary. Its
+reference is `CausalLM.forward`, the same layer code every other path runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from kernels.gguf_blocks_torch import GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode, unsupported_reason
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
-from services.worker.model.architecture import ModelArchitecture
+from services.worker.model.architecture import ModelArchitecture, QKNorm, RopeConfig
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
 from tests.kernels.test_gguf_gemm import random_blocks
@@ -105,7 +105,7 @@ def decode_case(config: ModelArchitecture, kv_dtype: torch.dtype, seed: int) -> 
 
 
 def eager_then_fused(
-    model: CausalLM, case: DecodeCase
+    model: CausalLM, case: DecodeCase, fused: FusedDecode | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(eager logits, fused logits, the cache after eager, the cache after fused)."""
     before = case.cache.storage.clone()
@@ -117,8 +117,53 @@ def eager_then_fused(
         if scales_before is not None:
             assert case.cache.scales is not None
             case.cache.scales.copy_(scales_before)
-        fused = FusedDecode(model, case.cache).run(case.batch)
-    return eager, fused, after_eager, case.cache.storage
+        fused_logits = (fused or FusedDecode(model, case.cache)).run(case.batch)
+    return eager, fused_logits, after_eager, case.cache.storage
+
+
+def with_switches(
+    config: ModelArchitecture,
+    windows: tuple[int, ...] = (),
+    rotary_dim: int = 16,
+    qk_norm: QKNorm = "none",
+) -> ModelArchitecture:
+    """The config with per-layer windows, a partial rotary and QK-norm as the model reads them."""
+    rope = RopeConfig(partial_rotary_factor=rotary_dim / config.head_dim)
+    return replace(config, layer_sliding_windows=windows, rope=rope, qk_norm=qk_norm)
+
+
+# Layer 0 windowed inside a block of 4, layer 1 full, layer 2 across block boundaries; the
+# contexts (5, 13, 1, 8) are cut by both windows but the shortest.
+LAYER_WINDOWS = (3, 0, 6)
+
+
+@pytest.mark.parametrize("windows", [(), LAYER_WINDOWS], ids=["no-window", "windows"])
+@pytest.mark.parametrize("rotary_dim", [16, 12, 4], ids=["full-rope", "rope-12", "rope-4"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_fused_step_windows_and_partial_rotary(
+    windows: tuple[int, ...], rotary_dim: int, kv_dtype: torch.dtype
+) -> None:
+    config = with_switches(tiny_config(attention_bias=True), windows, rotary_dim)
+    model = random_model(config, seed=7)
+    case = decode_case(config, kv_dtype, seed=9)
+    eager, fused, after_eager, after_fused = eager_then_fused(model, case)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-5, atol=1e-5)
+    if windows or rotary_dim != 16:
+        # The features change the logits: a fused step ignoring them would fail above.
+        plain = random_model(tiny_config(attention_bias=True), seed=7)
+        plain_logits, _, _, _ = eager_then_fused(plain, decode_case(config, kv_dtype, seed=9))
+        assert (plain_logits - eager).abs().max() > 1e-2
+
+
+def test_fused_step_rejects_a_window_list_of_the_wrong_length() -> None:
+    config = tiny_config(attention_bias=False)
+    model = random_model(config, seed=2)
+    case = decode_case(config, torch.float32, seed=2)
+    fused = FusedDecode(model, case.cache)
+    fused.sliding_windows = [4, 0]
+    with pytest.raises(RuntimeError, match="one window per layer"):
+        fused.run(case.batch)
 
 
 @pytest.mark.parametrize("attention_bias", [False, True], ids=["no-bias", "qkv-bias"])
@@ -178,3 +223,42 @@ def test_bad_arguments_raise_clear_errors() -> None:
     )
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         fused.run(bad)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_fused_step_normalizes_q_and_k_heads(kv_dtype: torch.dtype) -> None:
+    """A model with per-head QK-norm (Qwen3) runs fused and matches its eager layers (here
+    with windows and partial rotary too)."""
+    config = with_switches(tiny_config(attention_bias=True), LAYER_WINDOWS, 12, "per_head")
+    model = random_model(config, seed=17)
+    g = torch.Generator().manual_seed(19)
+    for layer in model.layers:
+        attention = layer.self_attn
+        assert attention.q_norm is not None and attention.k_norm is not None
+        attention.q_norm.copy_(torch.rand(config.head_dim, generator=g) + 0.5)
+        attention.k_norm.copy_(torch.rand(config.head_dim, generator=g) + 0.5)
+    case = decode_case(config, kv_dtype, seed=21)
+    fused = FusedDecode(model, case.cache)
+    assert len(fused._lists.q_norms) == len(model.layers)
+    eager, fused_logits, after_eager, after_fused = eager_then_fused(model, case, fused)
+    torch.testing.assert_close(fused_logits, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-5, atol=1e-5)
+    without = FusedDecode(model, case.cache)
+    without._lists = replace(without._lists, q_norms=[], k_norms=[])
+    _, without_norms, _, _ = eager_then_fused(
+        model, decode_case(config, kv_dtype, seed=21), without
+    )
+    assert (without_norms - eager).abs().max() > 1e-2
+
+
+def test_fused_step_checks_the_head_norms() -> None:
+    config = tiny_config(attention_bias=False)
+    model = random_model(config, seed=2)
+    case = decode_case(config, torch.float32, seed=2)
+    fused = FusedDecode(model, case.cache)
+    fused._lists = replace(fused._lists, q_norms=[torch.ones(16)] * 3, k_norms=[])
+    with pytest.raises(RuntimeError, match="q_norms and k_norms"):
+        fused.run(case.batch)
+    fused._lists = replace(fused._lists, k_norms=[torch.ones(8)] * 3)
+    with pytest.raises(RuntimeError, match="k_norms must be fp32 \\[16\\]"):
+        fused.run(case.batch)

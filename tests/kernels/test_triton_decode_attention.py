@@ -30,14 +30,19 @@ def run_case(
     partition_size: int,
     quantized: bool = False,
     seed: int = 0,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> None:
     g = torch.Generator().manual_seed(seed)
     kv = make_paged_kv(lens, num_kv_heads, head_dim, BLOCK_SIZE, dtype, g, quantized)
-    query = torch.randn(len(lens), num_q_heads, head_dim, generator=g).to(dtype)
+    query = (torch.randn(len(lens), num_q_heads, head_dim, generator=g) * 2).to(dtype)
     scale = 1 / math.sqrt(head_dim)
     args = (query, kv.k_cache, kv.v_cache, kv.block_tables, kv.lens, scale, kv.k_scale, kv.v_scale)
-    expected = attention_torch.paged_decode_attention(*args)
-    out = triton_decode_attention.paged_decode_attention(*args, partition_size=partition_size)
+    features = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
+    expected = attention_torch.paged_decode_attention(*args, **features)
+    out = triton_decode_attention.paged_decode_attention(
+        *args, partition_size=partition_size, **features
+    )
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
@@ -71,3 +76,47 @@ def test_split_k(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
 @pytest.mark.parametrize("partition_size", [32, 512])
 def test_int8_kv(partition_size: int) -> None:
     run_case([9, 45], 6, 2, 64, torch.float32, partition_size, quantized=True, seed=3)
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sliding_window", [1, 16, 45, 200])
+def test_sliding_window(sliding_window: int, dtype: torch.dtype) -> None:
+    # Partitions of 32 tokens starting at each window: a window of 45 takes 2 splits, one of
+    # 200 covers every context (up to 4 splits), one of 1 a single token.
+    run_case(
+        [20, 70, 128, 5], 6, 2, 64, dtype, partition_size=32, seed=4, sliding_window=sliding_window
+    )
+
+
+@pytest.mark.usefixtures("poisoned")
+@pytest.mark.parametrize("partition_size", [32, 512])
+@pytest.mark.parametrize("sliding_window", [0, 24])
+def test_logit_softcap(partition_size: int, sliding_window: int) -> None:
+    run_case(
+        [9, 70, 33],
+        8,
+        1,
+        64,
+        torch.float32,
+        partition_size,
+        seed=5,
+        sliding_window=sliding_window,
+        logit_softcap=2.0,
+    )
+
+
+@pytest.mark.usefixtures("poisoned")
+def test_sliding_window_int8_kv_fp16() -> None:
+    run_case(
+        [9, 45, 100],
+        6,
+        2,
+        64,
+        torch.float16,
+        32,
+        quantized=True,
+        seed=6,
+        sliding_window=40,
+        logit_softcap=3.0,
+    )

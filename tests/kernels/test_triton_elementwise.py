@@ -55,17 +55,27 @@ def test_fused_add_rms_norm(dtype: torch.dtype, num_tokens: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    ("head_dim", "rotary_dim"),
+    # Whole heads, then partial rotary: (128, 96) is Phi-4-mini's factor 0.75.
+    [(64, 64), (128, 128), (128, 96), (64, 16), (80, 78)],
+)
 @pytest.mark.parametrize(("num_tokens", "num_q_heads", "num_kv_heads"), [(1, 3, 1), (6, 8, 8)])
 def test_apply_rotary(
-    dtype: torch.dtype, head_dim: int, num_tokens: int, num_q_heads: int, num_kv_heads: int
+    dtype: torch.dtype,
+    head_dim: int,
+    rotary_dim: int,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
 ) -> None:
-    g = gen(head_dim + num_tokens)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)
+    g = gen(head_dim + rotary_dim + num_tokens)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2) / rotary_dim)
     angles = torch.arange(256)[:, None] * inv_freq[None, :]
     cache = torch.cat([angles.cos(), angles.sin()], dim=-1)
     positions = torch.randint(0, 256, (num_tokens,), generator=g)
-    # Views of one fused qkv output; the V slice must come out untouched.
+    # Views of one fused qkv output; the V slice and the dims past rotary_dim must come out
+    # untouched (the torch op is checked for that against a formula in test_torch_ops.py).
     qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype)
     expected_qkv = qkv.clone()
     split = (num_q_heads, num_q_heads + num_kv_heads)
