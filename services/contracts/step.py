@@ -47,7 +47,9 @@ class NewSequence:
     num_prompt_tokens: int
     """token_ids[:num_prompt_tokens] is the prompt; the rest is output (for penalties)."""
     block_ids: list[int]
-    """Block table: block i holds the KV of tokens [i*block_size, (i+1)*block_size)."""
+    """Block table: block i holds the KV of tokens [i*block_size, (i+1)*block_size). With a
+    sliding window on every layer, leading entries may be negative: blocks before the window
+    that the sequence no longer holds, never read."""
     num_computed_tokens: int
     """Tokens whose KV is already in the cache (prefix-cache hit)."""
     sampling: SamplingParams

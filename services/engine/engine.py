@@ -104,6 +104,7 @@ class LLMEngine:
                 speculative_ngram=config.speculative_ngram,
             ),
             self.num_kv_blocks,
+            sliding_window=self.architecture.largest_window,
         )
         self._ids = itertools.count()
         log.info(

@@ -269,6 +269,7 @@ class EngineLoop:
                         self.description.block_size, self.description.model.max_model_len
                     ),
                     self.description.num_kv_blocks,
+                    sliding_window=self.description.sliding_window,
                 )
                 if self.prefix_index is not None:
                     self.scheduler.kv.pool.listener = self.prefix_index
@@ -289,6 +290,7 @@ class EngineLoop:
                     extra={
                         "worker": self.config.worker,
                         "kv_blocks": self.description.num_kv_blocks,
+                        "sliding_window": self.description.sliding_window,
                         "epoch": self.description.worker_epoch,
                     },
                 )

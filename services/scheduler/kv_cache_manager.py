@@ -4,6 +4,9 @@ Two allocation policies share this interface:
   "paged"      blocks are taken as tokens arrive; full computed blocks join the prefix cache.
   "max_length" a request reserves one contiguous run for its worst-case length up front and
                never grows (the pre-PagedAttention baseline; no prefix caching).
+
+In a model whose every layer has a sliding window, "paged" also gives back the blocks a running
+request's future queries can no longer see (services/scheduler/sliding_window.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from services.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens
 from services.scheduler.config import AllocationPolicy
 from services.scheduler.request import Request
+from services.scheduler.sliding_window import RELEASED_BLOCK, num_dead_blocks
 
 
 class KVCacheManager:
@@ -24,6 +28,7 @@ class KVCacheManager:
         max_model_len: int = 2048,
         watermark: float = 0.0,
         max_pinned_fraction: float = 0.5,
+        sliding_window: int = 0,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -32,6 +37,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=self.enable_prefix_caching)
         # A max-length reservation already covers growth, so it needs no headroom.
         self.watermark_blocks = int(watermark * num_blocks) if self.is_paged else 0
+        # The window every layer of the model attends through (0: some layer sees the whole
+        # context). A max-length reservation is all-or-nothing, so it keeps its blocks.
+        self.sliding_window = sliding_window if self.is_paged else 0
         self._block_tables: dict[str, list[int]] = {}
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
@@ -62,7 +70,10 @@ class KVCacheManager:
         return min(request.num_prompt_tokens + request.sampling.max_new_tokens, self.max_model_len)
 
     def can_ever_fit(self, request: Request) -> bool:
-        """False when the request could not be admitted even into an empty pool."""
+        """False when the request could not be admitted even into an empty pool.
+
+        Worst case, window or not: a sequence longer than the whole pool is refused even when
+        a sliding window would let it run in chunks holding only its window."""
         if self.is_paged:
             return self.num_blocks_for(request.num_tokens + 1) <= self.num_total_blocks
         return self.num_blocks_for(self.reservation_tokens(request)) <= self.num_total_blocks
@@ -108,6 +119,7 @@ class KVCacheManager:
             return self._admit(request, num_new_tokens, computed_blocks or [], headroom)
         if not self.is_paged:
             return []
+        self._release_out_of_window(request, table)
         return self._grow(request, table, num_new_tokens)
 
     def _admit(
@@ -151,6 +163,33 @@ class KVCacheManager:
         table.extend(new_blocks)
         return new_blocks
 
+    def _release_out_of_window(self, request: Request, table: list[int]) -> None:
+        """Give back the blocks before the window of every query `request` will make (called
+        before its next tokens are placed, so `num_computed_tokens` is where they start).
+
+        Their entries become RELEASED_BLOCK, always a prefix of the table, so nothing frees
+        them twice; a block a fork or a prefix hit shares, or a cached one, follows the pool's
+        reference counts as on any free. The worker's copy of the table keeps the old ids at
+        those indices (a sequence sent whole later, a fork, gets RELEASED_BLOCK there), and no
+        kernel reads them: attention starts at the block holding the window's first key
+        (kernels/attention_torch.py). A freed block handed to another
+        sequence is written only by a plan made after this one, and the worker runs plans in
+        order, so a plan still in flight that reads it has run by then.
+        """
+        num_dead = min(
+            num_dead_blocks(request.num_computed_tokens, self.sliding_window, self.block_size),
+            len(table),
+        )
+        if num_dead == 0 or table[num_dead - 1] == RELEASED_BLOCK:
+            return  # nothing new fell out of the window: the decode step's common case
+        # Publish first: a block freed before it is cached could never be a prefix hit.
+        self._cache_blocks(request, num_dead)
+        first = num_dead - 1
+        while first > 0 and table[first - 1] != RELEASED_BLOCK:
+            first -= 1
+        self.pool.free(reversed(table[first:num_dead]))
+        table[first:num_dead] = [RELEASED_BLOCK] * (num_dead - first)
+
     def reserve_lookahead(self, request: Request, num_tokens_ahead: int) -> list[int] | None:
         """Room for KV up to `num_tokens_ahead` tokens past the computed ones (draft tokens a
         step may write), never by preempting: None when the free blocks do not hold it.
@@ -163,7 +202,7 @@ class KVCacheManager:
     def trim(self, request: Request, num_tokens: int) -> int | None:
         """Free the blocks past those `num_tokens` tokens need (a draft reservation no longer
         wanted). Returns the table's new length, or None when nothing was freed. Only blocks
-        past every computed token qualify, so none of them is cached or shared."""
+        past every computed token qualify, so none of them is cached, shared or released."""
         table = self._block_tables.get(request.request_id)
         if table is None or not self.is_paged:
             return None
@@ -200,10 +239,13 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's blocks that are now full and computed (call after update)."""
+        self._cache_blocks(request, request.num_computed_tokens // self.block_size)
+
+    def _cache_blocks(self, request: Request, num_full: int) -> None:
+        """Publish the request's first `num_full` blocks (all full and computed)."""
         if not self.enable_prefix_caching:
             return
         num_cached = self._num_cached_blocks[request.request_id]
-        num_full = request.num_computed_tokens // self.block_size
         if num_full <= num_cached:
             return  # most steps: no block became full
         table = self._block_tables[request.request_id]
@@ -233,7 +275,8 @@ class KVCacheManager:
     def pin(self, name: str, request: Request) -> int:
         """Hold the cached full blocks of `request`'s prompt under `name` (replacing an older
         pin of that name). Returns the tokens pinned: 0 when caching is off or the pin would
-        take more than the pinned-block budget."""
+        take more than the pinned-block budget. Prompt blocks a sliding window released are
+        found while still cached; the pin stops at the first one evicted."""
         self.unpin(name)
         if not self.enable_prefix_caching:
             return 0
@@ -266,7 +309,8 @@ class KVCacheManager:
         child, not sent yet, gets the copy in its first table.
         """
         table = self._block_tables[parent_id]
-        self.pool.touch(table)
+        held = _held(table)
+        self.pool.touch(held)
         child_table = list(table)
         self._block_tables[child_id] = child_table
         self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
@@ -278,7 +322,7 @@ class KVCacheManager:
         ):
             self._copy_on_write(child_table, num_computed_tokens // self.block_size)
             num_copied = 1
-        self.num_forked_block_refs += len(table) - num_copied
+        self.num_forked_block_refs += len(held) - num_copied
 
     def num_blocks_to_fork(self, request: Request) -> int:
         """Free blocks one `fork(..., request.num_computed_tokens)` of `request` takes."""
@@ -300,18 +344,26 @@ class KVCacheManager:
         self._block_hashes.pop(request.request_id, None)
         if table:
             # Tail first: a sequence's last blocks are the least likely to be someone's prefix.
-            self.pool.free(reversed(table))
+            self.pool.free(reversed(_held(table)))
 
     def check_integrity(self) -> None:
-        """The pool is consistent and its refcounts are exactly the block-table and pin
-        references."""
+        """The pool is consistent, its refcounts are exactly the block-table and pin
+        references, and released entries only lead a table."""
         self.pool.check_integrity()
         counts = [0] * self.num_total_blocks
+        for table in self._block_tables.values():
+            num_released = table.count(RELEASED_BLOCK)
+            assert table[:num_released] == [RELEASED_BLOCK] * num_released, table
         for table in [*self._block_tables.values(), *self._pins.values()]:
-            for block_id in table:
+            for block_id in _held(table):
                 counts[block_id] += 1
         for block_id, count in enumerate(counts):
             assert count == self.pool.ref_count(block_id), (
                 f"block {block_id}: {count} table references, refcount "
                 f"{self.pool.ref_count(block_id)}"
             )
+
+
+def _held(table: list[int]) -> list[int]:
+    """The blocks a table still references (its released entries left out)."""
+    return [block_id for block_id in table if block_id != RELEASED_BLOCK]

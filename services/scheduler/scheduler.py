@@ -81,7 +81,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, num_blocks: int, *, sliding_window: int = 0
+    ) -> None:
+        """`num_blocks` and `sliding_window` are the worker's: its KV capacity, and the window
+        every layer of its model attends through (0: some layer sees the whole context)."""
         self.config = config
         self.kv = KVCacheManager(
             num_blocks,
@@ -91,6 +95,7 @@ class Scheduler:
             max_model_len=config.max_model_len,
             watermark=config.watermark,
             max_pinned_fraction=config.max_pinned_fraction,
+            sliding_window=sliding_window,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

@@ -99,6 +99,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             quantization=loaded.quantization,
             worker_epoch=self.epoch,
             model=description_to_proto(loaded.describe(self.config.max_model_len)),
+            sliding_window=loaded.model.architecture.largest_window,
         )
 
     async def PrepareGrammar(

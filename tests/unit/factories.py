@@ -13,15 +13,18 @@ from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.sliding_window import RELEASED_BLOCK
 
 EOS_TOKEN_ID = 2
 BLOCK_SIZE = 16
 
 
-def create_scheduler(num_blocks: int = 1000, **config_overrides: Any) -> Scheduler:
+def create_scheduler(
+    num_blocks: int = 1000, *, sliding_window: int = 0, **config_overrides: Any
+) -> Scheduler:
     config_overrides.setdefault("block_size", BLOCK_SIZE)
     config_overrides.setdefault("watermark", 0.0)
-    return Scheduler(SchedulerConfig(**config_overrides), num_blocks)
+    return Scheduler(SchedulerConfig(**config_overrides), num_blocks, sliding_window=sliding_window)
 
 
 def create_requests(
@@ -72,10 +75,15 @@ def result_for(
 class FakeWorker:
     """Mirrors the worker's persistent batch from plans alone, and checks each plan is coherent:
     every scheduled id is known, its block table covers the tokens it computes, and the KV it
-    reads (every position before the ones it computes) holds that sequence's own tokens, as
-    written by an earlier step into those blocks (prefix hits, copies and reuse included)."""
+    reads (every position before the ones it computes, or within `sliding_window` of them)
+    holds that sequence's own tokens, as written by an earlier step into those blocks (prefix
+    hits, copies and reuse included). As a model does in each layer, a step writes every
+    sequence's KV before any sequence reads: a block one sequence still reads and another
+    writes in the same step is caught."""
 
     block_size: int = BLOCK_SIZE
+    sliding_window: int = 0
+    """The model's window on every layer (0: none): positions before it are never read."""
     sample: Callable[[str, int], int] = lambda request_id, position: 7
     guess: Callable[[str, int], int] | None = None
     """Speculation: the draft token proposed for a position (None: never proposes). A draft
@@ -107,6 +115,7 @@ class FakeWorker:
                 if (src, offset) in self.kv:
                     self.kv[(dst, offset)] = self.kv[(src, offset)]
         result = StepResult(step_id=plan.step_id)
+        steps: dict[str, tuple[int, int, list[int]]] = {}
         for request_id, num_scheduled in plan.num_scheduled_tokens.items():
             start = self.num_computed[request_id]
             end = start + num_scheduled
@@ -116,11 +125,17 @@ class FakeWorker:
             drafts = self._drafts(plan, request_id, end == len(tokens))
             # The drafts' KV is written too (after the scheduled tokens), accepted or not.
             assert len(table) * self.block_size >= end + len(drafts), request_id
-            for position in range(start):
-                slot = (table[position // self.block_size], position % self.block_size)
-                assert self.kv.get(slot) == tokens[position], (request_id, position, slot)
             for position, token in enumerate([*tokens[start:end], *drafts], start):
                 self.kv[(table[position // self.block_size], position % self.block_size)] = token
+            steps[request_id] = (start, end, drafts)
+        for request_id, (start, _, _) in steps.items():
+            tokens, table = self.token_ids[request_id], self.block_tables[request_id]
+            first_read = max(0, start - self.sliding_window + 1) if self.sliding_window else 0
+            for position in range(first_read, start):
+                slot = (table[position // self.block_size], position % self.block_size)
+                assert self.kv.get(slot) == tokens[position], (request_id, position, slot)
+        for request_id, (_, end, drafts) in steps.items():
+            tokens = self.token_ids[request_id]
             self.num_computed[request_id] = end
             if end < len(tokens):
                 continue
@@ -162,16 +177,35 @@ def worker_of(scheduler: Scheduler) -> FakeWorker:
     """The scheduler's one fake worker, kept across runs: the KV it wrote stays readable by
     later prefix hits, as on a real worker."""
     if scheduler not in _WORKERS:
-        _WORKERS[scheduler] = FakeWorker(block_size=scheduler.config.block_size)
+        _WORKERS[scheduler] = FakeWorker(
+            block_size=scheduler.config.block_size, sliding_window=scheduler.kv.sliding_window
+        )
     return _WORKERS[scheduler]
 
 
+def check_reads_are_held(scheduler: Scheduler, worker: FakeWorker, plan: BatchPlan) -> None:
+    """Every block the plan's queries read (the window before its first scheduled token) is
+    one the scheduler still holds for that sequence: none was released too early."""
+    block_size, window = worker.block_size, worker.sliding_window
+    starts = {seq.request_id: seq.num_computed_tokens for seq in plan.new_sequences}
+    for request_id in plan.num_scheduled_tokens:
+        start = starts[request_id] if request_id in starts else worker.num_computed[request_id]
+        first = max(0, start - window + 1) if window else 0
+        table = scheduler.kv.get_block_table(request_id)
+        for index in range(first // block_size, -(-start // block_size)):
+            assert table[index] != RELEASED_BLOCK, (request_id, index, start)
+
+
 def check_worker_in_sync(scheduler: Scheduler, worker: FakeWorker) -> None:
-    """Integrity, and the block tables the plans gave the worker are the scheduler's."""
+    """Integrity, and the block tables the plans gave the worker are the scheduler's (where
+    the scheduler released a block before the window, the worker may keep any id)."""
     scheduler.check_integrity()
     for request in scheduler.running:
         table = scheduler.kv.get_block_table(request.request_id)
-        assert worker.block_tables[request.request_id] == table, request.request_id
+        held = worker.block_tables[request.request_id]
+        assert len(held) == len(table), request.request_id
+        for ours, theirs in zip(table, held, strict=True):
+            assert ours in (RELEASED_BLOCK, theirs), request.request_id
 
 
 def run_until_done(
@@ -187,6 +221,7 @@ def run_until_done(
     events: dict[str, list[TokenEvent]] = {}
     for step in range(max_steps):
         plan = scheduler.schedule(now=float(step))
+        check_reads_are_held(scheduler, worker, plan)
         result = worker.step(plan)
         scheduler.observe_step(plan, result, modelled_step_seconds(plan, result))
         for event in scheduler.update(plan, result, now=float(step)):
@@ -223,6 +258,7 @@ def run_overlapped(
         if len(in_flight) < 2:
             plan = scheduler.schedule(now=float(step))
             if plan.needs_worker:
+                check_reads_are_held(scheduler, worker, plan)
                 in_flight.append((plan, worker.step(plan)))
                 if len(in_flight) < 2:
                     continue

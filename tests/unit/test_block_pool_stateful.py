@@ -2,7 +2,9 @@
 
 Random admit / compute / append / fork / free / evict sequences must never leak or double-free
 a block, and every computed token must read back from the KV "contents" a fake device keeps,
-which catches wrong prefix hits and missed copy-on-writes.
+which catches wrong prefix hits and missed copy-on-writes. With a sliding window, only the
+tokens a next query sees must read back, and blocks before it go back to the pool as the
+sequences grow: a block released too early, then reused, fails the read-back.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from services.common.sampling_params import SamplingParams
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
+from services.scheduler.sliding_window import RELEASED_BLOCK, num_dead_blocks
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -27,9 +30,13 @@ def is_ready(request: Request) -> bool:
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    sliding_window = 0
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, watermark=0.1)
+        self.kv = KVCacheManager(
+            NUM_BLOCKS, BLOCK_SIZE, watermark=0.1, sliding_window=self.sliding_window
+        )
         self.live: dict[str, Request] = {}
         self.allocated_tokens: dict[str, int] = {}
         # What the device would hold: block id -> (position, token) written at each slot; KV
@@ -88,9 +95,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         free_before = self.kv.num_free_blocks
         if self.kv.allocate_slots(request, 1) is None:
             request.output_token_ids.pop()
-            assert self.kv.num_free_blocks == free_before
+            # Nothing taken; blocks out of the window are given back all the same.
+            assert free_before <= self.kv.num_free_blocks <= free_before + self._num_dead(request)
             return
         self.allocated_tokens[request.request_id] = request.num_tokens
+        # Growing a sequence gives back whatever fell out of its window.
+        num_dead = self._num_dead(request)
+        table = self.kv.get_block_table(request.request_id)
+        assert table[:num_dead] == [RELEASED_BLOCK] * num_dead, table
+
+    def _num_dead(self, request: Request) -> int:
+        return num_dead_blocks(request.num_computed_tokens, self.sliding_window, BLOCK_SIZE)
 
     @precondition(
         lambda self: any(r.num_computed_tokens == r.num_tokens for r in self.live.values())
@@ -137,10 +152,25 @@ class KVCacheMachine(RuleBasedStateMachine):
             table = self.kv.get_block_table(request.request_id)
             assert len(table) * BLOCK_SIZE >= self.allocated_tokens[request.request_id]
             tokens = request.all_token_ids
-            for position in range(request.num_computed_tokens):
+            num_computed = request.num_computed_tokens
+            num_released = table.count(RELEASED_BLOCK)
+            assert num_released <= num_dead_blocks(num_computed, self.sliding_window, BLOCK_SIZE)
+            first_seen = (
+                max(0, num_computed - self.sliding_window + 1) if self.sliding_window else 0
+            )
+            for position in range(first_seen, num_computed):
                 slot = self.contents[table[position // BLOCK_SIZE]][position % BLOCK_SIZE]
                 assert slot == (position, tokens[position]), (request.request_id, position)
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+class WindowedKVCacheMachine(KVCacheMachine):
+    """The same, in a model whose every layer sees the last 6 tokens (a block and a half)."""
+
+    sliding_window = 6
+
+
+SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
+KVCacheMachine.TestCase.settings = SETTINGS
 TestKVCacheMachine = KVCacheMachine.TestCase
+WindowedKVCacheMachine.TestCase.settings = SETTINGS
+TestWindowedKVCacheMachine = WindowedKVCacheMachine.TestCase

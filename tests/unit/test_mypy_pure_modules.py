@@ -12,9 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PURE_MODULES = (
     # the scheduler's logic: scheduler, KV manager, block pool (with its prefix cache), the
-    # allocation policy (config), the request state and the Submit stream's event merging
+    # allocation policy (config), the sliding-window release, the request state and the
+    # Submit stream's event merging
     "services/scheduler/scheduler.py",
     "services/scheduler/kv_cache_manager.py",
+    "services/scheduler/sliding_window.py",
     "services/scheduler/block_pool.py",
     "services/scheduler/config.py",
     "services/scheduler/request.py",

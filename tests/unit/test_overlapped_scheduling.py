@@ -69,21 +69,32 @@ def run_workload(
     *,
     speculative_ngram: int = 0,
     guess: Callable[[Callable[[str, int], int]], Callable[[str, int], int]] | None = None,
+    sliding_window: int = 0,
+    between: Callable[[Scheduler], None] = lambda scheduler: None,
 ) -> tuple[dict[str, list[TokenEvent]], Scheduler, FakeWorker]:
-    """`guess` makes the worker's draft guesser from its sampler (speculative decoding)."""
+    """`guess` makes the worker's draft guesser from its sampler (speculative decoding);
+    `sliding_window` is the model's on every layer; `between` runs after each update."""
     config, arrivals = random_workload(seed)
     num_blocks = int(config.pop("num_blocks"))  # type: ignore[call-overload]
     scheduler = create_scheduler(
-        num_blocks=num_blocks, speculative_ngram=speculative_ngram, **config
+        num_blocks=num_blocks,
+        speculative_ngram=speculative_ngram,
+        sliding_window=sliding_window,
+        **config,
     )
     sample = position_sampler(eos_every=9)
-    worker = FakeWorker(sample=sample, guess=None if guess is None else guess(sample))
+    worker = FakeWorker(
+        sample=sample,
+        guess=None if guess is None else guess(sample),
+        sliding_window=sliding_window,
+    )
 
     arrivals.sort(key=lambda pair: pair[0])
     clock = 0
 
     def arrive(step: int) -> None:
         nonlocal clock
+        between(scheduler)
         clock += 1
         while arrivals and arrivals[0][0] <= clock:
             scheduler.add_request(arrivals.pop(0)[1])

@@ -2,7 +2,8 @@
 second one is refused with FAILED_PRECONDITION and the live batch is left alone (no reset, no
 abort); once that stream ends, however it ends, the next one is let in. And the scheduler's
 side (services/scheduler/engine_loop.py): it reports its worker connected only once the worker
-has accepted its stream, so a refused scheduler never turns SERVING."""
+has accepted its stream, so a refused scheduler never turns SERVING, and it builds its
+scheduler from the worker's Describe answer (its KV blocks and its model's sliding window)."""
 
 from __future__ import annotations
 
@@ -177,6 +178,53 @@ def test_a_refused_scheduler_never_reports_its_worker_connected() -> None:
             while refusing.num_refused < 3:  # it keeps trying, as a restarted one must
                 await asyncio.sleep(0.02)
             assert changes == [] and not loop.connected.is_set()
+        finally:
+            task.cancel()
+            await server.stop(0)
+
+    run(test())
+
+
+class WindowedWorker(worker_pb2_grpc.WorkerServicer):
+    """A worker whose model attends through a 48-token window on every layer; it accepts the
+    Step stream and answers each plan."""
+
+    async def Describe(
+        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerDescription:
+        return worker_pb2.WorkerDescription(
+            block_size=16,
+            num_kv_blocks=64,
+            worker_epoch="e1",
+            model=model_pb2.ModelDescription(model_name="m", max_model_len=256, vocab_size=100),
+            sliding_window=48,
+        )
+
+    async def Step(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.StepPlan],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.StepOutput]:
+        await context.send_initial_metadata(())
+        async for plan in request_iterator:
+            yield worker_pb2.StepOutput(step_id=plan.step_id)
+
+
+def test_the_scheduler_is_built_with_the_workers_window() -> None:
+    """The window in the worker's Describe answer reaches the scheduler's KV manager."""
+
+    async def test() -> None:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(WindowedWorker(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        config = SchedulerServerConfig(worker=f"127.0.0.1:{port}", reconnect_max_s=0.05)
+        loop = EngineLoop(config)
+        task = asyncio.create_task(loop.run())
+        try:
+            await asyncio.wait_for(loop.connected.wait(), TIMEOUT_S)
+            assert loop.scheduler is not None
+            assert loop.scheduler.kv.sliding_window == 48
         finally:
             task.cancel()
             await server.stop(0)
