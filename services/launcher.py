@@ -52,6 +52,7 @@ from services.common.metrics_http import MetricsServer
 from services.common.redis_store import redact_url
 from services.common.serving_config import (
     BatchingConfig,
+    ChatConfig,
     DeviceConfig,
     InternalConfig,
     ModelConfig,
@@ -74,6 +75,7 @@ class StackConfig(
     RuntimeConfig,
     SpeculationConfig,
     PublicConfig,
+    ChatConfig,
     InternalConfig,
 ):
     """The shared groups (services.common.serving_config), handed to each child as flags
@@ -127,7 +129,7 @@ CHILD_GROUPS: dict[str, tuple[type, ...]] = {
     ),
     "scheduler": (BatchingConfig, StepLoopConfig, SpeculationConfig, InternalConfig),
     # The model reaches the tokenizer tier through the schedulers.
-    "tokenizer": (PublicConfig, InternalConfig),
+    "tokenizer": (PublicConfig, ChatConfig, InternalConfig),
 }
 """The shared groups each kind of child is given from the stack's config: as flags, and its
 secret fields as environment (secret_env)."""

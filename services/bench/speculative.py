@@ -140,7 +140,7 @@ def samples_for(workload: str, count: int, seed: int, output_len: int) -> list[S
     _TOKENIZER["model"] = tokenizer
     samples = []
     for messages in workload_messages(workload, count, seed):
-        text = tokenizer.chat_template.render(messages, add_generation_prompt=True)
+        text = tokenizer.render_chat(messages, add_generation_prompt=True)
         length = len(tokenizer.encode(text, add_special_tokens=False))
         samples.append(Sample((), output_len, prompt_text=text, prompt_len_hint=length))
     return samples

@@ -16,6 +16,8 @@ def description_to_proto(description: ModelDescription) -> model_pb2.ModelDescri
         chat_template=description.chat_template,
         bos_token_id=description.bos_token_id,
         add_bos_token=description.add_bos_token,
+        tool_use_chat_template=description.tool_use_chat_template,
+        special_tokens=dict(description.special_tokens),
     )
 
 
@@ -29,4 +31,8 @@ def description_from_proto(message: model_pb2.ModelDescription) -> ModelDescript
         bos_token_id=message.bos_token_id if message.HasField("bos_token_id") else None,
         eos_token_ids=tuple(message.eos_token_ids),
         add_bos_token=message.add_bos_token,
+        tool_use_chat_template=(
+            message.tool_use_chat_template if message.HasField("tool_use_chat_template") else None
+        ),
+        special_tokens=tuple(sorted(message.special_tokens.items())),
     )

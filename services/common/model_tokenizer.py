@@ -4,19 +4,38 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from services.common.chat_template import ChatMessage, ChatTemplate
-from services.common.errors import ModelLoadError
+from services.common.chat_template import NO_CHAT_TEMPLATE, ChatMessage, ChatTemplate
+from services.common.errors import InvalidRequestError, ModelLoadError
 from services.common.model_description import ModelDescription
 
 # llama.cpp token types (gguf.TokenType): 3 = control (special), 4 = user defined.
 _CONTROL = 3
 _USER_DEFINED = 4
+
+HF_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+"""The special tokens a transformers tokenizer names, each a chat template variable."""
+
+# The special token ids transformers reads from a GGUF file, by the variable they become.
+_GGUF_SPECIAL_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as the original tokenizer.json
 # files define them. Byte-level BPE needs the exact split to reproduce the ids.
@@ -61,15 +80,37 @@ class ModelTokenizer:
         bos_token_id: int | None,
         eos_token_ids: Sequence[int],
         add_bos_token: bool,
+        special_tokens: Mapping[str, str],
+        tool_use_chat_template: str | None = None,
     ) -> None:
+        """`chat_template` None: the model has none, chat messages are refused.
+        `special_tokens`: the tokenizer's named special tokens as text (bos_token, eos_token,
+        unk_token, pad_token ...), the variables the chat template sees."""
         self.tokenizer = tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.add_bos_token = add_bos_token
-        self.chat_template_source = chat_template
-        bos = tokenizer.id_to_token(bos_token_id) if bos_token_id is not None else None
-        eos = tokenizer.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
-        self.chat_template = ChatTemplate(chat_template, bos_token=bos or "", eos_token=eos or "")
+        self.special_tokens = dict(special_tokens)
+        self.chat_template = (
+            ChatTemplate(
+                chat_template,
+                tool_use_source=tool_use_chat_template,
+                special_tokens=self.special_tokens,
+            )
+            if chat_template is not None
+            else None
+        )
+
+    def with_chat_template(self, source: str) -> ModelTokenizer:
+        """This tokenizer with `source` as its only chat template (--chat-template)."""
+        return ModelTokenizer(
+            self.tokenizer,
+            chat_template=source,
+            bos_token_id=self.bos_token_id,
+            eos_token_ids=self.eos_token_ids,
+            add_bos_token=self.add_bos_token,
+            special_tokens=self.special_tokens,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -85,10 +126,39 @@ class ModelTokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text of a conversation (ChatTemplate.render); InvalidRequestError
+        naming `messages` when the model has no chat template."""
+        if self.chat_template is None:
+            raise InvalidRequestError("messages", NO_CHAT_TEMPLATE)
+        return self.chat_template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         # A template that starts with the BOS text already carries it; don't add a second one.
         return self.encode(text, add_special_tokens=not text.startswith(self._bos_text))
 
@@ -97,21 +167,24 @@ class ModelTokenizer:
         prefix_messages: Sequence[ChatMessage],
         prefix_ids: Sequence[int],
         messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Ids of the conversation prefix_messages + messages, reusing `prefix_ids` (the
         prefix rendered alone, without a generation prompt) instead of tokenizing it again.
 
         Sound only when the rest of the rendered text starts with a special token: special
         tokens are split out before BPE, so no merge can cross that boundary. Otherwise (or
-        if the template renders the prefix differently in context) it tokenizes everything.
+        if the template renders the prefix differently in context, as with tools) it
+        tokenizes everything.
         """
         conversation = [*prefix_messages, *messages]
-        full = self.chat_template.render(conversation, add_generation_prompt=True)
-        prefix = self.chat_template.render(prefix_messages, add_generation_prompt=False)
+        full = self.render_chat(conversation, tools=tools)
+        prefix = self.render_chat(prefix_messages, add_generation_prompt=False)
         rest = full[len(prefix) :]
         if full.startswith(prefix) and rest.startswith(self._special_texts):
             return [*prefix_ids, *self.tokenizer.encode(rest, add_special_tokens=False).ids]
-        return self.apply_chat_template(conversation)
+        return self.apply_chat_template(conversation, tools=tools)
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
@@ -151,10 +224,14 @@ class ModelTokenizer:
             vocab_size=vocab_size,
             max_model_len=max_model_len,
             tokenizer_json=self.tokenizer.to_str(),
-            chat_template=self.chat_template_source,
+            chat_template=self.chat_template.source if self.chat_template else None,
             bos_token_id=self.bos_token_id,
             eos_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *eos_token_ids))),
             add_bos_token=self.add_bos_token,
+            tool_use_chat_template=(
+                self.chat_template.tool_use_source if self.chat_template else None
+            ),
+            special_tokens=tuple(sorted(self.special_tokens.items())),
         )
 
     @classmethod
@@ -166,6 +243,8 @@ class ModelTokenizer:
             bos_token_id=description.bos_token_id,
             eos_token_ids=description.eos_token_ids,
             add_bos_token=description.add_bos_token,
+            special_tokens=dict(description.special_tokens),
+            tool_use_chat_template=description.tool_use_chat_template,
         )
 
     @classmethod
@@ -184,9 +263,8 @@ class ModelTokenizer:
         if (directory / "tokenizer_config.json").is_file():
             config = json.loads((directory / "tokenizer_config.json").read_text())
         model_config = json.loads((directory / "config.json").read_text())
-        template = config.get("chat_template")
-        if template is None and (directory / "chat_template.jinja").is_file():
-            template = (directory / "chat_template.jinja").read_text()
+        special_tokens = _hf_special_tokens(directory, config)
+        templates = _hf_chat_templates(directory, config)
 
         def token_id(value: Any) -> int | None:
             if isinstance(value, dict):
@@ -203,10 +281,12 @@ class ModelTokenizer:
             eos_ids.insert(0, config_eos)
         return cls(
             tokenizer,
-            chat_template=template if isinstance(template, str) else None,
+            chat_template=templates.get("default"),
             bos_token_id=bos_id,
             eos_token_ids=eos_ids,
             add_bos_token=bool(config.get("add_bos_token", False)),
+            special_tokens=special_tokens,
+            tool_use_chat_template=templates.get("tool_use"),
         )
 
     @classmethod
@@ -245,10 +325,60 @@ class ModelTokenizer:
         eot = field_value(reader, "tokenizer.ggml.eot_token_id")
         eos_ids = list(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
         bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+        special_tokens = {}
+        for name, key in _GGUF_SPECIAL_TOKEN_KEYS.items():
+            token_id = field_value(reader, key)
+            if token_id is not None and 0 <= int(token_id) < len(tokens):
+                special_tokens[name] = tokens[int(token_id)]
         return cls(
             tokenizer,
             chat_template=field_value(reader, "tokenizer.chat_template"),
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=eos_ids,
             add_bos_token=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+            special_tokens=special_tokens,
         )
+
+
+def _hf_chat_templates(directory: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """The directory's chat templates by name ("default", "tool_use" ...), where transformers
+    finds them: chat_template.jinja and additional_chat_templates/NAME.jinja when there are
+    any, else tokenizer_config.json's `chat_template` (one template, or a list of named
+    ones)."""
+    templates: dict[str, str] = {}
+    if (directory / "chat_template.jinja").is_file():
+        templates["default"] = (directory / "chat_template.jinja").read_text()
+    for path in sorted((directory / "additional_chat_templates").glob("*.jinja")):
+        templates[path.name.removesuffix(".jinja")] = path.read_text()
+    if templates:
+        return templates
+    configured = config.get("chat_template")
+    if isinstance(configured, str):
+        return {"default": configured}
+    if isinstance(configured, list):
+        return {
+            entry["name"]: entry["template"]
+            for entry in configured
+            if isinstance(entry, dict)
+            and isinstance(entry.get("name"), str)
+            and isinstance(entry.get("template"), str)
+        }
+    return {}
+
+
+def _hf_special_tokens(directory: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """The named special tokens of tokenizer_config.json (special_tokens_map.json for those it
+    lacks), as text: a value is the token or {"content": token, ...}."""
+    sources: list[Mapping[str, Any]] = [config]
+    if (directory / "special_tokens_map.json").is_file():
+        sources.append(json.loads((directory / "special_tokens_map.json").read_text()))
+    special_tokens: dict[str, str] = {}
+    for name in HF_SPECIAL_TOKEN_NAMES:
+        for source in sources:
+            value = source.get(name)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                special_tokens[name] = value
+                break
+    return special_tokens

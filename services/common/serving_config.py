@@ -5,7 +5,8 @@ Service configs inherit the groups they use, so flags and LLMSERVE_* variables s
 children unchanged (services.common.config_flags.config_argv).
 
     group           composed by
-    ModelConfig     tokenizer, worker, engine, stack
+    ModelConfig     worker, engine, stack
+    ChatConfig      tokenizer, engine, stack
     WeightsConfig   worker, engine, stack
     DeviceConfig    worker, stack
     BatchingConfig  scheduler (core and server), worker, engine, stack
@@ -42,6 +43,15 @@ class ModelConfig:
     workers); unset = the embedded SmolLM2-135M-Instruct."""
     max_model_len: int | None = None
     """Longest prompt + output; unset = the model's context length (never more than it)."""
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """How chat messages become a prompt (where chat templates are rendered)."""
+
+    chat_template: str | None = None
+    """A Jinja chat template file that replaces the model's, or gives one to a model that
+    ships none (without either, chat requests are refused; completions work)."""
 
 
 @dataclass(frozen=True)

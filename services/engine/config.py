@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from services.common.serving_config import (
     BatchingConfig,
+    ChatConfig,
     DeviceConfig,
     ModelConfig,
     RuntimeConfig,
@@ -17,7 +18,9 @@ from services.worker.config import GiB
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig(ModelConfig, WeightsConfig, BatchingConfig, RuntimeConfig, SpeculationConfig):
+class EngineConfig(
+    ModelConfig, ChatConfig, WeightsConfig, BatchingConfig, RuntimeConfig, SpeculationConfig
+):
     """The worker's and the scheduler's shared groups (services.common.serving_config), plus
     what only the in-process engine has. quantization is ignored when a loaded model is
     given."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.chat_template import read_chat_template_file
 from services.common.errors import InvalidRequestError
 from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.common.sampling_params import SamplingParams
@@ -70,6 +71,9 @@ class LLMEngine:
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
+        if config.chat_template:
+            source = read_chat_template_file(config.chat_template)
+            self.tokenizer = loaded.tokenizer.with_chat_template(source)
         self.model = loaded.model
         self.dtype = loaded.dtype
         self.architecture = self.model.architecture

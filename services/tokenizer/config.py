@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.serving_config import InternalConfig, PublicConfig
+from services.common.serving_config import ChatConfig, InternalConfig, PublicConfig
 from services.tokenizer.membership import SchedulerEntry, parse_scheduler_entries
 from services.tokenizer.routing import ROUTING_POLICIES, RoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizerConfig(PublicConfig, InternalConfig):
+class TokenizerConfig(PublicConfig, ChatConfig, InternalConfig):
     """How the tokenizer tier listens, which schedulers it calls and which limits it enforces.
     The model and its context length are the workers': the schedulers pass them on."""
 

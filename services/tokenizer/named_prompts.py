@@ -70,7 +70,11 @@ class PromptRegistry:
         if ttl_s > self.max_ttl_s:
             raise InvalidRequestError("ttl_s", f"must be at most {self.max_ttl_s} seconds")
         ttl = ttl_s or self.default_ttl_s
-        token_ids = tuple(self.render_ids(system_prompt))
+        try:
+            token_ids = tuple(self.render_ids(system_prompt))
+        except InvalidRequestError as exc:
+            # The chat template's refusal (no template, no system role) is about this field.
+            raise InvalidRequestError("system_prompt", exc.message) from exc
         if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "system_prompt",

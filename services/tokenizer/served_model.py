@@ -20,7 +20,14 @@ class ServedModel:
     tokenizer: ModelTokenizer
 
     @classmethod
-    def from_description(cls, description: ModelDescription) -> ServedModel:
+    def from_description(
+        cls, description: ModelDescription, *, chat_template: str | None = None
+    ) -> ServedModel:
+        """`chat_template` (--chat-template's) replaces the model's own templates."""
+        if chat_template is not None:
+            description = replace(
+                description, chat_template=chat_template, tool_use_chat_template=None
+            )
         return cls(description, ModelTokenizer.from_description(description))
 
     @property

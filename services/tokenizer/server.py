@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from services.common.cache_keys import CacheKeys
+from services.common.chat_template import read_chat_template_file
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
@@ -62,6 +63,10 @@ class TokenizerServer:
         self.access = AccessPolicy.from_settings(
             config.api_key, config.admin_api_key, config.api_key_file
         )
+        # Read and compiled now: a bad --chat-template file stops the start, not a request.
+        self.chat_template = (
+            read_chat_template_file(config.chat_template) if config.chat_template else None
+        )
         self.generator = Generator(config, self.pool)
         self.servicer = TextGenerationServicer(self.generator, self.access)
         self._poller: asyncio.Task[None] | None = None
@@ -108,7 +113,9 @@ class TokenizerServer:
         description = await self.pool.wait_until_warm(self.config.warmup_poll_s)
         started = time.perf_counter()
         # In a thread so health checks are answered (NOT_SERVING) while it parses.
-        model = await asyncio.to_thread(ServedModel.from_description, description)
+        model = await asyncio.to_thread(
+            ServedModel.from_description, description, chat_template=self.chat_template
+        )
         log.info(
             "tokenizer loaded",
             extra={

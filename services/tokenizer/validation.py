@@ -5,9 +5,9 @@ it ("prompt", "messages[2].role", "sampling.top_p"). Pure: no gRPC, no clock, no
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.common.cache_keys import PROMPT_NAME_PATTERN
 from services.common.chat_template import ChatMessage
@@ -34,7 +34,11 @@ class PromptTokenizer(Protocol):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]: ...
 
     def encode_chat_after_prefix(
@@ -42,6 +46,8 @@ class PromptTokenizer(Protocol):
         prefix_messages: Sequence[ChatMessage],
         prefix_ids: Sequence[int],
         messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]: ...
 
 
@@ -86,6 +92,9 @@ class GenerateInput:
     model: str = ""
     prompt_name: str = ""
     tenant_id: str = ""
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    """JSON schemas of the functions the model may call, for the chat template (no public
+    field carries them yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +278,7 @@ def prompt_to_token_ids(
         token_ids = tuple(int(t) for t in request.prompt_token_ids)
         check_token_ids("prompt_token_ids", token_ids, limits.vocab_size)
     elif request.messages:
-        token_ids = tuple(tokenizer.apply_chat_template(request.messages))
+        token_ids = tuple(tokenizer.apply_chat_template(request.messages, tools=request.tools))
     else:
         token_ids = tuple(tokenizer.encode(request.prompt))
     check_prompt_length(len(token_ids), limits.max_model_len)
@@ -292,7 +301,7 @@ def check_prompt_size(request: GenerateInput, limits: Limits) -> None:
         return
     field_name, num_chars = "prompt", len(request.prompt)
     if request.messages:
-        field_name, num_chars = "messages", sum(len(m.content) for m in request.messages)
+        field_name, num_chars = "messages", sum(len(m.text) for m in request.messages)
     if num_chars > limits.max_prompt_chars:
         raise PromptTooLongError(
             field_name,
@@ -313,5 +322,7 @@ def _ids_after_named_prompt(
         )
     system = (ChatMessage(role="system", content=named_prompt.system_prompt),)
     return tuple(
-        tokenizer.encode_chat_after_prefix(system, named_prompt.token_ids, request.messages)
+        tokenizer.encode_chat_after_prefix(
+            system, named_prompt.token_ids, request.messages, tools=request.tools
+        )
     )

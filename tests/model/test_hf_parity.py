@@ -67,8 +67,10 @@ def test_chat_template_matches_hf(engine: LLMEngine, hf_tokenizer) -> None:  # t
         text = hf_tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
-        assert engine.tokenizer.chat_template.render([ChatMessage(**m) for m in messages]) == text
+        assert engine.tokenizer.render_chat([ChatMessage(**m) for m in messages]) == text
         assert ours == hf_tokenizer(text, add_special_tokens=False).input_ids
+    # The special tokens a template sees are the ones transformers reads from the GGUF file.
+    assert engine.tokenizer.special_tokens == hf_tokenizer.special_tokens_map
 
 
 def test_last_position_logits_match_hf(engine: LLMEngine, hf_model) -> None:  # type: ignore[no-untyped-def]

@@ -89,4 +89,7 @@ def test_hugging_face_directory_loads_the_same_model(
     ours = our_last_logits(from_directory, ids)
     gguf = our_last_logits(engine, ids)
     assert (ours - gguf).abs().max().item() < 1e-4
+    assert from_directory.tokenizer.chat_template is not None
+    assert engine.tokenizer.chat_template is not None
     assert from_directory.tokenizer.chat_template.source == engine.tokenizer.chat_template.source
+    assert from_directory.tokenizer.special_tokens == hf_tokenizer.special_tokens_map

@@ -53,7 +53,8 @@ def test_every_shared_field_has_one_default() -> None:
 
 @pytest.mark.parametrize("kind", sorted(CHILD_GROUPS))
 def test_stack_groups_rebuild_in_the_child(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("MODEL", "MAX_NUM_SEQS", "ENABLE_PREFIX_CACHING", "ENFORCE_EAGER", "SEED"):
+    names = ("MODEL", "MAX_NUM_SEQS", "ENABLE_PREFIX_CACHING", "ENFORCE_EAGER", "SEED")
+    for name in (*names, "CHAT_TEMPLATE"):
         monkeypatch.delenv(f"LLMSERVE_{name}", raising=False)
     child_config = {
         "worker": WorkerConfig,
@@ -61,7 +62,12 @@ def test_stack_groups_rebuild_in_the_child(kind: str, monkeypatch: pytest.Monkey
         "tokenizer": TokenizerConfig,
     }[kind]
     stack = StackConfig(
-        model="m.gguf", max_num_seqs=7, enable_prefix_caching=False, enforce_eager=True, seed=3
+        model="m.gguf",
+        max_num_seqs=7,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        seed=3,
+        chat_template="chat.jinja",
     )
     parser = argparse.ArgumentParser()
     add_config_flags(parser, child_config)

@@ -75,7 +75,9 @@ def test_a_described_tokenizer_matches_the_file(
     assert rebuilt.apply_chat_template(messages) == file_tokenizer.apply_chat_template(messages)
     assert rebuilt.bos_token_id == file_tokenizer.bos_token_id
     assert rebuilt.add_bos_token == file_tokenizer.add_bos_token
+    assert rebuilt.chat_template is not None and file_tokenizer.chat_template is not None
     assert rebuilt.chat_template.source == file_tokenizer.chat_template.source
+    assert rebuilt.special_tokens == file_tokenizer.special_tokens
 
 
 def test_a_replica_serves_one_model(description: ModelDescription) -> None:

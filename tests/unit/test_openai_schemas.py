@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from services.common.chat_template import ChatMessage
+from services.common.chat_template import ChatMessage, TextPart
 from services.common.errors import InvalidRequestError
 from services.tokenizer.openai_http.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -84,7 +84,7 @@ def test_the_developer_role_is_the_system_role() -> None:
     assert request.messages[0] == ChatMessage("system", "Rules.")
 
 
-def test_content_as_a_list_of_text_parts_is_joined() -> None:
+def test_content_as_a_list_of_text_parts_stays_parts() -> None:
     request = chat(
         messages=[
             {
@@ -93,7 +93,9 @@ def test_content_as_a_list_of_text_parts_is_joined() -> None:
             }
         ]
     )
-    assert request.messages == (ChatMessage("user", "Hello, world"),)
+    parts = (TextPart("Hello, "), TextPart("world"))
+    assert request.messages == (ChatMessage("user", parts),)
+    assert request.messages[0].text == "Hello, world"
 
 
 def test_null_content_is_refused_naming_the_message() -> None:

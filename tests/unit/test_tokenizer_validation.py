@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -27,19 +28,32 @@ LIMITS = Limits(
 )
 
 
+CHATML = (
+    "{% if tools %}{{ '<|im_start|>tools\n' + tools | tojson + '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
 class ByteTokenizer:
-    """One token per UTF-8 byte; the default ChatML template."""
+    """One token per UTF-8 byte; a ChatML template that lists the tools first."""
 
     def __init__(self) -> None:
-        self.template = ChatTemplate(None)
+        self.template = ChatTemplate(CHATML)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        return self.encode(self.template.render(messages))
+        return self.encode(self.template.render(messages, tools=tools))
 
 
 TOKENIZER = ByteTokenizer()
@@ -96,6 +110,14 @@ def test_messages_go_through_the_chat_template() -> None:
     roomy = replace(LIMITS, max_model_len=100)
     validated = validate(GenerateInput(messages=(ChatMessage("user", "x"),)), roomy)
     assert bytes(validated.prompt_token_ids).decode().startswith("<|im_start|>user\nx")
+
+
+def test_tools_reach_the_chat_template() -> None:
+    roomy = replace(LIMITS, max_model_len=200)
+    tool = {"type": "function", "function": {"name": "now"}}
+    request = GenerateInput(messages=(ChatMessage("user", "x"),), tools=(tool,))
+    text = bytes(validate(request, roomy).prompt_token_ids).decode()
+    assert text.startswith('<|im_start|>tools\n[{"type": "function", "function": {"name": "now"}}]')
 
 
 @pytest.mark.parametrize(

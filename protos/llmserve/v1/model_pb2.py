@@ -24,15 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/llmserve/v1/model.proto\x12\x0bllmserve.v1\"\x16\n\x14\x44\x65scribeModelRequest\"\xf1\x01\n\x10ModelDescription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\x05 \x01(\t\x12\x1a\n\rchat_template\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x15\n\radd_bos_token\x18\x08 \x01(\x08\x42\x10\n\x0e_chat_templateB\x0f\n\r_bos_token_idb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/llmserve/v1/model.proto\x12\x0bllmserve.v1\"\x16\n\x14\x44\x65scribeModelRequest\"\xb1\x03\n\x10ModelDescription\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\x05 \x01(\t\x12\x1a\n\rchat_template\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x15\n\radd_bos_token\x18\x08 \x01(\x08\x12#\n\x16tool_use_chat_template\x18\t \x01(\tH\x02\x88\x01\x01\x12H\n\x0especial_tokens\x18\n \x03(\x0b\x32\x30.llmserve.v1.ModelDescription.SpecialTokensEntry\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x10\n\x0e_chat_templateB\x0f\n\r_bos_token_idB\x19\n\x17_tool_use_chat_templateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.llmserve.v1.model_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MODELDESCRIPTION_SPECIALTOKENSENTRY']._loaded_options = None
+  _globals['_MODELDESCRIPTION_SPECIALTOKENSENTRY']._serialized_options = b'8\001'
   _globals['_DESCRIBEMODELREQUEST']._serialized_start=47
   _globals['_DESCRIBEMODELREQUEST']._serialized_end=69
   _globals['_MODELDESCRIPTION']._serialized_start=72
-  _globals['_MODELDESCRIPTION']._serialized_end=313
+  _globals['_MODELDESCRIPTION']._serialized_end=505
+  _globals['_MODELDESCRIPTION_SPECIALTOKENSENTRY']._serialized_start=391
+  _globals['_MODELDESCRIPTION_SPECIALTOKENSENTRY']._serialized_end=443
 # @@protoc_insertion_point(module_scope)

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from services.common.chat_template import ChatMessage
+from services.common.chat_template import TextPart as ChatTextPart
 from services.common.errors import InvalidRequestError, quoted, shortened
 from services.common.sampling_params import logit_bias_from_json
 from services.common.structured_output import StructuredOutput, StructuredOutputKind
@@ -309,7 +310,7 @@ def chat_input(
     body: ChatCompletionBody, request_id: str, max_new_tokens_limit: int
 ) -> GenerateInput:
     messages = tuple(
-        ChatMessage(role=_role(m.role), content=_text(m.content, index))
+        ChatMessage(role=_role(m.role), content=_content(m.content, index))
         for index, m in enumerate(body.messages)
     )
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -383,12 +384,13 @@ def _role(role: str) -> str:
     return "system" if role == "developer" else role
 
 
-def _text(content: str | list[TextPart] | None, index: int) -> str:
+def _content(content: str | list[TextPart] | None, index: int) -> str | tuple[ChatTextPart, ...]:
+    """A string stays one; text parts stay parts (the chat template sees what was sent)."""
     if content is None:
         raise InvalidRequestError(f"messages[{index}].content", "is required")
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    return tuple(ChatTextPart(part.text) for part in content)
 
 
 def _prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str, tuple[int, ...]]:
