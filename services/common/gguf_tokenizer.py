@@ -143,6 +143,7 @@ REFUSED_MODELS = {
     "hybriddna": "its DNA k-mer spans inside text have no `tokenizers` equivalent",
     "whitespace": "its tokenizer drops whitespace and lowercases per llama.cpp's normalizer"
     " options; not built from GGUF yet",
+    "test": "llama.cpp's test vocabulary hashes text into ids; it is no tokenizer",
     "no_vocab": "the file carries no vocabulary",
     "none": "the file carries no vocabulary",
 }
