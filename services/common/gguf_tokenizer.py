@@ -105,26 +105,13 @@ def read_gguf_tokenizer(path: Path) -> GgufTokenizer:
 
 def build_gguf_tokenizer(vocab: GgufVocab) -> GgufTokenizer:
     if vocab.model == "llama":
-        tokenizer, default_add_bos = _sentencepiece_tokenizer(vocab), True
-    elif vocab.model == "gpt2":
-        pre = PRE_TOKENIZERS_BY_NAME.get(vocab.pre or "default")
-        if pre is None:
-            reason = REFUSED_PRE_TOKENIZERS.get(vocab.pre or "")
-            raise ModelLoadError(
-                f"GGUF tokenizer.ggml.pre {vocab.pre!r} is not supported"
-                + (f": {reason}" if reason else " (llama.cpp does not know it either)")
-            )
-        tokenizer, default_add_bos = _byte_pair_tokenizer(vocab, pre), pre.add_bos
-    elif vocab.model == "gemma4":
-        tokenizer, default_add_bos = _byte_pair_tokenizer(vocab, _GEMMA4_MODEL), True
+        tokenizer = _sentencepiece_tokenizer(vocab)
+        add_bos = True if vocab.add_bos_token is None else vocab.add_bos_token
     else:
-        reason = REFUSED_MODELS.get(vocab.model, "llama.cpp does not know it either")
-        raise ModelLoadError(
-            f"GGUF tokenizer.ggml.model {vocab.model!r} is not supported: {reason}"
-        )
-    add_bos = default_add_bos if vocab.add_bos_token is None else vocab.add_bos_token
-    if vocab.model == "gemma4" or vocab.pre in ("gemma4", "granite-embed-multi-311m"):
-        add_bos = True  # llama.cpp forces it for Gemma 4, whatever the file says
+        pre = _pre_tokenizer(vocab)
+        tokenizer = _byte_pair_tokenizer(vocab, pre)
+        add_bos = pre.add_bos if vocab.add_bos_token is None else vocab.add_bos_token
+        add_bos = add_bos or pre.force_bos
     eos_ids = (vocab.eos_token_id, vocab.eot_token_id, vocab.eom_token_id)
     return GgufTokenizer(
         tokenizer=tokenizer,
@@ -133,6 +120,23 @@ def build_gguf_tokenizer(vocab: GgufVocab) -> GgufTokenizer:
         add_bos_token=add_bos,
         chat_template=vocab.chat_template,
     )
+
+
+def _pre_tokenizer(vocab: GgufVocab) -> PreTokenizer:
+    """The pre-tokenizer of a BPE vocabulary, or ModelLoadError naming what is refused."""
+    if vocab.model == "gemma4":
+        return PRE_TOKENIZERS_BY_NAME["gemma4"]  # llama.cpp ignores the file's pre here
+    if vocab.model != "gpt2":
+        reason = REFUSED_MODELS.get(vocab.model, "llama.cpp does not know it")
+        raise ModelLoadError(
+            f"GGUF tokenizer.ggml.model {vocab.model!r} is not supported: {reason}"
+        )
+    name = vocab.pre or "default"  # as llama.cpp, which warns that quality suffers
+    if name not in PRE_TOKENIZERS_BY_NAME:
+        raise ModelLoadError(
+            f"GGUF tokenizer.ggml.pre {vocab.pre!r} is not supported: llama.cpp does not know it"
+        )
+    return PRE_TOKENIZERS_BY_NAME[name]
 
 
 REFUSED_MODELS = {
@@ -234,6 +238,7 @@ class PreTokenizer:
     escape_whitespace: bool = False  # a space becomes "▁" before splitting
     ignore_merges: bool = False  # a piece that is itself a token stays whole
     add_bos: bool = False  # llama.cpp's default when the file has no add_bos_token
+    force_bos: bool = False  # BOS whatever the file says (llama.cpp's Gemma 4 workaround)
 
 
 _CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -392,9 +397,10 @@ def _pre(splits: str, **flags: bool) -> PreTokenizer:
 
 
 _SPACE_MARKED = {"byte_level": False, "escape_whitespace": True}
-_GEMMA4_MODEL = _pre("newlines", **_SPACE_MARKED)
+_GEMMA4 = _pre("newlines", force_bos=True, **_SPACE_MARKED)
 
-# Every `tokenizer.ggml.pre` value llama.cpp knows (llama_vocab::impl::load), by its regexes.
+# Every `tokenizer.ggml.pre` value llama.cpp knows (llama_vocab::impl::load), by its regexes:
+# `tokenizers` can express them all.
 PRE_TOKENIZERS_BY_NAME: dict[str, PreTokenizer] = {
     "default": _pre("default"),
     "minicpm5": _pre("minicpm5", ignore_merges=True),
@@ -440,9 +446,9 @@ PRE_TOKENIZERS_BY_NAME: dict[str, PreTokenizer] = {
         _pre("gpt2"),
     ),
     "jais-2": _pre("jais2"),
-    "gemma4": _GEMMA4_MODEL,
-    "granite-embed-multi-311m": _GEMMA4_MODEL,
-    "sarvam-moe": _GEMMA4_MODEL,
+    "gemma4": _GEMMA4,
+    "granite-embed-multi-311m": _GEMMA4,
+    "sarvam-moe": _pre("newlines", **_SPACE_MARKED),
     "whitespace": _pre("whitespace", byte_level=False),
     "refact": _pre("starcoder"),
     "command-r": _pre("starcoder"),
@@ -490,16 +496,15 @@ PRE_TOKENIZERS_BY_NAME: dict[str, PreTokenizer] = {
     "mellum2": _pre("starcoder"),
 }
 
-# Names llama.cpp knows whose tokenizer `tokenizers` cannot reproduce, and why.
-REFUSED_PRE_TOKENIZERS: dict[str, str] = {}
-
 # llama.cpp's hand-written splitters whose "regex" is only a name, as `tokenizers` regexes.
 _HAN = (
     "\u4e00-\u9fff\u3400-\u4dbf\U00020000-\U0002a6df\U0002a700-\U0002b73f"
     "\U0002b740-\U0002b81f\U0002b820-\U0002ceaf\U0002ceb0-\U0002ebef\uf900-\ufaff"
     "\U0002f800-\U0002fa1f"
 )
-_DIGIT_GROUPS = r"\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"  # 1-2 leading digits, then threes
+# unicode_regex_split_custom_afmoe: a run of digits as 1-2 leading ones, then threes; the
+# text before the run stays glued to its first group ("x1234" -> "x1", "234").
+_DIGIT_GROUPS = r"\P{N}*\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"
 _CUSTOM_SPLITS = {
     r"\p{AFMoE_digits}": _DIGIT_GROUPS,
     r"\d{1,3}(?=(?:\d{3})*\b)": _DIGIT_GROUPS,

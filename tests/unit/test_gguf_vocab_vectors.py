@@ -36,7 +36,6 @@ from services.common.gguf_tokenizer import (
     NORMAL,
     PRE_TOKENIZERS_BY_NAME,
     REFUSED_MODELS,
-    REFUSED_PRE_TOKENIZERS,
     SPACE_MARK,
     UNKNOWN,
     USER_DEFINED,
@@ -67,9 +66,9 @@ VOCABS: dict[str, str | None] = {
 }
 BUILT = [name for name, refusal in VOCABS.items() if refusal is None]
 
-# Vocabularies whose transformers GGUF loading agrees with every llama.cpp vector (others
-# differ: its Llama converter skips the prefix "▁" before a leading space, its Falcon one
-# splits digits differently, ...).
+# A SentencePiece and a regex-split BPE vocabulary whose transformers GGUF loading agrees
+# with every llama.cpp vector (not all do: its Llama converter puts no prefix "▁" before a
+# leading space, its Falcon one splits digits differently, ...).
 AGREES_WITH_TRANSFORMERS = ("phi-3", "qwen2")
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -176,11 +175,11 @@ def test_every_vocab_file_is_listed(llama_cpp_source: Path) -> None:
     )
 
 
-def test_every_pre_tokenizer_is_llama_cpps_or_refused(llama_cpp_source: Path) -> None:
+def test_every_pre_tokenizer_is_llama_cpps(llama_cpp_source: Path) -> None:
     """Our table is llama.cpp's, verbatim: the same names, regexes and flags."""
     names = llama_cpp_pre_names(llama_cpp_source)
     types = llama_cpp_pre_types(llama_cpp_source)
-    assert sorted(PRE_TOKENIZERS_BY_NAME.keys() | REFUSED_PRE_TOKENIZERS.keys()) == sorted(names)
+    assert sorted(PRE_TOKENIZERS_BY_NAME) == sorted(names)
     for name, pre in PRE_TOKENIZERS_BY_NAME.items():
         regexes, byte_encode = types.get(names[name]["type"], types["DEFAULT"])
         flags = names[name]
