@@ -163,9 +163,15 @@ def _sentencepiece_tokenizer(vocab: GgufVocab) -> Tokenizer:
 
     That is byte-pair encoding with merges ranked by the score of the token they make, the
     way transformers converts these vocabularies: every split of a normal token into two
-    normal tokens is a merge. Both pick the leftmost pair among equal ranks; only pairs of
-    *different* tokens with the same score could tie differently (llama.cpp: the leftmost
-    one), which scores learnt by SentencePiece do not have.
+    normal tokens is a merge. Both take the leftmost of equal pairs. Where they can differ:
+    - two different tokens with the same score (15 in Llama 2's vocabulary, 390 in
+      Baichuan's): llama.cpp merges the leftmost, here the lower id goes first;
+    - a control, byte or unused token is never a merge's result here, as in SentencePiece
+      (llama.cpp could spell "</s>" or "<0x0A>" from plain text when it does not parse
+      special tokens; we always do);
+    - a character that is no token turns into its bytes before merging here.
+    llama.cpp's vectors and random texts against a port of its algorithm agree
+    (tests/unit/test_gguf_vocab_vectors.py).
     """
     if vocab.scores is None:
         raise ModelLoadError("GGUF tokenizer 'llama' needs tokenizer.ggml.scores")
@@ -397,6 +403,8 @@ def _pre(splits: str, **flags: bool) -> PreTokenizer:
 
 
 _SPACE_MARKED = {"byte_level": False, "escape_whitespace": True}
+# llama.cpp also keeps a run of newlines whole when the run is a token; Gemma 4's merges
+# make each such run anyway (tests/unit/test_gguf_vocab_vectors.py).
 _GEMMA4 = _pre("newlines", force_bos=True, **_SPACE_MARKED)
 
 # Every `tokenizer.ggml.pre` value llama.cpp knows (llama_vocab::impl::load), by its regexes:

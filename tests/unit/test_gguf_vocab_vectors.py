@@ -230,6 +230,17 @@ def test_vocab_vectors(
     assert not wrong, "\n".join(wrong)
 
 
+def test_gemma4_newline_runs_that_are_tokens_stay_whole(
+    llama_cpp_source: Path, tokenizers: dict[str, ModelTokenizer]
+) -> None:
+    """llama.cpp's rule for Gemma 4 (llm_tokenizer_bpe_session), which merges give here."""
+    tokenizer = built(llama_cpp_source, tokenizers, "gemma-4")
+    for count in range(1, 64):
+        token = tokenizer.tokenizer.token_to_id("\n" * count)
+        if token is not None:
+            assert tokenizer.encode("\n" * count, add_special_tokens=False) == [token], count
+
+
 @pytest.mark.parametrize("name", BUILT)
 def test_described_tokenizer_matches_the_file(
     llama_cpp_source: Path, tokenizers: dict[str, ModelTokenizer], name: str
