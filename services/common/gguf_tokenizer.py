@@ -15,6 +15,7 @@ Anything else (WordPiece `bert`, Unigram `t5`, RWKV, ...) is refused with ModelL
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -595,7 +596,9 @@ def _byte_pair_tokenizer(vocab: GgufVocab, pre: PreTokenizer) -> Tokenizer:
     ]
     if pre.byte_level:
         splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.decoder = decoders.Sequence(
+            [*_added_tokens_as_text(vocab, tokens), decoders.ByteLevel()]
+        )
     else:
         tokenizer.decoder = _space_mark_decoder(strip_prefix_space=False)
     if pre.escape_whitespace:
@@ -603,6 +606,32 @@ def _byte_pair_tokenizer(vocab: GgufVocab, pre: PreTokenizer) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(splits)
     _add_special_tokens(tokenizer, vocab, tokens)
     return tokenizer
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's byte alphabet: the character that spells each byte in a byte-level vocabulary."""
+    shown = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    hidden = iter(range(0x100, 0x200))
+    return [chr(byte) if byte in shown else chr(next(hidden)) for byte in range(256)]
+
+
+_BYTE_CHARS = _gpt2_byte_chars()
+_BYTE_OF_CHAR = {char: byte for byte, char in enumerate(_BYTE_CHARS)}
+
+
+def _added_tokens_as_text(vocab: GgufVocab, tokens: Sequence[str]) -> list[Any]:
+    """Decoder steps that respell an added token whose text happens to use only characters
+    of the byte alphabet, so that it decodes to that text, as llama.cpp decodes it: DeepSeek's
+    "õ" token would otherwise decode as the byte 0xF5 (the decoder sees strings, not ids)."""
+    steps = []
+    for index, kind in enumerate(vocab.token_types):
+        text = tokens[index]
+        if kind not in (CONTROL, UNKNOWN, USER_DEFINED) or not set(text) <= _BYTE_OF_CHAR.keys():
+            continue
+        if bytes(_BYTE_OF_CHAR[char] for char in text) != text.encode():
+            spelt = "".join(_BYTE_CHARS[byte] for byte in text.encode())
+            steps.append(decoders.Replace(Regex(rf"\A{re.escape(text)}\z"), spelt))
+    return steps
 
 
 # --- shared ------------------------------------------------------------------------------
