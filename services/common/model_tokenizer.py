@@ -8,15 +8,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
 from services.common.chat_template import NO_CHAT_TEMPLATE, ChatMessage, ChatTemplate
 from services.common.errors import InvalidRequestError, ModelLoadError
+from services.common.gguf_metadata import read_metadata
+from services.common.gguf_tokenizer import normalizer_shrink_factor, read_gguf_tokenizer
 from services.common.model_description import ModelDescription
-
-# llama.cpp token types (gguf.TokenType): 3 = control (special), 4 = user defined.
-_CONTROL = 3
-_USER_DEFINED = 4
 
 HF_SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -36,37 +34,6 @@ _GGUF_SPECIAL_TOKEN_KEYS = {
     "unk_token": "tokenizer.ggml.unknown_token_id",
     "pad_token": "tokenizer.ggml.padding_token_id",
 }
-
-# Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as the original tokenizer.json
-# files define them. Byte-level BPE needs the exact split to reproduce the ids.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _byte_level_pre_tokenizer(pre: str | None) -> Any:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in (None, "default", "gpt-2", "gpt2"):
-        return byte_level
-    if pre == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        split = _LLAMA3_SPLIT
-    elif pre == "qwen2":
-        split = _QWEN2_SPLIT
-    else:
-        raise ModelLoadError(f"GGUF pre-tokenizer {pre!r} is not supported yet")
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
 
 
 class ModelTokenizer:
@@ -194,14 +161,16 @@ class ModelTokenizer:
 
         A vocabulary string is never shorter than the text it stands for: byte-level BPE
         spells each byte as one character (a character is 1-4 bytes), SentencePiece's ▁ is
-        one space, a byte-fallback token (<0x41>) stands for one byte. So the longest string
-        bounds it (81 for SmolLM2: a newline and 80 spaces), unless a normalizer rewrites the
-        text first: Unicode composition (NFC, NFKC) folds up to 4 characters into one (a
-        Greek vowel with three accents), hence 4x then.
+        one space, a byte-fallback token (<0x41>) stands for one byte, an unknown token for
+        one character (never fused). So the longest string bounds it (81 for SmolLM2: a
+        newline and 80 spaces), unless a normalizer shortens the text first: Unicode
+        composition (NFC, NFKC) folds up to 4 characters into one (a Greek vowel with three
+        accents), hence 4x then. SentencePiece's normalizers (a ▁ prepended, a space spelt ▁)
+        never shorten it.
         """
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         longest = max(map(len, vocab), default=1)
-        return longest * (4 if self.tokenizer.normalizer is not None else 1)
+        return longest * normalizer_shrink_factor(self.tokenizer.normalizer)
 
     @functools.cached_property
     def _special_texts(self) -> tuple[str, ...]:
@@ -291,51 +260,21 @@ class ModelTokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path) -> ModelTokenizer:
-        from services.common.gguf_metadata import field_value, open_gguf
-
-        reader = open_gguf(path)
-        kind = field_value(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(
-                f"GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' is);"
-                " use the model's Hugging Face directory instead"
-            )
-        tokens: list[str] = list(field_value(reader, "tokenizer.ggml.tokens"))
-        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
-        token_types = list(field_value(reader, "tokenizer.ggml.token_type") or [])
-        vocab = {token: index for index, token in enumerate(tokens)}
-        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-        tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(
-            field_value(reader, "tokenizer.ggml.pre")
-        )
-        tokenizer.decoder = decoders.ByteLevel()
-        special = [
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, kind in enumerate(token_types)
-            if kind == _CONTROL
-        ]
-        user = [
-            AddedToken(tokens[i], special=False, normalized=False)
-            for i, kind in enumerate(token_types)
-            if kind == _USER_DEFINED
-        ]
-        tokenizer.add_special_tokens(special)
-        tokenizer.add_tokens(user)
-        eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-        eot = field_value(reader, "tokenizer.ggml.eot_token_id")
-        eos_ids = list(dict.fromkeys(int(t) for t in (eos, eot) if t is not None))
-        bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+        """The tokenizer llama.cpp builds from the file's metadata (see gguf_tokenizer)."""
+        gguf = read_gguf_tokenizer(path)
+        metadata = read_metadata(path)
+        vocab_size = gguf.tokenizer.get_vocab_size(with_added_tokens=True)
         special_tokens = {}
         for name, key in _GGUF_SPECIAL_TOKEN_KEYS.items():
-            token_id = field_value(reader, key)
-            if token_id is not None and 0 <= int(token_id) < len(tokens):
-                special_tokens[name] = tokens[int(token_id)]
+            token_id = metadata.get(key)
+            if token_id is not None and 0 <= int(token_id) < vocab_size:
+                special_tokens[name] = str(gguf.tokenizer.id_to_token(int(token_id)))
         return cls(
-            tokenizer,
-            chat_template=field_value(reader, "tokenizer.chat_template"),
-            bos_token_id=int(bos) if bos is not None else None,
-            eos_token_ids=eos_ids,
-            add_bos_token=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+            gguf.tokenizer,
+            chat_template=gguf.chat_template,
+            bos_token_id=gguf.bos_token_id,
+            eos_token_ids=gguf.eos_token_ids,
+            add_bos_token=gguf.add_bos_token,
             special_tokens=special_tokens,
         )
 

@@ -38,6 +38,9 @@ PURE_MODULES = (
     # strict decoding of public requests
     "services/common/request_decoding.py",
     "services/common/structured_output.py",
+    # a GGUF file's tokenizer, as llama.cpp builds it
+    "services/common/gguf_metadata.py",
+    "services/common/gguf_tokenizer.py",
     # the shapes shared between services
     "services/contracts",
 )
