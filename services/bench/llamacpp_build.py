@@ -151,9 +151,11 @@ def configure_command(toolchain: Toolchain, source: Path, build: Path) -> list[s
     ]
 
 
-def build_command(toolchain: Toolchain, build: Path, jobs: int) -> list[str]:
+def build_command(
+    toolchain: Toolchain, build: Path, jobs: int, targets: Sequence[str] = TOOLS
+) -> list[str]:
     # ninja itself, not `cmake --build`, so its "[n/total]" lines reach us unbuffered.
-    return [toolchain.ninja, "-C", str(build), "-j", str(jobs), *TOOLS]
+    return [toolchain.ninja, "-C", str(build), "-j", str(jobs), *targets]
 
 
 def download_command(version: str, dest: Path) -> list[str]:
@@ -262,9 +264,21 @@ def ensure_built(
     force: bool = False, jobs: int | None = None, root: Path | None = None
 ) -> PeerBinaries:
     """The four tools, built on first use and reused after (a rebuild only with `force`)."""
+    return ensure_tools(TOOLS, force=force, jobs=jobs, root=root)
+
+
+def ensure_tools(
+    names: Sequence[str],
+    force: bool = False,
+    jobs: int | None = None,
+    root: Path | None = None,
+) -> PeerBinaries:
+    """Only the tools in `names` (ninja targets), built on first use into the shared cache and
+    reused after. Building `llama-quantize` alone compiles ggml and libllama but not the server,
+    a few minutes less on 2 cores; a later full build reuses those objects."""
     root = root or cache_dir()
     binaries = PeerBinaries(root / "bin")
-    if not force and not binaries.missing():
+    if not force and not [name for name in names if name in binaries.missing()]:
         return binaries
     toolchain = find_toolchain()
     root.mkdir(parents=True, exist_ok=True)
@@ -273,11 +287,11 @@ def ensure_built(
     source = ensure_source(root, log_path, LLAMA_CPP_PYTHON_VERSION)
     build = root / "build"
     jobs = jobs or os.cpu_count() or 1
-    print(f"building {', '.join(TOOLS)} in {build} ({jobs} jobs; log {log_path})", file=sys.stderr)
+    print(f"building {', '.join(names)} in {build} ({jobs} jobs; log {log_path})", file=sys.stderr)
     run_logged(configure_command(toolchain, source, build), log_path, "cmake configure")
-    run_logged(build_command(toolchain, build, jobs), log_path, "llama.cpp build")
+    run_logged(build_command(toolchain, build, jobs, names), log_path, "llama.cpp build")
     binaries.bin_dir.mkdir(parents=True, exist_ok=True)
-    for name in TOOLS:
+    for name in names:
         built = build / "bin" / name
         if not built.is_file():
             raise PeerBuildError(f"the build finished without {built}; see {log_path}")

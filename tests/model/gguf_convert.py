@@ -1,0 +1,191 @@
+"""GGUF files of the tiny test models, made by llama.cpp's own tools from the sources the bench
+builds from: convert_hf_to_gguf.py (f32, q8_0) run with this interpreter and the sources'
+gguf-py, and llama-quantize (K-quants, Q4_0, IQ4_NL) built once into the shared cache.
+
+    convert_to_gguf(hf_dir, out, "f32")         # -> out, or raises ConversionRefused
+    quantize_gguf(f32_file, out, "Q4_K_M")      # -> QuantizeResult (path, the tool's log)
+    tiny_gguf("qwen3", "Q4_K_M")                # -> the cached file, made once
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.model.tiny_models import tiny_model_dir
+
+CONVERTER_OUTTYPES = ("f32", "q8_0")
+QUANT_KINDS = ("Q4_K_M", "Q6_K", "Q5_K_M", "Q4_0", "IQ4_NL")
+CONVERT_TIMEOUT_S = 600
+QUANTIZE_TIMEOUT_S = 300
+LOG_TAIL_LINES = 30
+
+
+class ConversionRefused(RuntimeError):
+    """convert_hf_to_gguf.py exited with an error; `reason` is its last error line."""
+
+    def __init__(self, hf_dir: Path, reason: str, log: str) -> None:
+        super().__init__(f"convert_hf_to_gguf.py refused {hf_dir}: {reason}")
+        self.reason = reason
+        self.log = log
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizeResult:
+    path: Path
+    log: str
+
+
+def llama_cpp_source() -> Path:
+    """The vendored llama.cpp of the bench's llama-cpp-python sdist (fetched on first use)."""
+    from services.bench.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, cache_dir, ensure_source
+
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    return ensure_source(root, root / "download.log", LLAMA_CPP_PYTHON_VERSION)
+
+
+def converter_env(source: Path) -> dict[str, str]:
+    # The sources' gguf-py first: the converter may need writer keys newer than the installed
+    # gguf package. (The script also puts it on sys.path itself unless NO_LOCAL_GGUF is set.)
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(source / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    # Nothing may reach a model hub: the tokenizer and config are read from the directory.
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    return env
+
+
+def refusal_reason(log: str) -> str:
+    """The converter's own words: the last exception line, or its last error log line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[A-Za-z_.]+(Error|Exception|Refused)\b.*:", line):
+            return line
+    errors = [line for line in lines if line.startswith("ERROR")]
+    if errors:
+        return errors[-1]
+    return lines[-1] if lines else "no output"
+
+
+def convert_to_gguf(hf_dir: Path, out_path: Path, outtype: str) -> Path:
+    """`hf_dir` as a GGUF file at `out_path` (`outtype` f32 or q8_0, written by the converter
+    itself). Raises ConversionRefused with the converter's reason when it declines."""
+    if outtype not in CONVERTER_OUTTYPES:
+        raise ValueError(f"outtype: one of {CONVERTER_OUTTYPES}, got {outtype!r}")
+    source = llama_cpp_source()
+    partial = out_path.with_name(out_path.name + ".partial")
+    command = [
+        sys.executable,
+        str(source / "convert_hf_to_gguf.py"),
+        str(hf_dir),
+        "--outfile",
+        str(partial),
+        "--outtype",
+        outtype,
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        env=converter_env(source),
+        timeout=CONVERT_TIMEOUT_S,
+        check=False,
+    )
+    log = result.stdout + result.stderr
+    if result.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        raise ConversionRefused(hf_dir, refusal_reason(log), log)
+    partial.replace(out_path)  # a file only ever appears whole
+    return out_path
+
+
+def quantize_binary() -> Path:
+    """llama-quantize, built alone from the same sources on first use (a few minutes on 2
+    cores; then cached beside the bench's tools). Raises PeerBuildError when it cannot be."""
+    from services.bench.llamacpp_build import ensure_tools
+
+    return ensure_tools(["llama-quantize"]).quantize
+
+
+def quantize_gguf(src: Path, dst: Path, kind: str) -> QuantizeResult:
+    """`src` (an f32 GGUF) quantized to `kind` by llama-quantize. Tensors whose rows are not a
+    multiple of the kind's block keep another type: the log names them."""
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"kind: one of {QUANT_KINDS}, got {kind!r}")
+    partial = dst.with_name(dst.name + ".partial")
+    result = subprocess.run(
+        [str(quantize_binary()), str(src), str(partial), kind],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=QUANTIZE_TIMEOUT_S,
+        check=False,
+    )
+    log = result.stdout + result.stderr
+    if result.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
+        raise RuntimeError(f"llama-quantize {kind} failed (exit {result.returncode}):\n{tail}")
+    partial.replace(dst)
+    return QuantizeResult(dst, log)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    type_name: str  # GGML type: "Q4_K", "F32", ...
+    shape: tuple[int, ...]  # GGUF order: the row length first
+
+
+def read_tensors(path: Path) -> dict[str, TensorInfo]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return {
+        tensor.name: TensorInfo(tensor.tensor_type.name, tuple(int(n) for n in tensor.shape))
+        for tensor in reader.tensors
+    }
+
+
+def read_metadata(path: Path, *keys: str) -> dict[str, object]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return {key: reader.fields[key].contents() for key in keys if key in reader.fields}
+
+
+def type_counts(path: Path) -> Counter[str]:
+    return Counter(info.type_name for info in read_tensors(path).values())
+
+
+def tiny_gguf(family: str, kind: str, cache_root: Path | None = None) -> Path:
+    """The family's tiny model as GGUF `kind` ("f32", "q8_0" from the converter; a QUANT_KINDS
+    entry from llama-quantize applied to the f32 file), made once beside its HF directory."""
+    hf_dir = tiny_model_dir(family, cache_root)
+    out = hf_dir.parent / "gguf" / f"{family}.{kind}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(exist_ok=True)
+    if kind in CONVERTER_OUTTYPES:
+        return convert_to_gguf(hf_dir, out, kind)
+    f32 = tiny_gguf(family, "f32", cache_root)
+    return quantize_gguf(f32, out, kind).path
+
+
+def timed_quantize_binary() -> tuple[Path, float | None]:
+    """quantize_binary(), and how long building it took (None when it was already built)."""
+    from services.bench.llamacpp_build import cache_dir
+
+    already_built = os.access(cache_dir() / "bin" / "llama-quantize", os.X_OK)
+    start = time.monotonic()
+    binary = quantize_binary()
+    return binary, None if already_built else time.monotonic() - start
