@@ -167,6 +167,10 @@ class ChatTemplate:
             if tool_use_source is not None
             else None
         )
+        self.reads_content_parts = reads_content_parts(source)
+        """Whether the template loops over a message's content (takes OpenAI's parts);
+        otherwise text parts reach it joined into one string, as vLLM's 'auto' content format
+        does: most templates (Llama 3.x, Qwen2.5/3, Phi, Mistral) only print the content."""
 
     def render(
         self,
@@ -194,7 +198,9 @@ class ChatTemplate:
         variables = {
             **self.special_tokens,
             **extra,
-            "messages": [_template_message(message) for message in messages],
+            "messages": [
+                _template_message(message, self.reads_content_parts) for message in messages
+            ],
             "tools": [dict(tool) for tool in tools] if tools is not None else None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
@@ -237,9 +243,33 @@ def _check_messages(messages: Sequence[ChatMessage]) -> None:
             )
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as transformers hands it to a template: parts as a list of dicts."""
-    if isinstance(message.content, str):
-        return {"role": message.role, "content": message.content}
+def reads_content_parts(source: str) -> bool:
+    """True when the template iterates over a `content` value (`{% for part in
+    message['content'] %}` or `message.content`), the sign that it understands a list of
+    parts; found in the parsed template, not its text."""
+    tree = _ENVIRONMENT.parse(source)
+    for loop in tree.find_all(nodes.For):
+        kinds = (nodes.Getitem, nodes.Getattr, nodes.Name)
+        lookups = [loop.iter, *loop.iter.find_all(kinds)]
+        if any(_looked_up_key(node) == "content" for node in lookups):
+            return True
+    return False
+
+
+def _looked_up_key(node: nodes.Node) -> Any:
+    if isinstance(node, nodes.Name):  # a macro's or a set variable named content
+        return node.name
+    if isinstance(node, nodes.Getattr):
+        return node.attr
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+        return node.arg.value
+    return None
+
+
+def _template_message(message: ChatMessage, parts_as_list: bool) -> dict[str, Any]:
+    """A message as the template takes it: parts as a list of dicts (as transformers hands
+    them) when the template loops over them, else their text joined."""
+    if isinstance(message.content, str) or not parts_as_list:
+        return {"role": message.role, "content": message.text}
     parts = [{"type": "text", "text": part.text} for part in message.content]
     return {"role": message.role, "content": parts}

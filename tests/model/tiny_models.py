@@ -235,7 +235,9 @@ FAMILIES: dict[str, FamilySpec] = {
             sliding_window=32,  # on even layers: the default layer_types alternate
             attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0,
-            query_pre_attn_scalar=HIDDEN_SIZE // NUM_HEADS,  # 64, != head_dim (Gemma 2 27B's)
+            # = head_dim as in Gemma 2 2B/9B: GGUF keeps no query_pre_attn_scalar (llama.cpp
+            # derives it); tests/model/random_hf_models.py covers a scalar != head_dim.
+            query_pre_attn_scalar=HEAD_DIM,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         ),
         SPM_GEMMA_TOKENIZER,
@@ -250,7 +252,7 @@ FAMILIES: dict[str, FamilySpec] = {
             hidden_activation="gelu_pytorch_tanh",
             tie_word_embeddings=True,
             sliding_window=32,
-            query_pre_attn_scalar=HIDDEN_SIZE // NUM_HEADS,
+            query_pre_attn_scalar=HEAD_DIM,  # GGUF keeps no scalar: llama.cpp uses head_dim
             rope_parameters={
                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

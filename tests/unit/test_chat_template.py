@@ -83,6 +83,14 @@ def test_loop_controls_generation_tags_namespaces_and_dicts_work_as_in_transform
     assert ours == transformers_render(source, messages)
 
 
+def test_parts_reach_a_template_that_only_prints_content_joined() -> None:
+    parts = [ChatMessage("user", (TextPart("a"), TextPart("b")))]
+    assert render("{{ messages[0].content }}", parts) == "ab"
+    assert render("{% for p in messages[0]['content'] %}[{{ p.text }}]{% endfor %}", parts) == (
+        "[a][b]"
+    )
+
+
 def test_strftime_now_reads_the_given_clock() -> None:
     assert render("{{ strftime_now('%d %B %Y') }}") == "29 February 2024"
 
@@ -91,8 +99,9 @@ def test_the_variables_a_template_sees() -> None:
     source = (
         "{{ bos_token }}|{{ eos_token }}|{{ pad_token is defined }}|{{ tools is none }}|"
         "{{ documents is none }}|{{ add_generation_prompt }}|{{ enable_thinking }}|"
-        "{{ messages[0].content | tojson }}"
+        "{{ messages[0].content | tojson }}{% for part in messages[0].content %}{% endfor %}"
     )
+    # The template loops over the content, so the parts reach it as a list.
     parts = [ChatMessage("user", (TextPart("a"), TextPart("b")))]
     ours = render(source, parts, chat_template_kwargs={"enable_thinking": False})
     assert ours == '<s>|</s>|False|True|True|True|False|[{"type": "text", "text": "a"}, ' + (
@@ -127,7 +136,10 @@ def test_the_tool_use_template_renders_requests_with_tools() -> None:
 
 def test_a_template_refusal_or_failure_names_messages() -> None:
     assert refusal("{{ raise_exception('Roles must alternate') }}") == "Roles must alternate"
-    assert "TypeError" in refusal("{{ 'x' + messages[0].content }}", [ChatMessage("user", ())])
+    assert "TypeError" in refusal(
+        "{% for p in messages[0].content %}{{ 1 + p }}{% endfor %}",
+        [ChatMessage("user", (TextPart("a"),))],
+    )
     assert "UndefinedError" in refusal("{{ messages[0].name.first }}")
 
 

@@ -132,11 +132,28 @@ def render_ours(template: ChatTemplate, case: Case) -> str | InvalidRequestError
         return exc
 
 
-def render_theirs(source: str, case: Case) -> str | Exception:
-    """As `apply_chat_template(..., tokenize=False)` renders once it has picked the template."""
+def joined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Text parts joined into one string: what a template that only prints content gets."""
+    return [
+        {
+            **m,
+            "content": m["content"]
+            if isinstance(m["content"], str)
+            else "".join(part["text"] for part in m["content"]),
+        }
+        for m in messages
+    ]
+
+
+def render_theirs(source: str, case: Case, parts_as_list: bool = True) -> str | Exception:
+    """As `apply_chat_template(..., tokenize=False)` renders once it has picked the template,
+    given text parts as a list only when the template loops over them (as ours gives them)."""
+    conversation = CONVERSATIONS[case.conversation]
+    if not parts_as_list:
+        conversation = joined(conversation)
     try:
         rendered, _ = chat_template_utils.render_jinja_template(
-            conversations=[CONVERSATIONS[case.conversation]],
+            conversations=[conversation],
             tools=TOOLS if case.with_tools else None,
             chat_template=source,
             add_generation_prompt=case.add_generation_prompt,
@@ -183,7 +200,8 @@ def compare(path: Path) -> Outcome:
     template = our_template(source)
     outcome = Outcome(path.name)
     for case in cases_for(source):
-        ours, theirs = render_ours(template, case), render_theirs(source, case)
+        ours = render_ours(template, case)
+        theirs = render_theirs(source, case, template.reads_content_parts)
         if isinstance(ours, InvalidRequestError) and isinstance(theirs, Exception):
             assert ours.field == "messages"
             outcome.num_refused_by_both += 1
@@ -240,3 +258,20 @@ def test_a_template_refusal_names_messages(template_files: list[Path]) -> None:
     assert isinstance(refused, InvalidRequestError)
     assert refused.field == "messages"
     assert "System role not supported" in refused.message
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["meta-llama-Llama-3.1-8B-Instruct.jinja", "Qwen-Qwen2.5-7B-Instruct.jinja"],
+)
+def test_text_parts_reach_a_printing_template_joined(
+    template_files: list[Path], template: str
+) -> None:
+    """Templates that only print content get OpenAI's text parts as one string (vLLM's
+    'auto' content format), so clients that send parts are served, not refused or garbled."""
+    source = next(p for p in template_files if p.name == template).read_text(encoding="utf-8")
+    ours = our_template(source)
+    assert not ours.reads_content_parts
+    parts = ours.render(as_chat_messages([SYSTEM, USER_PARTS]))
+    text = ours.render(as_chat_messages(joined([SYSTEM, USER_PARTS])))
+    assert parts == text and "[{" not in parts
