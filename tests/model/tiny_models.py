@@ -14,6 +14,7 @@ loader that drops a bias or the Gemma "1 + w" shift changes the logits.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.model.tiny_tokenizers import BpeRecipe, SpmRecipe, TokenizerRecipe
+
+__all__ = ["FAMILIES", "BpeRecipe", "FamilySpec", "SpmRecipe", "build_tiny_model", "tiny_model_dir"]
 
 # Bump when a change here changes the built files: cached directories are keyed by it.
 TINY_MODELS_VERSION = 1
@@ -414,7 +417,9 @@ def build_tiny_model(family: str, directory: Path) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **spec.config,
+        # A copy: config classes edit rope_parameters in place, which would change the spec
+        # (and so its cache key) for the rest of the process.
+        **copy.deepcopy(spec.config),
     )
     torch.manual_seed(SEED)
     model = getattr(transformers, spec.model_class)(config).to(torch.float32).eval()

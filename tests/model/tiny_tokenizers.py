@@ -17,26 +17,15 @@ Two kinds, because the converter reads them two ways:
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import random
 import re
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 SPM_VOCAB_SIZE = 1000
-# The converter's test text (conversion/base.py, get_vocab_base_pre): its ids decide the name.
-CONVERTER_CHECK_TEXT = (
-    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis "
-    "concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 "
-    "កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български "
-    "''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you sure? 'M not "
-    "sure I'll make it, 'D you like some tea? We'Ve a'lL"
-)
-
 # Pre-tokenizer patterns, as in the families' own tokenizer.json files.
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -382,8 +371,3 @@ def save_bpe_tokenizer(
     config["add_bos_token"] = recipe.add_bos_token
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return max(backend.get_vocab(with_added_tokens=True).values()) + 1
-
-
-def check_text_hash(token_ids: Sequence[int]) -> str:
-    """The converter's fingerprint of a tokenizer: sha256 of the ids' Python list text."""
-    return hashlib.sha256(str(list(token_ids)).encode()).hexdigest()
