@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.model.gguf_header import TensorInfo, read_gguf_header
 from tests.model.tiny_models import tiny_model_dir
 
 CONVERTER_OUTTYPES = ("f32", "q8_0")
@@ -140,27 +141,14 @@ def quantize_gguf(src: Path, dst: Path, kind: str) -> QuantizeResult:
     return QuantizeResult(dst, log)
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    type_name: str  # GGML type: "Q4_K", "F32", ...
-    shape: tuple[int, ...]  # GGUF order: the row length first
-
-
 def read_tensors(path: Path) -> dict[str, TensorInfo]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    return {
-        tensor.name: TensorInfo(tensor.tensor_type.name, tuple(int(n) for n in tensor.shape))
-        for tensor in reader.tensors
-    }
+    """Tensor name -> type and shape, from the header."""
+    return read_gguf_header(path).tensors
 
 
 def read_metadata(path: Path, *keys: str) -> dict[str, object]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    return {key: reader.fields[key].contents() for key in keys if key in reader.fields}
+    metadata = read_gguf_header(path).metadata
+    return {key: metadata[key] for key in keys if key in metadata}
 
 
 def type_counts(path: Path) -> Counter[str]:

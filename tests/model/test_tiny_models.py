@@ -20,7 +20,8 @@ from tests.model.gguf_convert import (
     timed_quantize_binary,
     tiny_gguf,
 )
-from tests.model.tiny_models import FAMILIES, SpmRecipe, tiny_model_dir
+from tests.model.tiny_models import FAMILIES, tiny_model_dir
+from tests.model.tiny_tokenizers import BpeRecipe, SpmRecipe
 
 pytestmark = pytest.mark.slow
 
@@ -156,9 +157,9 @@ def test_converter_accepts(family: str, kind: str, model_dirs: dict[str, Path]) 
     spec = FAMILIES[family]
     metadata = read_metadata(path, "general.architecture", "tokenizer.ggml.pre")
     assert metadata["general.architecture"] == GGUF_ARCHITECTURES[family]
-    expected_pre = (
-        "default" if isinstance(spec.tokenizer, SpmRecipe) else spec.tokenizer.expected_pre
-    )
+    expected_pre = "default"  # SentencePiece
+    if isinstance(spec.tokenizer, BpeRecipe):
+        expected_pre = spec.tokenizer.expected_pre
     assert metadata["tokenizer.ggml.pre"] == expected_pre
     tensors = read_tensors(path)
     matrices = {name: info.type_name for name, info in tensors.items() if len(info.shape) > 1}
@@ -183,3 +184,10 @@ def test_quantized_types(
     assert set(matrices.values()) <= allowed, matrices
     assert required <= set(matrices.values()), matrices
     assert {info.type_name for info in tensors.values() if len(info.shape) == 1} == {"F32"}
+    if kind == "Q4_K_M":  # once per family (10 to 30 s on a large vocabulary): gguf's reader
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        assert {t.name: t.tensor_type.name for t in reader.tensors} == {
+            name: info.type_name for name, info in tensors.items()
+        }

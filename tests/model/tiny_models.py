@@ -25,8 +25,6 @@ from typing import Any
 
 from tests.model.tiny_tokenizers import BpeRecipe, SpmRecipe, TokenizerRecipe
 
-__all__ = ["FAMILIES", "BpeRecipe", "FamilySpec", "SpmRecipe", "build_tiny_model", "tiny_model_dir"]
-
 # Bump when a change here changes the built files: cached directories are keyed by it.
 TINY_MODELS_VERSION = 1
 SEED = 0
@@ -466,6 +464,10 @@ def tiny_model_dir(family: str, cache_root: Path | None = None) -> Path:
     directory = root / f"{family}-{spec_digest(family)}" / "hf"
     if (directory / "config.json").is_file():
         return directory
+    # Builds of an older spec of this family are stale: drop them (hundreds of MB each).
+    for stale in root.glob(f"{family}-*"):
+        if stale.name.rsplit("-", 1)[0] == family and stale != directory.parent:
+            shutil.rmtree(stale, ignore_errors=True)
     partial = directory.with_name("hf.partial")
     shutil.rmtree(partial, ignore_errors=True)
     build_tiny_model(family, partial)

@@ -21,9 +21,10 @@ import io
 import json
 import random
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.model.gguf_header import read_gguf_header
 
 SPM_VOCAB_SIZE = 1000
 # Pre-tokenizer patterns, as in the families' own tokenizer.json files.
@@ -225,58 +226,11 @@ class GgufVocab:
 
 
 def read_gguf_vocab(path: Path) -> GgufVocab:
-    """The tokenizer arrays of a vocabulary-only gguf. Read by hand: gguf.GGUFReader makes a
-    numpy view per string and takes minutes over 400k strings; this takes about a second."""
-    data = path.read_bytes()
-    magic, _version, _num_tensors, num_kv = struct.unpack_from("<4sIQQ", data, 0)
-    if magic != b"GGUF":
-        raise ValueError(f"{path} is not a gguf file")
-    offset = 24
-    scalar_sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-    string_type, array_type = 8, 9
-    wanted = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
-    found: dict[str, list[str] | list[int]] = {}
-
-    def read_string(at: int) -> tuple[str, int]:
-        (length,) = struct.unpack_from("<Q", data, at)
-        return data[at + 8 : at + 8 + length].decode("utf-8"), at + 8 + length
-
-    def skip_value(kind: int, at: int) -> int:
-        if kind == string_type:
-            return read_string(at)[1]
-        if kind == array_type:
-            item_kind, count = struct.unpack_from("<IQ", data, at)
-            at += 12
-            if item_kind in scalar_sizes:
-                return at + count * scalar_sizes[item_kind]
-            for _ in range(count):
-                at = skip_value(item_kind, at)
-            return at
-        return at + scalar_sizes[kind]
-
-    for _ in range(num_kv):
-        key, offset = read_string(offset)
-        (kind,) = struct.unpack_from("<I", data, offset)
-        offset += 4
-        if key not in wanted:
-            offset = skip_value(kind, offset)
-            continue
-        item_kind, count = struct.unpack_from("<IQ", data, offset)
-        offset += 12
-        if item_kind == string_type:
-            strings = []
-            for _ in range(count):
-                text, offset = read_string(offset)
-                strings.append(text)
-            found[key] = strings
-        else:  # token types: int32
-            found[key] = list(struct.unpack_from(f"<{count}i", data, offset))
-            offset += 4 * count
-    return GgufVocab(
-        tokens=list(map(str, found["tokenizer.ggml.tokens"])),
-        token_types=[int(kind) for kind in found["tokenizer.ggml.token_type"]],
-        merges=list(map(str, found["tokenizer.ggml.merges"])),
-    )
+    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+    metadata = read_gguf_header(path, array_keys=keys).metadata
+    tokens, token_types, merges = (metadata[key] for key in keys)
+    assert isinstance(tokens, list) and isinstance(token_types, list) and isinstance(merges, list)
+    return GgufVocab(tokens, token_types, merges)
 
 
 GGUF_TOKEN_CONTROL = 3
