@@ -28,6 +28,7 @@ from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.causal_lm import CausalLM
 from services.worker.model.families import hf_model_architecture, model_architecture
 from tests.model.gguf_convert import tiny_gguf
+from tests.model.test_hf_parity import our_last_logits
 from tests.model.tiny_models import FAMILIES, tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ QUANTIZED_KINDS = ("q8_0", "Q4_K_M", "Q6_K")
 # Q4_K_M (the format most published files use) for every family; the other formats on the
 # families whose switches differ most, unless LLMSERVE_FULL_GGUF_MATRIX=1 asks for all
 # (about a minute a case on two cores).
-WIDE_FAMILIES = ("llama", "qwen3", "gemma3", "phi4-mini")
+WIDE_FAMILIES = ("llama", "gemma3")
 
 
 def quantized_cases() -> list[tuple[str, str]]:
@@ -172,6 +173,12 @@ def test_quantized_gguf_greedy_ids_match_transformers(family: str, kind: str) ->
 
     engine = LLMEngine(ENGINE, loaded=LoadedModel.load(str(gguf), torch.float32))
     batch = prompts(dense.architecture.vocab_size)
+    # Random tiny models often repeat one token; the logits say more than the ids.
+    ours = our_last_logits(engine, batch[0])
+    with torch.inference_mode():
+        theirs = reference(torch.tensor([batch[0]])).logits[0, -1].float()
+    scale = max(1.0, theirs.abs().max().item())
+    assert (ours - theirs).abs().max().item() < 1e-4 * scale
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     for ids, result in zip(batch, engine.generate(batch, greedy), strict=True):
         with torch.inference_mode():
