@@ -175,9 +175,10 @@ def test_row_wise_ops_do_not_depend_on_the_batch() -> None:
         ),
         torch.cat([hidden, residual], dim=1),
     )
+    from services.worker.model.architecture import RopeConfig
     from services.worker.model.rope import cos_sin_cache
 
-    cache = cos_sin_cache(64, 2048, 10000.0, None)
+    cache = cos_sin_cache(RopeConfig(theta=10000.0), 64, 2048)
     # Each row carries its own position (column 0 of the last head), so a slice of rows is
     # rotated with its own positions.
     q = torch.randn(40, 9, 64, generator=g).to(torch.bfloat16)

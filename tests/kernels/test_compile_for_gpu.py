@@ -41,7 +41,7 @@ def test_all_kernels_compile_for_sm90() -> None:
         "_write_kv_cache_kernel",
         "_rms_norm_kernel",
         "_rotary_kernel",
-        "_silu_and_mul_kernel",
+        "_gated_activation_kernel",
         "_quantize_rows_kernel",
         "_int8_gemm_kernel",
         "_prefill_kernel",
