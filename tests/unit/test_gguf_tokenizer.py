@@ -95,6 +95,7 @@ def sentencepiece_tokenizer(**changes: object) -> ModelTokenizer:
         bos_token_id=built.bos_token_id,
         eos_token_ids=built.eos_token_ids,
         add_bos_token=built.add_bos_token,
+        special_tokens={},
     )
 
 
