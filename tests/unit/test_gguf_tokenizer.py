@@ -14,6 +14,7 @@ from tokenizers import Regex, normalizers, pre_tokenizers
 
 from services.common.errors import ModelLoadError
 from services.common.gguf_metadata import field_value, open_gguf, read_metadata
+from services.common.gguf_pretokenizers import oniguruma_pattern
 from services.common.gguf_tokenizer import (
     BYTE,
     CONTROL,
@@ -24,7 +25,6 @@ from services.common.gguf_tokenizer import (
     GgufVocab,
     build_gguf_tokenizer,
     normalizer_shrink_factor,
-    oniguruma_pattern,
 )
 from services.common.model_source import embedded_model_path
 from services.common.model_tokenizer import ModelTokenizer

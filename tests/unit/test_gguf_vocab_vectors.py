@@ -30,11 +30,11 @@ from services.bench.llamacpp_build import (
 )
 from services.common.errors import ModelLoadError
 from services.common.gguf_metadata import read_metadata
+from services.common.gguf_pretokenizers import PRE_TOKENIZERS_BY_NAME
 from services.common.gguf_tokenizer import (
     BYTE,
     CONTROL,
     NORMAL,
-    PRE_TOKENIZERS_BY_NAME,
     REFUSED_MODELS,
     SPACE_MARK,
     UNKNOWN,

@@ -41,6 +41,7 @@ PURE_MODULES = (
     # a GGUF file's tokenizer, as llama.cpp builds it
     "services/common/gguf_metadata.py",
     "services/common/gguf_tokenizer.py",
+    "services/common/gguf_pretokenizers.py",
     # the shapes shared between services
     "services/contracts",
 )
