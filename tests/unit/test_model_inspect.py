@@ -25,8 +25,8 @@ from services.model_inspect import (
     STORED_BLOCKS,
     ModelReport,
     describe_model,
-    window_pattern,
 )
+from services.worker.model.architecture_switches import window_pattern
 
 gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,6 +26,7 @@ PURE_MODULES = (
     # the model registry: architectures and what each family reads from its files
     "services/worker/model/architecture.py",
     "services/worker/model/families",
+    "services/worker/model/architecture_switches.py",
     # the worker's draft proposer (prompt lookup)
     "services/worker/ngram_proposer.py",
     # the tokenizer tier's logic
