@@ -217,6 +217,20 @@ def gguf_swa_windows(meta: GGUFMetadata, num_layers: int, default_pattern: int) 
     return tuple(window if flag else 0 for flag in flags)
 
 
+def gguf_windowed_reader(
+    family: str, default_pattern: int = 1, **switches: Any
+) -> Callable[[GGUFMetadata], ModelArchitecture]:
+    """A family's GGUF reader: the common fields, the file's per-layer windows (llama.cpp's
+    period `default_pattern` when the file gives none) and the family's fixed switches."""
+
+    def read(meta: GGUFMetadata) -> ModelArchitecture:
+        num_layers = int(meta.require("block_count"))
+        windows = gguf_swa_windows(meta, num_layers, default_pattern)
+        return gguf_architecture(family, meta, layer_sliding_windows=windows, **switches)
+
+    return read
+
+
 def gguf_architecture(family: str, meta: GGUFMetadata, **switches: Any) -> ModelArchitecture:
     num_heads = int(meta.require("attention.head_count"))
     hidden = int(meta.require("embedding_length"))

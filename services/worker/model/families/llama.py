@@ -11,7 +11,7 @@ from services.worker.model.families.base import (
     GGUFMetadata,
     ModelFamily,
     gguf_architecture,
-    gguf_swa_windows,
+    gguf_windowed_reader,
     hf_architecture,
 )
 
@@ -29,19 +29,12 @@ def _llama_hf(config: dict[str, Any]) -> ModelArchitecture:
     )
 
 
-def _llama_gguf(meta: GGUFMetadata) -> ModelArchitecture:
-    num_layers = int(meta.require("block_count"))
-    return gguf_architecture(
-        "llama", meta, layer_sliding_windows=gguf_swa_windows(meta, num_layers, 1)
-    )
-
-
 LLAMA = ModelFamily(
     name="llama",
     hf_model_types=("llama",),
     gguf_architectures=("llama",),
     read_hf=_llama_hf,
-    read_gguf=_llama_gguf,
+    read_gguf=gguf_windowed_reader("llama"),
     gguf_permuted_qk=True,
 )
 
@@ -50,19 +43,12 @@ def _mistral_hf(config: dict[str, Any]) -> ModelArchitecture:
     return hf_architecture("mistral", config, layer_sliding_windows=_all_layers(config))
 
 
-def _mistral_gguf(meta: GGUFMetadata) -> ModelArchitecture:
-    num_layers = int(meta.require("block_count"))
-    return gguf_architecture(
-        "mistral", meta, layer_sliding_windows=gguf_swa_windows(meta, num_layers, 1)
-    )
-
-
 MISTRAL = ModelFamily(
     name="mistral",
     hf_model_types=("mistral",),
     gguf_architectures=("mistral",),
     read_hf=_mistral_hf,
-    read_gguf=_mistral_gguf,
+    read_gguf=gguf_windowed_reader("mistral"),
     gguf_permuted_qk=True,
 )
 

@@ -7,10 +7,8 @@ from typing import Any
 
 from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.families.base import (
-    GGUFMetadata,
     ModelFamily,
-    gguf_architecture,
-    gguf_swa_windows,
+    gguf_windowed_reader,
     hf_architecture,
     hf_layer_windows,
 )
@@ -45,21 +43,12 @@ def _qwen3_hf(config: dict[str, Any]) -> ModelArchitecture:
     )
 
 
-def _gguf(family: str, **switches: Any) -> Any:
-    def read(meta: GGUFMetadata) -> ModelArchitecture:
-        num_layers = int(meta.require("block_count"))
-        windows = gguf_swa_windows(meta, num_layers, 1)
-        return gguf_architecture(family, meta, layer_sliding_windows=windows, **switches)
-
-    return read
-
-
 QWEN2 = ModelFamily(
     name="qwen2",
     hf_model_types=("qwen2",),
     gguf_architectures=("qwen2",),
     read_hf=_qwen2_hf,
-    read_gguf=_gguf("qwen2"),
+    read_gguf=gguf_windowed_reader("qwen2"),
 )
 
 QWEN3 = ModelFamily(
@@ -67,5 +56,5 @@ QWEN3 = ModelFamily(
     hf_model_types=("qwen3",),
     gguf_architectures=("qwen3",),
     read_hf=_qwen3_hf,
-    read_gguf=_gguf("qwen3", qk_norm="per_head"),
+    read_gguf=gguf_windowed_reader("qwen3", qk_norm="per_head"),
 )
