@@ -140,7 +140,7 @@ def engine_config(loaded: LoadedModel, cell: Cell, args: argparse.Namespace) -> 
     if args.kv_cache_gib is not None:
         kv_cache_bytes = int(args.kv_cache_gib * GiB)
     else:
-        spec = KVCacheSpec.for_model(loaded.model.config, BLOCK_SIZE, loaded.dtype)
+        spec = KVCacheSpec.for_model(loaded.model.architecture, BLOCK_SIZE, loaded.dtype)
         blocks_per_seq = -(-(cell.input_len + cell.output_len) // BLOCK_SIZE)
         num_blocks = int(cell.batch_size * blocks_per_seq * 1.02) + 2
         kv_cache_bytes = num_blocks * spec.bytes_per_block

@@ -121,7 +121,7 @@ def teacher_forced_log_probs(
     """
     model = loaded.model
     spec = KVCacheSpec.for_model(
-        model.config,
+        model.architecture,
         BLOCK_SIZE,
         kv_cache_torch_dtype(kv_cache_dtype, loaded.dtype),
         kv_group_size,

@@ -117,7 +117,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 def kv_spec(fmt: Format, loaded: LoadedModel) -> KVCacheSpec:
     return KVCacheSpec.for_model(
-        loaded.model.config,
+        loaded.model.architecture,
         BLOCK_SIZE,
         kv_cache_torch_dtype(fmt.kv_cache_dtype, loaded.dtype),
         fmt.kv_cache_group_size,
