@@ -1,6 +1,10 @@
-"""GGUF's Q4_0 / Q4_1 / Q8_0 blocks in torch: decoded to float exactly as the file defines
-them, and the linear layer and embedding on top (dequantize, then one matmul). This is the
-path when the C++ kernels (kernels/csrc/gguf_gemm.cpp) cannot build, and their test oracle.
+"""GGUF's quantized blocks in torch: decoded to float exactly as the file defines them, and
+the linear layer and embedding on top (dequantize, then one matmul). This is the path when
+the C++ kernels (kernels/csrc/gguf_gemm.cpp) cannot build, and their test oracle.
+
+Q4_0 / Q4_1 / Q8_0 are decoded here; every other kind the kernels read (Q5_0, Q5_1, the
+K-quants Q2_K..Q6_K, IQ4_NL, IQ4_XS: kernels/csrc/gguf_formats.h draws their layouts) by the
+gguf package's numpy decoders, which are llama.cpp's reference arithmetic.
 
     kind (ggml id)  bytes  one block = 32 values along K             value j
     Q4_0 (2)        18     d fp16 | 16 B of nibbles                  d * (q_j - 8)
@@ -26,23 +30,56 @@ from torch import Tensor
 GGUF_Q4_0 = 2
 GGUF_Q4_1 = 3
 GGUF_Q8_0 = 8
-GGUF_KINDS = {"Q4_0": GGUF_Q4_0, "Q4_1": GGUF_Q4_1, "Q8_0": GGUF_Q8_0}
 BLOCK_VALUES = 32
 BLOCK_BYTES = {GGUF_Q4_0: 18, GGUF_Q4_1: 20, GGUF_Q8_0: 34}
+GROUP_SHAPES = {
+    # ggml id: (values, bytes) of one block (or K-quant super-block)
+    GGUF_Q4_0: (32, 18),
+    GGUF_Q4_1: (32, 20),
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    GGUF_Q8_0: (32, 34),
+    10: (256, 84),  # Q2_K
+    11: (256, 110),  # Q3_K
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+    20: (32, 18),  # IQ4_NL
+    23: (256, 136),  # IQ4_XS
+}
+GGUF_KINDS = {
+    "Q4_0": GGUF_Q4_0,
+    "Q4_1": GGUF_Q4_1,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": GGUF_Q8_0,
+    "Q2_K": 10,
+    "Q3_K": 11,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+    "IQ4_NL": 20,
+    "IQ4_XS": 23,
+}
+"""The tensor kinds the kernels compute on as stored, by their GGUF (ggml) names."""
+KIND_NAMES = {kind: name for name, kind in GGUF_KINDS.items()}
 ACTIVATION_LEVELS = 127.0
 HALF_PANEL_MIN_ROWS = 16
 """kHalfPanelMinRows of kernels/csrc/gguf_gemm.cpp (the tests hold the two equal)."""
 
 
-def block_bytes(kind: int) -> int:
-    if kind not in BLOCK_BYTES:
-        raise ValueError(f"GGUF block kind {kind} is not one of Q4_0 (2), Q4_1 (3), Q8_0 (8)")
-    return BLOCK_BYTES[kind]
+def group_shape(kind: int) -> tuple[int, int]:
+    """(values, bytes) of one block of `kind`."""
+    if kind not in GROUP_SHAPES:
+        known = ", ".join(f"{name} ({k})" for name, k in GGUF_KINDS.items())
+        raise ValueError(f"GGUF block kind {kind} is not one of {known}")
+    return GROUP_SHAPES[kind]
 
 
 def in_features(blocks: Tensor, kind: int) -> int:
-    """K of a weight stored as `blocks` [N, K / 32 * bytes]."""
-    return blocks.shape[-1] // block_bytes(kind) * BLOCK_VALUES
+    """K of a weight stored as `blocks` [N, K / values * bytes]."""
+    values, size = group_shape(kind)
+    return blocks.shape[-1] // size * values
 
 
 def _fp16_field(blocks: Tensor, offset: int) -> Tensor:
@@ -51,11 +88,16 @@ def _fp16_field(blocks: Tensor, offset: int) -> Tensor:
 
 
 def dequantize_blocks(blocks: Tensor, kind: int) -> Tensor:
-    """blocks uint8 [N, K / 32 * bytes] -> fp32 [N, K], the values the file defines."""
+    """blocks uint8 [N, K / values * bytes] -> fp32 [N, K], the values the file defines."""
     n = blocks.shape[0]
-    size = block_bytes(kind)
+    values, size = group_shape(kind)
     if blocks.dtype != torch.uint8 or blocks.shape[-1] % size:
-        raise ValueError(f"blocks must be uint8 [N, K / 32 * {size}], got {blocks.dtype}")
+        raise ValueError(f"blocks must be uint8 [N, K / {values} * {size}], got {blocks.dtype}")
+    if kind not in BLOCK_BYTES:
+        from gguf import GGMLQuantizationType, quants
+
+        decoded = quants.dequantize(blocks.cpu().numpy(), GGMLQuantizationType(kind))
+        return torch.from_numpy(decoded).to(blocks.device)
     grouped = blocks.view(n, -1, size)
     d = _fp16_field(grouped, 0)
     if kind == GGUF_Q8_0:

@@ -245,12 +245,12 @@ def nf4_gemm(x: Tensor, packed: Tensor, absmax: Tensor) -> Tensor:
     return quant_weight_only_torch.nf4_gemm(x, packed, absmax)
 
 
-# GGUF Q4_0 / Q4_1 / Q8_0 weights kept as the file's blocks: the C++ kernels on CPU
+# GGUF weights kept as the file's blocks: the C++ kernels on CPU
 # (kernels/csrc/gguf_gemm.cpp), dequantize + matmul elsewhere. Imported here, below the
 # functions above, so this section stays self-contained.
 from kernels import batch_invariant_torch, gguf_blocks_torch  # noqa: E402
 
-__all__ += ["gguf_embedding", "gguf_linear"]
+__all__ += ["gguf_embedding", "gguf_linear", "gguf_linear_parts"]
 
 
 def gguf_linear(
@@ -260,10 +260,10 @@ def gguf_linear(
     int8_activations: bool = False,
     batch_invariant: bool = False,
 ) -> Tensor:
-    """x [M, K] @ W^T, W = GGUF blocks uint8 [N, K / 32 * bytes] of ggml kind 2 (Q4_0),
-    3 (Q4_1) or 8 (Q8_0) -> [M, N] in x.dtype. fp32: exact weights, fp32 sums. bf16/fp16 on
-    CPU, or any dtype with `int8_activations`: activations rounded to int8 per 32 values,
-    integer block dot products.
+    """x [M, K] @ W^T, W = GGUF blocks uint8 [N, K / values * bytes] of a ggml kind in
+    gguf_blocks_torch.GGUF_KINDS -> [M, N] in x.dtype. fp32: exact weights, fp32 sums.
+    bf16/fp16 on CPU, or any dtype with `int8_activations`: activations rounded to int8 per
+    32 values, integer block dot products.
 
     batch_invariant: one arithmetic path at every M, so each output row depends only on its
     own input row (the fast path otherwise switches to fp32 panels from 16 rows on)."""
@@ -272,7 +272,7 @@ def gguf_linear(
             x.contiguous(), blocks, kind, int8_activations, batch_invariant
         )
     if int8_activations and (
-        kind == gguf_blocks_torch.GGUF_Q8_0
+        kind not in (gguf_blocks_torch.GGUF_Q4_0, gguf_blocks_torch.GGUF_Q4_1)
         or batch_invariant
         or x.shape[0] < gguf_blocks_torch.HALF_PANEL_MIN_ROWS
     ):
@@ -283,6 +283,27 @@ def gguf_linear(
             lambda tile: gguf_blocks_torch.gguf_linear(tile, blocks, kind), x
         )
     return gguf_blocks_torch.gguf_linear(x, blocks, kind)
+
+
+def gguf_linear_parts(
+    x: Tensor,
+    parts: list[Tensor],
+    kinds: list[int],
+    int8_activations: bool = False,
+    batch_invariant: bool = False,
+) -> Tensor:
+    """`gguf_linear` of each part, side by side -> [M, sum of the parts' N]: a fused layer
+    whose parts the file stores in different kinds (q|k|v of a Q4_K_M file, say). The C++ op
+    rounds the activations once for all parts."""
+    if use_cpu_extension(x):
+        return torch.ops.llmserve.gguf_linear_parts(  # type: ignore[no-any-return]
+            x.contiguous(), parts, kinds, int8_activations, batch_invariant
+        )
+    outputs = [
+        gguf_linear(x, part, kind, int8_activations, batch_invariant)
+        for part, kind in zip(parts, kinds, strict=True)
+    ]
+    return torch.cat(outputs, dim=-1)
 
 
 def gguf_embedding(token_ids: Tensor, blocks: Tensor, kind: int, dtype: torch.dtype) -> Tensor:

@@ -36,7 +36,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 # What the worker does with a tensor at load (--quantization auto).
 STORED_BLOCKS = "stored blocks"
-INT4_CODES = "int4 codes"
 INT8_ROWS = "int8 per row"
 DEQUANTIZED = "dequantized to the model dtype"
 MODEL_DTYPE = "model dtype"
@@ -44,7 +43,20 @@ SHARED_WITH_EMBEDDING = "shared with the embedding"
 ROPE_SETTINGS = "read as rope settings"
 NOT_LOADED = "not loaded"
 
-GGUF_NATIVE_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+GGUF_NATIVE_KINDS = (
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+)
 """Block kinds the GGUF kernels compute on as stored (kernels/gguf_blocks_torch.GGUF_KINDS)."""
 FLOAT_KINDS = ("F32", "F16", "BF16", "F64")
 _LINEAR_WEIGHTS = (
@@ -53,7 +65,6 @@ _LINEAR_WEIGHTS = (
     "mlp.gate_up_proj.weight",
     "mlp.down_proj.weight",
 )
-_BLOCK_VALUES = 32
 
 
 class UnreadableModelError(LLMServeError):
@@ -214,8 +225,8 @@ def _describe_gguf(path: Path) -> ModelReport:
 
 
 def _gguf_at_load(tensors: Sequence[_Tensor], placed: dict[str, PartName | None]) -> dict[str, str]:
-    """As gguf_direct.load_gguf_quantized decides: a linear layer whose parts are all of one
-    native kind keeps its blocks; Q4_0 mixed with Q4_1 becomes int4 codes; a native embedding
+    """As gguf_direct.load_gguf_quantized decides: a linear layer whose parts are all of native
+    kinds (mixed or not) keeps its blocks; a native embedding
     keeps its blocks (a tied head shares them, an untied head keeps its own when native, else
     int8 rows); a non-native embedding and the head both become int8 rows; the rest is
     dequantized to the model dtype by the float loader."""
@@ -231,9 +242,7 @@ def _gguf_at_load(tensors: Sequence[_Tensor], placed: dict[str, PartName | None]
         found = kinds[parameter]
         if len(found) != num_parts[parameter] or not set(found.values()) <= {*GGUF_NATIVE_KINDS}:
             return None
-        if len(set(found.values())) == 1:
-            return STORED_BLOCKS
-        return INT4_CODES if set(found.values()) <= {"Q4_0", "Q4_1"} else None
+        return STORED_BLOCKS
 
     embedding_native = kinds.get("embed_tokens.weight", {}).get(0) in GGUF_NATIVE_KINDS
     at_load: dict[str, str] = {}
@@ -457,11 +466,6 @@ def _tensor_memory(tensor: _Tensor, at_load: str, dtype_bytes: int) -> int:
     values = tensor.num_parameters
     if at_load == STORED_BLOCKS:
         return tensor.file_bytes
-    if at_load == INT4_CODES:
-        # fp32 keeps one byte per code, other dtypes two codes per byte; scale and zero per
-        # group of 32 in the model dtype.
-        codes = values if dtype_bytes == 4 else values // 2
-        return codes + values // _BLOCK_VALUES * 2 * dtype_bytes
     if at_load == INT8_ROWS:
         return values + tensor.num_rows * dtype_bytes
     if at_load in (SHARED_WITH_EMBEDDING, ROPE_SETTINGS, NOT_LOADED):

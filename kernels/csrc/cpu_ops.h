@@ -11,6 +11,10 @@
 // for every M), so a sequence's result does not depend on what it is batched with.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                        bool int8_activations, bool batch_invariant = false);
+// The parts' outputs side by side: [M, sum of their N] (a fused layer whose parts the file
+// stores in different kinds).
+at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kinds,
+                             bool int8_activations, bool batch_invariant = false);
 
 // paged_decode_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,

@@ -46,6 +46,8 @@
 #include <string>
 #include <vector>
 
+#include "gguf_formats.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(LLMSERVE_GGUF_SCALAR)
 #define GGUF_AVX2 1
 #include <immintrin.h>
@@ -101,24 +103,13 @@ struct Layout<kQ8_0> {
   static constexpr int64_t bytes = 34, codes = 2;
 };
 
-int64_t block_bytes(int64_t kind) {
-  switch (kind) {
-    case kQ4_0: return Layout<kQ4_0>::bytes;
-    case kQ4_1: return Layout<kQ4_1>::bytes;
-    case kQ8_0: return Layout<kQ8_0>::bytes;
-    default: TORCH_CHECK(false, "gguf kind must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", kind);
-  }
+// The kinds with kernels of their own below (one scale per 32 values, offset folded per
+// block); every other kind goes through gguf_formats.h's chunks.
+constexpr bool is_block_kind(int64_t kind) {
+  return kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0;
 }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-#ifdef GGUF_AVX2
-  return _cvtsh_ss(bits);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
-}
+using gguf::half_at;
 
 // w_j = d * q_j + o for the block at `block`.
 template <int64_t KIND>
@@ -187,6 +178,9 @@ struct Activations {
   // [rows, K / 32, 2]: (s, f * s * sum_j c_j), f = 1 (Q4_1), -8 (Q4_0), 0 (Q8_0): one 8-byte
   // load gives a block's two activation factors to the small-M kernel.
   std::vector<float> pair;
+  // [rows, K / 32, 8]: s * (the sum of codes 4i .. 4i + 3), the lanes of a 32-byte integer dot;
+  // a chunk format's offsets (one per 16 values) multiply them.
+  std::vector<float> sum4;
 };
 
 template <typename scalar_t>
@@ -199,6 +193,7 @@ Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, flo
   a.scale.resize(rows * a.num_blocks);
   a.sum.resize(rows * a.num_blocks);
   a.pair.resize(rows * a.num_blocks * 2);
+  a.sum4.resize(rows * a.num_blocks * 8);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(k);
     for (int64_t m = begin; m < end; ++m) {
@@ -212,10 +207,16 @@ Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, flo
         const float inverse = s != 0.f ? 1.f / s : 0.f;
         int8_t* c = a.codes.data() + m * k + b * kBlock;
         int32_t total = 0;
-        for (int j = 0; j < kBlock; ++j) {
-          const int32_t code = static_cast<int32_t>(std::nearbyint(v[j] * inverse));
-          c[j] = static_cast<int8_t>(code);
-          total += code;
+        float* quads = a.sum4.data() + (m * a.num_blocks + b) * 8;
+        for (int i = 0; i < 8; ++i) {
+          int32_t quad = 0;
+          for (int j = 4 * i; j < 4 * i + 4; ++j) {
+            const int32_t code = static_cast<int32_t>(std::nearbyint(v[j] * inverse));
+            c[j] = static_cast<int8_t>(code);
+            quad += code;
+          }
+          quads[i] = s * static_cast<float>(quad);
+          total += quad;
         }
         a.scale[m * a.num_blocks + b] = s;
         a.sum[m * a.num_blocks + b] = s * static_cast<float>(total);
@@ -535,52 +536,171 @@ constexpr int rows_per_tile(int mr) { return mr <= 2 ? 4 : 2; }
 // Weight rows [n0, n1) against activation rows [m0, m0 + MR): out is [M, N] fp32.
 template <int64_t KIND, int MR>
 void exact_rows(const float* x, int64_t m0, int64_t k, const uint8_t* w, int64_t row_bytes,
-                int64_t n0, int64_t n1, float* out, int64_t n_total) {
+                int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const float* xt = x + m0 * k;
-  float* ot = out + m0 * n_total;
+  float* ot = out + m0 * ldo;
   int64_t n = n0;
 #ifdef GGUF_AVX2
   constexpr int NR = rows_per_tile(MR);
   for (; n + NR <= n1; n += NR) {
-    exact_tile_avx2<KIND, MR, NR>(xt, k, w + n * row_bytes, row_bytes, ot + n, n_total);
+    exact_tile_avx2<KIND, MR, NR>(xt, k, w + n * row_bytes, row_bytes, ot + n, ldo);
   }
   for (; n < n1; ++n) {
-    exact_tile_avx2<KIND, MR, 1>(xt, k, w + n * row_bytes, row_bytes, ot + n, n_total);
+    exact_tile_avx2<KIND, MR, 1>(xt, k, w + n * row_bytes, row_bytes, ot + n, ldo);
   }
 #else
-  for (; n < n1; ++n) exact_row_scalar<KIND>(xt, MR, k, w + n * row_bytes, ot + n, n_total);
+  for (; n < n1; ++n) exact_row_scalar<KIND>(xt, MR, k, w + n * row_bytes, ot + n, ldo);
 #endif
 }
 
 template <int64_t KIND, int MR>
 void fast_rows(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
-               int64_t n0, int64_t n1, float* out, int64_t n_total, float* scratch) {
-  float* ot = out + m0 * n_total;
+               int64_t n0, int64_t n1, float* out, int64_t ldo, float* scratch) {
+  float* ot = out + m0 * ldo;
   int64_t n = n0;
 #ifdef GGUF_AVX2
   if constexpr (MR <= 2) {
     // Registers: MR x NR ymm sums and as many xmm offsets, NR unpacked blocks.
     constexpr int NR = MR == 1 ? 4 : 2;
     for (; n + NR <= n1; n += NR) {
-      fast_tile_small_avx2<KIND, MR, NR>(a, m0, w + n * row_bytes, row_bytes, ot + n, n_total);
+      fast_tile_small_avx2<KIND, MR, NR>(a, m0, w + n * row_bytes, row_bytes, ot + n, ldo);
     }
     for (; n < n1; ++n) {
-      fast_tile_small_avx2<KIND, MR, 1>(a, m0, w + n * row_bytes, row_bytes, ot + n, n_total);
+      fast_tile_small_avx2<KIND, MR, 1>(a, m0, w + n * row_bytes, row_bytes, ot + n, ldo);
     }
   } else {
     constexpr int NR = rows_per_tile(MR);
     for (; n + NR <= n1; n += NR) {
-      fast_tile_avx2<KIND, MR, NR>(a, m0, w + n * row_bytes, row_bytes, ot + n, n_total,
-                                   scratch);
+      fast_tile_avx2<KIND, MR, NR>(a, m0, w + n * row_bytes, row_bytes, ot + n, ldo, scratch);
     }
     for (; n < n1; ++n) {
-      fast_tile_avx2<KIND, MR, 1>(a, m0, w + n * row_bytes, row_bytes, ot + n, n_total,
-                                  scratch);
+      fast_tile_avx2<KIND, MR, 1>(a, m0, w + n * row_bytes, row_bytes, ot + n, ldo, scratch);
     }
   }
 #else
   (void)scratch;
-  for (; n < n1; ++n) fast_row_scalar<KIND>(a, m0, MR, w + n * row_bytes, ot + n, n_total);
+  for (; n < n1; ++n) fast_row_scalar<KIND>(a, m0, MR, w + n * row_bytes, ot + n, ldo);
+#endif
+}
+
+// ---- chunk formats (gguf_formats.h: Q5_0, Q5_1, K-quants, IQ4) ------------------------
+// Each 32-value chunk of a weight row is 32 byte codes with a factor and an offset per 16
+// values; against a row's int8 activation chunk (codes c, scale s):
+//     sum_j w_j x_j ~= s (f_lo dot_lo + f_hi dot_hi) + (o_lo s sum_lo c + o_hi s sum_hi c)
+// One integer dot gives 8 int32 lanes of 4 products each, lanes 0-3 the first 16 values, so
+// the factors and offsets enter as lane vectors and the offsets meet Activations::sum4.
+
+template <int64_t KIND>
+void chunk_row_scalar(const Activations& a, int64_t m0, int mr, const uint8_t* w_row,
+                      float* out, int64_t ldo) {
+  using F = gguf::Format<KIND>;
+  constexpr int kChunks = F::kValues / kBlock;
+  const int64_t k = a.in_features, nb = a.num_blocks;
+  float acc[kTileM] = {};
+  int32_t q[kBlock];
+  for (int64_t g = 0; g < k / F::kValues; ++g) {
+    const uint8_t* group = w_row + g * F::kBytes;
+    gguf::GroupScales sc;
+    F::scales(group, sc);
+    for (int c = 0; c < kChunks; ++c) {
+      F::codes(group, c, q);
+      const int64_t chunk = g * kChunks + c;
+      for (int m = 0; m < mr; ++m) {
+        const int8_t* codes = a.codes.data() + (m0 + m) * k + chunk * kBlock;
+        const float s = a.scale[(m0 + m) * nb + chunk];
+        for (int h = 0; h < 2; ++h) {
+          int32_t dot = 0, sum = 0;
+          for (int j = 16 * h; j < 16 * h + 16; ++j) {
+            dot += q[j] * static_cast<int32_t>(codes[j]);
+            sum += codes[j];
+          }
+          const int i = gguf::scale_index<KIND>(c, h);
+          acc[m] += sc.factor[i] * s * static_cast<float>(dot) +
+                    sc.offset[i] * s * static_cast<float>(sum);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < mr; ++m) out[m * ldo] = acc[m];
+}
+
+#ifdef GGUF_AVX2
+// Lanes 0-3 the value for the chunk's first 16 values, 4-7 for its second 16.
+template <int64_t KIND>
+inline __m256 halves(const float* values, int c) {
+  if constexpr (gguf::Format<KIND>::kPerHalf) {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(values[2 * c])),
+                                _mm_set1_ps(values[2 * c + 1]), 1);
+  } else {
+    return _mm256_set1_ps(values[gguf::scale_index<KIND>(c, 0)]);
+  }
+}
+
+// 8 int32 lanes, lane i the sum of q_j c_j over j in [4i, 4i + 4).
+template <bool SIGNED>
+inline __m256i chunk_dot(__m256i q, __m256i c) {
+  const __m256i u = SIGNED ? _mm256_abs_epi8(q) : q;
+  const __m256i signed_c = SIGNED ? _mm256_sign_epi8(c, q) : c;
+#ifdef GGUF_VNNI
+  return GGUF_DPBUSD(_mm256_setzero_si256(), u, signed_c);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, signed_c), _mm256_set1_epi16(1));
+#endif
+}
+
+template <int64_t KIND, int MR, int NR>
+void chunk_tile_avx2(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
+                     float* out, int64_t ldo) {
+  using F = gguf::Format<KIND>;
+  constexpr int kChunks = F::kValues / kBlock;
+  const int64_t k = a.in_features, nb = a.num_blocks;
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / F::kValues; ++g) {
+    gguf::GroupScales sc[NR];
+    for (int r = 0; r < NR; ++r) F::scales(w + r * row_bytes + g * F::kBytes, sc[r]);
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = g * kChunks + c;
+      __m256i q[NR];
+      __m256 factor[NR], offset[NR];
+      for (int r = 0; r < NR; ++r) {
+        q[r] = F::codes_avx2(w + r * row_bytes + g * F::kBytes, c);
+        factor[r] = halves<KIND>(sc[r].factor, c);
+        if constexpr (!F::kSigned) offset[r] = halves<KIND>(sc[r].offset, c);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256i codes = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(a.codes.data() + (m0 + m) * k + chunk * kBlock));
+        const __m256 s = _mm256_broadcast_ss(a.scale.data() + (m0 + m) * nb + chunk);
+        __m256 sums = _mm256_setzero_ps();
+        if constexpr (!F::kSigned) sums = _mm256_loadu_ps(a.sum4.data() + ((m0 + m) * nb + chunk) * 8);
+        for (int r = 0; r < NR; ++r) {
+          const __m256 dot = _mm256_cvtepi32_ps(chunk_dot<F::kSigned>(q[r], codes));
+          acc[m][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(factor[r], s), acc[m][r]);
+          if constexpr (!F::kSigned) acc[m][r] = _mm256_fmadd_ps(offset[r], sums, acc[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out[m * ldo + r] = hsum(acc[m][r]);
+}
+#endif  // GGUF_AVX2
+
+template <int64_t KIND, int MR>
+void chunk_rows(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
+                int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  float* ot = out + m0 * ldo;
+  int64_t n = n0;
+#ifdef GGUF_AVX2
+  constexpr int NR = MR <= 2 ? 4 : 2;
+  for (; n + NR <= n1; n += NR) {
+    chunk_tile_avx2<KIND, MR, NR>(a, m0, w + n * row_bytes, row_bytes, ot + n, ldo);
+  }
+  for (; n < n1; ++n) chunk_tile_avx2<KIND, MR, 1>(a, m0, w + n * row_bytes, row_bytes, ot + n, ldo);
+#else
+  for (; n < n1; ++n) chunk_row_scalar<KIND>(a, m0, MR, w + n * row_bytes, ot + n, ldo);
 #endif
 }
 
@@ -601,20 +721,20 @@ void over_tiles(int64_t m_total, int64_t n_total, const Tile& tile) {
 // Rows [n0, n1) of an fp32 panel (row r at panel + (r - n0) * k) against every activation row.
 template <int MR>
 void panel_rows(const float* x, int64_t m0, int64_t k, const float* panel, int64_t n0,
-                int64_t n1, float* out, int64_t n_total) {
+                int64_t n1, float* out, int64_t ldo) {
   const float* xt = x + m0 * k;
-  float* ot = out + m0 * n_total;
+  float* ot = out + m0 * ldo;
   int64_t n = n0;
 #ifdef GGUF_AVX2
-  for (; n + 2 <= n1; n += 2) panel_tile_avx2<MR, 2>(xt, k, panel + (n - n0) * k, ot + n, n_total);
-  for (; n < n1; ++n) panel_tile_avx2<MR, 1>(xt, k, panel + (n - n0) * k, ot + n, n_total);
+  for (; n + 2 <= n1; n += 2) panel_tile_avx2<MR, 2>(xt, k, panel + (n - n0) * k, ot + n, ldo);
+  for (; n < n1; ++n) panel_tile_avx2<MR, 1>(xt, k, panel + (n - n0) * k, ot + n, ldo);
 #else
   for (; n < n1; ++n) {
     const float* wr = panel + (n - n0) * k;
     for (int m = 0; m < MR; ++m) {
       float total = 0.f;
       for (int64_t j = 0; j < k; ++j) total += xt[m * k + j] * wr[j];
-      ot[m * n_total + n] = total;
+      ot[m * ldo + n] = total;
     }
   }
 #endif
@@ -630,24 +750,37 @@ constexpr int64_t kPanelMinRows = 8;
 // Q8_0 keeps the int8 path (lm_head, M = 32: 34.5 int8 vs 44.0 panel).
 constexpr int64_t kHalfPanelMinRows = 16;
 
+// One row of any kind -> K exact fp32 values.
+template <int64_t KIND>
+void dequantize_any_row(const uint8_t* row, int64_t k, float* out) {
+  if constexpr (is_block_kind(KIND)) {
+    dequantize_row_fast<KIND>(row, k / kBlock, out);
+  } else {
+    using F = gguf::Format<KIND>;
+    for (int64_t g = 0; g < k / F::kValues; ++g) {
+      F::dequantize(row + g * F::kBytes, out + g * F::kValues);
+    }
+  }
+}
+
 template <int64_t KIND>
 void exact_linear_panel(const float* x, int64_t m_total, int64_t k, const uint8_t* w,
-                        int64_t row_bytes, int64_t n_total, float* out) {
+                        int64_t row_bytes, int64_t n_total, float* out, int64_t ldo) {
   const int64_t num_chunks = (n_total + kChunkN - 1) / kChunkN;
   at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(kChunkN * k);
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t n0 = chunk * kChunkN, n1 = std::min(n_total, n0 + kChunkN);
       for (int64_t n = n0; n < n1; ++n) {
-        dequantize_row_fast<KIND>(w + n * row_bytes, k / kBlock, panel.data() + (n - n0) * k);
+        dequantize_any_row<KIND>(w + n * row_bytes, k, panel.data() + (n - n0) * k);
       }
       for (int64_t m0 = 0; m0 < m_total; m0 += kTileM) {
         const float* p = panel.data();
         switch (std::min<int64_t>(kTileM, m_total - m0)) {
-          case 1: panel_rows<1>(x, m0, k, p, n0, n1, out, n_total); break;
-          case 2: panel_rows<2>(x, m0, k, p, n0, n1, out, n_total); break;
-          case 3: panel_rows<3>(x, m0, k, p, n0, n1, out, n_total); break;
-          default: panel_rows<4>(x, m0, k, p, n0, n1, out, n_total); break;
+          case 1: panel_rows<1>(x, m0, k, p, n0, n1, out, ldo); break;
+          case 2: panel_rows<2>(x, m0, k, p, n0, n1, out, ldo); break;
+          case 3: panel_rows<3>(x, m0, k, p, n0, n1, out, ldo); break;
+          default: panel_rows<4>(x, m0, k, p, n0, n1, out, ldo); break;
         }
       }
     }
@@ -656,44 +789,62 @@ void exact_linear_panel(const float* x, int64_t m_total, int64_t k, const uint8_
 
 template <int64_t KIND>
 void exact_linear(const float* x, int64_t m_total, int64_t k, const uint8_t* w,
-                  int64_t row_bytes, int64_t n_total, float* out, bool batch_invariant) {
+                  int64_t row_bytes, int64_t n_total, float* out, int64_t ldo,
+                  bool batch_invariant) {
   // The panel tiles sum every (row, weight row) pair in one chain whatever the tile shape, so
-  // batch-invariant calls take them at every M.
-  if (m_total >= kPanelMinRows || batch_invariant) {
-    exact_linear_panel<KIND>(x, m_total, k, w, row_bytes, n_total, out);
+  // batch-invariant calls take them at every M. The chunk formats always do: exact fp32 is
+  // their parity mode, not their fast one.
+  if (m_total >= kPanelMinRows || batch_invariant || !is_block_kind(KIND)) {
+    exact_linear_panel<KIND>(x, m_total, k, w, row_bytes, n_total, out, ldo);
     return;
   }
-  over_tiles(m_total, n_total, [&](int64_t m0, int mr, int64_t n0, int64_t n1) {
-    switch (mr) {
-      case 1: exact_rows<KIND, 1>(x, m0, k, w, row_bytes, n0, n1, out, n_total); break;
-      case 2: exact_rows<KIND, 2>(x, m0, k, w, row_bytes, n0, n1, out, n_total); break;
-      case 3: exact_rows<KIND, 3>(x, m0, k, w, row_bytes, n0, n1, out, n_total); break;
-      default: exact_rows<KIND, 4>(x, m0, k, w, row_bytes, n0, n1, out, n_total); break;
-    }
-  });
+  if constexpr (is_block_kind(KIND)) {
+    over_tiles(m_total, n_total, [&](int64_t m0, int mr, int64_t n0, int64_t n1) {
+      switch (mr) {
+        case 1: exact_rows<KIND, 1>(x, m0, k, w, row_bytes, n0, n1, out, ldo); break;
+        case 2: exact_rows<KIND, 2>(x, m0, k, w, row_bytes, n0, n1, out, ldo); break;
+        case 3: exact_rows<KIND, 3>(x, m0, k, w, row_bytes, n0, n1, out, ldo); break;
+        default: exact_rows<KIND, 4>(x, m0, k, w, row_bytes, n0, n1, out, ldo); break;
+      }
+    });
+  }
 }
 
 template <int64_t KIND>
 void fast_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_total,
-                 float* out) {
+                 float* out, int64_t ldo) {
   const int64_t num_chunks = (n_total + kChunkN - 1) / kChunkN;
   const int64_t scratch_size = (2 * 4 + kTileM * 4) * a.num_blocks;
   at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(scratch_size);
+    std::vector<float> scratch(is_block_kind(KIND) ? scratch_size : 0);
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t n0 = chunk * kChunkN, n1 = std::min(n_total, n0 + kChunkN);
       for (int64_t m0 = 0; m0 < a.rows; m0 += kTileM) {
-        float* s = scratch.data();
-        switch (std::min<int64_t>(kTileM, a.rows - m0)) {
-          case 1: fast_rows<KIND, 1>(a, m0, w, row_bytes, n0, n1, out, n_total, s); break;
-          case 2: fast_rows<KIND, 2>(a, m0, w, row_bytes, n0, n1, out, n_total, s); break;
-          case 3: fast_rows<KIND, 3>(a, m0, w, row_bytes, n0, n1, out, n_total, s); break;
-          default: fast_rows<KIND, 4>(a, m0, w, row_bytes, n0, n1, out, n_total, s); break;
+        const int rows = static_cast<int>(std::min<int64_t>(kTileM, a.rows - m0));
+        if constexpr (is_block_kind(KIND)) {
+          float* s = scratch.data();
+          switch (rows) {
+            case 1: fast_rows<KIND, 1>(a, m0, w, row_bytes, n0, n1, out, ldo, s); break;
+            case 2: fast_rows<KIND, 2>(a, m0, w, row_bytes, n0, n1, out, ldo, s); break;
+            case 3: fast_rows<KIND, 3>(a, m0, w, row_bytes, n0, n1, out, ldo, s); break;
+            default: fast_rows<KIND, 4>(a, m0, w, row_bytes, n0, n1, out, ldo, s); break;
+          }
+        } else {
+          switch (rows) {
+            case 1: chunk_rows<KIND, 1>(a, m0, w, row_bytes, n0, n1, out, ldo); break;
+            case 2: chunk_rows<KIND, 2>(a, m0, w, row_bytes, n0, n1, out, ldo); break;
+            case 3: chunk_rows<KIND, 3>(a, m0, w, row_bytes, n0, n1, out, ldo); break;
+            default: chunk_rows<KIND, 4>(a, m0, w, row_bytes, n0, n1, out, ldo); break;
+          }
         }
       }
     }
   });
 }
+
+constexpr const char* kKindList =
+    "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), "
+    "Q5_K (13), Q6_K (14), IQ4_NL (20) or IQ4_XS (23)";
 
 template <typename Fn>
 void dispatch_kind(int64_t kind, const Fn& fn) {
@@ -701,73 +852,122 @@ void dispatch_kind(int64_t kind, const Fn& fn) {
     case kQ4_0: fn(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); break;
     case kQ8_0: fn(std::integral_constant<int64_t, kQ8_0>{}); break;
-    default: TORCH_CHECK(false, "gguf kind must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", kind);
+    case gguf::kQ5_0: fn(std::integral_constant<int64_t, gguf::kQ5_0>{}); break;
+    case gguf::kQ5_1: fn(std::integral_constant<int64_t, gguf::kQ5_1>{}); break;
+    case gguf::kQ2_K: fn(std::integral_constant<int64_t, gguf::kQ2_K>{}); break;
+    case gguf::kQ3_K: fn(std::integral_constant<int64_t, gguf::kQ3_K>{}); break;
+    case gguf::kQ4_K: fn(std::integral_constant<int64_t, gguf::kQ4_K>{}); break;
+    case gguf::kQ5_K: fn(std::integral_constant<int64_t, gguf::kQ5_K>{}); break;
+    case gguf::kQ6_K: fn(std::integral_constant<int64_t, gguf::kQ6_K>{}); break;
+    case gguf::kIQ4_NL: fn(std::integral_constant<int64_t, gguf::kIQ4_NL>{}); break;
+    case gguf::kIQ4_XS: fn(std::integral_constant<int64_t, gguf::kIQ4_XS>{}); break;
+    default: TORCH_CHECK(false, "gguf kind must be ", kKindList, ", got ", kind);
   }
+}
+
+// (values, bytes) of one group of `kind`.
+std::pair<int64_t, int64_t> group_shape(int64_t kind) {
+  std::pair<int64_t, int64_t> shape;
+  dispatch_kind(kind, [&](auto kind_constant) {
+    constexpr int64_t K = decltype(kind_constant)::value;
+    if constexpr (is_block_kind(K)) {
+      shape = {kBlock, Layout<K>::bytes};
+    } else {
+      shape = {gguf::Format<K>::kValues, gguf::Format<K>::kBytes};
+    }
+  });
+  return shape;
 }
 
 void check_blocks(const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte,
-              "gguf blocks must be uint8 [N, K / 32 * block bytes], got ", blocks.scalar_type(),
-              " with ", blocks.dim(), " dims");
-  const int64_t bytes = block_bytes(kind);
+              "gguf blocks must be uint8 [N, K / values * group bytes], got ",
+              blocks.scalar_type(), " with ", blocks.dim(), " dims");
+  const int64_t bytes = group_shape(kind).second;
   TORCH_CHECK(blocks.size(1) % bytes == 0, "gguf blocks: a row of ", blocks.size(1),
               " bytes is not a whole number of ", bytes, "-byte blocks");
 }
 
+int64_t in_features(const at::Tensor& blocks, int64_t kind) {
+  const auto [values, bytes] = group_shape(kind);
+  return blocks.size(1) / bytes * values;
+}
+
+// Q4 kinds fold their block offsets into Activations::pair with this factor.
+float pair_factor(int64_t kind) { return kind == kQ4_1 ? 1.f : kind == kQ4_0 ? -8.f : 0.f; }
+
 }  // namespace
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                       bool int8_activations, bool batch_invariant) {
-  check_blocks(blocks, kind);
+at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kinds,
+                             bool int8_activations, bool batch_invariant) {
+  TORCH_CHECK(!parts.empty() && parts.size() == kinds.size(),
+              "gguf_linear: one kind per part, and at least one part");
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K], got ", x.dim(), " dims");
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
-  const int64_t m_total = x.size(0), k = x.size(1), n_total = blocks.size(0);
+  const int64_t m_total = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kBlock == 0, "gguf_linear: K = ", k, " is not a multiple of 32");
-  const int64_t row_bytes = blocks.size(1);
-  TORCH_CHECK(row_bytes == k / kBlock * block_bytes(kind), "gguf_linear: x has K = ", k,
-              " but a row of blocks holds ", row_bytes / block_bytes(kind) * kBlock, " values");
+  int64_t n_total = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    check_blocks(parts[p], kinds[p]);
+    TORCH_CHECK(parts[p].device().is_cpu() && x.device().is_cpu(), "gguf_linear: CPU tensors only");
+    TORCH_CHECK(in_features(parts[p], kinds[p]) == k, "gguf_linear: x has K = ", k,
+                " but a row of blocks holds ", in_features(parts[p], kinds[p]), " values");
+    n_total += parts[p].size(0);
+  }
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "gguf_linear: x must be float32, bfloat16 or float16, got ", dtype);
   auto xc = x.contiguous();
-  auto wc = blocks.contiguous();
-  const uint8_t* w = wc.data_ptr<uint8_t>();
-  if (dtype == at::kFloat && !int8_activations) {
-    auto out = at::empty({m_total, n_total}, x.options());
-    if (m_total == 0 || n_total == 0) return out;
-    dispatch_kind(kind, [&](auto kind_constant) {
-      exact_linear<decltype(kind_constant)::value>(xc.data_ptr<float>(), m_total, k, w,
-                                                   row_bytes, n_total, out.data_ptr<float>(),
-                                                   batch_invariant);
-    });
-    return out;
+  auto out = at::empty({m_total, n_total}, x.options().dtype(at::kFloat));
+  if (m_total == 0 || n_total == 0) return out.to(dtype);
+  const bool exact = dtype == at::kFloat && !int8_activations;
+  at::Tensor x32;  // fp32 activations, made once when a part needs them
+  std::vector<std::pair<float, Activations>> quantized;  // per pair factor, made when needed
+  auto activations_for = [&](float factor) -> const Activations& {
+    for (const auto& [f, a] : quantized) {
+      if (f == factor) return a;
+    }
+    quantized.emplace_back(
+        factor,
+        dtype == at::kFloat ? quantize_activations(xc.data_ptr<float>(), m_total, k, factor)
+        : dtype == at::kBFloat16
+            ? quantize_activations(xc.data_ptr<c10::BFloat16>(), m_total, k, factor)
+            : quantize_activations(xc.data_ptr<c10::Half>(), m_total, k, factor));
+    return quantized.back().second;
+  };
+  int64_t column = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const int64_t kind = kinds[p], n = parts[p].size(0);
+    const at::Tensor wc = parts[p].contiguous();
+    const uint8_t* w = wc.data_ptr<uint8_t>();
+    const int64_t row_bytes = wc.size(1);
+    float* o = out.data_ptr<float>() + column;
+    // Enough rows of bf16/fp16 activations make a dequantized fp32 panel cheaper than Q4's
+    // int8 blocks (see kHalfPanelMinRows), and exact too. Batch-invariant calls stay on one
+    // path at every M.
+    const bool panel = !exact && (kind == kQ4_0 || kind == kQ4_1) &&
+                       m_total >= kHalfPanelMinRows && !batch_invariant;
+    if (exact || panel) {
+      if (!x32.defined()) x32 = xc.to(at::kFloat);
+      dispatch_kind(kind, [&](auto kind_constant) {
+        exact_linear<decltype(kind_constant)::value>(x32.data_ptr<float>(), m_total, k, w,
+                                                     row_bytes, n, o, n_total,
+                                                     batch_invariant && exact);
+      });
+    } else {
+      const Activations& a = activations_for(pair_factor(kind));
+      dispatch_kind(kind, [&](auto kind_constant) {
+        fast_linear<decltype(kind_constant)::value>(a, w, row_bytes, n, o, n_total);
+      });
+    }
+    column += n;
   }
-  auto out32 = at::empty({m_total, n_total}, x.options().dtype(at::kFloat));
-  if (m_total == 0 || n_total == 0) return out32.to(dtype);
-  // Batch-invariant calls stay on the int8 blocks at every M: its tiles of every height add
-  // a row's blocks in the same order, while switching to the panel at some M would not.
-  if (kind != kQ8_0 && m_total >= kHalfPanelMinRows && !batch_invariant) {
-    // Enough rows to amortize a dequantized fp32 panel: exact weights and fp32 sums beat the
-    // int8 blocks here (see kHalfPanelMinRows), and are more accurate too.
-    auto x32 = xc.to(at::kFloat);
-    dispatch_kind(kind, [&](auto kind_constant) {
-      exact_linear_panel<decltype(kind_constant)::value>(
-          x32.data_ptr<float>(), m_total, k, w, row_bytes, n_total, out32.data_ptr<float>());
-    });
-    return out32.to(dtype);
-  }
-  const float sum_factor = kind == kQ4_1 ? 1.f : kind == kQ4_0 ? -8.f : 0.f;
-  const Activations a =
-      dtype == at::kFloat
-          ? quantize_activations(xc.data_ptr<float>(), m_total, k, sum_factor)
-      : dtype == at::kBFloat16
-          ? quantize_activations(xc.data_ptr<c10::BFloat16>(), m_total, k, sum_factor)
-          : quantize_activations(xc.data_ptr<c10::Half>(), m_total, k, sum_factor);
-  dispatch_kind(kind, [&](auto kind_constant) {
-    fast_linear<decltype(kind_constant)::value>(a, w, row_bytes, n_total,
-                                                out32.data_ptr<float>());
-  });
-  return out32.to(dtype);
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                       bool int8_activations, bool batch_invariant) {
+  const int64_t kinds[] = {kind};
+  return gguf_linear_parts(x, {blocks}, kinds, int8_activations, batch_invariant);
 }
 
 at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks, int64_t kind,
@@ -775,8 +975,7 @@ at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks,
   check_blocks(blocks, kind);
   TORCH_CHECK(token_ids.scalar_type() == at::kLong || token_ids.scalar_type() == at::kInt,
               "gguf_embedding: token ids must be int64 or int32");
-  const int64_t bytes = block_bytes(kind);
-  const int64_t num_blocks = blocks.size(1) / bytes, k = num_blocks * kBlock;
+  const int64_t k = in_features(blocks, kind);
   const int64_t vocab = blocks.size(0);
   auto ids = token_ids.contiguous().to(at::kLong);
   auto wc = blocks.contiguous();
@@ -796,8 +995,8 @@ at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks,
       std::vector<float> row(k);
       for (int64_t t = begin; t < end; ++t) {
         dispatch_kind(kind, [&](auto kind_constant) {
-          dequantize_row_fast<decltype(kind_constant)::value>(w + id[t] * blocks.size(1),
-                                                              num_blocks, row.data());
+          dequantize_any_row<decltype(kind_constant)::value>(w + id[t] * blocks.size(1), k,
+                                                             row.data());
         });
         for (int64_t j = 0; j < k; ++j) o[t * k + j] = static_cast<scalar_t>(row[j]);
       }
@@ -814,11 +1013,24 @@ at::Tensor gguf_linear_meta(const at::Tensor& x, const at::Tensor& blocks, int64
   return at::empty_symint({x.sym_size(0), blocks.sym_size(0)}, x.options());
 }
 
+at::Tensor gguf_linear_parts_meta(const at::Tensor& x, at::TensorList parts,
+                                  at::IntArrayRef kinds, bool int8_activations,
+                                  bool batch_invariant) {
+  TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K], got ", x.dim(), " dims");
+  c10::SymInt n_total = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    check_blocks(parts[p], kinds[p]);
+    n_total = n_total + parts[p].sym_size(0);
+  }
+  return at::empty_symint({x.sym_size(0), n_total}, x.options());
+}
+
 at::Tensor gguf_embedding_meta(const at::Tensor& token_ids, const at::Tensor& blocks,
                                int64_t kind, at::ScalarType dtype) {
   check_blocks(blocks, kind);
   std::vector<c10::SymInt> shape(token_ids.sym_sizes().begin(), token_ids.sym_sizes().end());
-  shape.push_back(blocks.sym_size(1) / block_bytes(kind) * kBlock);
+  const auto [values, bytes] = group_shape(kind);
+  shape.push_back(blocks.sym_size(1) / bytes * values);
   return at::empty_symint(shape, token_ids.options().dtype(dtype));
 }
 
@@ -838,16 +1050,21 @@ TORCH_LIBRARY_FRAGMENT(LLMSERVE_GGUF_NAMESPACE, m) {
   m.def(
       "gguf_linear(Tensor x, Tensor blocks, int kind, bool int8_activations=False,"
       " bool batch_invariant=False) -> Tensor");
+  m.def(
+      "gguf_linear_parts(Tensor x, Tensor[] parts, int[] kinds, bool int8_activations=False,"
+      " bool batch_invariant=False) -> Tensor");
   m.def("gguf_embedding(Tensor token_ids, Tensor blocks, int kind, ScalarType dtype) -> Tensor");
   m.def("gguf_kernel_isa() -> str", &gguf_kernel_isa);
 }
 
 TORCH_LIBRARY_IMPL(LLMSERVE_GGUF_NAMESPACE, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_linear_parts", &gguf_linear_parts);
   m.impl("gguf_embedding", &gguf_embedding);
 }
 
 TORCH_LIBRARY_IMPL(LLMSERVE_GGUF_NAMESPACE, Meta, m) {
   m.impl("gguf_linear", &gguf_linear_meta);
+  m.impl("gguf_linear_parts", &gguf_linear_parts_meta);
   m.impl("gguf_embedding", &gguf_embedding_meta);
 }

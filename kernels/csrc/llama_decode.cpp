@@ -8,7 +8,7 @@
 // rows, and the heavy parts are this library's own kernels called directly:
 //
 //   per layer   h, r = rms_norm(h + r)                 (layer 0: r = h, h = rms_norm(h))
-//               qkv = gguf_linear(h) (+ bias)          [B, (Hq + 2 Hkv) D]
+//               qkv = gguf_linear(h) (+ bias)          [B, (Hq + 2 Hkv) D], any GGUF kinds
 //               q, k = rms_norm of each head (Qwen3; only with q_norms / k_norms)
 //               rotary(q, k) at positions; write k, v at slot_mapping
 //               a = paged_decode_attention(q)          [B, Hq D], the layer's sliding window
@@ -36,11 +36,43 @@ namespace {
 // otherwise), so a step profile still sees matmuls, attention and KV writes apart.
 #define LLMSERVE_RECORD(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
 
-at::Tensor profiled_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                           bool int8_activations) {
-  LLMSERVE_RECORD("llmserve::gguf_linear");
-  return gguf_linear(x, blocks, kind, int8_activations);
-}
+// The layers' projections: parts (GGUF block tensors) in layer order, q|k|v, o, gate|up,
+// down, each projection one or more parts (a file may store a fused layer's parts in
+// different kinds).
+class Projections {
+ public:
+  Projections(at::TensorList parts, at::IntArrayRef kinds, at::IntArrayRef part_counts,
+              size_t num_layers)
+      : parts_(parts), kinds_(kinds), part_counts_(part_counts) {
+    TORCH_CHECK(parts.size() == kinds.size(),
+                "llama_decode_layers: one kind per projection part");
+    TORCH_CHECK(part_counts.size() == 4 * num_layers,
+                "llama_decode_layers: part_counts must hold 4 per layer");
+    int64_t first = 0;
+    for (int64_t count : part_counts) {
+      TORCH_CHECK(count > 0, "llama_decode_layers: a projection has no parts");
+      first_.push_back(first);
+      first += count;
+    }
+    TORCH_CHECK(static_cast<size_t>(first) == parts.size(),
+                "llama_decode_layers: part_counts add up to ", first, ", not ", parts.size());
+  }
+
+  // x @ W^T of projection `which` (0 q|k|v, 1 o, 2 gate|up, 3 down) of `layer`.
+  at::Tensor apply(const at::Tensor& x, size_t layer, int which, bool int8_activations) const {
+    LLMSERVE_RECORD("llmserve::gguf_linear");
+    const size_t index = 4 * layer + which;
+    const int64_t first = first_[index], count = part_counts_[index];
+    if (count == 1) return gguf_linear(x, parts_[first], kinds_[first], int8_activations);
+    return gguf_linear_parts(x, parts_.slice(first, count), kinds_.slice(first, count),
+                             int8_activations);
+  }
+
+ private:
+  at::TensorList parts_;
+  at::IntArrayRef kinds_, part_counts_;
+  std::vector<int64_t> first_;
+};
 
 // Rows per task of the elementwise loops: a decode step of a small model is a few thousand
 // values per op, below what waking a second thread is worth.
@@ -164,8 +196,8 @@ void check_fp32_vector(const at::Tensor& t, int64_t size, const char* name) {
 
 std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     const at::Tensor& hidden_in, at::TensorList input_norms, at::TensorList post_norms,
-    at::TensorList qkv_proj, at::TensorList o_proj, at::TensorList gate_up_proj,
-    at::TensorList down_proj, at::IntArrayRef kinds, at::TensorList qkv_bias,
+    at::TensorList projection_parts, at::IntArrayRef kinds, at::IntArrayRef part_counts,
+    at::TensorList qkv_bias,
     at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales,
     at::TensorList v_scales, const at::Tensor& positions_in, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
@@ -173,13 +205,11 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::IntArrayRef sliding_windows, at::TensorList q_norms, at::TensorList k_norms) {
   const size_t num_layers = input_norms.size();
   TORCH_CHECK(num_layers > 0, "llama_decode_layers: no layers");
-  for (auto [list, name] : {std::pair{post_norms, "post_norms"}, {qkv_proj, "qkv_proj"},
-                            {o_proj, "o_proj"}, {gate_up_proj, "gate_up_proj"},
-                            {down_proj, "down_proj"}, {k_caches, "k_caches"},
+  for (auto [list, name] : {std::pair{post_norms, "post_norms"}, {k_caches, "k_caches"},
                             {v_caches, "v_caches"}}) {
     check_layer_lists(num_layers, list, name);
   }
-  TORCH_CHECK(kinds.size() == 4 * num_layers, "llama_decode_layers: kinds must hold 4 per layer");
+  const Projections projections(projection_parts, kinds, part_counts, num_layers);
   TORCH_CHECK(sliding_windows.size() == num_layers,
               "llama_decode_layers: sliding_windows must hold one window per layer (0: none)");
   TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == num_layers,
@@ -215,7 +245,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     check_fp32_vector(post_norms[l], hidden_size, "post_norms");
     // Layer 0 norms the embedding itself; later layers first add the MLP's output.
     add_rms_norm(l == 0 ? nullptr : &delta, residual, input_norms[l], epsilon, hidden);
-    at::Tensor qkv = profiled_linear(hidden, qkv_proj[l], kinds[4 * l], int8_activations);
+    at::Tensor qkv = projections.apply(hidden, l, 0, int8_activations);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layers: qkv_proj gives ",
                 qkv.size(1), " features, the heads need ", q_size + 2 * kv_size);
     if (!qkv_bias.empty()) qkv.add_(qkv_bias[l]);
@@ -246,21 +276,18 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
                                         context_lens, scale, k_scale, v_scale,
                                         /*batch_invariant=*/false, sliding_windows[l]);
     }
-    delta = profiled_linear(attended.view({batch, q_size}), o_proj[l], kinds[4 * l + 1],
-                        int8_activations);
+    delta = projections.apply(attended.view({batch, q_size}), l, 1, int8_activations);
     add_rms_norm(&delta, residual, post_norms[l], epsilon, hidden);
-    const at::Tensor gate_up = profiled_linear(hidden, gate_up_proj[l], kinds[4 * l + 2],
-                                           int8_activations);
-    delta = profiled_linear(silu_and_mul(gate_up), down_proj[l], kinds[4 * l + 3],
-                        int8_activations);
+    const at::Tensor gate_up = projections.apply(hidden, l, 2, int8_activations);
+    delta = projections.apply(silu_and_mul(gate_up), l, 3, int8_activations);
   }
   return {delta, residual};
 }
 
 std::tuple<at::Tensor, at::Tensor> llama_decode_layers_meta(
     const at::Tensor& hidden, at::TensorList input_norms, at::TensorList post_norms,
-    at::TensorList qkv_proj, at::TensorList o_proj, at::TensorList gate_up_proj,
-    at::TensorList down_proj, at::IntArrayRef kinds, at::TensorList qkv_bias,
+    at::TensorList projection_parts, at::IntArrayRef kinds, at::IntArrayRef part_counts,
+    at::TensorList qkv_bias,
     at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales,
     at::TensorList v_scales, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
@@ -272,8 +299,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers_meta(
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def(
       "llama_decode_layers(Tensor hidden, Tensor[] input_norms, Tensor[] post_norms,"
-      " Tensor[] qkv_proj, Tensor[] o_proj, Tensor[] gate_up_proj, Tensor[] down_proj,"
-      " int[] kinds, Tensor[] qkv_bias, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches,"
+      " Tensor[] projection_parts, int[] kinds, int[] part_counts, Tensor[] qkv_bias, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches,"
       " Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor positions, Tensor slot_mapping,"
       " Tensor block_tables, Tensor context_lens, Tensor rope, int num_heads, int num_kv_heads,"
       " float eps, float scale, bool int8_activations, int[] sliding_windows,"

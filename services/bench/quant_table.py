@@ -89,7 +89,7 @@ FORMATS = (
     Format("gguf", "bfloat16", "gguf"),
     Format("gguf + int8 KV", "bfloat16", "gguf", kv_cache_dtype="int8"),
     Format("gguf fp32", "float32", "gguf"),
-    Format("gguf-a8 fp32", "float32", "gguf-a8"),
+    Format("gguf-exact fp32", "float32", "gguf-exact"),
 )
 
 

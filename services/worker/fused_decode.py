@@ -1,5 +1,6 @@
 """Fused decode steps: a pure-decode batch of a model whose projections are all GGUF blocks
-runs every decoder layer in one C++ call (kernels/csrc/llama_decode.cpp, the op
+(any kind the kernels read, kinds mixed within a fused layer too) runs every decoder layer in
+one C++ call (kernels/csrc/llama_decode.cpp, the op
 `llmserve::llama_decode_layers`); the embedding, the final norm and the vocabulary projection
 stay in the model's own code.
 
@@ -71,11 +72,12 @@ class _LayerLists:
 
     input_norms: list[Tensor]
     post_norms: list[Tensor]
-    qkv_proj: list[Tensor]
-    o_proj: list[Tensor]
-    gate_up_proj: list[Tensor]
-    down_proj: list[Tensor]
+    projection_parts: list[Tensor]
+    """Every layer's q|k|v, o, gate|up and down block tensors, in that order."""
     kinds: list[int]
+    """One per part."""
+    part_counts: list[int]
+    """Parts per projection, 4 per layer."""
     qkv_bias: list[Tensor]
     k_caches: list[Tensor]
     v_caches: list[Tensor]
@@ -113,14 +115,13 @@ class FusedDecode:
         first_qkv = projections[0][0]
         self.int8_activations = first_qkv.int8_activations
         caches = kv_cache.layers
+        linears = [linear for layer in projections for linear in layer]
         self._lists = _LayerLists(
             input_norms=[layer.attn_norm for layer in model.layers],
             post_norms=[layer.mlp_norm for layer in model.layers],
-            qkv_proj=[p[0].blocks for p in projections],
-            o_proj=[p[1].blocks for p in projections],
-            gate_up_proj=[p[2].blocks for p in projections],
-            down_proj=[p[3].blocks for p in projections],
-            kinds=[linear.kind for p in projections for linear in p],
+            projection_parts=[part for linear in linears for part in linear.parts],
+            kinds=[kind for linear in linears for kind in linear.kinds],
+            part_counts=[len(linear.kinds) for linear in linears],
             qkv_bias=[p[0].bias for p in projections if p[0].bias is not None],
             k_caches=[c.key for c in caches],
             v_caches=[c.value for c in caches],
@@ -154,11 +155,9 @@ class FusedDecode:
             hidden,
             lists.input_norms,
             lists.post_norms,
-            lists.qkv_proj,
-            lists.o_proj,
-            lists.gate_up_proj,
-            lists.down_proj,
+            lists.projection_parts,
             lists.kinds,
+            lists.part_counts,
             lists.qkv_bias,
             lists.k_caches,
             lists.v_caches,

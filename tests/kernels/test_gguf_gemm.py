@@ -1,6 +1,7 @@
 """The GGUF block kernels (kernels/csrc/gguf_gemm.cpp: the main build, a forced-scalar build
 and one running the VNNI code path on AVX2) against the torch reference in fp64, on fresh
-random blocks: every kind, negative and zero scales.
+random blocks: every kind (Q4_0/Q4_1/Q8_0 decoded in torch, the others by the gguf package's
+numpy decoders, llama.cpp's reference), negative and zero scales.
 
 Tolerances, per output element, with B = |x| @ |W|^T (the sum of the magnitudes):
 - fp32 (exact weights, fp32 sums): 1e-6 B. Measured below 1e-7 B: only summation order
@@ -23,23 +24,52 @@ import torch
 
 from kernels import cpu_extension, gguf_blocks_torch, ops
 from kernels.gguf_blocks_torch import (
-    BLOCK_BYTES,
     BLOCK_VALUES,
+    GGUF_KINDS,
     GGUF_Q4_0,
     GGUF_Q4_1,
     GGUF_Q8_0,
     HALF_PANEL_MIN_ROWS,
     dequantize_blocks,
+    group_shape,
     quantize_activation_blocks,
 )
 
-KINDS = [GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0]
-KIND_IDS = ["Q4_0", "Q4_1", "Q8_0"]
+KINDS = list(GGUF_KINDS.values())
+KIND_IDS = list(GGUF_KINDS)
+# Byte offsets of each kind's fp16 fields (d, and m or dmin) inside one block.
+FP16_FIELDS = {
+    2: [0],
+    3: [0, 2],
+    6: [0],
+    7: [0, 2],
+    8: [0],
+    10: [80, 82],
+    11: [108],
+    12: [0, 2],
+    13: [0, 2],
+    14: [208],
+    20: [0],
+    23: [0],
+}
 EXACT_RTOL = 1e-6
 SUM_RTOL = 1e-5
 OUTPUT_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
-# (K, N): a single block, N not a multiple of the 4-row register tile, and two model shapes.
-SHAPES = [(32, 5), (96, 37), (576, 960), (1536, 64)]
+# (K, N) in blocks of the kind: a single block, N not a multiple of the 4-row register tile,
+# and two model shapes (SmolLM2's q|k|v and down for 32-value kinds).
+SHAPE_BLOCKS = {32: [(1, 5), (3, 37), (18, 960), (48, 64)], 256: [(1, 5), (3, 37), (6, 64)]}
+
+
+def shapes_of(kind: int) -> list[tuple[int, int]]:
+    values = group_shape(kind)[0]
+    return [(blocks * values, n) for blocks, n in SHAPE_BLOCKS[values]]
+
+
+CASES = [
+    pytest.param(kind, k, n, id=f"{name}-{k}x{n}")
+    for kind, name in zip(KINDS, KIND_IDS, strict=True)
+    for k, n in shapes_of(kind)
+]
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +142,17 @@ def exact_linear_op(request: pytest.FixtureRequest):  # type: ignore[no-untyped-
 
 
 def random_blocks(n: int, k: int, kind: int, seed: int) -> torch.Tensor:
-    """Random codes with finite fp16 scales of both signs, some exactly zero."""
+    """Random codes and sub-block scales with finite fp16 scales of both signs, some exactly
+    zero."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks, size = k // BLOCK_VALUES, BLOCK_BYTES[kind]
+    values, size = group_shape(kind)
+    num_blocks = k // values
     raw = torch.randint(0, 256, (n, num_blocks, size), dtype=torch.uint8, generator=g)
-    d = torch.randn(n, num_blocks, 1, generator=g) * 0.02
-    d[torch.rand(n, num_blocks, 1, generator=g) < 0.05] = 0.0
-    raw[..., 0:2] = d.half().view(torch.uint8)
-    if kind == GGUF_Q4_1:
-        m = torch.randn(n, num_blocks, 1, generator=g) * 0.1
-        raw[..., 2:4] = m.half().view(torch.uint8)
+    for index, offset in enumerate(FP16_FIELDS[kind]):
+        scale = 0.02 if index == 0 else 0.1
+        d = torch.randn(n, num_blocks, 1, generator=g) * scale
+        d[torch.rand(n, num_blocks, 1, generator=g) < 0.05] = 0.0
+        raw[..., offset : offset + 2] = d.half().view(torch.uint8)
     if kind == GGUF_Q8_0:
         raw[0, 0, 2] = 0x80  # -128: the one code whose magnitude does not fit int8
     return raw.view(n, num_blocks * size)
@@ -138,16 +169,15 @@ def test_reference_decodes_like_the_gguf_package() -> None:
     from gguf import GGMLQuantizationType
 
     for kind, name in zip(KINDS, KIND_IDS, strict=True):
-        blocks = random_blocks(7, 96, kind, seed=kind)
+        blocks = random_blocks(7, 3 * group_shape(kind)[0], kind, seed=kind)
         theirs = quants.dequantize(blocks.numpy(), GGMLQuantizationType[name])
         torch.testing.assert_close(
             dequantize_blocks(blocks, kind), torch.from_numpy(theirs), atol=0, rtol=0
         )
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("m", [1, 3, 16, 64])
-@pytest.mark.parametrize(("k", "n"), SHAPES)
+@pytest.mark.parametrize(("kind", "k", "n"), CASES)
 def test_fp32_is_exact_up_to_summation_order(  # type: ignore[no-untyped-def]
     exact_linear_op, kind: int, m: int, k: int, n: int
 ) -> None:
@@ -165,13 +195,12 @@ def test_fp32_is_exact_up_to_summation_order(  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32-int8"]
 )
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("m", [1, 3, 16, 64])
-@pytest.mark.parametrize(("k", "n"), SHAPES)
+@pytest.mark.parametrize(("kind", "k", "n"), CASES)
 def test_fast_path_within_its_rounding_bound(  # type: ignore[no-untyped-def]
     linear_op, dtype: torch.dtype, kind: int, m: int, k: int, n: int
 ) -> None:
-    """bf16/fp16 activations, and fp32 ones with int8_activations (the gguf-a8 format)."""
+    """bf16/fp16 activations, and fp32 ones with int8_activations (the gguf format)."""
     blocks = random_blocks(n, k, kind, seed=k + n + kind)
     x = activations(m, k, seed=m).to(dtype)
     weight = dequantize_blocks(blocks, kind).double()
@@ -181,7 +210,7 @@ def test_fast_path_within_its_rounding_bound(  # type: ignore[no-untyped-def]
 
     # 1. The kernel's arithmetic: the reference fed the same activations (int8 blocks, or
     # the bf16/fp16 values themselves on the fp32 panel path).
-    int8_blocks = kind == GGUF_Q8_0 or m < HALF_PANEL_MIN_ROWS
+    int8_blocks = kind not in (GGUF_Q4_0, GGUF_Q4_1) or m < HALF_PANEL_MIN_ROWS
     rounded = (quantize_activation_blocks(x) if int8_blocks else x.float()).double()
     same_input = rounded @ weight.t()
     bound = OUTPUT_ROUNDING[dtype] * same_input.abs() + SUM_RTOL * (
@@ -205,7 +234,7 @@ def test_fast_path_within_its_rounding_bound(  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_embedding_rows_are_exact(extension, kind: int, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
-    blocks = random_blocks(50, 96, kind, seed=kind)
+    blocks = random_blocks(50, 2 * group_shape(kind)[0], kind, seed=kind)
     for ids in (torch.tensor([[0, 49, 7], [7, 3, 0]]), torch.tensor([5, 1], dtype=torch.int32)):
         got = extension.gguf_embedding(ids, blocks, kind, dtype)
         rows = dequantize_blocks(blocks, kind)[ids.long()].to(dtype)
@@ -222,7 +251,7 @@ def test_bad_shapes_raise_clear_errors(extension) -> None:  # type: ignore[no-un
     with pytest.raises(RuntimeError, match="x has K = 96"):
         extension.gguf_linear(torch.zeros(1, 96), blocks, GGUF_Q4_1)
     with pytest.raises(RuntimeError, match="kind must be"):
-        extension.gguf_linear(torch.zeros(1, 64), blocks, 12)
+        extension.gguf_linear(torch.zeros(1, 64), blocks, 16)
     with pytest.raises(RuntimeError, match="whole number"):
         extension.gguf_linear(torch.zeros(1, 64), blocks, GGUF_Q8_0)
 
@@ -262,3 +291,27 @@ def test_layers_run_inside_a_full_compiled_graph(extension) -> None:  # type: ig
         for got, expected in zip(compiled(token_ids), step(token_ids), strict=True):
             assert got.dtype == expected.dtype and got.shape == expected.shape
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["exact", "int8"])
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_parts_of_different_kinds_equal_their_own_products(  # type: ignore[no-untyped-def]
+    linear_op, m: int, int8_activations: bool
+) -> None:
+    """A fused layer stored as Q5_0 | Q8_0 | Q6_K | Q4_0 parts (a Q4_K_M file's q|k|v, say):
+    the parts' outputs side by side, each as its own call computes it (the activations are
+    rounded once, the same way for every part)."""
+    namespace = linear_op._qualified_op_name.split("::")[0]  # the build under test
+    parts_op = getattr(torch.ops, namespace).gguf_linear_parts
+    kinds = [GGUF_KINDS[name] for name in ("Q5_0", "Q8_0", "Q6_K", "Q4_0")]
+    rows = (7, 16, 3, 9)
+    parts = [random_blocks(n, 512, kind, seed=n) for n, kind in zip(rows, kinds, strict=True)]
+    x = activations(m, 512, seed=m)
+    got = parts_op(x, parts, kinds, int8_activations)
+    alone = [
+        linear_op(x, part, kind, int8_activations) for part, kind in zip(parts, kinds, strict=False)
+    ]
+    expected = torch.cat(alone, dim=1)
+    assert got.shape == (m, 35) and torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="one kind per part"):
+        parts_op(x, parts, kinds[:2], int8_activations)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import cpu_extension
-from kernels.gguf_blocks_torch import GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0
+from kernels.gguf_blocks_torch import GGUF_KINDS, group_shape
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode, unsupported_reason
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
@@ -32,8 +32,8 @@ def tiny_config(attention_bias: bool) -> ModelArchitecture:
     return ModelArchitecture(
         family="llama",
         vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
+        hidden_size=256,
+        intermediate_size=256,
         num_layers=3,
         num_heads=4,
         num_kv_heads=2,
@@ -45,13 +45,50 @@ def tiny_config(attention_bias: bool) -> ModelArchitecture:
     )
 
 
+# Each projection's parts: one kind, or (a Q4_K_M file's q|k|v, say) parts of different kinds.
+PART_PLANS = [
+    ["Q4_0"],
+    ["Q4_K"],
+    ["Q5_0", "Q8_0", "Q6_K"],
+    ["Q4_1"],
+    ["Q5_K"],
+    ["IQ4_NL"],
+    ["Q3_K"],
+    ["Q5_1"],
+    ["Q2_K", "IQ4_XS"],
+    ["Q8_0"],
+    ["Q6_K"],
+]
+
+
+def random_projection(
+    out_features: int,
+    in_features: int,
+    plan: list[str],
+    seed: int,
+    bias: torch.Tensor | None,
+    int8_activations: bool,
+) -> GGUFLinear:
+    """GGUF blocks of the plan's kinds (32-value kinds where K is no multiple of 256), the
+    rows split evenly between its parts."""
+    kinds = [GGUF_KINDS[name] for name in plan]
+    if any(in_features % group_shape(kind)[0] for kind in kinds):
+        kinds = [GGUF_KINDS["Q5_0"], GGUF_KINDS["Q4_1"]][: len(kinds)]
+    rows = [out_features // len(kinds)] * len(kinds)
+    rows[-1] += out_features - sum(rows)
+    parts = [
+        random_blocks(n, in_features, kind, seed + i)
+        for i, (n, kind) in enumerate(zip(rows, kinds, strict=True))
+    ]
+    return GGUFLinear(parts, kinds, bias, int8_activations=int8_activations)
+
+
 def random_model(config: ModelArchitecture, seed: int, int8_activations: bool = False) -> CausalLM:
-    """Random norms and embedding; every projection GGUF blocks, the kinds mixed by layer."""
+    """Random norms and embedding; every projection GGUF blocks, every kind somewhere."""
     torch.manual_seed(seed)
     model = CausalLM(config)
     model.embed_tokens.weight.normal_()
     model.lm_head.weight.normal_(std=0.1)
-    kinds = [GGUF_Q4_0, GGUF_Q4_1, GGUF_Q8_0]
     for index, layer in enumerate(model.layers):
         layer.attn_norm.uniform_(0.5, 1.5)
         layer.mlp_norm.uniform_(0.5, 1.5)
@@ -60,10 +97,12 @@ def random_model(config: ModelArchitecture, seed: int, int8_activations: bool = 
             [(attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
         ):
             dense = getattr(owner, name)
-            kind = kinds[(index + offset) % len(kinds)]
-            blocks = random_blocks(dense.out_features, dense.in_features, kind, seed + offset)
+            plan = PART_PLANS[(4 * index + offset) % len(PART_PLANS)]
             bias = None if dense.bias is None else torch.randn(dense.out_features) * 0.1
-            setattr(owner, name, GGUFLinear(blocks, kind, bias, int8_activations=int8_activations))
+            projection = random_projection(
+                dense.out_features, dense.in_features, plan, seed + offset, bias, int8_activations
+            )
+            setattr(owner, name, projection)
     return model
 
 
@@ -148,7 +187,9 @@ def test_fused_step_windows_and_partial_rotary(
     case = decode_case(config, kv_dtype, seed=9)
     eager, fused, after_eager, after_fused = eager_then_fused(model, case)
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-5, atol=1e-5)
+    # Keys and values are fp32 sums over K = 256 of values near 10; the C++ and torch norms
+    # round in different orders, which moves them by up to ~3e-5 relative.
+    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-4, atol=1e-4)
     if windows or rotary_dim != 16:
         # The features change the logits: a fused step ignoring them would fail above.
         plain = random_model(tiny_config(attention_bias=True), seed=7)
@@ -176,7 +217,7 @@ def test_fused_step_matches_the_eager_model(attention_bias: bool, kv_dtype: torc
     assert fused.shape == eager.shape == (len(CONTEXT_LENS), config.vocab_size)
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
     # The step's keys and values land in the same slots, with the same values.
-    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-4, atol=1e-4)
     assert not torch.equal(after_eager, decode_case(config, kv_dtype, seed=5).cache.storage)
 
 
@@ -242,7 +283,7 @@ def test_fused_step_normalizes_q_and_k_heads(kv_dtype: torch.dtype) -> None:
     assert len(fused._lists.q_norms) == len(model.layers)
     eager, fused_logits, after_eager, after_fused = eager_then_fused(model, case, fused)
     torch.testing.assert_close(fused_logits, eager, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-4, atol=1e-4)
     without = FusedDecode(model, case.cache)
     without._lists = replace(without._lists, q_norms=[], k_norms=[])
     _, without_norms, _, _ = eager_then_fused(

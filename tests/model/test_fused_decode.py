@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def loaded_gguf_fp32() -> LoadedModel:
-    return LoadedModel.load(None, torch.float32, quantization="gguf")
+    return LoadedModel.load(None, torch.float32, quantization="gguf-exact")
 
 
 def test_fused_steps_give_eager_greedy_ids(loaded_gguf_fp32: LoadedModel) -> None:

@@ -171,7 +171,8 @@ def test_quantized_gguf_greedy_ids_match_transformers(family: str, kind: str) ->
     reference.eval()
     reference.generation_config.eos_token_id = None
 
-    engine = LLMEngine(ENGINE, loaded=LoadedModel.load(str(gguf), torch.float32))
+    loaded = LoadedModel.load(str(gguf), torch.float32, quantization="gguf-exact")
+    engine = LLMEngine(ENGINE, loaded=loaded)
     batch = prompts(dense.architecture.vocab_size)
     # Random tiny models often repeat one token; the logits say more than the ids.
     ours = our_last_logits(engine, batch[0])

@@ -22,7 +22,7 @@ NUM_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def loaded_gguf_fp32() -> LoadedModel:
-    return LoadedModel.load(None, torch.float32, quantization="gguf")
+    return LoadedModel.load(None, torch.float32, quantization="gguf-exact")
 
 
 @pytest.fixture(scope="module", params=["eager", "fused"])

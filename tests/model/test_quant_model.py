@@ -144,7 +144,7 @@ def test_gguf_blocks_load_as_the_float_loader_reads_them(loaded_fp32: LoadedMode
     Q8_0 embedding is shared with the tied head, and each decodes to exactly the float
     model's weight (which the gguf package dequantized from the same blocks)."""
     model = copy.deepcopy(loaded_fp32.model)
-    load_gguf_quantized(model, loaded_fp32.path)
+    load_gguf_quantized(model, loaded_fp32.path, int8_activations=False)
     for index in (0, 29):
         ours, theirs = model.layers[index], loaded_fp32.model.layers[index]
         pairs = [
@@ -154,15 +154,16 @@ def test_gguf_blocks_load_as_the_float_loader_reads_them(loaded_fp32: LoadedMode
             (ours.mlp.down_proj, theirs.mlp.down_proj),
         ]
         for quantized, float_linear in pairs:
-            assert isinstance(quantized, GGUFLinear) and quantized.kind == 3  # Q4_1
-            weight = dequantize_blocks(quantized.blocks, quantized.kind)
+            assert isinstance(quantized, GGUFLinear) and quantized.kinds == [3]  # Q4_1
+            weight = dequantize_blocks(quantized.blocks_0, quantized.kinds[0])
             assert torch.equal(weight, float_linear.weight)
             eye = torch.eye(quantized.in_features)
             # I @ W^T through the layer's own kernel: one nonzero product per output.
             assert torch.equal(quantized(eye).t(), float_linear.weight)
     table, head = model.embed_tokens, model.lm_head
     assert isinstance(table, GGUFEmbedding) and isinstance(head, GGUFLinear)
-    assert table.kind == head.kind == 8 and head.blocks is table.blocks  # Q8_0, one copy
+    assert table.kind == 8 and head.kinds == [8]  # Q8_0
+    assert head.blocks_0 is table.blocks  # one copy
     token_ids = torch.tensor([0, 1, 17, 49151])
     assert torch.equal(table(token_ids), loaded_fp32.model.embed_tokens.weight[token_ids])
 
@@ -175,8 +176,8 @@ def test_gguf_blocks_in_fp32_give_the_float_greedy_tokens(
     benchmark matches the dense fp32 load on all of them (the int4 conversion this replaced
     rounded Q4_1's zero m + 8d to the activation dtype and re-quantized Q8_0 per row)."""
     model = copy.deepcopy(loaded_fp32.model)
-    load_gguf_quantized(model, loaded_fp32.path)
-    loaded = LoadedModel(loaded_fp32.path, model, loaded_fp32.tokenizer, "gguf")
+    load_gguf_quantized(model, loaded_fp32.path, int8_activations=False)
+    loaded = LoadedModel(loaded_fp32.path, model, loaded_fp32.tokenizer, "gguf-exact")
     gguf_engine = LLMEngine(replace(FP32, kv_cache_bytes=64 << 20), loaded=loaded)
     prompts = [engine.tokenizer.encode(text) for text in EVAL_PROMPTS]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=HELD_OUT_TOKENS, ignore_eos=True)

@@ -24,7 +24,7 @@ from tests.model.conftest import PROMPTS
 @pytest.fixture(scope="module")
 def loaded_gguf() -> LoadedModel:
     """The GGUF blocks in fp32: what the fused C++ decode runs (and the default serving)."""
-    return LoadedModel.load(None, torch.float32, quantization="gguf")
+    return LoadedModel.load(None, torch.float32, quantization="gguf-exact")
 
 
 class EveryDraft(SpeculationPolicy):

@@ -19,8 +19,6 @@ from services.inspect_command import measure_load
 from services.model_inspect import (
     DEQUANTIZED,
     GGUF_NATIVE_KINDS,
-    INT4_CODES,
-    INT8_ROWS,
     MODEL_DTYPE,
     STORED_BLOCKS,
     ModelReport,
@@ -178,21 +176,22 @@ def test_load_reports_resident_memory_and_the_tensors_match_the_estimate(
 # --- GGUF files written here -----------------------------------------------------------------
 
 
-def test_a_k_quant_mix_is_dequantized_and_the_estimate_is_what_a_load_holds(
+def test_a_k_quant_mix_keeps_its_blocks_and_the_estimate_is_what_a_load_holds(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = write_gguf(tmp_path / "mixed.gguf", kinds=MIXED_KINDS)
     report = describe_model(path)
     assert report.servable, report.verdict
     assert at_load(report) == {
-        # q, k (Q4_0) with v (Q4_1): one int4 layer; gate (Q4_0) beside up (F16): float.
-        "Q4_0": {INT4_CODES: 4, DEQUANTIZED: 2},
-        "Q4_1": {INT4_CODES: 2},
+        # q, k (Q4_0) with v (Q4_1): one layer of two parts; gate (Q4_0) beside up (F16):
+        # float.
+        "Q4_0": {STORED_BLOCKS: 4, DEQUANTIZED: 2},
+        "Q4_1": {STORED_BLOCKS: 2},
         "Q8_0": {STORED_BLOCKS: 2},
-        "Q4_K": {DEQUANTIZED: 2},
+        "Q4_K": {STORED_BLOCKS: 2},
         "F16": {MODEL_DTYPE: 2},
-        # A K-quant embedding: the tied table becomes int8 rows.
-        "Q6_K": {INT8_ROWS: 1},
+        # A K-quant embedding: the tied head reads the table's own blocks.
+        "Q6_K": {STORED_BLOCKS: 1},
         "F32": {MODEL_DTYPE: 5},
     }
     assert report.weight_memory_bytes is not None
@@ -201,7 +200,7 @@ def test_a_k_quant_mix_is_dequantized_and_the_estimate_is_what_a_load_holds(
         assert load["model_tensor_bytes"] == report.weight_memory_bytes[dtype], dtype
         assert load["after"]["rss_bytes"] > 0
     code, out, _ = run_cli([str(path)], capsys)
-    assert code == 0 and "Q6_K" in out and "int8 per row" in out
+    assert code == 0 and "Q6_K" in out and "stored blocks" in out
 
 
 def test_an_unknown_gguf_architecture_is_refused_by_name(

@@ -17,10 +17,10 @@ def apply_quantization(model: CausalLM, quantization: str, path: Path) -> None:
     quantization = resolve_quantization(quantization, path)
     if quantization == "none":
         return
-    if quantization in ("gguf", "gguf-a8"):
+    if quantization in ("gguf", "gguf-exact"):
         from services.worker.quantization.gguf_direct import load_gguf_quantized
 
-        load_gguf_quantized(model, path, int8_activations=quantization == "gguf-a8")
+        load_gguf_quantized(model, path, int8_activations=quantization == "gguf")
         return
     from services.worker.quantization.swap import quantize_model
 

@@ -1,7 +1,7 @@
 """The names of the KV cache and weight formats, their validation, and what they resolve to.
 
 --kv-cache-dtype  auto (the model dtype) | int8 (per-group scales, --kv-cache-group-size)
---quantization    none | int8 | w8a8 | int4 | nf4 | gguf | gguf-a8 | auto
+--quantization    none | int8 | w8a8 | int4 | nf4 | gguf | gguf-exact | auto
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from services.common.errors import LLMServeError
 
 KVCacheDType = Literal["auto", "int8"]
-Quantization = Literal["none", "int8", "w8a8", "int4", "nf4", "gguf", "gguf-a8", "auto"]
+Quantization = Literal["none", "int8", "w8a8", "int4", "nf4", "gguf", "gguf-exact", "auto"]
 
 KV_CACHE_DTYPES: tuple[KVCacheDType, ...] = ("auto", "int8")
 QUANTIZATIONS: tuple[Quantization, ...] = (
@@ -24,7 +24,7 @@ QUANTIZATIONS: tuple[Quantization, ...] = (
     "int4",
     "nf4",
     "gguf",
-    "gguf-a8",
+    "gguf-exact",
     "auto",
 )
 QUANTIZATION_HELP = {
@@ -33,10 +33,11 @@ QUANTIZATION_HELP = {
     "w8a8": "int8 weights per channel, int8 activations per token (dynamic); o_proj stays float",
     "int4": "int4 weight-only, asymmetric, one scale and zero per group of 32 along K",
     "nf4": "4-bit normal-float codes, one absmax per group of 64 along K",
-    "gguf": "keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored and compute on them (fp32:"
-    " exact; bf16: int8 activation blocks); other tensor kinds stay float",
-    "gguf-a8": "a GGUF file's blocks as gguf, with activations rounded to int8 per 32 values at"
-    " every dtype (llama.cpp's arithmetic): the fastest on CPUs, not exact in fp32",
+    "gguf": "keep a GGUF file's quantized blocks (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ4_NL, IQ4_XS)"
+    " as stored and compute on them with activations rounded to int8 per 32 values"
+    " (llama.cpp's arithmetic); F16/F32/BF16 tensors and other kinds stay float",
+    "gguf-exact": "a GGUF file's blocks as gguf, but fp32 activations multiply the file's"
+    " exact weights in fp32 (parity with transformers; slower)",
     "auto": "the model file's own format: a GGUF file as gguf, a Hugging Face directory in its"
     " dtype (as none)",
 }

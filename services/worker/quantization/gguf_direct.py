@@ -1,18 +1,20 @@
-"""Serve a GGUF file's quantized tensors as the file stores them: Q4_0, Q4_1 and Q8_0 blocks
-are kept byte for byte and read by the GGUF kernels (kernels/csrc/gguf_gemm.cpp), so the
-weights in memory are the file's and nothing is rounded a second time.
+"""Serve a GGUF file's quantized tensors as the file stores them: every kind the kernels read
+(kernels/gguf_blocks_torch.GGUF_KINDS: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL,
+IQ4_XS) is kept byte for byte and read by the GGUF kernels (kernels/csrc/gguf_gemm.cpp), so
+the weights in memory are the file's and nothing is rounded a second time.
 
     tensors of a layer                       becomes
-    one kind of Q4_0 / Q4_1 / Q8_0           GGUFLinear over the file's block rows
-    Q4_0 mixed with Q4_1                     Int4Linear: code q, scale d, zero m + 8d (the
-                                             zero rounded to the activation dtype)
-    anything else (K-quants, F16, F32, ...)  stays as the float loader made it
+    parts of one kind                        GGUFLinear over the parts' block rows, stacked
+    parts of different kinds (Q4_K_M's       GGUFLinear over one tensor per part: their
+      q|k|v, say)                            outputs side by side, activations rounded once
+    any part of another kind (F16, F32,      stays as the float loader made it
+      BF16, IQ2/IQ3 ...)
 
 A fused layer (q|k|v, gate|up) stacks its parts' block rows: rows are independent, and the
-q/k row order fix of the float loader (`unpermute_rows`) moves whole block rows. A Q4_0 /
-Q4_1 / Q8_0 token_embd becomes a GGUFEmbedding and, in a tied model, the output layer is a
-GGUFLinear over the same buffer (one copy). Otherwise the embedding and output layer become
-int8 per row, as for the other formats.
+q/k row order fix of the float loader (`unpermute_rows`) moves whole block rows. A quantized
+token_embd becomes a GGUFEmbedding and, in a tied model, the output layer is a GGUFLinear over
+the same buffer (one copy). Otherwise the embedding and output layer become int8 per row, as
+for the other formats.
 """
 
 from __future__ import annotations
@@ -33,10 +35,8 @@ from services.worker.model.causal_lm import CausalLM
 from services.worker.model.families import gguf_model_architecture
 from services.worker.quantization.formats import InvalidFormatError
 from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear
-from services.worker.quantization.linear import Int4Linear, Int8WeightOnlyLinear
+from services.worker.quantization.linear import Int8WeightOnlyLinear
 from services.worker.quantization.swap import quantize_output_and_embedding
-
-GGUF_BLOCK = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,30 +45,6 @@ class BlockRows:
 
     kind: str
     rows: np.ndarray
-
-
-@dataclass(frozen=True, slots=True)
-class Int4Codes:
-    """codes uint8 [N, K] in 0..15, scale and zero fp32 [N, K / 32]: W = (q - 8) s + z."""
-
-    codes: Tensor
-    scale: Tensor
-    zero: Tensor
-
-
-def decode_q4(raw: np.ndarray, rows: int, kind: str) -> Int4Codes:
-    """Raw Q4_0 / Q4_1 bytes [rows, row_bytes] -> codes and group scales."""
-    header = 4 if kind == "Q4_1" else 2
-    blocks = raw.reshape(rows, -1, header + GGUF_BLOCK // 2)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d
-    else:
-        zero = np.zeros_like(d)
-    nibbles = blocks[..., header:]
-    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(rows, -1)
-    return Int4Codes(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero))
 
 
 def read_block_rows(reader: Any) -> dict[str, list[BlockRows]]:
@@ -103,21 +79,21 @@ def _buffer(rows: list[np.ndarray]) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(rows, axis=0)))
 
 
-def _int4_layer(parts: list[BlockRows], bias: Tensor | None, dtype: torch.dtype) -> Int4Linear:
-    """Q4_0 and Q4_1 parts in one fused layer: the int4 layer with the file's codes."""
-    decoded = [decode_q4(p.rows, p.rows.shape[0], p.kind) for p in parts]
-    return Int4Linear(
-        torch.cat([c.codes for c in decoded]),
-        torch.cat([c.scale for c in decoded]),
-        torch.cat([c.zero for c in decoded]),
-        bias,
-        dtype,
-    )
+def _runs_of_one_kind(parts: list[BlockRows]) -> list[list[BlockRows]]:
+    """Consecutive parts of the same kind, grouped (each group becomes one block tensor)."""
+    runs: list[list[BlockRows]] = []
+    for part in parts:
+        if runs and runs[-1][0].kind == part.kind:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
 
 
-def load_gguf_quantized(model: CausalLM, path: Path, *, int8_activations: bool = False) -> None:
+def load_gguf_quantized(model: CausalLM, path: Path, *, int8_activations: bool = True) -> None:
     """Swap `model`'s (float, already loaded) layers for the file's own quantized tensors;
-    `int8_activations`: their products round activations to int8 blocks at every dtype."""
+    `int8_activations`: their products round activations to int8 blocks at every dtype
+    (llama.cpp's arithmetic); otherwise fp32 activations get the exact product."""
     if path.suffix != ".gguf":
         raise InvalidFormatError(f"--quantization gguf needs a .gguf model, got {path}")
     found = read_block_rows(open_gguf(path))
@@ -129,17 +105,13 @@ def load_gguf_quantized(model: CausalLM, path: Path, *, int8_activations: bool =
         present = found.get(name)
         if present is None:
             return linear
-        kinds = {p.kind for p in present}
-        if len(kinds) == 1:
-            return GGUFLinear(
-                _buffer([p.rows for p in present]),
-                GGUF_KINDS[kinds.pop()],
-                bias,
-                int8_activations=int8_activations,
-            )
-        if kinds <= {"Q4_0", "Q4_1"}:
-            return _int4_layer(present, bias, dtype)
-        return linear
+        runs = _runs_of_one_kind(present)
+        return GGUFLinear(
+            [_buffer([p.rows for p in run]) for run in runs],
+            [GGUF_KINDS[run[0].kind] for run in runs],
+            bias,
+            int8_activations=int8_activations,
+        )
 
     for index, layer in enumerate(model.layers):
         prefix = f"layers.{index}"

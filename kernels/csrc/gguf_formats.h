@@ -1,0 +1,462 @@
+// The GGUF block formats beyond Q4_0 / Q4_1 / Q8_0, each described once for every kernel in
+// gguf_gemm.cpp: where its codes and scales sit, the values ggml defines, and how a 32-value
+// chunk of it becomes byte codes for an integer dot product.
+//
+//   format   ggml id  values  bytes  one group (a block, or a K-quant super-block)
+//   Q5_0       6        32     22    d | qh (32 high bits) | 16 B nibbles      d (q - 16)
+//   Q5_1       7        32     24    d | m | qh | 16 B nibbles                  d q + m
+//   Q2_K      10       256     84    16 B scales (4-bit scale | 4-bit min) | 64 B 2-bit codes
+//                                    | d | dmin                                 d s q - dmin m
+//   Q3_K      11       256    110    32 B high bits | 64 B 2-bit codes | 12 B 6-bit scales | d
+//                                                                               d (s - 32) (q - 4)
+//   Q4_K      12       256    144    d | dmin | 12 B 6-bit scales and mins | 128 B nibbles
+//                                                                               d s q - dmin m
+//   Q5_K      13       256    176    d | dmin | 12 B scales and mins | 32 B high bits | 128 B
+//   Q6_K      14       256    210    128 B low nibbles | 64 B 2-bit highs | 16 int8 scales | d
+//                                                                               d s (q - 32)
+//   IQ4_NL    20        32     18    d | 16 B nibbles -> 16 non-uniform levels  d T[q]
+//   IQ4_XS    23       256    136    d | 2 B high scale bits | 4 B low scale bits | 128 B
+//                                                                               d (s - 32) T[q]
+// (d, m, dmin: fp16.) The exact values come from `dequantize`, written as ggml's reference
+// dequantization computes them (the same float operations in the same order, so the fp32
+// path multiplies by the file's weights to the bit).
+//
+// The integer path reads a group as chunks of 32 values, each one 32 byte codes (value order)
+// with a factor and an offset per 16 values:
+//     w_j = factor[j / 16] * q_j + offset[j / 16]
+// Unsigned formats give q_j < 64, so u8 x s8 pair sums stay below int16 saturation. Signed
+// formats (kSigned: IQ4 levels in -127..113) give q_j as int8 and no offset; the kernel moves
+// their sign onto the activations.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(LLMSERVE_GGUF_SCALAR)
+#include <immintrin.h>
+#define GGUF_FORMATS_AVX2 1
+#endif
+
+#include <c10/util/Half.h>
+
+namespace gguf {
+
+constexpr int64_t kQ5_0 = 6, kQ5_1 = 7, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+                  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23;
+constexpr int kChunk = 32;
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+#ifdef GGUF_FORMATS_AVX2
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+// IQ4's 16 levels (llama.cpp's kvalues_iq4nl).
+alignas(16) constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
+
+// A group's factors and offsets, one per 16 values (up to 256 values).
+struct GroupScales {
+  float factor[16];
+  float offset[16];
+};
+
+// Q4_K / Q5_K: scale and min of sub-block j (of 8), 6 bits each, packed in 12 bytes.
+inline void scale_min_k4(int j, const uint8_t* q, int& scale, int& min) {
+  if (j < 4) {
+    scale = q[j] & 63;
+    min = q[j + 4] & 63;
+  } else {
+    scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Q3_K: the 16 6-bit scales (minus 32).
+inline void q3_k_scales(const uint8_t* packed, int8_t* out) {
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? packed[j] & 0xF : packed[j - 8] >> 4;
+    const int high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+    out[j] = static_cast<int8_t>((low | (high << 4)) - 32);
+  }
+}
+
+// Byte i of the result: bit i of the 32 bits at `bits`, as 0 or `value`.
+#ifdef GGUF_FORMATS_AVX2
+inline __m256i spread_bits(const uint8_t* bits, int8_t value) {
+  uint32_t word;
+  std::memcpy(&word, bits, sizeof(word));
+  // Byte i <- byte i / 8 of the word, then test bit i % 8 of it.
+  const __m256i byte_of_bit = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                 0x0303030303030303LL);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(word)),
+                                             byte_of_bit);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(value));
+}
+
+// 16 bytes of nibbles -> 32 codes: the low nibbles (values 0..15), then the high ones.
+inline __m256i split_nibbles(const uint8_t* bytes) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(packed),
+                                               _mm_srli_epi16(packed, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// 32 bytes, bits [shift, shift + width) of each.
+inline __m256i bit_field(const uint8_t* bytes, int shift, int mask) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)),
+                          _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+inline __m256i iq4_levels(__m256i nibbles) {
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Levels));
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles);
+}
+#endif
+
+template <int64_t KIND>
+struct Format;
+
+template <>
+struct Format<kQ5_0> {
+  static constexpr int kValues = 32, kBytes = 22;
+  static constexpr bool kSigned = false, kPerHalf = false;
+  static void dequantize(const uint8_t* g, float* y) {
+    const float d = half_at(g);
+    uint32_t qh;
+    std::memcpy(&qh, g + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      const int lo = (g[6 + j] & 0xF) | (((qh >> j) & 1) << 4);
+      const int hi = (g[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      y[j] = static_cast<float>(lo - 16) * d;
+      y[j + 16] = static_cast<float>(hi - 16) * d;
+    }
+  }
+  static void scales(const uint8_t* g, GroupScales& s) {
+    s.factor[0] = half_at(g);
+    s.offset[0] = -16.f * s.factor[0];
+  }
+  static void codes(const uint8_t* g, int, int32_t* q) {
+    uint32_t qh;
+    std::memcpy(&qh, g + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (g[6 + j] & 0xF) | (((qh >> j) & 1) << 4);
+      q[j + 16] = (g[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    }
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static __m256i codes_avx2(const uint8_t* g, int) {
+    return _mm256_or_si256(split_nibbles(g + 6), spread_bits(g + 2, 16));
+  }
+#endif
+};
+
+template <>
+struct Format<kQ5_1> {
+  static constexpr int kValues = 32, kBytes = 24;
+  static constexpr bool kSigned = false, kPerHalf = false;
+  static void dequantize(const uint8_t* g, float* y) {
+    const float d = half_at(g), m = half_at(g + 2);
+    int32_t q[32];
+    codes(g, 0, q);
+    for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(q[j]) * d + m;
+  }
+  static void scales(const uint8_t* g, GroupScales& s) {
+    s.factor[0] = half_at(g);
+    s.offset[0] = half_at(g + 2);
+  }
+  static void codes(const uint8_t* g, int, int32_t* q) {
+    uint32_t qh;
+    std::memcpy(&qh, g + 4, 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (g[8 + j] & 0xF) | (((qh >> j) & 1) << 4);
+      q[j + 16] = (g[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    }
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static __m256i codes_avx2(const uint8_t* g, int) {
+    return _mm256_or_si256(split_nibbles(g + 8), spread_bits(g + 4, 16));
+  }
+#endif
+};
+
+// Q2_K: scales[16] | qs[64] | d | dmin. Chunk c (of 8): codes (qs[32 (c / 4) + l] >> 2 (c % 4))
+// & 3, sub-blocks 2c and 2c + 1.
+template <>
+struct Format<kQ2_K> {
+  static constexpr int kValues = 256, kBytes = 84;
+  static constexpr bool kSigned = false, kPerHalf = true;
+  static void dequantize(const uint8_t* g, float* y) {
+    GroupScales s;
+    int32_t q[32];
+    for (int c = 0; c < 8; ++c) {
+      codes(g, c, q);
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t sc = g[2 * c + half];
+        const float dl = half_at(g + 80) * static_cast<float>(sc & 0xF);
+        const float ml = half_at(g + 82) * static_cast<float>(sc >> 4);
+        for (int l = 0; l < 16; ++l) y[32 * c + 16 * half + l] = dl * q[16 * half + l] - ml;
+      }
+    }
+    (void)s;
+  }
+  static void scales(const uint8_t* g, GroupScales& s) {
+    const float d = half_at(g + 80), dmin = half_at(g + 82);
+    for (int j = 0; j < 16; ++j) {
+      s.factor[j] = d * static_cast<float>(g[j] & 0xF);
+      s.offset[j] = -(dmin * static_cast<float>(g[j] >> 4));
+    }
+  }
+  static void codes(const uint8_t* g, int c, int32_t* q) {
+    const uint8_t* qs = g + 16 + 32 * (c / 4);
+    for (int l = 0; l < 32; ++l) q[l] = (qs[l] >> (2 * (c % 4))) & 3;
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static __m256i codes_avx2(const uint8_t* g, int c) {
+    return bit_field(g + 16 + 32 * (c / 4), 2 * (c % 4), 3);
+  }
+#endif
+};
+
+// Q3_K: hmask[32] | qs[64] | scales[12] | d. Chunk c: low bits as Q2_K's, high bit = bit c of
+// hmask[l]; the code q3 = low + 4 high is 0..7 and the value d (s - 32) (q3 - 4).
+template <>
+struct Format<kQ3_K> {
+  static constexpr int kValues = 256, kBytes = 110;
+  static constexpr bool kSigned = false, kPerHalf = true;
+  static void dequantize(const uint8_t* g, float* y) {
+    int8_t sc[16];
+    q3_k_scales(g + 96, sc);
+    const float d = half_at(g + 108);
+    int32_t q[32];
+    for (int c = 0; c < 8; ++c) {
+      codes(g, c, q);
+      for (int half = 0; half < 2; ++half) {
+        const float dl = d * static_cast<float>(sc[2 * c + half]);
+        for (int l = 0; l < 16; ++l) {
+          y[32 * c + 16 * half + l] = dl * static_cast<float>(q[16 * half + l] - 4);
+        }
+      }
+    }
+  }
+  static void scales(const uint8_t* g, GroupScales& s) {
+    int8_t sc[16];
+    q3_k_scales(g + 96, sc);
+    const float d = half_at(g + 108);
+    for (int j = 0; j < 16; ++j) {
+      s.factor[j] = d * static_cast<float>(sc[j]);
+      s.offset[j] = -4.f * s.factor[j];
+    }
+  }
+  static void codes(const uint8_t* g, int c, int32_t* q) {
+    const uint8_t* qs = g + 32 + 32 * (c / 4);
+    for (int l = 0; l < 32; ++l) {
+      q[l] = ((qs[l] >> (2 * (c % 4))) & 3) | (((g[l] >> c) & 1) << 2);
+    }
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static __m256i codes_avx2(const uint8_t* g, int c) {
+    const __m256i low = bit_field(g + 32 + 32 * (c / 4), 2 * (c % 4), 3);
+    const __m256i high = bit_field(g, c, 1);
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+  }
+#endif
+};
+
+// Q4_K: d | dmin | scales[12] | qs[128]. Chunk c: nibbles of qs[32 (c / 2) + l], low for even c;
+// sub-block c's 6-bit scale and min.
+template <>
+struct Format<kQ4_K> {
+  static constexpr int kValues = 256, kBytes = 144;
+  static constexpr bool kSigned = false, kPerHalf = false;
+  static void dequantize(const uint8_t* g, float* y) {
+    GroupScales s;
+    scales(g, s);
+    int32_t q[32];
+    for (int c = 0; c < 8; ++c) {
+      codes(g, c, q);
+      // ggml: d1 * q - m1, where offset = -m1 (negation is exact)
+      for (int l = 0; l < 32; ++l) y[32 * c + l] = s.factor[c] * q[l] + s.offset[c];
+    }
+  }
+  static void scales(const uint8_t* g, GroupScales& s) {
+    const float d = half_at(g), dmin = half_at(g + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(j, g + 4, sc, m);
+      s.factor[j] = d * static_cast<float>(sc);
+      s.offset[j] = -(dmin * static_cast<float>(m));
+    }
+  }
+  static void codes(const uint8_t* g, int c, int32_t* q) {
+    const uint8_t* qs = g + 16 + 32 * (c / 2);
+    for (int l = 0; l < 32; ++l) q[l] = (qs[l] >> (4 * (c % 2))) & 0xF;
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static __m256i codes_avx2(const uint8_t* g, int c) {
+    return bit_field(g + 16 + 32 * (c / 2), 4 * (c % 2), 0xF);
+  }
+#endif
+};
+
+// Q5_K: d | dmin | scales[12] | qh[32] | qs[128]. Chunk c: Q4_K's nibble plus 16 x bit c of qh[l].
+template <>
+struct Format<kQ5_K> {
+  static constexpr int kValues = 256, kBytes = 176;
+  static constexpr bool kSigned = false, kPerHalf = false;
+  static void dequantize(const uint8_t* g, float* y) {
+    GroupScales s;
+    scales(g, s);
+    int32_t q[32];
+    for (int c = 0; c < 8; ++c) {
+      codes(g, c, q);
+      for (int l = 0; l < 32; ++l) y[32 * c + l] = s.factor[c] * q[l] + s.offset[c];
+    }
+  }
+  static void scales(const uint8_t* g, GroupScales& s) { Format<kQ4_K>::scales(g, s); }
+  static void codes(const uint8_t* g, int c, int32_t* q) {
+    const uint8_t* qs = g + 48 + 32 * (c / 2);
+    for (int l = 0; l < 32; ++l) {
+      q[l] = ((qs[l] >> (4 * (c % 2))) & 0xF) | (((g[16 + l] >> c) & 1) << 4);
+    }
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static __m256i codes_avx2(const uint8_t* g, int c) {
+    const __m256i low = bit_field(g + 48 + 32 * (c / 2), 4 * (c % 2), 0xF);
+    return _mm256_or_si256(low, _mm256_slli_epi16(bit_field(g + 16, c, 1), 4));
+  }
+#endif
+};
+
+// Q6_K: ql[128] | qh[64] | scales[16] int8 | d. Chunk c = 4 h + j: nibble of ql[64 h + 32 (j % 2)
+// + l] (low for j < 2), high two bits (qh[32 h + l] >> 2 j) & 3; sub-blocks 2c and 2c + 1.
+template <>
+struct Format<kQ6_K> {
+  static constexpr int kValues = 256, kBytes = 210;
+  static constexpr bool kSigned = false, kPerHalf = true;
+  static void dequantize(const uint8_t* g, float* y) {
+    const float d = half_at(g + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(g + 192);
+    int32_t q[32];
+    for (int c = 0; c < 8; ++c) {
+      codes(g, c, q);
+      for (int half = 0; half < 2; ++half) {
+        const float dl = d * static_cast<float>(sc[2 * c + half]);
+        for (int l = 0; l < 16; ++l) {
+          y[32 * c + 16 * half + l] = dl * static_cast<float>(q[16 * half + l] - 32);
+        }
+      }
+    }
+  }
+  static void scales(const uint8_t* g, GroupScales& s) {
+    const float d = half_at(g + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(g + 192);
+    for (int j = 0; j < 16; ++j) {
+      s.factor[j] = d * static_cast<float>(sc[j]);
+      s.offset[j] = -32.f * s.factor[j];
+    }
+  }
+  static void codes(const uint8_t* g, int c, int32_t* q) {
+    const int h = c / 4, j = c % 4;
+    const uint8_t* ql = g + 64 * h + 32 * (j % 2);
+    const uint8_t* qh = g + 128 + 32 * h;
+    for (int l = 0; l < 32; ++l) {
+      q[l] = ((ql[l] >> (4 * (j / 2))) & 0xF) | (((qh[l] >> (2 * j)) & 3) << 4);
+    }
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static __m256i codes_avx2(const uint8_t* g, int c) {
+    const int h = c / 4, j = c % 4;
+    const __m256i low = bit_field(g + 64 * h + 32 * (j % 2), 4 * (j / 2), 0xF);
+    const __m256i high = bit_field(g + 128 + 32 * h, 2 * j, 3);
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  }
+#endif
+};
+
+template <>
+struct Format<kIQ4_NL> {
+  static constexpr int kValues = 32, kBytes = 18;
+  static constexpr bool kSigned = true, kPerHalf = false;
+  static void dequantize(const uint8_t* g, float* y) {
+    const float d = half_at(g);
+    int32_t q[32];
+    codes(g, 0, q);
+    for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(q[j]);
+  }
+  static void scales(const uint8_t* g, GroupScales& s) {
+    s.factor[0] = half_at(g);
+    s.offset[0] = 0.f;
+  }
+  static void codes(const uint8_t* g, int, int32_t* q) {
+    for (int j = 0; j < 16; ++j) {
+      q[j] = kIQ4Levels[g[2 + j] & 0xF];
+      q[j + 16] = kIQ4Levels[g[2 + j] >> 4];
+    }
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static __m256i codes_avx2(const uint8_t* g, int) { return iq4_levels(split_nibbles(g + 2)); }
+#endif
+};
+
+// IQ4_XS: d | scales_h (16 bits) | scales_l[4] | qs[128]. Chunk c: IQ4_NL's nibbles of
+// qs[16 c ..], scale (4 bits of scales_l[c / 2] | 2 bits of scales_h) - 32.
+template <>
+struct Format<kIQ4_XS> {
+  static constexpr int kValues = 256, kBytes = 136;
+  static constexpr bool kSigned = true, kPerHalf = false;
+  static int scale(const uint8_t* g, int c) {
+    uint16_t high;
+    std::memcpy(&high, g + 2, sizeof(high));
+    return (((g[4 + c / 2] >> (4 * (c % 2))) & 0xF) | (((high >> (2 * c)) & 3) << 4)) - 32;
+  }
+  static void dequantize(const uint8_t* g, float* y) {
+    const float d = half_at(g);
+    int32_t q[32];
+    for (int c = 0; c < 8; ++c) {
+      const float dl = d * static_cast<float>(scale(g, c));
+      codes(g, c, q);
+      for (int j = 0; j < 32; ++j) y[32 * c + j] = dl * static_cast<float>(q[j]);
+    }
+  }
+  static void scales(const uint8_t* g, GroupScales& s) {
+    const float d = half_at(g);
+    for (int c = 0; c < 8; ++c) {
+      s.factor[c] = d * static_cast<float>(scale(g, c));
+      s.offset[c] = 0.f;
+    }
+  }
+  static void codes(const uint8_t* g, int c, int32_t* q) {
+    const uint8_t* qs = g + 8 + 16 * c;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = kIQ4Levels[qs[j] & 0xF];
+      q[j + 16] = kIQ4Levels[qs[j] >> 4];
+    }
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static __m256i codes_avx2(const uint8_t* g, int c) {
+    return iq4_levels(split_nibbles(g + 8 + 16 * c));
+  }
+#endif
+};
+
+// Factor and offset of the 16 values [16 h, 16 h + 16) of chunk c.
+template <int64_t KIND>
+inline int scale_index(int c, int h) {
+  if constexpr (Format<KIND>::kPerHalf) {
+    return 2 * c + h;
+  } else if constexpr (Format<KIND>::kValues == 32) {
+    return 0;
+  } else {
+    return c;
+  }
+}
+
+}  // namespace gguf
