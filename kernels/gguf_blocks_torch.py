@@ -63,13 +63,27 @@ GGUF_KINDS = {
 }
 """The tensor kinds the kernels compute on as stored, by their GGUF (ggml) names."""
 KIND_NAMES = {kind: name for name, kind in GGUF_KINDS.items()}
+GGUF_REPACKED_X8 = 256
+"""Kind flag: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks regrouped by 8 rows at load
+(kernels/csrc/gguf_gemm.cpp, "repacked by 8 rows"), the layout the int8-activation kernels
+stream best. Same bytes, so the same memory; only the C++ kernels read it."""
+REPACKABLE_KINDS = (GGUF_Q4_0, GGUF_Q4_1, 6, 7, GGUF_Q8_0)
+
+
+def kind_name(kind: int) -> str:
+    """ "Q4_1", or "Q4_1 x8" for the repacked layout."""
+    name = KIND_NAMES[kind & ~GGUF_REPACKED_X8]
+    return f"{name} x8" if kind & GGUF_REPACKED_X8 else name
+
+
 ACTIVATION_LEVELS = 127.0
 HALF_PANEL_MIN_ROWS = 16
 """kHalfPanelMinRows of kernels/csrc/gguf_gemm.cpp (the tests hold the two equal)."""
 
 
 def group_shape(kind: int) -> tuple[int, int]:
-    """(values, bytes) of one block of `kind`."""
+    """(values, bytes) of one block of `kind` (either layout)."""
+    kind &= ~GGUF_REPACKED_X8
     if kind not in GROUP_SHAPES:
         known = ", ".join(f"{name} ({k})" for name, k in GGUF_KINDS.items())
         raise ValueError(f"GGUF block kind {kind} is not one of {known}")

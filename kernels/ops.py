@@ -250,7 +250,18 @@ def nf4_gemm(x: Tensor, packed: Tensor, absmax: Tensor) -> Tensor:
 # functions above, so this section stays self-contained.
 from kernels import batch_invariant_torch, gguf_blocks_torch  # noqa: E402
 
-__all__ += ["gguf_embedding", "gguf_linear", "gguf_linear_parts"]
+__all__ += ["gguf_embedding", "gguf_kernel_layout", "gguf_linear", "gguf_linear_parts"]
+
+
+def gguf_kernel_layout(blocks: Tensor, kind: int) -> tuple[Tensor, int]:
+    """The blocks in the layout the int8-activation kernels stream best, and its kind: Q4_0,
+    Q4_1, Q5_0, Q5_1 or Q8_0 with a multiple of 8 rows regrouped by 8 rows (the same bytes)
+    when the C++ kernels run here; anything else as it is."""
+    repackable = kind in gguf_blocks_torch.REPACKABLE_KINDS and blocks.shape[0] % 8 == 0
+    if not repackable or not use_cpu_extension(blocks):
+        return blocks, kind
+    repacked = torch.ops.llmserve.gguf_repack(blocks, kind)
+    return repacked, kind | gguf_blocks_torch.GGUF_REPACKED_X8
 
 
 def gguf_linear(

@@ -175,6 +175,7 @@ struct Activations {
   std::vector<int8_t> codes;  // [rows, K]
   std::vector<float> scale;   // [rows, K / 32]: s
   std::vector<float> sum;     // [rows, K / 32]: s * sum_j c_j
+  std::vector<int32_t> isum;  // [rows, K / 32]: sum_j c_j
   // [rows, K / 32, 2]: (s, f * s * sum_j c_j), f = 1 (Q4_1), -8 (Q4_0), 0 (Q8_0): one 8-byte
   // load gives a block's two activation factors to the small-M kernel.
   std::vector<float> pair;
@@ -192,6 +193,7 @@ Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, flo
   a.codes.resize(rows * k);
   a.scale.resize(rows * a.num_blocks);
   a.sum.resize(rows * a.num_blocks);
+  a.isum.resize(rows * a.num_blocks);
   a.pair.resize(rows * a.num_blocks * 2);
   a.sum4.resize(rows * a.num_blocks * 8);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -220,6 +222,7 @@ Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, flo
         }
         a.scale[m * a.num_blocks + b] = s;
         a.sum[m * a.num_blocks + b] = s * static_cast<float>(total);
+        a.isum[m * a.num_blocks + b] = total;
         a.pair[(m * a.num_blocks + b) * 2] = s;
         a.pair[(m * a.num_blocks + b) * 2 + 1] = sum_factor * a.sum[m * a.num_blocks + b];
       }
@@ -704,6 +707,252 @@ void chunk_rows(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_
 #endif
 }
 
+
+// ---- Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 repacked by 8 rows (the int8 path's layout) -------
+// At load, each group of 8 weight rows is rewritten block by block so that one 32-byte load
+// holds 4 code bytes of each of the 8 rows:
+//
+//   per group of 8 rows, per block b (the 8 rows' blocks, the same bytes reordered):
+//     Q4_0  d[8] fp16 | 4 x [row 0 bytes 4i..4i+3 | row 1 ... | row 7]        16 + 128 bytes
+//     Q4_1  d[8] | m[8] | the same 4 x 32 bytes                                32 + 128
+//     Q5_0  d[8] | qh[8] (32 bits each) | the same 4 x 32 bytes               48 + 128
+//     Q5_1  d[8] | m[8] | qh[8] | the same 4 x 32 bytes                        64 + 128
+//     Q8_0  d[8] | 8 x [row 0 codes 4i..4i+3 | ... | row 7]                    16 + 256
+//
+// A 4-bit 32-byte vector's low nibbles are values 4i..4i+3 of each row and its high nibbles
+// values 16 + 4i..; against the broadcast 4 activation codes of those values, one byte dot
+// gives the 8 rows' partial sums in the 8 int32 lanes. So the 8 rows' block scales load as
+// one vector (8 fp16), no horizontal sum remains, and a tile of MR activation rows reuses
+// each unpacked vector MR times. Pair products are at most 2 x 15 x 127 (Q4) or 2 x 31 x 127
+// (Q5), so 8 (Q4) or 4 (Q5) of them add up in int16 before one widening.
+constexpr int kGroupRows = 8;
+constexpr int64_t kRepackedX8 = 256;  // kind flag: the blocks are in the layout above
+
+constexpr bool is_x8_kind(int64_t kind) {
+  return is_block_kind(kind) || kind == gguf::kQ5_0 || kind == gguf::kQ5_1;
+}
+
+template <int64_t KIND>
+constexpr int64_t x8_block_bytes() {
+  if constexpr (is_block_kind(KIND)) {
+    return Layout<KIND>::bytes;
+  } else {
+    return gguf::Format<KIND>::kBytes;
+  }
+}
+
+constexpr bool has_min(int64_t kind) { return kind == kQ4_1 || kind == gguf::kQ5_1; }
+constexpr bool has_high_bits(int64_t kind) { return kind == gguf::kQ5_0 || kind == gguf::kQ5_1; }
+
+// Bytes before the codes in one block of the group: d[8], then m[8], then qh[8].
+template <int64_t KIND>
+constexpr int64_t x8_header() {
+  return 16 + (has_min(KIND) ? 16 : 0) + (has_high_bits(KIND) ? 32 : 0);
+}
+
+template <int64_t KIND>
+constexpr int64_t x8_high_bits_at() {
+  return has_min(KIND) ? 32 : 16;
+}
+
+// rows [N, row_bytes] (N a multiple of 8) -> the same bytes, regrouped.
+template <int64_t KIND>
+void repack_x8(const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* dst) {
+  constexpr int64_t bytes = x8_block_bytes<KIND>(), header = x8_header<KIND>();
+  constexpr int64_t code_bytes = bytes - header / kGroupRows;  // per row and block
+  const int64_t nb = row_bytes / bytes;
+  at::parallel_for(0, rows / kGroupRows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* out = dst + g * kGroupRows * row_bytes + b * kGroupRows * bytes;
+        for (int r = 0; r < kGroupRows; ++r) {
+          const uint8_t* block = src + (g * kGroupRows + r) * row_bytes + b * bytes;
+          std::memcpy(out + 2 * r, block, 2);  // d
+          if constexpr (has_min(KIND)) std::memcpy(out + 16 + 2 * r, block + 2, 2);
+          if constexpr (has_high_bits(KIND)) {
+            std::memcpy(out + x8_high_bits_at<KIND>() + 4 * r, block + (has_min(KIND) ? 4 : 2), 4);
+          }
+          const uint8_t* codes = block + (bytes - code_bytes);
+          for (int64_t i = 0; i < code_bytes / 4; ++i) {
+            std::memcpy(out + header + (i * kGroupRows + r) * 4, codes + 4 * i, 4);
+          }
+        }
+      }
+    }
+  });
+}
+
+// Row `row` of an x8 tensor back to the file's block layout (for lookups and the scalar path).
+template <int64_t KIND>
+void unpack_x8_row(const uint8_t* repacked, int64_t row, int64_t row_bytes, uint8_t* block_row) {
+  constexpr int64_t bytes = x8_block_bytes<KIND>(), header = x8_header<KIND>();
+  constexpr int64_t code_bytes = bytes - header / kGroupRows;
+  const int64_t nb = row_bytes / bytes, g = row / kGroupRows, r = row % kGroupRows;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* in = repacked + g * kGroupRows * row_bytes + b * kGroupRows * bytes;
+    uint8_t* block = block_row + b * bytes;
+    std::memcpy(block, in + 2 * r, 2);
+    if constexpr (has_min(KIND)) std::memcpy(block + 2, in + 16 + 2 * r, 2);
+    if constexpr (has_high_bits(KIND)) {
+      std::memcpy(block + (has_min(KIND) ? 4 : 2), in + x8_high_bits_at<KIND>() + 4 * r, 4);
+    }
+    for (int64_t i = 0; i < code_bytes / 4; ++i) {
+      std::memcpy(block + (bytes - code_bytes) + 4 * i, in + header + (i * kGroupRows + r) * 4, 4);
+    }
+  }
+}
+
+// The result of one 8-row group against activation rows [m0, m0 + MR): out[m * ldo + r].
+template <int64_t KIND, int MR>
+void x8_tile_scalar(const Activations& a, int64_t m0, const uint8_t* group, int64_t row_bytes,
+                    float* out, int64_t ldo) {
+  std::vector<uint8_t> row(row_bytes);
+  for (int r = 0; r < kGroupRows; ++r) {
+    // The unpacked row through the scalar kernel of its kind: the same arithmetic.
+    unpack_x8_row<KIND>(group, r, row_bytes, row.data());
+    if constexpr (is_block_kind(KIND)) {
+      fast_row_scalar<KIND>(a, m0, MR, row.data(), out + r, ldo);
+    } else {
+      chunk_row_scalar<KIND>(a, m0, MR, row.data(), out + r, ldo);
+    }
+  }
+}
+
+#ifdef GGUF_AVX2
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm256_set1_epi32(word);
+}
+
+// Bytes 4i' .. 4i' + 3 of each lane: 16 where bit j of the lane's (high_bits >> shift) is set,
+// j = 0..3 (the 5th bit of 4 codes of one row).
+inline __m256i fifth_bits(__m256i high_bits, int shift) {
+  const __m256i shifted = _mm256_srl_epi32(high_bits, _mm_cvtsi32_si128(shift));
+  const __m256i low_byte = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m256i bit = _mm256_set1_epi32(0x08040201);
+  const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(shifted, low_byte), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(16));
+}
+
+template <int64_t KIND, int MR>
+void x8_tile_avx2(const Activations& a, int64_t m0, const uint8_t* group, int64_t row_bytes,
+                  float* out, int64_t ldo) {
+  constexpr int64_t bytes = x8_block_bytes<KIND>(), header = x8_header<KIND>();
+  // int16 pair sums per widening: 8 of Q4's, 4 of Q5's (see above).
+  constexpr int kPairsPerWidening = has_high_bits(KIND) ? 4 : 8;
+  const int64_t k = a.in_features, nb = a.num_blocks;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low_nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * kGroupRows * bytes;
+    const uint8_t* q = block + header;
+    const int8_t* c[MR];
+    for (int m = 0; m < MR; ++m) c[m] = a.codes.data() + (m0 + m) * k + b * kBlock;
+    __m256i dot[MR];
+    for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
+    if constexpr (KIND == kQ8_0) {
+      for (int i = 0; i < 8; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
+        const __m256i u = _mm256_abs_epi8(v);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i signed_c = _mm256_sign_epi8(broadcast4(c[m] + 4 * i), v);
+#ifdef GGUF_VNNI
+          dot[m] = GGUF_DPBUSD(dot[m], u, signed_c);
+#else
+          dot[m] = _mm256_add_epi32(dot[m],
+                                    _mm256_madd_epi16(_mm256_maddubs_epi16(u, signed_c), ones));
+#endif
+        }
+      }
+    } else {
+      __m256i high_bits = _mm256_setzero_si256();
+      if constexpr (has_high_bits(KIND)) {
+        high_bits = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(block + x8_high_bits_at<KIND>()));
+      }
+      __m256i pairs[MR];
+      for (int m = 0; m < MR; ++m) pairs[m] = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
+        __m256i lo = _mm256_and_si256(v, low_nibble);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+        if constexpr (has_high_bits(KIND)) {
+          lo = _mm256_or_si256(lo, fifth_bits(high_bits, 4 * i));
+          hi = _mm256_or_si256(hi, fifth_bits(high_bits, 16 + 4 * i));
+        }
+        for (int m = 0; m < MR; ++m) {
+#ifdef GGUF_VNNI
+          dot[m] = GGUF_DPBUSD(dot[m], lo, broadcast4(c[m] + 4 * i));
+          dot[m] = GGUF_DPBUSD(dot[m], hi, broadcast4(c[m] + 16 + 4 * i));
+#else
+          pairs[m] = _mm256_add_epi16(pairs[m], _mm256_maddubs_epi16(lo, broadcast4(c[m] + 4 * i)));
+          pairs[m] = _mm256_add_epi16(pairs[m],
+                                      _mm256_maddubs_epi16(hi, broadcast4(c[m] + 16 + 4 * i)));
+          if ((2 * i + 2) % kPairsPerWidening == 0) {
+            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs[m], ones));
+            pairs[m] = _mm256_setzero_si256();
+          }
+#endif
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    for (int m = 0; m < MR; ++m) {
+      const int64_t ab = (m0 + m) * nb + b;
+      const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.scale[ab]));
+      if constexpr (KIND == kQ4_0 || KIND == gguf::kQ5_0) {
+        // d s (sum q c - z sum c), z = 8 or 16: the offset in integers, exact.
+        constexpr int zero = KIND == kQ4_0 ? 8 : 16;
+        dot[m] = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(zero * a.isum[ab]));
+      }
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), ds, acc[m]);
+      if constexpr (has_min(KIND)) {
+        const __m256 mins =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+        acc[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum[ab]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+}
+#endif  // GGUF_AVX2
+
+// Activation rows in tiles of kX8TileM against groups [g0, g1).
+constexpr int kX8TileM = 4;
+
+template <int64_t KIND>
+void x8_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_total,
+               float* out, int64_t ldo) {
+  const int64_t groups = n_total / kGroupRows;
+  at::parallel_for(0, groups, kChunkN / kGroupRows, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* group = w + g * kGroupRows * row_bytes;
+      for (int64_t m0 = 0; m0 < a.rows; m0 += kX8TileM) {
+        float* o = out + m0 * ldo + g * kGroupRows;
+#ifdef GGUF_AVX2
+        switch (std::min<int64_t>(kX8TileM, a.rows - m0)) {
+          case 1: x8_tile_avx2<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
+          case 2: x8_tile_avx2<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
+          case 3: x8_tile_avx2<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
+          default: x8_tile_avx2<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
+        }
+#else
+        switch (std::min<int64_t>(kX8TileM, a.rows - m0)) {
+          case 1: x8_tile_scalar<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
+          case 2: x8_tile_scalar<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
+          case 3: x8_tile_scalar<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
+          default: x8_tile_scalar<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
+        }
+#endif
+      }
+    }
+  });
+}
+
 // Chunks of output rows over the threads; M in tiles of kTileM inside each chunk.
 template <typename Tile>
 void over_tiles(int64_t m_total, int64_t n_total, const Tile& tile) {
@@ -868,7 +1117,7 @@ void dispatch_kind(int64_t kind, const Fn& fn) {
 // (values, bytes) of one group of `kind`.
 std::pair<int64_t, int64_t> group_shape(int64_t kind) {
   std::pair<int64_t, int64_t> shape;
-  dispatch_kind(kind, [&](auto kind_constant) {
+  dispatch_kind(kind & ~kRepackedX8, [&](auto kind_constant) {
     constexpr int64_t K = decltype(kind_constant)::value;
     if constexpr (is_block_kind(K)) {
       shape = {kBlock, Layout<K>::bytes};
@@ -886,6 +1135,11 @@ void check_blocks(const at::Tensor& blocks, int64_t kind) {
   const int64_t bytes = group_shape(kind).second;
   TORCH_CHECK(blocks.size(1) % bytes == 0, "gguf blocks: a row of ", blocks.size(1),
               " bytes is not a whole number of ", bytes, "-byte blocks");
+  if (kind & kRepackedX8) {
+    TORCH_CHECK(is_x8_kind(kind & ~kRepackedX8) && blocks.size(0) % kGroupRows == 0,
+                "gguf blocks repacked by 8 rows: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 with a multiple "
+                "of 8 rows");
+  }
 }
 
 int64_t in_features(const at::Tensor& blocks, int64_t kind) {
@@ -946,7 +1200,16 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList parts, at::IntA
     // path at every M.
     const bool panel = !exact && (kind == kQ4_0 || kind == kQ4_1) &&
                        m_total >= kHalfPanelMinRows && !batch_invariant;
-    if (exact || panel) {
+    if (kind & kRepackedX8) {
+      // One path for every M (each output row's arithmetic is its own: batch-invariant).
+      TORCH_CHECK(!exact, "gguf_linear: blocks repacked by 8 rows are computed with int8 "
+                  "activations; fp32 without int8_activations needs the file's layout");
+      const Activations& a = activations_for(0.f);
+      dispatch_kind(kind & ~kRepackedX8, [&](auto kind_constant) {
+        constexpr int64_t K = decltype(kind_constant)::value;
+        if constexpr (is_x8_kind(K)) x8_linear<K>(a, w, row_bytes, n, o, n_total);
+      });
+    } else if (exact || panel) {
       if (!x32.defined()) x32 = xc.to(at::kFloat);
       dispatch_kind(kind, [&](auto kind_constant) {
         exact_linear<decltype(kind_constant)::value>(x32.data_ptr<float>(), m_total, k, w,
@@ -989,18 +1252,43 @@ at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks,
                 " is outside the table of ", vocab, " rows");
   }
   const uint8_t* w = wc.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "gguf_embedding", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> row(k);
+      std::vector<uint8_t> unpacked(row_bytes);
       for (int64_t t = begin; t < end; ++t) {
-        dispatch_kind(kind, [&](auto kind_constant) {
-          dequantize_any_row<decltype(kind_constant)::value>(w + id[t] * blocks.size(1), k,
-                                                             row.data());
+        dispatch_kind(kind & ~kRepackedX8, [&](auto kind_constant) {
+          constexpr int64_t K = decltype(kind_constant)::value;
+          const uint8_t* source = w + id[t] * row_bytes;
+          if constexpr (is_x8_kind(K)) {
+            if (kind & kRepackedX8) {
+              unpack_x8_row<K>(w, id[t], row_bytes, unpacked.data());
+              source = unpacked.data();
+            }
+          }
+          dequantize_any_row<K>(source, k, row.data());
         });
         for (int64_t j = 0; j < k; ++j) o[t * k + j] = static_cast<scalar_t>(row[j]);
       }
     });
+  });
+  return out;
+}
+
+// The file's rows -> the layout `kind | 256` names (the same bytes, regrouped by 8 rows).
+at::Tensor gguf_repack(const at::Tensor& blocks, int64_t kind) {
+  check_blocks(blocks, kind);
+  TORCH_CHECK(is_x8_kind(kind) && blocks.size(0) % kGroupRows == 0,
+              "gguf_repack: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks with a multiple of 8 rows");
+  auto src = blocks.contiguous();
+  auto out = at::empty_like(src);
+  dispatch_kind(kind, [&](auto kind_constant) {
+    constexpr int64_t K = decltype(kind_constant)::value;
+    if constexpr (is_x8_kind(K)) {
+      repack_x8<K>(src.data_ptr<uint8_t>(), src.size(0), src.size(1), out.data_ptr<uint8_t>());
+    }
   });
   return out;
 }
@@ -1053,6 +1341,7 @@ TORCH_LIBRARY_FRAGMENT(LLMSERVE_GGUF_NAMESPACE, m) {
   m.def(
       "gguf_linear_parts(Tensor x, Tensor[] parts, int[] kinds, bool int8_activations=False,"
       " bool batch_invariant=False) -> Tensor");
+  m.def("gguf_repack(Tensor blocks, int kind) -> Tensor");
   m.def("gguf_embedding(Tensor token_ids, Tensor blocks, int kind, ScalarType dtype) -> Tensor");
   m.def("gguf_kernel_isa() -> str", &gguf_kernel_isa);
 }
@@ -1060,6 +1349,7 @@ TORCH_LIBRARY_FRAGMENT(LLMSERVE_GGUF_NAMESPACE, m) {
 TORCH_LIBRARY_IMPL(LLMSERVE_GGUF_NAMESPACE, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_linear_parts", &gguf_linear_parts);
+  m.impl("gguf_repack", &gguf_repack);
   m.impl("gguf_embedding", &gguf_embedding);
 }
 

@@ -16,7 +16,8 @@
 //               h = gguf_linear(silu(gate) * up)       gate | up = gguf_linear(h)
 //   returns     (h, r) of the last layer; the final norm and the vocabulary stay in Python.
 //
-// Math is fp32 throughout, as the torch references do it (kernels/*_torch.py): the rotary
+// Math is fp32 throughout (a bf16 model's norms come in as fp32 copies and its cache is read
+// with a bf16 query), as the torch references do it (kernels/*_torch.py): the rotary
 // pairs (i, i + R/2) of the NeoX convention over the first R = rope.size(1) dims of each head
 // (R < D: partial rotary, the rest pass through), rms_norm as x * (1 / sqrt(mean(x^2) + eps))
 // * w. The head dim D is the KV caches'.
@@ -272,9 +273,14 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::Tensor attended;
     {
       LLMSERVE_RECORD("llmserve::paged_decode_attention");
-      attended = paged_decode_attention(query, k_caches[l], v_caches[l], block_tables,
-                                        context_lens, scale, k_scale, v_scale,
-                                        /*batch_invariant=*/false, sliding_windows[l]);
+      // A bf16/fp16 cache (a bf16 model) is read with a query of its own dtype, as the
+      // model's eager layers do; everything around it stays fp32.
+      const auto cache_type = k_caches[l].scalar_type();
+      const bool cast_query = !quantized_cache && cache_type != at::kFloat;
+      attended = paged_decode_attention(cast_query ? query.to(cache_type) : query, k_caches[l],
+                                        v_caches[l], block_tables, context_lens, scale, k_scale,
+                                        v_scale, /*batch_invariant=*/false, sliding_windows[l]);
+      if (cast_query) attended = attended.to(at::kFloat);
     }
     delta = projections.apply(attended.view({batch, q_size}), l, 1, int8_activations);
     add_rms_norm(&delta, residual, post_norms[l], epsilon, hidden);

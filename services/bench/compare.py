@@ -32,7 +32,9 @@ from services.common.serving_config import RuntimeConfig, WeightsConfig
 WORKLOADS = ("a", "b", "c", "d")
 SERVE_WORKLOADS = ("a", "b")
 EngineKind = Literal["llamacpp", "llmserve", "llmserve-stack"]
-LLAMACPP_QUANTS = ("Q4_0", "Q4_1")
+LLAMACPP_QUANTS = ("Q4_0", "Q4_1", "Q4_K_M")
+"""The files compared: llama-quantize's requants of the shipped file and the file itself."""
+SHIPPED_QUANT = "Q4_1"
 # llama-server splits its context evenly over the slots (-np N without --kv-unified); each slot
 # holds prompt + output, plus room for a BOS or a tokenizer disagreement, rounded up to
 # llama.cpp's own padding of 256 cells.
@@ -112,21 +114,27 @@ class EngineSpec:
     kind: EngineKind
     model: Path
     quantization: str
-    """llama.cpp: the GGUF's type (Q4_0, Q4_1); llmserve: its --quantization value."""
+    """llama.cpp: the GGUF's type (Q4_0, Q4_1, Q4_K_M); llmserve: its --quantization value."""
+    file: str = SHIPPED_QUANT
+    """The GGUF's type label: which file the column ran."""
+    file_in_title: bool = False
+    """llmserve columns name their file when they ran more than one."""
 
     @property
     def name(self) -> str:
         """Key in the JSON and in file names."""
         if self.kind == "llamacpp":
             return f"llamacpp-{self.quantization.lower()}"
-        return f"{self.kind}-{self.quantization}"
+        suffix = f"-{self.file.lower()}" if self.file_in_title else ""
+        return f"{self.kind}-{self.quantization}{suffix}"
 
     @property
     def title(self) -> str:
         if self.kind == "llamacpp":
             return f"llama.cpp {self.quantization}"
         stack = " stack" if self.kind == "llmserve-stack" else ""
-        return f"llmserve{stack} {self.quantization}"
+        suffix = f" {self.file}" if self.file_in_title else ""
+        return f"llmserve{stack} {self.quantization}{suffix}"
 
     @property
     def is_llmserve(self) -> bool:
@@ -152,12 +160,27 @@ def engine_specs(
     stack_quantizations: Sequence[str],
     llamacpp_models: Mapping[str, Path],
     llmserve_model: Path,
+    llmserve_files: Sequence[str] = (),
 ) -> list[EngineSpec]:
     """llama.cpp columns first (in `llamacpp_quants` order), then llmserve's in-process
-    columns, then the stack's, one per quantization each."""
-    specs = [EngineSpec("llamacpp", llamacpp_models[q], q) for q in llamacpp_quants]
-    specs += [EngineSpec("llmserve", llmserve_model, q) for q in llmserve_quantizations]
-    specs += [EngineSpec("llmserve-stack", llmserve_model, q) for q in stack_quantizations]
+    columns, then the stack's, one per quantization each, and per file of `llmserve_files`
+    (default: the shipped file, `llmserve_model`; other labels load `llamacpp_models`)."""
+    files = list(llmserve_files) or [SHIPPED_QUANT]
+    many = len(files) > 1
+
+    def model(file: str) -> Path:
+        return llmserve_model if file == SHIPPED_QUANT else llamacpp_models[file]
+
+    specs = [EngineSpec("llamacpp", llamacpp_models[q], q, q) for q in llamacpp_quants]
+    for kind, quantizations in (
+        ("llmserve", llmserve_quantizations),
+        ("llmserve-stack", stack_quantizations),
+    ):
+        specs += [
+            EngineSpec(kind, model(f), q, f, many)  # type: ignore[arg-type]
+            for f in files
+            for q in quantizations
+        ]
     return specs
 
 
@@ -208,12 +231,16 @@ def advantage(ours: float, theirs: float, higher_is_better: bool) -> float:
 
 
 def best_llmserve(
-    measure: Measure, engines: Sequence[EngineSpec], values: Mapping[str, Mapping[str, float]]
+    measure: Measure,
+    engines: Sequence[EngineSpec],
+    values: Mapping[str, Mapping[str, float]],
+    file: str | None = None,
 ) -> tuple[EngineSpec | None, float]:
-    """The llmserve column with the best value of this measure, and that value."""
+    """The llmserve column with the best value of this measure (on `file` only, when given),
+    and that value."""
     best: tuple[EngineSpec | None, float] = (None, math.nan)
     for engine in engines:
-        if not engine.is_llmserve:
+        if not engine.is_llmserve or (file is not None and engine.file != file):
             continue
         value = values.get(engine.name, {}).get(measure.key, math.nan)
         if not math.isfinite(value):
@@ -227,8 +254,9 @@ def best_llmserve(
 
 RATIO_LEGEND = (
     "best llmserve: the llmserve column with the best value of the row. best vs llama.cpp (x): "
-    "how many times better that value is than llama.cpp's, > 1 = llmserve ahead (throughputs: "
-    "ours / theirs; latencies: theirs / ours). '-': not measured or failed."
+    "how many times better the best llmserve value on the same file is than llama.cpp's (any "
+    "file when llmserve did not run that one), > 1 = llmserve ahead (throughputs: ours / "
+    "theirs; latencies: theirs / ours). '-': not measured or failed."
 )
 
 
@@ -250,11 +278,14 @@ def peers_table(
         row: list[object] = [measure.label, "higher" if measure.higher_is_better else "lower"]
         row += [values.get(e.name, {}).get(measure.key, math.nan) for e in engines]
         if has_llmserve and references:
-            best, ours = best_llmserve(measure, engines, values)
+            best, _ = best_llmserve(measure, engines, values)
             row.append(best.title if best is not None else "-")
+            files = {engine.file for engine in engines if engine.is_llmserve}
             for reference in references:
                 theirs = values.get(reference.name, {}).get(measure.key, math.nan)
-                row.append(advantage(ours, theirs, measure.higher_is_better))
+                same = reference.file if reference.file in files else None
+                _, on_file = best_llmserve(measure, engines, values, same)
+                row.append(advantage(on_file, theirs, measure.higher_is_better))
         rows.append(row)
     return format_table(headers, rows)
 

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             )
             systems[name] = stack_system(stack.public, args.output_len)
         engine = LLMEngine(EngineConfig(seed=0))
-        vocab = engine.model_config.vocab_size
+        vocab = engine.model.architecture.vocab_size
         systems = {INPROCESS: inprocess_system(engine, args.output_len), **systems}
         for measure in systems.values():  # warm-up, unmeasured
             measure(prompts_for_round(-1, 2, args.input_len, vocab))

@@ -6,9 +6,10 @@ GGUF files, the same thread count, one system loaded at a time; one markdown tab
     llmserve bench peers --workloads a,d --engines llamacpp-q4_0,llmserve \\
         --single-user-prompts 4 --output-len 16             # a quick look
 
-Engines (columns): llama.cpp on the Q4_0 requant and on the shipped Q4_1 file (llama-server,
-llama-batched-bench, llama-bench); llmserve in-process, once per --llmserve-quantization;
-with --with-stack also the `llmserve up` stack over gRPC. Workloads (rows) a-d: see
+Engines (columns): llama.cpp on the Q4_0 and Q4_K_M requants and on the shipped Q4_1 file
+(llama-server, llama-batched-bench, llama-bench); llmserve in-process, once per
+--llmserve-quantization and per --llmserve-files file (default: the shipped one); with
+--with-stack also the `llmserve up` stack over gRPC. Workloads (rows) a-d: see
 compare.py and docs/benchmarks.md. Building llama.cpp: llamacpp_build.py.
 """
 
@@ -36,6 +37,7 @@ from services.bench.compare import (
     LLAMACPP_QUANTS,
     RATIO_LEGEND,
     SERVE_WORKLOADS,
+    SHIPPED_QUANT,
     WORKLOADS,
     EngineSpec,
     PeersConfig,
@@ -65,7 +67,7 @@ from services.bench.llamacpp_build import (
     ensure_requant,
 )
 
-ENGINE_CHOICES = ("llamacpp-q4_0", "llamacpp-q4_1", "llmserve")
+ENGINE_CHOICES = ("llamacpp-q4_0", "llamacpp-q4_1", "llamacpp-q4_k_m", "llmserve")
 SERVER_STARTUP_TIMEOUT_S = 300.0
 
 
@@ -360,18 +362,20 @@ def run(args: argparse.Namespace) -> int:
         workloads = parse_list(args.workloads, WORKLOADS, "--workloads")
         chosen = parse_list(args.engines, ENGINE_CHOICES, "--engines")
         quantizations = llmserve_quantizations(args.llmserve_quantization)
+        files = parse_list(args.llmserve_files, LLAMACPP_QUANTS, "--llmserve-files")
         model = resolve_model_path(args.model)
     except (ValueError, OSError) as exc:
         print(f"bench peers: {exc}", file=sys.stderr)
         return 2
     llamacpp_quants = [q for q in LLAMACPP_QUANTS if f"llamacpp-{q.lower()}" in chosen]
     binaries: PeerBinaries | None = None
-    models = {"Q4_1": model}
-    if llamacpp_quants or args.build_only:
+    models = {SHIPPED_QUANT: model}
+    requants = {q for q in [*llamacpp_quants, *files] if q != SHIPPED_QUANT}
+    if requants or llamacpp_quants or args.build_only:
         try:
             binaries = ensure_built(force=args.rebuild)
-            if "Q4_0" in llamacpp_quants or args.build_only:
-                models["Q4_0"] = ensure_requant(binaries, model, "Q4_0")
+            for quant in sorted(requants | ({"Q4_0"} if args.build_only else set())):
+                models[quant] = ensure_requant(binaries, model, quant)
         except PeerBuildError as exc:
             print(f"bench peers: {exc}", file=sys.stderr)
             return 1
@@ -385,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
         quantizations if args.with_stack else [],
         models,
         model,
+        files,
     )
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -473,6 +478,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--llmserve-quantization",
         default=None,
         help="one llmserve column per value, e.g. none,gguf (default: the engine's default)",
+    )
+    parser.add_argument(
+        "--llmserve-files",
+        default=SHIPPED_QUANT,
+        help=f"the GGUF files llmserve runs, some of {', '.join(LLAMACPP_QUANTS)} (the shipped"
+        f" {SHIPPED_QUANT} file, llama-quantize's requants of it), comma-separated",
     )
     parser.add_argument(
         "--with-stack",

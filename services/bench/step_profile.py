@@ -63,7 +63,7 @@ def weight_bytes(engine: LLMEngine) -> int:
 
 
 def matmul_flops(engine: LLMEngine, batch: int) -> float:
-    config = engine.model_config
+    config = engine.model.architecture
     per_layer = config.hidden_size * (
         (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         + config.num_heads * config.head_dim

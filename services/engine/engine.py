@@ -28,6 +28,7 @@ from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerStats
 from services.worker.config import resolve_dtype
 from services.worker.loaded_model import LoadedModel
+from services.worker.quantization.formats import serves_gguf_blocks
 from services.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if loaded is None:
-            dtype = resolve_dtype(config.dtype, config.device)
+            gguf_blocks = serves_gguf_blocks(config.quantization, config.model)
+            dtype = resolve_dtype(config.dtype, config.device, gguf_blocks=gguf_blocks)
             loaded = LoadedModel.load(config.model, dtype, config.device, config.quantization)
         self.loaded = loaded
         self.model_name = loaded.name

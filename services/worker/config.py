@@ -65,9 +65,15 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
+def resolve_dtype(name: str, device: str, *, gguf_blocks: bool = False) -> torch.dtype:
+    """The compute dtype of a --dtype value. `auto`: bf16 on a GPU; on a CPU float32 for a
+    model served from GGUF blocks (its decode steps run the fused C++ step, which computes in
+    float32 and needs no compilation, and its matmuls round activations to int8 whatever the
+    dtype, so bf16 would save nothing), else bf16 where the CPU has native bf16."""
     if name == "auto":
-        if device.startswith("cuda") or cpu_has_native_bf16():
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        if not gguf_blocks and cpu_has_native_bf16():
             return torch.bfloat16
         return torch.float32
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -33,8 +33,8 @@ def unsupported_reason(model: CausalLM, kv_cache: PagedKVCache) -> str | None:
     """Why the fused step cannot run this model (None: it can)."""
     if kv_cache.storage.device.type != "cpu":
         return "the KV cache is not on the CPU"
-    if model.norm.dtype != torch.float32:
-        return f"the model computes in {model.norm.dtype}, the fused step in float32"
+    if model.norm.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the model computes in {model.norm.dtype}"
     missing = missing_features(model.architecture)
     if missing:
         return f"the fused step lacks {', '.join(missing)}"
@@ -64,6 +64,11 @@ def missing_features(arch: ModelArchitecture) -> list[str]:
         (not all(arch.layer_uses_rope or [True]), "layers without rope"),
     ]
     return [name for failed, name in checks if failed]
+
+
+def _fp32(tensor: Tensor) -> Tensor:
+    """The tensor itself when it is fp32 already (no copy), else an fp32 copy."""
+    return tensor.float().contiguous()
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,19 +121,27 @@ class FusedDecode:
         self.int8_activations = first_qkv.int8_activations
         caches = kv_cache.layers
         linears = [linear for layer in projections for linear in layer]
+        self.dtype = model.norm.dtype
+        """The model's dtype: the step computes in fp32 between its embedding and its head
+        (fp32 copies of a bf16 model's norms, bias and rope table, a few KB)."""
+        self.rope = model.rope.float()
         self._lists = _LayerLists(
-            input_norms=[layer.attn_norm for layer in model.layers],
-            post_norms=[layer.mlp_norm for layer in model.layers],
+            input_norms=[_fp32(layer.attn_norm) for layer in model.layers],
+            post_norms=[_fp32(layer.mlp_norm) for layer in model.layers],
             projection_parts=[part for linear in linears for part in linear.parts],
             kinds=[kind for linear in linears for kind in linear.kinds],
             part_counts=[len(linear.kinds) for linear in linears],
-            qkv_bias=[p[0].bias for p in projections if p[0].bias is not None],
+            qkv_bias=[_fp32(p[0].bias) for p in projections if p[0].bias is not None],
             k_caches=[c.key for c in caches],
             v_caches=[c.value for c in caches],
             k_scales=[c.key_scale for c in caches if c.key_scale is not None],
             v_scales=[c.value_scale for c in caches if c.value_scale is not None],
-            q_norms=[n for layer in model.layers if (n := layer.self_attn.q_norm) is not None],
-            k_norms=[n for layer in model.layers if (n := layer.self_attn.k_norm) is not None],
+            q_norms=[
+                _fp32(n) for layer in model.layers if (n := layer.self_attn.q_norm) is not None
+            ],
+            k_norms=[
+                _fp32(n) for layer in model.layers if (n := layer.self_attn.k_norm) is not None
+            ],
         )
         self.num_steps = 0
         """Steps run fused (for tests and the step profile)."""
@@ -150,7 +163,7 @@ class FusedDecode:
         """Logits [B, vocab] (fp32) of a pure-decode batch."""
         model = self.model
         lists = self._lists
-        hidden = model.embed(batch.input_ids)
+        hidden = model.embed(batch.input_ids).float()
         hidden, residual = torch.ops.llmserve.llama_decode_layers(
             hidden,
             lists.input_norms,
@@ -167,7 +180,7 @@ class FusedDecode:
             batch.slot_mapping,
             batch.decode_block_tables,
             batch.decode_context_lens,
-            model.rope,
+            self.rope,
             self.num_heads,
             self.num_kv_heads,
             self.eps,
@@ -178,4 +191,4 @@ class FusedDecode:
             lists.k_norms,
         )
         self.num_steps += 1
-        return model.logits(hidden, residual)
+        return model.logits(hidden.to(self.dtype), residual.to(self.dtype))

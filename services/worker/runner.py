@@ -19,6 +19,7 @@ from services.worker.input_batch import InputBatch, StepInputs
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
 from services.worker.model.causal_lm import CausalLM
+from services.worker.python_gc import freeze_loaded_objects
 from services.worker.quantization.formats import (
     check_kv_cache_group_size,
     kv_cache_torch_dtype,
@@ -67,6 +68,7 @@ class ModelRunner:
         self.grammars = GrammarMatchers(grammar_compiler) if grammar_compiler else None
         """Structured output's matchers (None: a runner without a tokenizer, which refuses
         nothing and constrains nothing)."""
+        freeze_loaded_objects()
 
     @classmethod
     def create(
@@ -89,7 +91,7 @@ class ModelRunner:
         holds more: its blocks are smaller).
 
         Pure-decode steps run, in order of preference: fused in C++ (`fused_decode`, for the
-        models services/worker/fused_decode.py supports: GGUF blocks in float32 on a CPU);
+        models services/worker/fused_decode.py supports: GGUF blocks on a CPU, any float dtype);
         else, unless `enforce_eager`, compiled graphs for up to `max_num_seqs` sequences (call
         `compile_step_graphs()` before serving); else eagerly.
 

@@ -38,6 +38,7 @@ from services.worker import metrics
 from services.worker.config import GiB, WorkerConfig, resolve_dtype
 from services.worker.convert import plan_from_proto, result_to_proto
 from services.worker.loaded_model import LoadedModel
+from services.worker.quantization.formats import serves_gguf_blocks
 from services.worker.runner import ModelRunner, StepMode
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,8 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
     thread runs every parallel region the process ever runs (see WorkerServicer)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    dtype = resolve_dtype(config.dtype, config.device)
+    gguf_blocks = serves_gguf_blocks(config.quantization, config.model)
+    dtype = resolve_dtype(config.dtype, config.device, gguf_blocks=gguf_blocks)
     loaded = LoadedModel.load(config.model, dtype, config.device, config.quantization)
     runner = ModelRunner.create(
         loaded,

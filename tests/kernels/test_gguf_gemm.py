@@ -29,7 +29,9 @@ from kernels.gguf_blocks_torch import (
     GGUF_Q4_0,
     GGUF_Q4_1,
     GGUF_Q8_0,
+    GGUF_REPACKED_X8,
     HALF_PANEL_MIN_ROWS,
+    REPACKABLE_KINDS,
     dequantize_blocks,
     group_shape,
     quantize_activation_blocks,
@@ -315,3 +317,54 @@ def test_parts_of_different_kinds_equal_their_own_products(  # type: ignore[no-u
     assert got.shape == (m, 35) and torch.equal(got, expected)
     with pytest.raises(RuntimeError, match="one kind per part"):
         parts_op(x, parts, kinds[:2], int8_activations)
+
+
+@pytest.mark.parametrize("kind", REPACKABLE_KINDS, ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 40])
+@pytest.mark.parametrize(("k", "n"), [(32, 8), (576, 64), (1536, 40)])
+def test_blocks_repacked_by_8_rows_give_the_file_layouts_int8_products(  # type: ignore[no-untyped-def]
+    linear_op, kind: int, m: int, k: int, n: int
+) -> None:
+    """The x8 layout holds the same bytes (a permutation of them) and its kernel computes the
+    int8-activation products of the file layout's kernel: the same integer dots and scales,
+    so equal up to fp32 summation order, at every M (the file layout switches Q4 to fp32
+    panels from 16 rows; there the x8 kernel is held to the int8 reference instead)."""
+    namespace = linear_op._qualified_op_name.split("::")[0]
+    ops_namespace = getattr(torch.ops, namespace)
+    blocks = random_blocks(n, k, kind, seed=n + k)
+    repacked = ops_namespace.gguf_repack(blocks, kind)
+    assert repacked.shape == blocks.shape
+    assert torch.equal(repacked.flatten().sort().values, blocks.flatten().sort().values)
+    x = activations(m, k, seed=m)
+    got = linear_op(x, repacked, kind | GGUF_REPACKED_X8, True).double()
+    weight = dequantize_blocks(blocks, kind).double()
+    rounded = quantize_activation_blocks(x).double()
+    same_input = rounded @ weight.t()
+    bound = 1e-5 * (rounded.abs() @ weight.abs().t()) + 1e-6
+    assert ((got - same_input).abs() - bound).max() <= 0
+    if m < HALF_PANEL_MIN_ROWS:
+        file_layout = linear_op(x, blocks, kind, True).double()
+        assert ((got - file_layout).abs() - bound).max() <= 0
+    ids = torch.tensor([0, n - 1, n // 2])
+    assert torch.equal(
+        ops_namespace.gguf_embedding(ids, repacked, kind | GGUF_REPACKED_X8, torch.float32),
+        dequantize_blocks(blocks, kind)[ids],
+    )
+
+
+def test_repacked_blocks_refuse_the_exact_path(extension) -> None:  # type: ignore[no-untyped-def]
+    blocks = extension.gguf_repack(random_blocks(8, 64, GGUF_Q4_0, seed=0), GGUF_Q4_0)
+    with pytest.raises(RuntimeError, match="int8 activations"):
+        extension.gguf_linear(torch.zeros(1, 64), blocks, GGUF_Q4_0 | GGUF_REPACKED_X8)
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        extension.gguf_repack(random_blocks(12, 64, GGUF_Q4_0, seed=0), GGUF_Q4_0)
+
+
+def test_kernel_layout_repacks_what_it_can(extension) -> None:  # type: ignore[no-untyped-def]
+    q4 = random_blocks(16, 64, GGUF_Q4_1, seed=0)
+    blocks, kind = ops.gguf_kernel_layout(q4, GGUF_Q4_1)
+    assert kind == GGUF_Q4_1 | GGUF_REPACKED_X8 and not torch.equal(blocks, q4)
+    odd = random_blocks(12, 64, GGUF_Q4_1, seed=0)
+    assert ops.gguf_kernel_layout(odd, GGUF_Q4_1) == (odd, GGUF_Q4_1)
+    k_quant = random_blocks(16, 256, GGUF_KINDS["Q4_K"], seed=0)
+    assert ops.gguf_kernel_layout(k_quant, GGUF_KINDS["Q4_K"])[1] == GGUF_KINDS["Q4_K"]

@@ -360,3 +360,28 @@ def test_build_progress_and_requant_names() -> None:
         "SmolLM2-135M-Instruct.Q4_0.gguf"
     )
     assert requant_name(Path("model.gguf"), "Q4_0") == "model.Q4_0.gguf"
+
+
+def test_llmserve_on_each_file_is_compared_with_llamacpp_on_that_file() -> None:
+    models = {"Q4_0": Q4_0, "Q4_1": Q4_1}
+    engines = engine_specs(["Q4_0", "Q4_1"], ["gguf"], [], models, Q4_1, ["Q4_1", "Q4_0"])
+    assert [e.name for e in engines] == [
+        "llamacpp-q4_0",
+        "llamacpp-q4_1",
+        "llmserve-gguf-q4_1",
+        "llmserve-gguf-q4_0",
+    ]
+    assert [e.model for e in engines] == [Q4_0, Q4_1, Q4_1, Q4_0]
+    assert engines[3].title == "llmserve gguf Q4_0"
+    values = {
+        "llamacpp-q4_0": {"a_tpot_ms": 10.0},
+        "llamacpp-q4_1": {"a_tpot_ms": 12.0},
+        "llmserve-gguf-q4_1": {"a_tpot_ms": 6.0},  # the best column overall
+        "llmserve-gguf-q4_0": {"a_tpot_ms": 8.0},
+    }
+    lines = peers_table(measures(PeersConfig(), ["a"]), engines, values).splitlines()
+    tpot = {cells[0]: cells[1:] for cells in map(_cells, lines[2:])}[
+        "a. 1 user 128/128: TPOT p50 ms"
+    ]
+    # Q4_0 against llmserve on Q4_0 (10 / 8), Q4_1 against llmserve on Q4_1 (12 / 6).
+    assert tpot[-3:] == ["llmserve gguf Q4_1", "1.25", "2.00"]

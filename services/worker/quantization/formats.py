@@ -82,6 +82,15 @@ def resolve_quantization(value: str, path: Path) -> Quantization:
     return quantization
 
 
+def serves_gguf_blocks(quantization: str, model: str | Path | None) -> bool:
+    """Whether the model (a path, a name, None for the embedded one) is served from its GGUF
+    blocks with this --quantization value."""
+    from services.common.model_source import resolve_model_path
+
+    path = resolve_model_path(None if model is None else str(model))
+    return resolve_quantization(quantization, path) in ("gguf", "gguf-exact")
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type of the KV cache tensor for a --kv-cache-dtype value."""
     return torch.int8 if check_kv_cache_dtype(kv_cache_dtype) == "int8" else model_dtype

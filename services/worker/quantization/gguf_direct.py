@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kernels import ops
 from kernels.gguf_blocks_torch import GGUF_KINDS
 from services.common.gguf_metadata import open_gguf
 from services.worker.loader.gguf_loader import qk_heads, unpermute_rows
@@ -99,16 +100,24 @@ def load_gguf_quantized(model: CausalLM, path: Path, *, int8_activations: bool =
     found = read_block_rows(open_gguf(path))
     dtype = model.norm.dtype
 
+    def _layout(blocks: Tensor, kind: int) -> tuple[Tensor, int]:
+        # The int8 kernels' own layout where they have one (the same bytes, regrouped); the
+        # exact path reads the file's.
+        return ops.gguf_kernel_layout(blocks, kind) if int8_activations else (blocks, kind)
+
     def from_file_type(linear: torch.nn.Module, name: str) -> torch.nn.Module:
         assert isinstance(linear, torch.nn.Linear)
         bias = None if linear.bias is None else linear.bias.data
         present = found.get(name)
         if present is None:
             return linear
-        runs = _runs_of_one_kind(present)
+        stored = [
+            _layout(_buffer([p.rows for p in run]), GGUF_KINDS[run[0].kind])
+            for run in _runs_of_one_kind(present)
+        ]
         return GGUFLinear(
-            [_buffer([p.rows for p in run]) for run in runs],
-            [GGUF_KINDS[run[0].kind] for run in runs],
+            [blocks for blocks, _ in stored],
+            [kind for _, kind in stored],
             bias,
             int8_activations=int8_activations,
         )
@@ -126,7 +135,7 @@ def load_gguf_quantized(model: CausalLM, path: Path, *, int8_activations: bool =
         quantize_output_and_embedding(model, Int8WeightOnlyLinear.from_float)
         return
     embedding = embedding_parts[0]
-    table = GGUFEmbedding(_buffer([embedding.rows]), GGUF_KINDS[embedding.kind], dtype)
+    table = GGUFEmbedding(*_layout(_buffer([embedding.rows]), GGUF_KINDS[embedding.kind]), dtype)
     if model.architecture.tie_word_embeddings:
         model.lm_head = GGUFLinear(
             table.blocks, table.kind, None, int8_activations=int8_activations

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels import ops
-from kernels.gguf_blocks_torch import KIND_NAMES, in_features
+from kernels.gguf_blocks_torch import in_features, kind_name
 from services.worker.quantization.linear import QuantizedLinear
 
 
@@ -62,7 +62,7 @@ class GGUFLinear(QuantizedLinear):
         )
 
     def extra_repr(self) -> str:
-        kinds = "|".join(KIND_NAMES[kind] for kind in self.kinds)
+        kinds = "|".join(kind_name(kind) for kind in self.kinds)
         activations = ", int8_activations=True" if self.int8_activations else ""
         invariant = ", batch_invariant=True" if self.batch_invariant else ""
         return f"{super().extra_repr()}, kind={kinds}{activations}{invariant}"
@@ -87,6 +87,6 @@ class GGUFEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.num_embeddings}, {self.embedding_dim}, kind={KIND_NAMES[self.kind]}, "
+            f"{self.num_embeddings}, {self.embedding_dim}, kind={kind_name(self.kind)}, "
             f"dtype={self.dtype}"
         )
