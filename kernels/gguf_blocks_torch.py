@@ -140,11 +140,21 @@ def gguf_embedding(token_ids: Tensor, blocks: Tensor, kind: int, dtype: torch.dt
     return values.view(*token_ids.shape, values.shape[-1])
 
 
-def quantize_activation_blocks(x: Tensor) -> Tensor:
-    """The fast path's activations: each 32-value block of a row rounded to int8 codes with
-    one fp32 scale amax / 127 (round half to even), returned dequantized in fp32."""
+SUPER_KINDS = (10, 11, 12, 13, 14, 23)
+"""Q2_K..Q6_K and IQ4_XS: their int8 path rounds activations per 256 values (llama.cpp's
+Q8_K), so each super-block is one integer dot; every other kind per 32."""
+
+
+def activation_block(kind: int) -> int:
+    """Values per activation scale on the int8 path for weights of `kind`."""
+    return 256 if kind & ~GGUF_REPACKED_X8 in SUPER_KINDS else BLOCK_VALUES
+
+
+def quantize_activation_blocks(x: Tensor, block: int = BLOCK_VALUES) -> Tensor:
+    """The fast path's activations: each `block`-value block of a row rounded to int8 codes
+    with one fp32 scale amax / 127 (round half to even), returned dequantized in fp32."""
     m, k = x.shape
-    groups = x.float().view(m, k // BLOCK_VALUES, BLOCK_VALUES)
+    groups = x.float().view(m, k // block, block)
     scale = groups.abs().amax(dim=-1, keepdim=True) / ACTIVATION_LEVELS
     inverse = torch.where(scale == 0, 0.0, 1.0 / scale)
     codes = torch.round(groups * inverse)

@@ -288,7 +288,8 @@ def gguf_linear(
         or x.shape[0] < gguf_blocks_torch.HALF_PANEL_MIN_ROWS
     ):
         # The rows the C++ kernels round too (Q4 layers of many rows compute exactly there).
-        x = gguf_blocks_torch.quantize_activation_blocks(x).to(x.dtype)
+        block = gguf_blocks_torch.activation_block(kind)
+        x = gguf_blocks_torch.quantize_activation_blocks(x, block).to(x.dtype)
     if batch_invariant:
         return batch_invariant_torch.row_tiled(
             lambda tile: gguf_blocks_torch.gguf_linear(tile, blocks, kind), x

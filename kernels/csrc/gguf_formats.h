@@ -65,6 +65,37 @@ struct GroupScales {
   float offset[16];
 };
 
+// A K-quant super-block in integers, for activations quantized per 256 values (codes c, one
+// scale s; llama.cpp's Q8_K): with h the 16-value sub-blocks,
+//     sum_j w_j x_j = s (d sum_h scale[h] sum_{j in h} q_j c_j
+//                        - dcorr sum_h correction[h] sum_{j in h} c_j)
+// exactly up to the activation rounding: the sub-block scales, mins and zero points are
+// small integers in every K-quant, so the whole super-block is one integer dot per term.
+struct SuperScales {
+  int16_t scale[16];
+  int16_t correction[16];
+  float d, dcorr;
+};
+
+#ifdef GGUF_FORMATS_AVX2
+// SuperScales as two vectors of 16 int16 (the kernels' form).
+struct SuperVectors {
+  __m256i scale, correction;
+  float d, dcorr;
+};
+
+inline SuperVectors load_super_scales(const SuperScales& s) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.scale)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.correction)), s.d, s.dcorr};
+}
+
+// 8 bytes -> 16 int16, each twice: lane h holds byte h / 2 (sub-blocks of 32 values).
+inline __m256i twice_per_lane(uint64_t bytes) {
+  const __m128i wide = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)));
+  return _mm256_set_m128i(_mm_unpackhi_epi16(wide, wide), _mm_unpacklo_epi16(wide, wide));
+}
+#endif
+
 // Q4_K / Q5_K: scale and min of sub-block j (of 8), 6 bits each, packed in 12 bytes.
 inline void scale_min_k4(int j, const uint8_t* q, int& scale, int& min) {
   if (j < 4) {
@@ -214,6 +245,23 @@ struct Format<kQ2_K> {
       s.offset[j] = -(dmin * static_cast<float>(g[j] >> 4));
     }
   }
+  static void super_scales(const uint8_t* g, SuperScales& s) {
+    for (int h = 0; h < 16; ++h) {
+      s.scale[h] = g[h] & 0xF;
+      s.correction[h] = g[h] >> 4;
+    }
+    s.d = half_at(g + 80);
+    s.dcorr = half_at(g + 82);
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static SuperVectors super_vectors(const uint8_t* g) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g));
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+    return {_mm256_cvtepu8_epi16(low), _mm256_cvtepu8_epi16(high), half_at(g + 80),
+            half_at(g + 82)};
+  }
+#endif
   static void codes(const uint8_t* g, int c, int32_t* q) {
     const uint8_t* qs = g + 16 + 32 * (c / 4);
     for (int l = 0; l < 32; ++l) q[l] = (qs[l] >> (2 * (c % 4))) & 3;
@@ -255,6 +303,22 @@ struct Format<kQ3_K> {
       s.offset[j] = -4.f * s.factor[j];
     }
   }
+  static void super_scales(const uint8_t* g, SuperScales& s) {
+    int8_t sc[16];
+    q3_k_scales(g + 96, sc);
+    for (int h = 0; h < 16; ++h) {
+      s.scale[h] = sc[h];
+      s.correction[h] = static_cast<int16_t>(4 * sc[h]);
+    }
+    s.d = s.dcorr = half_at(g + 108);
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static SuperVectors super_vectors(const uint8_t* g) {
+    SuperScales s;
+    super_scales(g, s);
+    return load_super_scales(s);
+  }
+#endif
   static void codes(const uint8_t* g, int c, int32_t* q) {
     const uint8_t* qs = g + 32 + 32 * (c / 4);
     for (int l = 0; l < 32; ++l) {
@@ -295,6 +359,31 @@ struct Format<kQ4_K> {
       s.offset[j] = -(dmin * static_cast<float>(m));
     }
   }
+  static void super_scales(const uint8_t* g, SuperScales& s) {
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(j, g + 4, sc, m);
+      s.scale[2 * j] = s.scale[2 * j + 1] = static_cast<int16_t>(sc);
+      s.correction[2 * j] = s.correction[2 * j + 1] = static_cast<int16_t>(m);
+    }
+    s.d = half_at(g);
+    s.dcorr = half_at(g + 2);
+  }
+#ifdef GGUF_FORMATS_AVX2
+  // The 12 packed bytes -> 8 scales and 8 mins, 6 bits each, with 32-bit word operations.
+  static SuperVectors super_vectors(const uint8_t* g) {
+    uint32_t w[3];
+    std::memcpy(w, g + 4, 12);
+    constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    const uint32_t scales_lo = w[0] & low6;                                  // scales 0-3
+    const uint32_t mins_lo = w[1] & low6;                                    // mins 0-3
+    const uint32_t scales_hi = (w[2] & low4) | (((w[0] >> 6) & low2) << 4);  // scales 4-7
+    const uint32_t mins_hi = ((w[2] >> 4) & low4) | (((w[1] >> 6) & low2) << 4);
+    const uint64_t scales = scales_lo | static_cast<uint64_t>(scales_hi) << 32;
+    const uint64_t mins = mins_lo | static_cast<uint64_t>(mins_hi) << 32;
+    return {twice_per_lane(scales), twice_per_lane(mins), half_at(g), half_at(g + 2)};
+  }
+#endif
   static void codes(const uint8_t* g, int c, int32_t* q) {
     const uint8_t* qs = g + 16 + 32 * (c / 2);
     for (int l = 0; l < 32; ++l) q[l] = (qs[l] >> (4 * (c % 2))) & 0xF;
@@ -321,6 +410,12 @@ struct Format<kQ5_K> {
     }
   }
   static void scales(const uint8_t* g, GroupScales& s) { Format<kQ4_K>::scales(g, s); }
+  static void super_scales(const uint8_t* g, SuperScales& s) {
+    Format<kQ4_K>::super_scales(g, s);
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static SuperVectors super_vectors(const uint8_t* g) { return Format<kQ4_K>::super_vectors(g); }
+#endif
   static void codes(const uint8_t* g, int c, int32_t* q) {
     const uint8_t* qs = g + 48 + 32 * (c / 2);
     for (int l = 0; l < 32; ++l) {
@@ -363,6 +458,22 @@ struct Format<kQ6_K> {
       s.offset[j] = -32.f * s.factor[j];
     }
   }
+  static void super_scales(const uint8_t* g, SuperScales& s) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(g + 192);
+    for (int h = 0; h < 16; ++h) {
+      s.scale[h] = sc[h];
+      s.correction[h] = static_cast<int16_t>(32 * sc[h]);
+    }
+    s.d = s.dcorr = half_at(g + 208);
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static SuperVectors super_vectors(const uint8_t* g) {
+    const __m256i scale =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 192)));
+    const float d = half_at(g + 208);
+    return {scale, _mm256_slli_epi16(scale, 5), d, d};
+  }
+#endif
   static void codes(const uint8_t* g, int c, int32_t* q) {
     const int h = c / 4, j = c % 4;
     const uint8_t* ql = g + 64 * h + 32 * (j % 2);
@@ -433,6 +544,21 @@ struct Format<kIQ4_XS> {
       s.offset[c] = 0.f;
     }
   }
+  static void super_scales(const uint8_t* g, SuperScales& s) {
+    for (int c = 0; c < 8; ++c) {
+      s.scale[2 * c] = s.scale[2 * c + 1] = static_cast<int16_t>(scale(g, c));
+      s.correction[2 * c] = s.correction[2 * c + 1] = 0;
+    }
+    s.d = half_at(g);
+    s.dcorr = 0.f;
+  }
+#ifdef GGUF_FORMATS_AVX2
+  static SuperVectors super_vectors(const uint8_t* g) {
+    SuperScales s;
+    super_scales(g, s);
+    return load_super_scales(s);
+  }
+#endif
   static void codes(const uint8_t* g, int c, int32_t* q) {
     const uint8_t* qs = g + 8 + 16 * c;
     for (int j = 0; j < 16; ++j) {
@@ -446,6 +572,12 @@ struct Format<kIQ4_XS> {
   }
 #endif
 };
+
+// The K-quant kinds: super-blocks of 256 values with small integer sub-block scales.
+constexpr bool is_super_kind(int64_t kind) {
+  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K ||
+         kind == kIQ4_XS;
+}
 
 // Factor and offset of the 16 values [16 h, 16 h + 16) of chunk c.
 template <int64_t KIND>

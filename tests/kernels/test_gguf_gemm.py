@@ -32,6 +32,7 @@ from kernels.gguf_blocks_torch import (
     GGUF_REPACKED_X8,
     HALF_PANEL_MIN_ROWS,
     REPACKABLE_KINDS,
+    activation_block,
     dequantize_blocks,
     group_shape,
     quantize_activation_blocks,
@@ -213,7 +214,8 @@ def test_fast_path_within_its_rounding_bound(  # type: ignore[no-untyped-def]
     # 1. The kernel's arithmetic: the reference fed the same activations (int8 blocks, or
     # the bf16/fp16 values themselves on the fp32 panel path).
     int8_blocks = kind not in (GGUF_Q4_0, GGUF_Q4_1) or m < HALF_PANEL_MIN_ROWS
-    rounded = (quantize_activation_blocks(x) if int8_blocks else x.float()).double()
+    block = activation_block(kind)  # 256 for the K-quants (llama.cpp's Q8_K), else 32
+    rounded = (quantize_activation_blocks(x, block) if int8_blocks else x.float()).double()
     same_input = rounded @ weight.t()
     bound = OUTPUT_ROUNDING[dtype] * same_input.abs() + SUM_RTOL * (
         rounded.abs() @ weight.abs().t()
@@ -223,8 +225,8 @@ def test_fast_path_within_its_rounding_bound(  # type: ignore[no-untyped-def]
     # 2. The stated tolerance against the exact product: the activation rounding bound.
     x64 = x.double()
     exact = x64 @ weight.t()
-    scale = x64.view(m, -1, BLOCK_VALUES).abs().amax(dim=-1) / 127
-    half_step = scale.repeat_interleave(BLOCK_VALUES, dim=1) / 2
+    scale = x64.view(m, -1, block).abs().amax(dim=-1) / 127
+    half_step = scale.repeat_interleave(block, dim=1) / 2
     bound = (
         half_step @ weight.abs().t()
         + OUTPUT_ROUNDING[dtype] * exact.abs()
