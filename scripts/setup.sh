@@ -28,4 +28,6 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "warning: redis-server not found and no apt-get: install Redis >= 6 yourself" >&2
   fi
 fi
+# The C++ CPU kernels, built once for this CPU and cached, so the first start serves at once.
+.venv/bin/llmserve build-kernels >&2 || echo "warning: C++ kernels not built; the torch path will serve" >&2
 echo "setup done: .venv ready" >&2

@@ -153,7 +153,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_engine_flags(demo)
     demo.set_defaults(func=cmd_demo)
 
-    from services import client, inspect_command, launcher
+    from services import build_kernels_command, client, inspect_command, launcher
     from services.scheduler import server as scheduler_server
     from services.tokenizer import server as tokenizer_server
     from services.worker import server as worker_server
@@ -165,6 +165,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     client.add_prompts_parser(sub)
     launcher.add_parser(sub)
     inspect_command.add_parser(sub)
+    build_kernels_command.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

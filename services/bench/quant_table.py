@@ -5,6 +5,12 @@ because the CPU is shared and interference only ever adds time.
 
 llmserve bench quant                       # the embedded model, all formats, 2 rounds
 llmserve bench quant --formats fp32,bf16,int4 --rounds 3
+llmserve bench quant --formats "gguf fp32" --gguf-files Q4_0,Q4_K_M,Q6_K   # GGUF formats
+
+--gguf-files adds one row per GGUF format: the embedded Q4_1 file requantized by llama.cpp's
+llama-quantize (built once, as `bench peers` does), served as its blocks. The reference of
+every row is the embedded file dequantized to float32, so a requant's KL and top-1 measure
+what it loses against the Q4_1 weights it was made from.
 """
 
 from __future__ import annotations
@@ -51,6 +57,13 @@ class Format:
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
     kv_cache_group_size: int = 8
+    model: str | None = None
+    """A GGUF file other than the embedded one (--gguf-files)."""
+
+    @property
+    def load_key(self) -> tuple[str, str, str | None]:
+        """Formats with the same key share one loaded model."""
+        return (self.dtype, self.quantization, self.model)
 
     def engine_config(self, kv_cache_bytes: int) -> EngineConfig:
         return EngineConfig(
@@ -158,28 +171,43 @@ def run_batch(
     return median(decode_ms), batch_size * output_len / total_s
 
 
-def load_all(formats: list[Format]) -> dict[tuple[str, str], LoadedModel]:
-    """One model per (dtype, weight format); KV-only formats share theirs."""
-    models: dict[tuple[str, str], LoadedModel] = {}
+Models = dict[tuple[str, str, str | None], LoadedModel]
+
+
+def load_all(formats: list[Format]) -> Models:
+    """One model per (dtype, weight format, file); KV-only formats share theirs."""
+    models: Models = {}
     for fmt in formats:
-        key = (fmt.dtype, fmt.quantization)
-        if key not in models:
-            print(f"loading {fmt.dtype} / {fmt.quantization}", file=sys.stderr)
+        if fmt.load_key not in models:
+            print(f"loading {fmt.label}", file=sys.stderr)
             dtype = resolve_dtype(fmt.dtype, "cpu")
-            models[key] = LoadedModel.load(None, dtype, "cpu", fmt.quantization)
+            models[fmt.load_key] = LoadedModel.load(fmt.model, dtype, "cpu", fmt.quantization)
     return models
 
 
-def measure_speed(
-    formats: list[Format], models: dict[tuple[str, str], LoadedModel], rounds: int
-) -> dict[str, Speed]:
+def gguf_file_formats(labels: list[str]) -> list[Format]:
+    """A `gguf` float32 row per llama-quantize type of the embedded file (made once)."""
+    from services.bench.llamacpp_build import ensure_requant, ensure_tools
+    from services.common.model_source import embedded_model_path
+
+    binaries = ensure_tools(["llama-quantize"])
+    source = embedded_model_path()
+    return [
+        Format(
+            f"gguf {label}", "float32", "gguf", model=str(ensure_requant(binaries, source, label))
+        )
+        for label in labels
+    ]
+
+
+def measure_speed(formats: list[Format], models: Models, rounds: int) -> dict[str, Speed]:
     speeds = {fmt.label: Speed() for fmt in formats}
     for fmt in formats:  # untimed: allocator growth, kernel selection, packed-weight caches
-        run_batch(models[fmt.dtype, fmt.quantization], fmt, 2, 4, seed=99)
+        run_batch(models[fmt.load_key], fmt, 2, 4, seed=99)
     for round_index in range(rounds):
         for fmt in formats:
             print(f"round {round_index + 1}/{rounds}: {fmt.label}", file=sys.stderr)
-            loaded = models[fmt.dtype, fmt.quantization]
+            loaded = models[fmt.load_key]
             speed = speeds[fmt.label]
             ms_1, _ = run_batch(loaded, fmt, 1, BATCH_1_OUTPUT_LEN, seed=round_index)
             ms_32, tokens_per_s = run_batch(loaded, fmt, LARGE_BATCH, OUTPUT_LEN, round_index)
@@ -191,17 +219,17 @@ def measure_speed(
 
 
 def measure_accuracies(
-    formats: list[Format], models: dict[tuple[str, str], LoadedModel]
+    formats: list[Format], models: Models
 ) -> tuple[Reference, dict[str, Accuracy]]:
     """Against fp32 weights with an fp32 KV cache (loaded here if no format uses it)."""
     reference_fmt = Format("fp32", "float32")
-    float_model = models.get(("float32", "none")) or LoadedModel.load(None, torch.float32)
+    float_model = models.get(reference_fmt.load_key) or LoadedModel.load(None, torch.float32)
     print("accuracy: reference (fp32)", file=sys.stderr)
     reference: Reference = build_reference(float_model, reference_fmt.engine_config(64 * MiB))
     results = {}
     for fmt in formats:
         print(f"accuracy: {fmt.label}", file=sys.stderr)
-        loaded = models[fmt.dtype, fmt.quantization]
+        loaded = models[fmt.load_key]
         results[fmt.label] = measure_accuracy(loaded, fmt.engine_config(64 * MiB), reference)
     return reference, results
 
@@ -232,7 +260,7 @@ def float_kv_twin(fmt: Format) -> Format:
 def kv_effect(
     fmt: Format,
     accuracy: Accuracy,
-    models: dict[tuple[str, str], LoadedModel],
+    models: Models,
     accuracies: dict[str, Accuracy],
     reference: Reference,
 ) -> str:
@@ -251,7 +279,7 @@ def kv_effect(
     )
     if twin is None:
         twin_fmt = float_kv_twin(fmt)
-        loaded = models[fmt.dtype, fmt.quantization]
+        loaded = models[fmt.load_key]
         twin = measure_accuracy(loaded, twin_fmt.engine_config(64 * MiB), reference)
     kl, top1 = kl_and_top1(twin.prompt_log_probs, accuracy.prompt_log_probs)
     return f"{kl:.4f} / {100 * top1:.1f} %"
@@ -271,6 +299,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     formats = [by_label[label] for label in labels]
+    gguf_labels = [part.strip() for part in args.gguf_files.split(",") if part.strip()]
+    if gguf_labels:
+        formats += gguf_file_formats(gguf_labels)
     models = load_all(formats)
     speeds = measure_speed(formats, models, args.rounds)
     reference, accuracies = (
@@ -278,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     )
     rows: list[list[object]] = []
     for fmt in formats:
-        loaded = models[fmt.dtype, fmt.quantization]
+        loaded = models[fmt.load_key]
         spec = kv_spec(fmt, loaded)
         speed = speeds[fmt.label]
         accuracy = accuracies.get(fmt.label)
@@ -328,6 +359,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help=f"comma-separated subset of: {', '.join(f.label for f in FORMATS)}",
     )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
+    parser.add_argument(
+        "--gguf-files",
+        default="",
+        help="llama-quantize types of the embedded file to add as rows, e.g. Q4_0,Q4_K_M,Q6_K",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--skip-accuracy", action="store_true", help="memory and speed only")
     parser.set_defaults(func=run)
