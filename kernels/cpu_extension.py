@@ -4,10 +4,16 @@ graphs. Every source file declares its ops with TORCH_LIBRARY_FRAGMENT(llmserve,
 implementation with TORCH_LIBRARY_IMPL(llmserve, CPU, m) and its shape function with
 TORCH_LIBRARY_IMPL(llmserve, Meta, m) (what torch.compile traces with).
 
-The library is built with the machine's compiler the first time a process asks for it (the
-worker does so at start-up, before it reports SERVING; `llmserve build-kernels` does it ahead
-of time) and cached per CPU and source hash. When the build is impossible (no compiler, no
-headers) the torch reference takes over, with one log line.
+One library per instruction-set variant (VARIANTS: AVX-512 with VNNI and BF16, AVX2 + FMA, and
+a baseline x86-64-v2 build whose kernels are the scalar ones), each the same sources compiled
+with that variant's flags. A process loads the best variant its CPU runs, read from
+/proc/cpuinfo, so a build made on one machine (an image, a cache shared by CI runners) is
+correct and fast on any x86 CPU; LLMSERVE_CPU_VARIANT names one instead (tests, diagnosis).
+
+A variant is built with the machine's compiler the first time a process asks for it (the worker
+does so at start-up, before it reports SERVING; `llmserve build-kernels` does it ahead of time,
+`--all` for every variant) and cached per variant and source hash. When the build is
+impossible (no compiler, no headers) the torch reference takes over, with one warning.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import platform
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,10 +32,45 @@ import torch
 log = logging.getLogger(__name__)
 
 DISABLE_ENV_VAR = "LLMSERVE_CPU_EXTENSION"  # "0" turns the C++ kernels off
+VARIANT_ENV_VAR = "LLMSERVE_CPU_VARIANT"  # a VARIANTS name instead of the CPU's best
 SOURCE_DIR = Path(__file__).parent / "csrc"
 _lock = threading.Lock()
 _loaded = False
 _failed = False
+_loaded_variant: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One build of the kernels: its compiler flags and the CPU flags it needs."""
+
+    name: str
+    flags: tuple[str, ...]
+    needs: tuple[str, ...]
+    """/proc/cpuinfo flags the CPU must list to run this build."""
+
+
+VARIANTS = (
+    Variant(
+        "avx512",
+        ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=generic"),
+        (
+            "avx2",
+            "fma",
+            "f16c",
+            "bmi2",
+            "avx512f",
+            "avx512bw",
+            "avx512dq",
+            "avx512vl",
+            "avx512_vnni",
+            "avx512_bf16",
+        ),
+    ),
+    Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c", "bmi2")),
+    Variant("baseline", ("-march=x86-64-v2", "-mtune=generic"), ()),
+)
+"""Best first. x86-64-v3 is AVX2, FMA, F16C and BMI; v4 adds AVX-512 F/BW/DQ/VL."""
 
 
 def sources() -> list[Path]:
@@ -47,25 +89,78 @@ def cpu_flags_line() -> str:
         return platform.processor()
 
 
-def _cpu_fingerprint() -> str:
-    """Built with -march=native: a cached build must never run on another CPU."""
-    return hashlib.sha1(cpu_flags_line().encode()).hexdigest()[:10]
+def cpu_flags() -> set[str]:
+    line = cpu_flags_line()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
 
-def library_name() -> str:
-    files = sources()
-    digest = hashlib.sha1()
-    for path in files:
+def best_variant(flags: set[str]) -> Variant:
+    """The first variant whose needs the CPU flags cover (the baseline needs none)."""
+    return next(variant for variant in VARIANTS if set(variant.needs) <= flags)
+
+
+def chosen_variant() -> Variant:
+    """LLMSERVE_CPU_VARIANT's variant, else the best this CPU runs."""
+    name = os.environ.get(VARIANT_ENV_VAR)
+    if not name:
+        return best_variant(cpu_flags())
+    by_name = {variant.name: variant for variant in VARIANTS}
+    if name not in by_name:
+        raise ValueError(f"{VARIANT_ENV_VAR} must be one of {', '.join(by_name)}; got {name!r}")
+    return by_name[name]
+
+
+def library_name(variant: Variant | None = None) -> str:
+    """The variant's library: named by its instruction set and the sources' hash."""
+    variant = variant or chosen_variant()
+    digest = hashlib.sha1(" ".join(variant.flags).encode())
+    for path in sources():
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     for header in sorted(SOURCE_DIR.glob("*.h")):
         digest.update(header.read_bytes())
-    return f"llmserve_cpu_{_cpu_fingerprint()}_{digest.hexdigest()[:10]}"
+    return f"llmserve_cpu_{variant.name.replace('-', '_')}_{digest.hexdigest()[:10]}"
+
+
+def _compile_flags(variant: Variant) -> list[str]:
+    return ["-O3", *variant.flags, "-fopenmp", "-fno-strict-aliasing"]
+
+
+def loaded_variant() -> str | None:
+    """The variant this process loaded (None: none yet, or the torch path)."""
+    return _loaded_variant
+
+
+def build_only(variant: Variant) -> Path:
+    """Compile a variant without loading it (one this CPU may not run: an image's other
+    variants); returns the library's path. Uses torch's own ninja build step."""
+    from torch.utils.cpp_extension import (
+        _get_build_directory,
+        _write_ninja_file_and_build_library,
+    )
+
+    name = library_name(variant)
+    directory = _get_build_directory(name, verbose=False)
+    _write_ninja_file_and_build_library(
+        name,
+        [str(p) for p in sources()],
+        _compile_flags(variant),
+        None,
+        None,
+        ["-fopenmp"],
+        [str(SOURCE_DIR)],
+        directory,
+        False,
+        False,
+        False,
+        is_standalone=False,
+    )
+    return Path(directory) / f"{name}.so"
 
 
 def load() -> bool:
     """Build (first time only) and load the kernels; False when disabled or unbuildable."""
-    global _loaded, _failed
+    global _loaded, _failed, _loaded_variant
     if _loaded or _failed:
         return _loaded
     if os.environ.get(DISABLE_ENV_VAR, "1") == "0":
@@ -78,21 +173,20 @@ def load() -> bool:
             from torch.utils.cpp_extension import _get_build_directory
             from torch.utils.cpp_extension import load as load_extension
 
-            name = library_name()
+            variant = chosen_variant()
+            name = library_name(variant)
             built = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
             if not built:
-                log.info("building the C++ CPU kernels (once per machine)", extra={"library": name})
+                log.info(
+                    "building the C++ CPU kernels (once per instruction set)",
+                    extra={"library": name},
+                )
             start = time.perf_counter()
             load_extension(
                 name=name,
                 sources=[str(p) for p in sources()],
                 extra_include_paths=[str(SOURCE_DIR)],
-                extra_cflags=[
-                    "-O3",
-                    "-march=native",
-                    "-fopenmp",
-                    "-fno-strict-aliasing",
-                ],
+                extra_cflags=_compile_flags(variant),
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
@@ -103,6 +197,12 @@ def load() -> bool:
                     extra={"seconds": round(time.perf_counter() - start, 1)},
                 )
             _loaded = True
+            _loaded_variant = variant.name
+            if variant.name == "baseline":
+                log.warning(
+                    "C++ CPU kernels without SIMD (the CPU lacks AVX2/FMA/F16C): slow",
+                    extra={"library": name},
+                )
         except Exception as exc:  # no compiler, no headers, no ninja: fall back, loudly once
             log.warning(
                 "CPU C++ kernels unavailable; using the torch path", extra={"error": str(exc)}

@@ -188,6 +188,22 @@ def cpu_bf16_flags() -> list[str]:
     return [flag for flag in BF16_CPU_FLAGS if flag in flags]
 
 
+SIMD_FLAG_PREFIXES = ("sse4", "avx", "fma", "f16c", "amx")
+
+
+def cpu_simd_flags() -> list[str]:
+    """The CPU's vector instruction-set flags (what decides which kernel variant runs)."""
+    try:
+        line = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return []
+    return [flag for flag in line.split(":", 1)[1].split() if flag.startswith(SIMD_FLAG_PREFIXES)]
+
+
 def load_average() -> str:
     """Other processes' load at start: numbers taken on a busy machine are not comparable."""
     try:
@@ -239,6 +255,7 @@ def machine_header(torch_threads: int) -> str:
         [
             f"command: `{command_line()}`",
             f"cpu: {cpu_model_name()} ({os.cpu_count()} logical cores; native bf16 flags: {bf16})",
+            f"cpu flags: {' '.join(cpu_simd_flags()) or 'unknown'}",
             f"torch threads: {torch_threads}; {load_average()}",
         ]
     )

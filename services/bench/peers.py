@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from services.bench.common import command_line, cpu_model_name, load_average
+from services.bench.common import command_line, cpu_model_name, cpu_simd_flags, load_average
 from services.bench.compare import (
     LLAMACPP_QUANTS,
     RATIO_LEGEND,
@@ -394,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     load_at_start = load_average()
+    flags_line = f"cpu flags: {' '.join(cpu_simd_flags()) or 'unknown'}"
     print(f"cpu: {cpu_model_name()} ({os.cpu_count()} logical cores); {load_at_start}")
     print(settings_line(config, engines) + "\n", flush=True)
     runner = Runner(config, workloads, out_dir, binaries)
@@ -414,7 +415,10 @@ def run(args: argparse.Namespace) -> int:
         for message in ([run.error] if run.error else []) + run.warnings
     ]
     load_at_end = load_average().removeprefix("load average at start: ")
-    settings = f"{settings_line(config, engines)}\n{load_at_start}; at the end: {load_at_end}"
+    settings = (
+        f"cpu: {cpu_model_name()}; {flags_line}\n{settings_line(config, engines)}\n"
+        f"{load_at_start}; at the end: {load_at_end}"
+    )
     notes = "\n".join(f"- {p}" for p in problems)
     legend = RATIO_LEGEND if any(not e.is_llmserve for e in engines) else ""
     report = f"{settings}\n\n{table}\n\n{legend}\n" + (

@@ -185,3 +185,32 @@ def test_compiled_write_into_views_of_one_storage_equals_eager(extension) -> Non
     got = torch.compile(step, fullgraph=True)(compiled_storage)
     torch.testing.assert_close(got, want)
     assert torch.equal(compiled_storage, eager_storage)
+
+
+# --- instruction-set variants ----------------------------------------------------------------
+
+
+def test_the_loaded_build_is_the_best_variant_this_cpu_runs() -> None:
+    from kernels import cpu_extension
+
+    assert cpu_extension.load()
+    variant = cpu_extension.best_variant(cpu_extension.cpu_flags())
+    assert cpu_extension.loaded_variant() == variant.name
+    ops_namespace = cpu_extension.ops()
+    expected = {"avx512": ("avx512", "avx2+vnni"), "avx2": ("avx2", "avx2")}
+    expected["baseline"] = ("scalar", "scalar")
+    assert (ops_namespace.cpu_kernel_isa(), ops_namespace.gguf_kernel_isa()) == expected[
+        variant.name
+    ]
+
+
+def test_every_variant_builds_here_without_being_loaded() -> None:
+    """An image builds every variant on one machine; the ones this CPU cannot run must still
+    compile (they are not loaded: their code may use instructions this CPU lacks)."""
+    from kernels import cpu_extension
+
+    for variant in cpu_extension.VARIANTS:
+        if variant.name == cpu_extension.loaded_variant():
+            continue
+        path = cpu_extension.build_only(variant)
+        assert path.is_file() and path.stat().st_size > 100_000
