@@ -152,6 +152,17 @@ inline __m256i iq4_levels(__m256i nibbles) {
 }
 #endif
 
+// Q5_0 / Q5_1: 16 bytes of nibbles at `qs` and 32 high bits at `qh` -> 32 codes 0..31 (the low
+// nibbles are values 0..15, bit j of qh is value j's fifth bit).
+inline void five_bit_codes(const uint8_t* qh_bytes, const uint8_t* qs, int32_t* q) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+    q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+  }
+}
+
 template <int64_t KIND>
 struct Format;
 
@@ -161,27 +172,15 @@ struct Format<kQ5_0> {
   static constexpr bool kSigned = false, kPerHalf = false;
   static void dequantize(const uint8_t* g, float* y) {
     const float d = half_at(g);
-    uint32_t qh;
-    std::memcpy(&qh, g + 2, 4);
-    for (int j = 0; j < 16; ++j) {
-      const int lo = (g[6 + j] & 0xF) | (((qh >> j) & 1) << 4);
-      const int hi = (g[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-      y[j] = static_cast<float>(lo - 16) * d;
-      y[j + 16] = static_cast<float>(hi - 16) * d;
-    }
+    int32_t q[32];
+    codes(g, 0, q);
+    for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(q[j] - 16) * d;
   }
   static void scales(const uint8_t* g, GroupScales& s) {
     s.factor[0] = half_at(g);
     s.offset[0] = -16.f * s.factor[0];
   }
-  static void codes(const uint8_t* g, int, int32_t* q) {
-    uint32_t qh;
-    std::memcpy(&qh, g + 2, 4);
-    for (int j = 0; j < 16; ++j) {
-      q[j] = (g[6 + j] & 0xF) | (((qh >> j) & 1) << 4);
-      q[j + 16] = (g[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-    }
-  }
+  static void codes(const uint8_t* g, int, int32_t* q) { five_bit_codes(g + 2, g + 6, q); }
 #ifdef GGUF_FORMATS_AVX2
   static __m256i codes_avx2(const uint8_t* g, int) {
     return _mm256_or_si256(split_nibbles(g + 6), spread_bits(g + 2, 16));
@@ -203,14 +202,7 @@ struct Format<kQ5_1> {
     s.factor[0] = half_at(g);
     s.offset[0] = half_at(g + 2);
   }
-  static void codes(const uint8_t* g, int, int32_t* q) {
-    uint32_t qh;
-    std::memcpy(&qh, g + 4, 4);
-    for (int j = 0; j < 16; ++j) {
-      q[j] = (g[8 + j] & 0xF) | (((qh >> j) & 1) << 4);
-      q[j + 16] = (g[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-    }
-  }
+  static void codes(const uint8_t* g, int, int32_t* q) { five_bit_codes(g + 4, g + 8, q); }
 #ifdef GGUF_FORMATS_AVX2
   static __m256i codes_avx2(const uint8_t* g, int) {
     return _mm256_or_si256(split_nibbles(g + 8), spread_bits(g + 4, 16));
@@ -225,7 +217,6 @@ struct Format<kQ2_K> {
   static constexpr int kValues = 256, kBytes = 84;
   static constexpr bool kSigned = false, kPerHalf = true;
   static void dequantize(const uint8_t* g, float* y) {
-    GroupScales s;
     int32_t q[32];
     for (int c = 0; c < 8; ++c) {
       codes(g, c, q);
@@ -236,7 +227,6 @@ struct Format<kQ2_K> {
         for (int l = 0; l < 16; ++l) y[32 * c + 16 * half + l] = dl * q[16 * half + l] - ml;
       }
     }
-    (void)s;
   }
   static void scales(const uint8_t* g, GroupScales& s) {
     const float d = half_at(g + 80), dmin = half_at(g + 82);

@@ -171,6 +171,15 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// One activation block's int8 scale: s = amax / 127 and its inverse (0 for an all-zero block),
+// the same fp32 operations as kernels/gguf_blocks_torch.quantize_activation_blocks.
+inline void block_scale_of(const float* v, int n, float& s, float& inverse) {
+  float amax = 0.f;
+  for (int j = 0; j < n; ++j) amax = std::max(amax, std::fabs(v[j]));
+  s = amax / 127.f;
+  inverse = s != 0.f ? 1.f / s : 0.f;
+}
+
 struct Activations {
   int64_t rows = 0, in_features = 0, num_blocks = 0;
   std::vector<int8_t> codes;  // [rows, K]
@@ -203,11 +212,8 @@ Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, flo
       to_float(x + m * k, row.data(), k);
       for (int64_t b = 0; b < a.num_blocks; ++b) {
         const float* v = row.data() + b * kBlock;
-        float amax = 0.f;
-        for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-        // Same fp32 operations as quantize_activation_blocks: amax / 127, then 1 / s.
-        const float s = amax / 127.f;
-        const float inverse = s != 0.f ? 1.f / s : 0.f;
+        float s, inverse;
+        block_scale_of(v, kBlock, s, inverse);
         int8_t* c = a.codes.data() + m * k + b * kBlock;
         int32_t total = 0;
         float* quads = a.sum4.data() + (m * a.num_blocks + b) * 8;
@@ -1025,10 +1031,8 @@ SuperActivations quantize_super_activations(const scalar_t* x, int64_t rows, int
       to_float(x + m * k, row.data(), k);
       for (int64_t g = 0; g < a.num_supers; ++g) {
         const float* v = row.data() + g * kSuper;
-        float amax = 0.f;
-        for (int j = 0; j < kSuper; ++j) amax = std::max(amax, std::fabs(v[j]));
-        const float s = amax / 127.f;
-        const float inverse = s != 0.f ? 1.f / s : 0.f;
+        float s, inverse;
+        block_scale_of(v, kSuper, s, inverse);
         int8_t* c = a.codes.data() + m * k + g * kSuper;
         for (int h = 0; h < 16; ++h) {
           int32_t total = 0;
