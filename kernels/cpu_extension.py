@@ -126,6 +126,28 @@ def _compile_flags(variant: Variant) -> list[str]:
     return ["-O3", *variant.flags, "-fopenmp", "-fno-strict-aliasing"]
 
 
+STALE_LOCK_S = 15 * 60.0
+"""A build lock older than this belongs to a build that died (a build takes 1-3 minutes)."""
+
+
+def remove_stale_lock(directory: Path, now: float | None = None) -> bool:
+    """torch's build step takes a `lock` file in the build directory and waits, without end,
+    while one exists; a build killed midway leaves it behind and every later process would
+    hang. Removes a lock older than STALE_LOCK_S (True when it did)."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning(
+        "removing a stale C++ kernel build lock", extra={"lock": str(lock), "age_s": round(age)}
+    )
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def loaded_variant() -> str | None:
     """The variant this process loaded (None: none yet, or the torch path)."""
     return _loaded_variant
@@ -141,6 +163,7 @@ def build_only(variant: Variant) -> Path:
 
     name = library_name(variant)
     directory = _get_build_directory(name, verbose=False)
+    remove_stale_lock(Path(directory))
     _write_ninja_file_and_build_library(
         name,
         [str(p) for p in sources()],
@@ -175,7 +198,9 @@ def load() -> bool:
 
             variant = chosen_variant()
             name = library_name(variant)
-            built = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+            directory = Path(_get_build_directory(name, verbose=False))
+            built = (directory / f"{name}.so").exists()
+            remove_stale_lock(directory)
             if not built:
                 log.info(
                     "building the C++ CPU kernels (once per instruction set)",

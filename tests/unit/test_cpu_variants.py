@@ -47,3 +47,16 @@ def test_the_environment_names_a_variant(monkeypatch: pytest.MonkeyPatch) -> Non
         chosen_variant()
     monkeypatch.delenv(cpu_extension.VARIANT_ENV_VAR)
     assert chosen_variant() == best_variant(cpu_extension.cpu_flags())
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A build killed midway leaves torch's lock file, on which every later build would wait
+    forever; one younger than a build can take belongs to a build still running."""
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    mtime = lock.stat().st_mtime
+    assert not cpu_extension.remove_stale_lock(tmp_path, now=mtime + 60)
+    assert lock.exists()
+    assert cpu_extension.remove_stale_lock(tmp_path, now=mtime + cpu_extension.STALE_LOCK_S + 1)
+    assert not lock.exists()
+    assert not cpu_extension.remove_stale_lock(tmp_path)  # nothing to remove
