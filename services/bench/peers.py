@@ -35,7 +35,6 @@ from pathlib import Path
 from services.bench.common import command_line, cpu_model_name, cpu_simd_flags, load_average
 from services.bench.compare import (
     LLAMACPP_QUANTS,
-    RATIO_LEGEND,
     SERVE_WORKLOADS,
     SHIPPED_QUANT,
     WORKLOADS,
@@ -47,13 +46,11 @@ from services.bench.compare import (
     llama_bench_command,
     llama_bench_measures,
     llama_server_command,
-    measures,
     offline_command,
     offline_measures,
     parse_batched_bench,
     parse_list,
     parse_llama_bench,
-    peers_table,
     serve_checks,
     serve_command,
     serve_measures,
@@ -66,6 +63,7 @@ from services.bench.llamacpp_build import (
     ensure_built,
     ensure_requant,
 )
+from services.bench.peers_table import RATIO_LEGEND, measures, peers_table
 
 ENGINE_CHOICES = ("llamacpp-q4_0", "llamacpp-q4_1", "llamacpp-q4_k_m", "llmserve")
 SERVER_STARTUP_TIMEOUT_S = 300.0

@@ -15,26 +15,24 @@ from services.bench.compare import (
     BatchedBenchRow,
     EngineSpec,
     PeersConfig,
-    advantage,
     batched_bench_command,
     batched_bench_measures,
     engine_specs,
     llama_bench_command,
     llama_bench_measures,
     llama_server_command,
-    measures,
     offline_command,
     offline_measures,
     parse_batched_bench,
     parse_list,
     parse_llama_bench,
-    peers_table,
     serve_checks,
     serve_command,
     serve_measures,
     stack_flags,
 )
 from services.bench.llamacpp_build import ninja_progress, requant_name
+from services.bench.peers_table import advantage, measures, peers_table
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
 Q4_0 = Path("/cache/m.Q4_0.gguf")
