@@ -21,9 +21,10 @@
 // dequantization computes them (the same float operations in the same order, so the fp32
 // path multiplies by the file's weights to the bit).
 //
-// The integer path reads a group as chunks of 32 values, each one 32 byte codes (value order)
-// with a factor and an offset per 16 values:
-//     w_j = factor[j / 16] * q_j + offset[j / 16]
+// The integer path reads a group as chunks of 32 values, each one 32 byte codes (value order).
+// The 32-value kinds (Q5_0, Q5_1, IQ4_NL) give a factor and an offset per chunk:
+//     w_j = factor * q_j + offset
+// and the K-quants their super-block in integers (SuperScales below).
 // Unsigned formats give q_j < 64, so u8 x s8 pair sums stay below int16 saturation. Signed
 // formats (kSigned: IQ4 levels in -127..113) give q_j as int8 and no offset; the kernel moves
 // their sign onto the activations.
@@ -59,7 +60,8 @@ inline float half_at(const uint8_t* p) {
 alignas(16) constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
 
-// A group's factors and offsets, one per 16 values (up to 256 values).
+// A group's factor and offset per 32-value chunk (the chunk kernels' form: Q5_0, Q5_1, IQ4_NL;
+// Q4_K and Q5_K's exact dequantization reads it too).
 struct GroupScales {
   float factor[16];
   float offset[16];
@@ -169,7 +171,7 @@ struct Format;
 template <>
 struct Format<kQ5_0> {
   static constexpr int kValues = 32, kBytes = 22;
-  static constexpr bool kSigned = false, kPerHalf = false;
+  static constexpr bool kSigned = false;
   static void dequantize(const uint8_t* g, float* y) {
     const float d = half_at(g);
     int32_t q[32];
@@ -191,7 +193,7 @@ struct Format<kQ5_0> {
 template <>
 struct Format<kQ5_1> {
   static constexpr int kValues = 32, kBytes = 24;
-  static constexpr bool kSigned = false, kPerHalf = false;
+  static constexpr bool kSigned = false;
   static void dequantize(const uint8_t* g, float* y) {
     const float d = half_at(g), m = half_at(g + 2);
     int32_t q[32];
@@ -215,7 +217,7 @@ struct Format<kQ5_1> {
 template <>
 struct Format<kQ2_K> {
   static constexpr int kValues = 256, kBytes = 84;
-  static constexpr bool kSigned = false, kPerHalf = true;
+  static constexpr bool kSigned = false;
   static void dequantize(const uint8_t* g, float* y) {
     int32_t q[32];
     for (int c = 0; c < 8; ++c) {
@@ -226,13 +228,6 @@ struct Format<kQ2_K> {
         const float ml = half_at(g + 82) * static_cast<float>(sc >> 4);
         for (int l = 0; l < 16; ++l) y[32 * c + 16 * half + l] = dl * q[16 * half + l] - ml;
       }
-    }
-  }
-  static void scales(const uint8_t* g, GroupScales& s) {
-    const float d = half_at(g + 80), dmin = half_at(g + 82);
-    for (int j = 0; j < 16; ++j) {
-      s.factor[j] = d * static_cast<float>(g[j] & 0xF);
-      s.offset[j] = -(dmin * static_cast<float>(g[j] >> 4));
     }
   }
   static void super_scales(const uint8_t* g, SuperScales& s) {
@@ -268,7 +263,7 @@ struct Format<kQ2_K> {
 template <>
 struct Format<kQ3_K> {
   static constexpr int kValues = 256, kBytes = 110;
-  static constexpr bool kSigned = false, kPerHalf = true;
+  static constexpr bool kSigned = false;
   static void dequantize(const uint8_t* g, float* y) {
     int8_t sc[16];
     q3_k_scales(g + 96, sc);
@@ -282,15 +277,6 @@ struct Format<kQ3_K> {
           y[32 * c + 16 * half + l] = dl * static_cast<float>(q[16 * half + l] - 4);
         }
       }
-    }
-  }
-  static void scales(const uint8_t* g, GroupScales& s) {
-    int8_t sc[16];
-    q3_k_scales(g + 96, sc);
-    const float d = half_at(g + 108);
-    for (int j = 0; j < 16; ++j) {
-      s.factor[j] = d * static_cast<float>(sc[j]);
-      s.offset[j] = -4.f * s.factor[j];
     }
   }
   static void super_scales(const uint8_t* g, SuperScales& s) {
@@ -329,7 +315,7 @@ struct Format<kQ3_K> {
 template <>
 struct Format<kQ4_K> {
   static constexpr int kValues = 256, kBytes = 144;
-  static constexpr bool kSigned = false, kPerHalf = false;
+  static constexpr bool kSigned = false;
   static void dequantize(const uint8_t* g, float* y) {
     GroupScales s;
     scales(g, s);
@@ -389,7 +375,7 @@ struct Format<kQ4_K> {
 template <>
 struct Format<kQ5_K> {
   static constexpr int kValues = 256, kBytes = 176;
-  static constexpr bool kSigned = false, kPerHalf = false;
+  static constexpr bool kSigned = false;
   static void dequantize(const uint8_t* g, float* y) {
     GroupScales s;
     scales(g, s);
@@ -425,7 +411,7 @@ struct Format<kQ5_K> {
 template <>
 struct Format<kQ6_K> {
   static constexpr int kValues = 256, kBytes = 210;
-  static constexpr bool kSigned = false, kPerHalf = true;
+  static constexpr bool kSigned = false;
   static void dequantize(const uint8_t* g, float* y) {
     const float d = half_at(g + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(g + 192);
@@ -438,14 +424,6 @@ struct Format<kQ6_K> {
           y[32 * c + 16 * half + l] = dl * static_cast<float>(q[16 * half + l] - 32);
         }
       }
-    }
-  }
-  static void scales(const uint8_t* g, GroupScales& s) {
-    const float d = half_at(g + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(g + 192);
-    for (int j = 0; j < 16; ++j) {
-      s.factor[j] = d * static_cast<float>(sc[j]);
-      s.offset[j] = -32.f * s.factor[j];
     }
   }
   static void super_scales(const uint8_t* g, SuperScales& s) {
@@ -485,7 +463,7 @@ struct Format<kQ6_K> {
 template <>
 struct Format<kIQ4_NL> {
   static constexpr int kValues = 32, kBytes = 18;
-  static constexpr bool kSigned = true, kPerHalf = false;
+  static constexpr bool kSigned = true;
   static void dequantize(const uint8_t* g, float* y) {
     const float d = half_at(g);
     int32_t q[32];
@@ -512,7 +490,7 @@ struct Format<kIQ4_NL> {
 template <>
 struct Format<kIQ4_XS> {
   static constexpr int kValues = 256, kBytes = 136;
-  static constexpr bool kSigned = true, kPerHalf = false;
+  static constexpr bool kSigned = true;
   static int scale(const uint8_t* g, int c) {
     uint16_t high;
     std::memcpy(&high, g + 2, sizeof(high));
@@ -525,13 +503,6 @@ struct Format<kIQ4_XS> {
       const float dl = d * static_cast<float>(scale(g, c));
       codes(g, c, q);
       for (int j = 0; j < 32; ++j) y[32 * c + j] = dl * static_cast<float>(q[j]);
-    }
-  }
-  static void scales(const uint8_t* g, GroupScales& s) {
-    const float d = half_at(g);
-    for (int c = 0; c < 8; ++c) {
-      s.factor[c] = d * static_cast<float>(scale(g, c));
-      s.offset[c] = 0.f;
     }
   }
   static void super_scales(const uint8_t* g, SuperScales& s) {
@@ -569,16 +540,5 @@ constexpr bool is_super_kind(int64_t kind) {
          kind == kIQ4_XS;
 }
 
-// Factor and offset of the 16 values [16 h, 16 h + 16) of chunk c.
-template <int64_t KIND>
-inline int scale_index(int c, int h) {
-  if constexpr (Format<KIND>::kPerHalf) {
-    return 2 * c + h;
-  } else if constexpr (Format<KIND>::kValues == 32) {
-    return 0;
-  } else {
-    return c;
-  }
-}
 
 }  // namespace gguf

@@ -624,9 +624,8 @@ void chunk_row_scalar(const Activations& a, int64_t m0, int mr, const uint8_t* w
             dot += q[j] * static_cast<int32_t>(codes[j]);
             sum += codes[j];
           }
-          const int i = gguf::scale_index<KIND>(c, h);
-          acc[m] += sc.factor[i] * s * static_cast<float>(dot) +
-                    sc.offset[i] * s * static_cast<float>(sum);
+          acc[m] += sc.factor[c] * s * static_cast<float>(dot) +
+                    sc.offset[c] * s * static_cast<float>(sum);
         }
       }
     }
@@ -635,17 +634,6 @@ void chunk_row_scalar(const Activations& a, int64_t m0, int mr, const uint8_t* w
 }
 
 #ifdef GGUF_AVX2
-// Lanes 0-3 the value for the chunk's first 16 values, 4-7 for its second 16.
-template <int64_t KIND>
-inline __m256 halves(const float* values, int c) {
-  if constexpr (gguf::Format<KIND>::kPerHalf) {
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(values[2 * c])),
-                                _mm_set1_ps(values[2 * c + 1]), 1);
-  } else {
-    return _mm256_set1_ps(values[gguf::scale_index<KIND>(c, 0)]);
-  }
-}
-
 // 8 int32 lanes, lane i the sum of q_j c_j over j in [4i, 4i + 4).
 template <bool SIGNED>
 inline __m256i chunk_dot(__m256i q, __m256i c) {
@@ -676,8 +664,8 @@ void chunk_tile_avx2(const Activations& a, int64_t m0, const uint8_t* w, int64_t
       __m256 factor[NR], offset[NR];
       for (int r = 0; r < NR; ++r) {
         q[r] = F::codes_avx2(w + r * row_bytes + g * F::kBytes, c);
-        factor[r] = halves<KIND>(sc[r].factor, c);
-        if constexpr (!F::kSigned) offset[r] = halves<KIND>(sc[r].offset, c);
+        factor[r] = _mm256_set1_ps(sc[r].factor[c]);
+        if constexpr (!F::kSigned) offset[r] = _mm256_set1_ps(sc[r].offset[c]);
       }
       for (int m = 0; m < MR; ++m) {
         const __m256i codes = _mm256_loadu_si256(
@@ -1261,7 +1249,7 @@ void fast_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int6
             case 3: fast_rows<KIND, 3>(a, m0, w, row_bytes, n0, n1, out, ldo, s); break;
             default: fast_rows<KIND, 4>(a, m0, w, row_bytes, n0, n1, out, ldo, s); break;
           }
-        } else {
+        } else if constexpr (!gguf::is_super_kind(KIND)) {  // K-quants: super_linear
           switch (rows) {
             case 1: chunk_rows<KIND, 1>(a, m0, w, row_bytes, n0, n1, out, ldo); break;
             case 2: chunk_rows<KIND, 2>(a, m0, w, row_bytes, n0, n1, out, ldo); break;
