@@ -60,3 +60,14 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:  
     assert cpu_extension.remove_stale_lock(tmp_path, now=mtime + cpu_extension.STALE_LOCK_S + 1)
     assert not lock.exists()
     assert not cpu_extension.remove_stale_lock(tmp_path)  # nothing to remove
+
+
+def test_build_kernels_names_the_variant_it_loaded(capsys) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+
+    from services.build_kernels_command import run
+
+    assert run(argparse.Namespace(all=False)) == 0
+    out = capsys.readouterr().out
+    assert f"variant {best_variant(cpu_extension.cpu_flags()).name}" in out
+    assert cpu_extension.loaded_variant() == best_variant(cpu_extension.cpu_flags()).name
