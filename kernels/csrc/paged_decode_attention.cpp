@@ -6,12 +6,14 @@
 //   context_lens [B] int32 (0: padding row)   [num_blocks, block_size, Hkv, D / group]
 //
 // Work is cut into items (sequence, token range), all heads. Tokens go in chunks of kChunk;
-// for each chunk and KV head, the G = Hq / Hkv query heads sharing it are scored together
-// (q . k, scores in L1, so each K row is read once), folded into a running max and sum
-// (online softmax at chunk granularity), and the values accumulated. Taking every KV head of
-// a chunk in turn reads each block's token rows whole (Hkv x D contiguous values), which the
-// prefetches below fetch ahead: one item per (sequence, kv head) touched 1 / Hkv of each row
-// per pass and ran 1.4-1.8x slower on a 50 MB cache (B 64, context 1024, one thread).
+// the G = Hq / Hkv query heads sharing a KV head are scored together (q . k, scores in L1),
+// folded into a running max and sum (online softmax at chunk granularity), and the values
+// accumulated. Both passes walk a chunk W token rows at a time with every KV head inside, so
+// each row (Hkv x D contiguous values) comes from memory once, whole, while the prefetches
+// fetch the next rows: one item per (sequence, kv head) touched 1 / Hkv of each row per pass
+// and ran 1.4-1.8x slower on a 50 MB cache (B 64, context 1024, one thread). Several key rows
+// are scored at once and the value sums run several tokens in flight, so the FMAs do not wait
+// on each other: 1.7x at batch 16, context 192, 9 / 3 heads of 64 (cache in L3).
 // Contexts too long for the batch to balance across the threads (batch 1 on 2 threads) are
 // split into ranges processed in parallel and merged with their log-sum-exp
 // (flash-decoding).
@@ -48,7 +50,7 @@ constexpr int64_t kMaxGroupTile = 8;
 // Tokens scored before their values are accumulated: G x 256 fp32 scores stay in L1.
 constexpr int64_t kChunk = 256;
 // Prefetch distance, in tiles of W tokens, of the key and value rows.
-constexpr int64_t kPrefetchTiles = 1;
+constexpr int64_t kPrefetchTiles = 2;
 // Splits shorter than this cost more in merging than they win in balance.
 constexpr int64_t kMinSplit = 128;
 // Items per thread aimed for when splitting: enough that unequal lengths even out.
@@ -105,7 +107,7 @@ struct Scratch {
 
   explicit Scratch(const DecodeArgs& a)
       : query(a.num_q_heads * a.head_dim),
-        scores(kMaxGroupTile * kChunk),
+        scores(a.num_q_heads * kChunk),
         acc(a.num_q_heads * a.head_dim),
         max_score(a.num_q_heads),
         sum_exp(a.num_q_heads),
@@ -138,70 +140,114 @@ typename V::Reg load_row_vector(const KV* row, int64_t lane, const float* scales
 // Rows of one KV head in a chunk: token row starts (all heads) plus this head's offset.
 struct ChunkRows {
   const char* const* tokens;
-  int64_t head_offset;     // bytes
-  int64_t prefetch_bytes;  // of each token row to fetch ahead; 0: none
+  int64_t head_offset;  // bytes
 };
 
-inline void prefetch_rows(const ChunkRows& rows, int64_t first, int64_t last) {
+// Fetches the whole token rows (every head) [first, last) of a chunk ahead of use.
+inline void prefetch_rows(const char* const* tokens, int64_t row_bytes, int64_t first,
+                          int64_t last) {
   for (int64_t t = first; t < last; ++t) {
-    for (int64_t byte = 0; byte < rows.prefetch_bytes; byte += 64) {
-      __builtin_prefetch(rows.tokens[t] + byte);
-    }
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(tokens[t] + byte);
   }
 }
 
-// scores[g][t] = q_g . k_t for the n rows of a chunk. Each row's G partial dot products stay
-// vectors; W of them are reduced at once (one transpose-reduce instead of W horizontal sums).
-template <class V, typename KV, int G>
-void score_chunk(const float* query, const ChunkRows& keys, const ChunkRows& values,
-                 const float* scales, int64_t scale_stride, int64_t group, int64_t n,
-                 int64_t head_dim, float* scores) {
+// Key rows scored at once in score_tile: G x R independent dot products keep the FMA units
+// busy (one row at a time left G chains, each waiting on its previous FMA), within the
+// registers left by G query vectors and a key vector.
+constexpr int rows_per_pass(int group, int registers, int width) {
+  const int rows = (registers - group - 2) / group;
+  return rows < 1 ? 1 : (rows > width ? width : rows);
+}
+
+// partial[g][j0 + r] = the lane-wise products q_g * k of rows t0 + j0 + r, r < R, summed over
+// head_dim's vectors.
+template <class V, typename KV, int G, int R>
+void score_rows(const float* query, const ChunkRows& keys, const float* scales,
+                int64_t scale_stride, int64_t group, int64_t t, int64_t head_dim,
+                typename V::Reg (*partial)[V::kWidth], int64_t j0) {
   using Reg = typename V::Reg;
   constexpr int64_t W = V::kWidth;
-  for (int64_t t0 = 0; t0 < n; t0 += W) {
-    const int64_t tile = std::min(W, n - t0);
-    // Blocks sit at random addresses, which no hardware prefetcher predicts: fetch the next
-    // tiles' key rows, and the value rows the accumulation pass reads after this chunk.
-    const int64_t ahead = std::min(n, t0 + (kPrefetchTiles + 1) * W);
-    prefetch_rows(keys, std::min(n, t0 + kPrefetchTiles * W), ahead);
-    prefetch_rows(values, std::min(n, t0 + kPrefetchTiles * W), ahead);
-    Reg partial[G][W];
-    for (int64_t j = 0; j < tile; ++j) {
-      const KV* k = reinterpret_cast<const KV*>(keys.tokens[t0 + j] + keys.head_offset);
-      const float* row_scales = nullptr;
-      if constexpr (std::is_same_v<KV, int8_t>) row_scales = scales + (t0 + j) * scale_stride;
-      Reg dots[G];
-      for (int g = 0; g < G; ++g) dots[g] = V::zero();
-      for (int64_t lane = 0; lane < head_dim; lane += W) {
-        const Reg kv = load_row_vector<V, KV>(k, lane, row_scales, group);
-        for (int g = 0; g < G; ++g)
-          dots[g] = V::fma(V::load(query + g * head_dim + lane), kv, dots[g]);
-      }
-      for (int g = 0; g < G; ++g) partial[g][j] = dots[g];
-    }
-    for (int64_t j = tile; j < W; ++j) {
-      for (int g = 0; g < G; ++g) partial[g][j] = V::zero();
-    }
-    for (int g = 0; g < G; ++g) V::store(scores + g * kChunk + t0, V::transpose_reduce(partial[g]));
+  const KV* k[R];
+  const float* row_scales[R] = {};
+  for (int r = 0; r < R; ++r) {
+    k[r] = reinterpret_cast<const KV*>(keys.tokens[t + r] + keys.head_offset);
+    if constexpr (std::is_same_v<KV, int8_t>) row_scales[r] = scales + (t + r) * scale_stride;
   }
-}
-
-// Register budget of the value pass: G x NV accumulators, NV value vectors and a weight.
-constexpr int values_per_tile(int group, int registers) {
-  return (group + 1) * 4 + 1 <= registers ? 4 : ((group + 1) * 2 + 1 <= registers ? 2 : 1);
-}
-
-template <class V, typename KV, int G, int NV>
-void accumulate_tile(const float* weights, const ChunkRows& rows, const float* scales,
-                     int64_t scale_stride, int64_t group, int64_t n, int64_t head_dim,
-                     int64_t lane0, float* acc) {
-  using Reg = typename V::Reg;
-  constexpr int64_t W = V::kWidth;
-  Reg sums[G][NV];
+  Reg dots[G][R];
   for (int g = 0; g < G; ++g) {
-    for (int v = 0; v < NV; ++v) sums[g][v] = V::load(acc + g * head_dim + lane0 + v * W);
+    for (int r = 0; r < R; ++r) dots[g][r] = V::zero();
   }
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t lane = 0; lane < head_dim; lane += W) {
+    Reg q[G];
+    for (int g = 0; g < G; ++g) q[g] = V::load(query + g * head_dim + lane);
+    for (int r = 0; r < R; ++r) {
+      const Reg kv = load_row_vector<V, KV>(k[r], lane, row_scales[r], group);
+      for (int g = 0; g < G; ++g) dots[g][r] = V::fma(q[g], kv, dots[g][r]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int r = 0; r < R; ++r) partial[g][j0 + r] = dots[g][r];
+  }
+}
+
+// scores[g][t] = q_g . k_t for rows [t0, t0 + n) of a chunk, n <= W. Each row's G partial dot
+// products stay vectors; W of them are reduced at once (one transpose-reduce instead of W
+// horizontal sums).
+template <class V, typename KV, int G>
+void score_tile(const float* query, const ChunkRows& keys, const float* scales,
+                int64_t scale_stride, int64_t group, int64_t t0, int64_t n, int64_t head_dim,
+                float* scores) {
+  using Reg = typename V::Reg;
+  constexpr int64_t W = V::kWidth;
+  constexpr int R = rows_per_pass(G, V::kRegisters, V::kWidth);
+  Reg partial[G][W];
+  int64_t j = 0;
+  for (; j + R <= n; j += R) {
+    score_rows<V, KV, G, R>(query, keys, scales, scale_stride, group, t0 + j, head_dim, partial,
+                            j);
+  }
+  for (; j < n; ++j) {
+    score_rows<V, KV, G, 1>(query, keys, scales, scale_stride, group, t0 + j, head_dim, partial,
+                            j);
+  }
+  for (; j < W; ++j) {
+    for (int g = 0; g < G; ++g) partial[g][j] = V::zero();
+  }
+  for (int g = 0; g < G; ++g) V::store(scores + g * kChunk + t0, V::transpose_reduce(partial[g]));
+}
+
+// The value pass's register tile: NV vectors of head_dim per query head, U tokens in flight
+// with sums of their own (G x NV x U accumulators, NV value vectors and a weight). More
+// accumulators keep more FMAs independent; a wider NV reads the weights fewer times.
+struct ValueTile {
+  int vectors, unroll;
+};
+constexpr ValueTile value_tile(int group, int registers) {
+  ValueTile best{1, 1};
+  for (int nv : {4, 2, 1}) {
+    for (int u : {2, 1}) {
+      const bool fits = group * nv * u + nv + 1 <= registers;
+      if (fits && nv * u > best.vectors * best.unroll) best = {nv, u};
+    }
+  }
+  return best;
+}
+
+// acc[g][lane0, lane0 + NV W) += sum over rows [t0, t1) of weights[g][t] * v_t.
+template <class V, typename KV, int G, int NV, int U>
+void accumulate_tile(const float* weights, const ChunkRows& rows, const float* scales,
+                     int64_t scale_stride, int64_t group, int64_t t0, int64_t t1,
+                     int64_t head_dim, int64_t lane0, float* acc) {
+  using Reg = typename V::Reg;
+  constexpr int64_t W = V::kWidth;
+  Reg sums[U][G][NV];
+  for (int g = 0; g < G; ++g) {
+    for (int v = 0; v < NV; ++v) {
+      sums[0][g][v] = V::load(acc + g * head_dim + lane0 + v * W);
+      for (int u = 1; u < U; ++u) sums[u][g][v] = V::zero();
+    }
+  }
+  auto add_row = [&](Reg(&into)[G][NV], int64_t t) {
     const KV* row = reinterpret_cast<const KV*>(rows.tokens[t] + rows.head_offset);
     const float* row_scales = nullptr;
     if constexpr (std::is_same_v<KV, int8_t>) row_scales = scales + t * scale_stride;
@@ -210,30 +256,39 @@ void accumulate_tile(const float* weights, const ChunkRows& rows, const float* s
       values[v] = load_row_vector<V, KV>(row, lane0 + v * W, row_scales, group);
     for (int g = 0; g < G; ++g) {
       const Reg w = V::set1(weights[g * kChunk + t]);
-      for (int v = 0; v < NV; ++v) sums[g][v] = V::fma(w, values[v], sums[g][v]);
+      for (int v = 0; v < NV; ++v) into[g][v] = V::fma(w, values[v], into[g][v]);
     }
+  };
+  int64_t t = t0;
+  for (; t + U <= t1; t += U) {
+    for (int u = 0; u < U; ++u) add_row(sums[u], t + u);
   }
+  for (; t < t1; ++t) add_row(sums[0], t);
   for (int g = 0; g < G; ++g) {
-    for (int v = 0; v < NV; ++v) V::store(acc + g * head_dim + lane0 + v * W, sums[g][v]);
+    for (int v = 0; v < NV; ++v) {
+      Reg total = sums[0][g][v];
+      for (int u = 1; u < U; ++u) total = V::add(total, sums[u][g][v]);
+      V::store(acc + g * head_dim + lane0 + v * W, total);
+    }
   }
 }
 
-// acc[g] += sum_t weights[g][t] * v_t, over head_dim in tiles that keep the sums in registers
-// (the tiles re-read distinct cache lines of the same rows, so V still streams once).
+// acc[g] += sum over rows [t0, t1) of weights[g][t] * v_t, over head_dim in lane tiles that
+// keep the sums in registers (the rows of a token tile stay in L1 between lane tiles).
 template <class V, typename KV, int G>
-void accumulate_chunk(const float* weights, const ChunkRows& rows, const float* scales,
-                      int64_t scale_stride, int64_t group, int64_t n, int64_t head_dim,
-                      float* acc) {
-  constexpr int NV = values_per_tile(G, V::kRegisters);
-  constexpr int64_t tile = NV * V::kWidth;
+void accumulate_rows(const float* weights, const ChunkRows& rows, const float* scales,
+                     int64_t scale_stride, int64_t group, int64_t t0, int64_t t1,
+                     int64_t head_dim, float* acc) {
+  constexpr ValueTile kTile = value_tile(G, V::kRegisters);
+  constexpr int64_t tile = kTile.vectors * V::kWidth;
   int64_t lane = 0;
   for (; lane + tile <= head_dim; lane += tile) {
-    accumulate_tile<V, KV, G, NV>(weights, rows, scales, scale_stride, group, n, head_dim, lane,
-                                  acc);
+    accumulate_tile<V, KV, G, kTile.vectors, kTile.unroll>(weights, rows, scales, scale_stride,
+                                                           group, t0, t1, head_dim, lane, acc);
   }
   for (; lane < head_dim; lane += V::kWidth) {
-    accumulate_tile<V, KV, G, 1>(weights, rows, scales, scale_stride, group, n, head_dim, lane,
-                                 acc);
+    accumulate_tile<V, KV, G, 1, kTile.unroll>(weights, rows, scales, scale_stride, group, t0, t1,
+                                               head_dim, lane, acc);
   }
 }
 
@@ -288,82 +343,13 @@ void store_output_row(const DecodeArgs& a, int64_t row, const float* src, float 
   }
 }
 
-// One chunk of tokens for query heads [first_head, first_head + G) of KV head `kv_head`:
-// score, fold into the running max and sum (rescaling what earlier chunks accumulated by
-// exp(old max - new max)), accumulate the values.
-template <class V, typename KV, int G>
-void attend_chunk(const DecodeArgs& a, Scratch<V>& s, int64_t kv_head, int64_t first_head,
-                  int64_t n, bool first_chunk) {
-  using Reg = typename V::Reg;
-  constexpr int64_t W = V::kWidth;
-  const int64_t head_dim = a.head_dim;
-  const int64_t element = static_cast<int64_t>(sizeof(KV));
-  // The first head tile of a chunk fetches whole token rows (every head) ahead of use.
-  const bool fetch = first_head == 0;
-  const int64_t row_span = ((a.num_kv_heads - 1) * a.k_strides.head + head_dim) * element;
-  const ChunkRows keys{s.k_tokens.data(), kv_head * a.k_strides.head * element,
-                       fetch ? row_span : 0};
-  const ChunkRows values{
-      s.v_tokens.data(), kv_head * a.v_strides.head * element,
-      fetch ? ((a.num_kv_heads - 1) * a.v_strides.head + head_dim) * element : 0};
-  const float* k_scales = nullptr;
-  const float* v_scales = nullptr;
-  if (a.quant_group > 0) {
-    k_scales = s.k_scales.data() + kv_head * a.num_scales;
-    v_scales = s.v_scales.data() + kv_head * a.num_scales;
-  }
-  score_chunk<V, KV, G>(s.query.data() + first_head * head_dim, keys, values, k_scales,
-                        s.scale_stride, a.quant_group, n, head_dim, s.scores.data());
-  // Pad the chunk to whole vectors with -inf scores (weight 0).
-  const int64_t padded = (n + W - 1) / W * W;
-  if (a.logit_softcap > 0.f) {
-    const Reg cap = V::set1(a.logit_softcap), inverse_cap = V::set1(1.f / a.logit_softcap);
-    for (int g = 0; g < G; ++g) {
-      float* scores = s.scores.data() + g * kChunk;
-      for (int64_t t = 0; t < padded; t += W) {
-        V::store(scores + t, V::mul(V::tanh(V::mul(V::load(scores + t), inverse_cap)), cap));
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    float* scores = s.scores.data() + g * kChunk;
-    for (int64_t t = n; t < padded; ++t) scores[t] = -std::numeric_limits<float>::infinity();
-    Reg chunk_max = V::set1(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < padded; t += W) chunk_max = V::max(chunk_max, V::load(scores + t));
-    const float previous = s.max_score[first_head + g];
-    const float current = ScalarVec::max(V::reduce_max(chunk_max), previous);
-    const Reg shift = V::set1(-current);
-    Reg total = V::zero();
-    for (int64_t t = 0; t < padded; t += W) {
-      const Reg p = V::exp(V::add(V::load(scores + t), shift));
-      V::store(scores + t, p);
-      total = V::add(total, p);
-    }
-    float& sum_exp = s.sum_exp[first_head + g];
-    if (first_chunk) {
-      sum_exp = V::reduce_add(total);
-    } else {
-      const float rescale = std::exp(previous - current);
-      sum_exp = sum_exp * rescale + V::reduce_add(total);
-      float* acc = s.acc.data() + (first_head + g) * head_dim;
-      const Reg r = V::set1(rescale);
-      for (int64_t lane = 0; lane < head_dim; lane += W) {
-        V::store(acc + lane, V::mul(V::load(acc + lane), r));
-      }
-    }
-    s.max_score[first_head + g] = current;
-  }
-  accumulate_chunk<V, KV, G>(s.scores.data(), values, v_scales, s.scale_stride, a.quant_group, n,
-                             head_dim, s.acc.data() + first_head * head_dim);
-}
-
-template <class V, typename KV>
-void attend_group_tile(const DecodeArgs& a, Scratch<V>& s, int64_t count, int64_t kv_head,
-                       int64_t first_head, int64_t n, bool first_chunk) {
+// Calls f(std::integral_constant<int, G>) for a group tile of `count` query heads.
+template <class F>
+void with_group_tile(int64_t count, F&& f) {
   switch (count) {
-#define LLMSERVE_GROUP_CASE(G)                                         \
-  case G:                                                              \
-    attend_chunk<V, KV, G>(a, s, kv_head, first_head, n, first_chunk); \
+#define LLMSERVE_GROUP_CASE(G)             \
+  case G:                                  \
+    f(std::integral_constant<int, G>{});   \
     break;
     LLMSERVE_GROUP_CASE(1)
     LLMSERVE_GROUP_CASE(2)
@@ -376,6 +362,106 @@ void attend_group_tile(const DecodeArgs& a, Scratch<V>& s, int64_t count, int64_
 #undef LLMSERVE_GROUP_CASE
     default:
       TORCH_INTERNAL_ASSERT(false, "group tile out of range");
+  }
+}
+
+// Calls f(kv_head, first query head, group tile size) for every group tile of every KV head.
+template <class F>
+void for_each_group_tile(const DecodeArgs& a, F&& f) {
+  for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+    for (int64_t g0 = 0; g0 < a.group; g0 += kMaxGroupTile) {
+      f(h, h * a.group + g0, std::min(kMaxGroupTile, a.group - g0));
+    }
+  }
+}
+
+// One chunk of n tokens for every query head: score, fold into the running max and sum
+// (rescaling what earlier chunks accumulated by exp(old max - new max)), accumulate the
+// values. Both passes walk the chunk a tile of W token rows at a time with every KV head
+// inside, so each row comes from memory once and the loads spread over the compute; the
+// prefetches run kPrefetchTiles tiles ahead, through the keys and on into the values.
+// (Scoring one KV head over the whole chunk before the next fetched every row during the
+// first head's pass alone: 2.7x slower at batch 16, context 192, cache from memory.)
+template <class V, typename KV>
+void attend_chunk(const DecodeArgs& a, Scratch<V>& s, int64_t n, bool first_chunk) {
+  using Reg = typename V::Reg;
+  constexpr int64_t W = V::kWidth;
+  const int64_t head_dim = a.head_dim;
+  const int64_t element = static_cast<int64_t>(sizeof(KV));
+  const int64_t k_row_bytes = ((a.num_kv_heads - 1) * a.k_strides.head + head_dim) * element;
+  const int64_t v_row_bytes = ((a.num_kv_heads - 1) * a.v_strides.head + head_dim) * element;
+  const bool quantized = a.quant_group > 0;
+  auto rows_of = [&](const std::vector<const char*>& tokens, int64_t head_stride, int64_t h) {
+    return ChunkRows{tokens.data(), h * head_stride * element};
+  };
+  auto scales_of = [&](const std::vector<float>& scales, int64_t h) {
+    return quantized ? scales.data() + h * a.num_scales : nullptr;
+  };
+  for (int64_t t0 = 0; t0 < n; t0 += W) {
+    const int64_t ahead = t0 + kPrefetchTiles * W;
+    prefetch_rows(s.k_tokens.data(), k_row_bytes, std::min(n, ahead), std::min(n, ahead + W));
+    if (ahead + W > n) {
+      prefetch_rows(s.v_tokens.data(), v_row_bytes, std::max<int64_t>(0, ahead - n),
+                    std::min(n, ahead + W - n));
+    }
+    const int64_t rows = std::min(W, n - t0);
+    for_each_group_tile(a, [&](int64_t h, int64_t first, int64_t count) {
+      const ChunkRows keys = rows_of(s.k_tokens, a.k_strides.head, h);
+      with_group_tile(count, [&](auto group_tile) {
+        score_tile<V, KV, decltype(group_tile)::value>(
+            s.query.data() + first * head_dim, keys, scales_of(s.k_scales, h), s.scale_stride,
+            a.quant_group, t0, rows, head_dim, s.scores.data() + first * kChunk);
+      });
+    });
+  }
+  // Pad the chunk to whole vectors with -inf scores (weight 0).
+  const int64_t padded = (n + W - 1) / W * W;
+  for (int64_t qh = 0; qh < a.num_q_heads; ++qh) {
+    float* scores = s.scores.data() + qh * kChunk;
+    if (a.logit_softcap > 0.f) {
+      const Reg cap = V::set1(a.logit_softcap), inverse_cap = V::set1(1.f / a.logit_softcap);
+      for (int64_t t = 0; t < padded; t += W) {
+        V::store(scores + t, V::mul(V::tanh(V::mul(V::load(scores + t), inverse_cap)), cap));
+      }
+    }
+    for (int64_t t = n; t < padded; ++t) scores[t] = -std::numeric_limits<float>::infinity();
+    Reg chunk_max = V::set1(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < padded; t += W) chunk_max = V::max(chunk_max, V::load(scores + t));
+    const float previous = s.max_score[qh];
+    const float current = ScalarVec::max(V::reduce_max(chunk_max), previous);
+    const Reg shift = V::set1(-current);
+    Reg total = V::zero();
+    for (int64_t t = 0; t < padded; t += W) {
+      const Reg p = V::exp(V::add(V::load(scores + t), shift));
+      V::store(scores + t, p);
+      total = V::add(total, p);
+    }
+    float& sum_exp = s.sum_exp[qh];
+    if (first_chunk) {
+      sum_exp = V::reduce_add(total);
+    } else {
+      const float rescale = std::exp(previous - current);
+      sum_exp = sum_exp * rescale + V::reduce_add(total);
+      float* acc = s.acc.data() + qh * head_dim;
+      const Reg r = V::set1(rescale);
+      for (int64_t lane = 0; lane < head_dim; lane += W) {
+        V::store(acc + lane, V::mul(V::load(acc + lane), r));
+      }
+    }
+    s.max_score[qh] = current;
+  }
+  for (int64_t t0 = 0; t0 < n; t0 += W) {
+    const int64_t ahead = t0 + kPrefetchTiles * W;
+    prefetch_rows(s.v_tokens.data(), v_row_bytes, std::min(n, ahead), std::min(n, ahead + W));
+    const int64_t t1 = std::min(n, t0 + W);
+    for_each_group_tile(a, [&](int64_t h, int64_t first, int64_t count) {
+      const ChunkRows values = rows_of(s.v_tokens, a.v_strides.head, h);
+      with_group_tile(count, [&](auto group_tile) {
+        accumulate_rows<V, KV, decltype(group_tile)::value>(
+            s.scores.data() + first * kChunk, values, scales_of(s.v_scales, h), s.scale_stride,
+            a.quant_group, t0, t1, head_dim, s.acc.data() + first * head_dim);
+      });
+    });
   }
 }
 
@@ -424,12 +510,7 @@ void attend_range(const DecodeArgs& a, int64_t batch, int64_t begin, int64_t end
         ++block_index;
       }
     }
-    for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-      for (int64_t g0 = 0; g0 < a.group; g0 += kMaxGroupTile) {
-        const int64_t count = std::min(kMaxGroupTile, a.group - g0);
-        attend_group_tile<V, KV>(a, s, count, h, h * a.group + g0, n, chunk == begin);
-      }
-    }
+    attend_chunk<V, KV>(a, s, n, chunk == begin);
   }
 }
 
@@ -642,8 +723,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
     a.num_scales = k_scale->size(3);
     a.quant_group = head_dim / a.num_scales;
   } else {
-    TORCH_CHECK(k_cache.scalar_type() == query.scalar_type(), "cache dtype ", k_cache.scalar_type(),
-                " must be the query's (", query.scalar_type(), ") or int8");
+    TORCH_CHECK(is_float_dtype(k_cache.scalar_type()), "cache dtype ", k_cache.scalar_type(),
+                " must be fp32, bf16, fp16 or int8");
   }
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();

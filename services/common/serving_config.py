@@ -65,7 +65,9 @@ class WeightsConfig:
     """Weights: auto (a GGUF keeps its own Q4/Q8 blocks, a HF directory its dtype), none, int8,
     w8a8, int4, nf4, or gguf."""
     kv_cache_dtype: str = "auto"
-    """auto (the model dtype) or int8 (per-group fp16 scales; about 1.6x the blocks of bf16)."""
+    """auto, float32, bfloat16, float16 or int8 (per-group fp16 scales; about 1.6x the blocks
+    of bf16). auto: the model dtype, but float16 for a float32 model under --quantization gguf
+    on a CPU (llama.cpp's default cache: half the bytes per token)."""
     kv_cache_group_size: int = DEFAULT_KV_GROUP_SIZE
     """int8 KV cache: values of head_dim sharing one scale (8: 1.25 B/value, 64: 1.03)."""
     block_size: int = 16

@@ -122,6 +122,10 @@ class FusedDecode:
         caches = kv_cache.layers
         linears = [linear for layer in projections for linear in layer]
         self.dtype = model.norm.dtype
+        self.query_in_cache_dtype = kv_cache.spec.dtype == self.dtype != torch.float32
+        """Whether attention reads the cache with a query rounded to the cache's dtype, as a
+        bf16/fp16 model's eager layers do; a float32 model's query stays float32 over a float16
+        cache."""
         """The model's dtype: the step computes in fp32 between its embedding and its head
         (fp32 copies of a bf16 model's norms, bias and rope table, a few KB)."""
         self.rope = model.rope.float()
@@ -189,6 +193,7 @@ class FusedDecode:
             self.sliding_windows,
             lists.q_norms,
             lists.k_norms,
+            self.query_in_cache_dtype,
         )
         self.num_steps += 1
         return model.logits(hidden.to(self.dtype), residual.to(self.dtype))

@@ -102,7 +102,12 @@ class ModelRunner:
         spec = KVCacheSpec.for_model(
             loaded.model.architecture,
             block_size,
-            kv_cache_torch_dtype(kv_cache_dtype, loaded.dtype),
+            kv_cache_torch_dtype(
+                kv_cache_dtype,
+                loaded.dtype,
+                quantization=loaded.quantization,
+                device=str(loaded.device),
+            ),
             check_kv_cache_group_size(kv_cache_group_size),
         )
         kv_cache = PagedKVCache(spec, spec.num_blocks_for_budget(kv_cache_bytes), loaded.device)

@@ -107,7 +107,10 @@ def make_decode_case(
     scale_dtype: torch.dtype = torch.float16,
     sliding_window: int = 0,
     logit_softcap: float = 0.0,
+    cache_dtype: torch.dtype | None = None,
 ) -> DecodeCase:
+    """A decode case with a query in `dtype` over a cache in `cache_dtype` (default: `dtype`),
+    or int8 with `quant_group` values per scale."""
     blocks_needed = [-(-n // block_size) for n in lengths]
     width = max(blocks_needed) + 3
     num_blocks = sum(blocks_needed) + 5
@@ -115,7 +118,7 @@ def make_decode_case(
     storage = torch.randn(shape, generator=generator)
     k_scale = v_scale = None
     if quant_group is None:
-        storage = storage.to(dtype)
+        storage = storage.to(cache_dtype or dtype)
     else:
         codes, scales = kv_cache_torch.quantize_kv_int8(storage, quant_group, scale_dtype)
         # Own allocations (quantize returns reshaped views): the views' _base is the storage.

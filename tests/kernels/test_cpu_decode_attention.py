@@ -45,6 +45,21 @@ def test_paged_decode_attention_any_block_size(extension, block_size: int) -> No
     check_decode(extension, case, torch.float32)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(9, 3), (8, 1), (4, 4)])
+def test_a_float32_query_reads_a_half_precision_cache(
+    extension, cache_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int
+) -> None:  # type: ignore[no-untyped-def]
+    """A float32 model over a float16 cache (what `--quantization gguf` uses by default): the
+    query stays float32 and each cached value widens exactly, so the result is float32's."""
+    g = seeded("half-cache", cache_dtype, num_q_heads)
+    case = make_decode_case(
+        [33, 0, 1, 300], num_q_heads, num_kv_heads, 64, torch.float32, g, cache_dtype=cache_dtype
+    )
+    assert case.k_cache.dtype == cache_dtype
+    check_decode(extension, case, torch.float32)
+
+
 @pytest.mark.parametrize("quant_group", [8, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])

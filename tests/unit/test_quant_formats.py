@@ -30,6 +30,19 @@ def test_defaults_keep_the_model_dtype_and_float_weights() -> None:
     assert kv_cache_torch_dtype("int8", torch.bfloat16) == torch.int8
 
 
+def test_llama_cpp_arithmetic_caches_float16_by_default() -> None:
+    """`--quantization gguf` on a CPU is llama.cpp's arithmetic, whose default KV cache is
+    float16; gguf-exact, other formats and GPUs keep the model dtype; a named dtype wins."""
+    assert kv_cache_torch_dtype("auto", torch.float32, quantization="gguf") == torch.float16
+    assert kv_cache_torch_dtype("auto", torch.float32, quantization="gguf-exact") == torch.float32
+    assert kv_cache_torch_dtype("auto", torch.float32, quantization="none") == torch.float32
+    assert kv_cache_torch_dtype("auto", torch.bfloat16, quantization="gguf") == torch.bfloat16
+    cuda = kv_cache_torch_dtype("auto", torch.float32, quantization="gguf", device="cuda:0")
+    assert cuda == torch.float32
+    for name, dtype in [("float32", torch.float32), ("bfloat16", torch.bfloat16)]:
+        assert kv_cache_torch_dtype(name, torch.float32, quantization="gguf") == dtype
+
+
 @pytest.mark.parametrize(
     ("field", "value", "flag"),
     [

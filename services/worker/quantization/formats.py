@@ -1,6 +1,8 @@
 """The names of the KV cache and weight formats, their validation, and what they resolve to.
 
---kv-cache-dtype  auto (the model dtype) | int8 (per-group scales, --kv-cache-group-size)
+--kv-cache-dtype  auto | float32 | bfloat16 | float16 | int8 (per-group scales,
+                  --kv-cache-group-size); auto is the model dtype, but float16 under
+                  --quantization gguf on a CPU (llama.cpp's default cache)
 --quantization    none | int8 | w8a8 | int4 | nf4 | gguf | gguf-exact | auto
 """
 
@@ -13,10 +15,10 @@ import torch
 
 from services.common.errors import LLMServeError
 
-KVCacheDType = Literal["auto", "int8"]
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 Quantization = Literal["none", "int8", "w8a8", "int4", "nf4", "gguf", "gguf-exact", "auto"]
 
-KV_CACHE_DTYPES: tuple[KVCacheDType, ...] = ("auto", "int8")
+KV_CACHE_DTYPES: tuple[KVCacheDType, ...] = ("auto", "float32", "bfloat16", "float16", "int8")
 QUANTIZATIONS: tuple[Quantization, ...] = (
     "none",
     "int8",
@@ -91,6 +93,27 @@ def serves_gguf_blocks(quantization: str, model: str | Path | None) -> bool:
     return resolve_quantization(quantization, path) in ("gguf", "gguf-exact")
 
 
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The element type of the KV cache tensor for a --kv-cache-dtype value."""
-    return torch.int8 if check_kv_cache_dtype(kv_cache_dtype) == "int8" else model_dtype
+def kv_cache_torch_dtype(
+    kv_cache_dtype: str,
+    model_dtype: torch.dtype,
+    *,
+    quantization: str = "none",
+    device: str = "cpu",
+) -> torch.dtype:
+    """The element type of the KV cache tensor for a --kv-cache-dtype value. `auto` is the
+    model dtype, except under llama.cpp's arithmetic (`gguf`: int8 activations) on a CPU, where
+    it is llama.cpp's default cache, float16: a float32 model's cache at half the bytes, which
+    halves the memory per sequence and the bytes a decode step's attention reads (the step's
+    largest cost after the matmuls at batch 16 and more). `gguf-exact` keeps the model dtype."""
+    value = check_kv_cache_dtype(kv_cache_dtype)
+    if value == "auto":
+        llama_cpp_arithmetic = quantization == "gguf" and not device.startswith("cuda")
+        if llama_cpp_arithmetic and model_dtype == torch.float32:
+            return torch.float16
+        return model_dtype
+    return {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "int8": torch.int8,
+    }[value]
