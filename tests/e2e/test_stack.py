@@ -239,10 +239,11 @@ def test_tokenize_detokenize_list_models(stack: RunningStack) -> None:
     assert models[0].name == "SmolLM2-135M-Instruct"
     assert models[0].max_model_len == 8192
     # The worker's formats, as its scheduler reports them (this stack: fp32 activations over
-    # the GGUF file's own blocks, what --quantization auto keeps).
+    # the GGUF file's own blocks, what --quantization auto keeps, and llama.cpp's float16 KV
+    # cache, which auto picks under gguf's arithmetic).
     assert (models[0].dtype, models[0].kv_cache_dtype, models[0].quantization) == (
         "float32",
-        "float32",
+        "float16",
         "gguf",
     )
 
