@@ -22,7 +22,6 @@ from services.engine.engine import LLMEngine
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
-from services.worker.quantization.formats import kv_cache_torch_dtype
 
 EVAL_PROMPTS = (
     "The capital of France is",
@@ -123,7 +122,7 @@ def teacher_forced_log_probs(
     spec = KVCacheSpec.for_model(
         model.architecture,
         BLOCK_SIZE,
-        kv_cache_torch_dtype(kv_cache_dtype, loaded.dtype),
+        loaded.kv_cache_dtype(kv_cache_dtype),
         kv_group_size,
     )
     blocks_per_seq = [-(-len(seq.token_ids) // BLOCK_SIZE) for seq in sequences]

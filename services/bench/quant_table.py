@@ -39,7 +39,6 @@ from services.engine.engine import LLMEngine
 from services.worker.config import GiB, resolve_dtype
 from services.worker.kv_cache import KVCacheSpec
 from services.worker.loaded_model import LoadedModel
-from services.worker.quantization.formats import kv_cache_torch_dtype
 
 BLOCK_SIZE = 16
 INPUT_LEN = 128
@@ -82,11 +81,11 @@ class Format:
     def weights(self) -> str:
         return self.dtype if self.quantization == "none" else self.quantization
 
-    @property
-    def kv_cache(self) -> str:
-        if self.kv_cache_dtype == "auto":
-            return "model dtype"
-        return f"int8, group {self.kv_cache_group_size}"
+    def kv_cache_label(self, spec: KVCacheSpec) -> str:
+        """The cache the format ran: its element type (`auto` resolved), int8 with its group."""
+        if self.kv_cache_dtype == "int8":
+            return f"int8, group {self.kv_cache_group_size}"
+        return str(spec.dtype).removeprefix("torch.")
 
 
 FORMATS = (
@@ -132,7 +131,7 @@ def kv_spec(fmt: Format, loaded: LoadedModel) -> KVCacheSpec:
     return KVCacheSpec.for_model(
         loaded.model.architecture,
         BLOCK_SIZE,
-        kv_cache_torch_dtype(fmt.kv_cache_dtype, loaded.dtype),
+        loaded.kv_cache_dtype(fmt.kv_cache_dtype),
         fmt.kv_cache_group_size,
     )
 
@@ -253,7 +252,7 @@ HEADERS = [
 
 
 def float_kv_twin(fmt: Format) -> Format:
-    """The same weights with the KV cache in the model dtype."""
+    """The same weights with the KV cache as `auto` resolves it."""
     return Format(f"{fmt.label} (float KV)", fmt.dtype, fmt.quantization)
 
 
@@ -328,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
             [
                 fmt.label,
                 fmt.weights,
-                fmt.kv_cache,
+                fmt.kv_cache_label(spec),
                 weight_bytes(loaded.model) / MiB,
                 spec.bytes_per_token,
                 max_sequences(spec),

@@ -14,7 +14,7 @@ from services.common.model_tokenizer import ModelTokenizer
 from services.worker.loader.model_loader import load_model
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization import apply_quantization
-from services.worker.quantization.formats import resolve_quantization
+from services.worker.quantization.formats import kv_cache_torch_dtype, resolve_quantization
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,13 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return self.model.norm.device
+
+    def kv_cache_dtype(self, kv_cache_dtype: str) -> torch.dtype:
+        """The KV cache element type a --kv-cache-dtype value gives this model: `auto` follows
+        its dtype, its weight format and its device (formats.kv_cache_torch_dtype)."""
+        return kv_cache_torch_dtype(
+            kv_cache_dtype, self.dtype, quantization=self.quantization, device=str(self.device)
+        )
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -20,10 +20,7 @@ from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
 from services.worker.model.causal_lm import CausalLM
 from services.worker.python_gc import freeze_loaded_objects
-from services.worker.quantization.formats import (
-    check_kv_cache_group_size,
-    kv_cache_torch_dtype,
-)
+from services.worker.quantization.formats import check_kv_cache_group_size
 from services.worker.sampler import Sampler, filtered_probs
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.step_graphs import DEFAULT_BATCH_BUCKETS, DecodeGraphs, buckets_up_to
@@ -102,12 +99,7 @@ class ModelRunner:
         spec = KVCacheSpec.for_model(
             loaded.model.architecture,
             block_size,
-            kv_cache_torch_dtype(
-                kv_cache_dtype,
-                loaded.dtype,
-                quantization=loaded.quantization,
-                device=str(loaded.device),
-            ),
+            loaded.kv_cache_dtype(kv_cache_dtype),
             check_kv_cache_group_size(kv_cache_group_size),
         )
         kv_cache = PagedKVCache(spec, spec.num_blocks_for_budget(kv_cache_bytes), loaded.device)

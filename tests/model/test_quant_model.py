@@ -185,3 +185,22 @@ def test_gguf_blocks_in_fp32_give_the_float_greedy_tokens(
     got = [result.token_ids for result in gguf_engine.generate(prompts, sampling)]
     identical = sum(a == b for a, b in zip(got, expected, strict=True))
     assert identical == len(EVAL_PROMPTS), f"{identical} of {len(EVAL_PROMPTS)} identical"
+
+
+@pytest.mark.parametrize(
+    ("quantization", "dtype", "expected"),
+    [
+        ("auto", torch.float32, torch.float16),  # the .gguf resolves to gguf: llama.cpp's cache
+        ("gguf-exact", torch.float32, torch.float32),
+        ("auto", torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_a_loaded_model_resolves_its_kv_cache_dtype(
+    quantization: str, dtype: torch.dtype, expected: torch.dtype
+) -> None:
+    """The runner and the benchmarks ask the loaded model, so `auto` means one thing for both;
+    a named dtype wins whatever the model."""
+    loaded = LoadedModel.load(None, dtype, "cpu", quantization)
+    assert loaded.kv_cache_dtype("auto") == expected
+    assert loaded.kv_cache_dtype("float32") == torch.float32
+    assert loaded.kv_cache_dtype("int8") == torch.int8
