@@ -1,7 +1,7 @@
 """The tokenizer tier serving a model that ships no chat template: chat requests are refused
 at both doors (gRPC INVALID_ARGUMENT, HTTP 400 in OpenAI's shape, naming `messages`) while
 completions keep working, and --chat-template gives the model one. Real gRPC and HTTP on
-loopback, the fake scheduler of test_tokenizer_server."""
+loopback, the fake scheduler of tokenizer_tier_harness."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from protos.llmserve.v1 import text_pb2
 from services.common.chat_template import ChatMessage
 from services.tokenizer.server import ServedModel
-from tests.unit.test_tokenizer_server import (
+from tests.unit.tokenizer_tier_harness import (
     TIMEOUT_S,
     FakeEngine,
     Stack,

@@ -19,7 +19,7 @@ from services.common.model_description_proto import description_to_proto
 from services.tokenizer import metrics
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.server import ServedModel, TokenizerServer
-from tests.unit.test_tokenizer_server import FakeEngine, script_for, served_model
+from tests.unit.tokenizer_tier_harness import FakeEngine, script_for, served_model
 
 TIMEOUT_S = 10.0
 HOSTS = ("127.0.0.2", "127.0.0.3")

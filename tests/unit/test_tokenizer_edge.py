@@ -1,6 +1,6 @@
 """The public gRPC door against requests no well-behaved client sends: bytes that do not
 decode, fields of the wrong wire type, oversized identifiers and prompts (on the HTTP door
-too). Real gRPC on loopback with raw bytes, the fake scheduler of test_tokenizer_server."""
+too). Real gRPC on loopback with raw bytes, the fake scheduler of tokenizer_tier_harness."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from protos.llmserve.v1 import text_pb2
 from services.tokenizer.server import ServedModel
-from tests.unit.test_tokenizer_server import (
+from tests.unit.tokenizer_tier_harness import (
     MAX_MODEL_LEN,
     TIMEOUT_S,
     FakeEngine,
