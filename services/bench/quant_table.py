@@ -101,6 +101,7 @@ FORMATS = (
     Format("gguf", "bfloat16", "gguf"),
     Format("gguf + int8 KV", "bfloat16", "gguf", kv_cache_dtype="int8"),
     Format("gguf fp32", "float32", "gguf"),
+    Format("gguf fp32 + fp32 KV", "float32", "gguf", kv_cache_dtype="float32"),
     Format("gguf-exact fp32", "float32", "gguf-exact"),
 )
 
@@ -247,7 +248,7 @@ HEADERS = [
     "top-1 agree",
     "greedy-64 agree",
     "perplexity",
-    "int8 KV vs float KV: KL / top-1",
+    "KV vs the auto KV: KL / top-1",
 ]
 
 
@@ -263,8 +264,9 @@ def kv_effect(
     accuracies: dict[str, Accuracy],
     reference: Reference,
 ) -> str:
-    """KL and top-1 of an int8-KV format against its own weights with a float KV cache: the
-    KV cache's own error, apart from the weights'."""
+    """KL and top-1 of a format with a named KV cache (int8, float32, ...) against its own
+    weights with the cache `auto` gives them: the KV cache's own effect, apart from the
+    weights'."""
     if fmt.kv_cache_dtype == "auto":
         return "-"
     twin = next(
