@@ -41,18 +41,14 @@ with the same settings, and prints one table of both with the stack's ratios to 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import shlex
 import sys
-import tempfile
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from services.bench.common import (
     MASK,
@@ -64,19 +60,17 @@ from services.bench.common import (
     median,
 )
 from services.bench.process_cpu import ProcessCpu, cpu_rows, cpu_table
-from services.bench.serve_clients import Access, GrpcClient, InProcessTarget, OpenAIClient
+from services.bench.serve_clients import Access
 from services.bench.serve_compare import (
     INPROCESS,
     STACK,
     SystemRow,
     compare_document,
     compare_table,
-    stack_up_flags,
     system_rows,
 )
-from services.bench.serve_flags import API_KEY_VARIABLES, DEFAULT_TARGET, add_serve_flags
+from services.bench.serve_flags import add_serve_flags
 from services.bench.serve_load import (
-    AsyncTarget,
     Generation,
     Load,
     Target,
@@ -89,6 +83,23 @@ from services.bench.serve_plot import (
     PlotUnavailableError,
     plot_latency_vs_throughput,
     require_matplotlib,
+)
+from services.bench.serve_stack import (
+    StackStartError,
+    check_compare_flags,
+    compare_stack_flags,
+    compared_stack,
+    compared_target,
+)
+from services.bench.serve_targets import (
+    check_target_flags,
+    engine_config,
+    grpc_target,
+    inprocess_target,
+    make_targets,
+    prompt_tokenizer,
+    target_access,
+    target_specs,
 )
 from services.bench.serve_workload import (
     Sample,
@@ -116,14 +127,7 @@ from services.bench.sweep import (
 if TYPE_CHECKING:
     from services.engine.config import EngineConfig
 
-MAX_DEFAULT_CHANNELS = 8
 WARMUP_SEED_OFFSET = 7919  # warm-up prompts differ from the timed ones: no prefix-cache hits
-INPROCESS_TARGET = "inprocess"
-TARGET_SCHEMES = ("grpc://", "grpcs://", "http://", "https://")
-TLS_SCHEMES = ("grpcs://", "https://")
-ENGINE_SEED = 0
-"""The in-process engine's sampler seed; a stack started for --compare-inprocess gets it too."""
-STACK_LOG_TAIL_LINES = 30
 
 
 def build_samples(args: argparse.Namespace, num_prompts: int, seed: int) -> list[Sample]:
@@ -131,7 +135,7 @@ def build_samples(args: argparse.Namespace, num_prompts: int, seed: int) -> list
     if dataset == "synthetic":
         return synthetic_of_lengths(workload_lengths(args, num_prompts, seed), seed)
     if dataset == "synthetic-text":
-        tokenizer = _tokenizer(args)
+        tokenizer = prompt_tokenizer(args)
         return synthetic_text(
             workload_lengths(args, num_prompts, seed),
             seed,
@@ -148,7 +152,7 @@ def build_samples(args: argparse.Namespace, num_prompts: int, seed: int) -> list
             num_prefixes=args.num_prefixes,
         )
     if dataset.startswith("sharegpt:"):
-        tokenizer = _tokenizer(args)
+        tokenizer = prompt_tokenizer(args)
         return sharegpt(
             Path(dataset.removeprefix("sharegpt:")),
             num_prompts,
@@ -170,270 +174,6 @@ def workload_lengths(
     return synthetic_lengths(
         num_prompts, args.input_len, args.output_len, seed, args.length_dist, args.length_spread
     )
-
-
-_TOKENIZERS: dict[str | None, Any] = {}
-
-
-def _tokenizer(args: argparse.Namespace) -> Any:
-    """The --tokenizer model's tokenizer, loaded once (every sweep point builds prompts)."""
-    if args.tokenizer not in _TOKENIZERS:
-        from services.common.model_source import resolve_model_path
-        from services.common.model_tokenizer import ModelTokenizer
-
-        _TOKENIZERS[args.tokenizer] = ModelTokenizer.from_path(resolve_model_path(args.tokenizer))
-    return _TOKENIZERS[args.tokenizer]
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The in-process engine's config; building it checks the flags (quantization, KV dtype)."""
-    from services.engine.config import EngineConfig
-    from services.worker.config import GiB
-
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        kv_cache_bytes=int(args.kv_cache_gib * GiB),
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        num_threads=args.threads,
-        enforce_eager=args.enforce_eager,
-        seed=ENGINE_SEED,
-    )
-    # Without --quantization the engine's own default applies.
-    if args.quantization is not None:
-        config = replace(config, quantization=args.quantization)
-    return config
-
-
-def inprocess_target(config: EngineConfig, generation: Generation) -> Target:
-    """Loads the model (and compiles its step graphs): the slow part of a run's start."""
-    from services.engine.engine import LLMEngine
-
-    return InProcessTarget(LLMEngine(config), generation)
-
-
-def grpc_target(
-    args: argparse.Namespace, target: str, generation: Generation, access: Access | None = None
-) -> Target:
-    tls = target.startswith("grpcs://")
-    address = target.removeprefix("grpcs://" if tls else "grpc://")
-    most_in_flight = max(args.concurrency) if args.concurrency else args.num_prompts
-    channels = args.channels or min(most_in_flight, MAX_DEFAULT_CHANNELS)
-    return AsyncTarget(
-        f"{target} ({channels} channels)",
-        lambda: GrpcClient(address, channels, generation, tls=tls, access=access),
-    )
-
-
-def make_target(
-    args: argparse.Namespace, generation: Generation, target: str, access: Access | None = None
-) -> Target:
-    if target == INPROCESS_TARGET:
-        return inprocess_target(engine_config(args), generation)
-    if target.startswith(("grpc://", "grpcs://")):
-        return grpc_target(args, target, generation, access)
-    if target.startswith(("http://", "https://")):
-        OpenAIClient(target, args.model, generation)  # validate the URL now
-        return AsyncTarget(target, lambda: OpenAIClient(target, args.model, generation, access))
-    raise ValueError(
-        f"--target is grpc(s)://host:port, http(s)://host:port/v1 or inprocess: {target}"
-    )
-
-
-# ---- several targets, their API key and trusted CAs -----------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TargetSpec:
-    """One --target: its label in the tables and its URL (grpc://, http://, ..., inprocess)."""
-
-    label: str
-    url: str
-
-
-def parse_target(text: str) -> TargetSpec:
-    """`[LABEL=]URL`. The label is the text before the first '=' when that text holds no '://'
-    (so a URL with '=' in its query keeps it); without one the label is the URL."""
-    label, equals, url = text.partition("=")
-    if not equals or "://" in label:
-        label = url = text
-    label, url = label.strip(), url.strip()
-    if not label:
-        raise ValueError(f"--target LABEL=URL needs a label before '=': {text!r}")
-    if url != INPROCESS_TARGET and not url.startswith(TARGET_SCHEMES):
-        raise ValueError(
-            f"--target is [LABEL=]URL with URL grpc(s)://host:port, http(s)://host:port/v1 "
-            f"or inprocess: {text!r}"
-        )
-    return TargetSpec(label, url)
-
-
-def target_specs(args: argparse.Namespace) -> list[TargetSpec]:
-    """The --target flags in order (none: the default target); labels must differ."""
-    specs = [parse_target(text) for text in args.target or [DEFAULT_TARGET]]
-    labels = [spec.label for spec in specs]
-    for label in labels:
-        if labels.count(label) > 1:
-            raise ValueError(f"--target labels must differ; {label!r} is given twice")
-    return specs
-
-
-def check_target_flags(args: argparse.Namespace, specs: Sequence[TargetSpec]) -> None:
-    """ValueError naming the flag that does not fit the targets given."""
-    if args.rounds < 1:
-        raise ValueError("--rounds must be >= 1")
-    if args.rounds > 1 and len(specs) < 2:
-        raise ValueError("--rounds alternates several --target: give at least two")
-    if args.tls_ca is not None and not any(spec.url.startswith(TLS_SCHEMES) for spec in specs):
-        raise ValueError("--tls-ca applies to https:// and grpcs:// targets; none is given")
-
-
-def api_key_source(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str] | None:
-    """(key, where it came from): --api-key, else the first of API_KEY_VARIABLES set."""
-    if args.api_key:
-        return args.api_key, "--api-key"
-    for name in API_KEY_VARIABLES:
-        if environ.get(name):
-            return environ[name], name
-    return None
-
-
-def target_access(
-    args: argparse.Namespace, environ: Mapping[str, str]
-) -> tuple[Access, str | None]:
-    """The run's Access and the header line that says what it holds (never the key itself);
-    ValueError when the --tls-ca file is missing or holds no certificate."""
-    source = api_key_source(args, environ)
-    access = Access(
-        api_key=None if source is None else source[0],
-        tls_ca=None if args.tls_ca is None else Path(args.tls_ca),
-    )
-    if access.tls_ca is not None:
-        try:
-            access.ssl_context()  # fails now, not at the first request
-        except OSError as exc:  # ssl.SSLError too
-            raise ValueError(f"--tls-ca {access.tls_ca}: {exc.strerror or exc}") from exc
-    parts = []
-    if source is not None:
-        parts.append(f"API key from {source[1]} (a bearer token; not shown)")
-    if access.tls_ca is not None:
-        parts.append(f"TLS: CAs of {access.tls_ca} trusted")
-    return access, ("access: " + "; ".join(parts)) if parts else None
-
-
-def make_targets(
-    args: argparse.Namespace,
-    generation: Generation,
-    specs: Sequence[TargetSpec],
-    access: Access,
-) -> dict[str, Target]:
-    """Every target by label, in the order given; the ones made are closed if one fails."""
-    targets: dict[str, Target] = {}
-    try:
-        for spec in specs:
-            targets[spec.label] = make_target(args, generation, spec.url, access)
-    except BaseException:
-        for target in targets.values():
-            target.close()
-        raise
-    return targets
-
-
-# ---- --compare-inprocess: the same load on the stack, then on the in-process engine ------------
-
-
-class StackStartError(RuntimeError):
-    """The `llmserve up` stack to compare with did not come up."""
-
-
-def compared_target(args: argparse.Namespace) -> str | None:
-    """--compare-inprocess: the URL of the running stack --target names, or None."""
-    return None if not args.target else parse_target(args.target[0]).url
-
-
-def check_compare_flags(args: argparse.Namespace) -> None:
-    """ValueError naming the flag that does not fit the run asked for."""
-    if not args.compare_inprocess:
-        if args.stack_arg:
-            raise ValueError("--stack-arg applies to the stack --compare-inprocess starts")
-        return
-    if args.target and len(args.target) > 1:
-        raise ValueError("--compare-inprocess takes at most one --target (a running stack)")
-    target = compared_target(args)
-    if target is not None and not target.startswith(("grpc://", "grpcs://")):
-        raise ValueError(
-            "--compare-inprocess compares the in-process engine with the stack: --target is "
-            f"grpc://host:port (a running stack) or absent (one is started); got {target!r}"
-        )
-    if target is not None and args.stack_arg:
-        raise ValueError("--stack-arg applies to a stack started here, not to --target's")
-    if args.tokenizer_replicas < 1:
-        raise ValueError("--tokenizer-replicas must be >= 1")
-
-
-def compare_stack_flags(args: argparse.Namespace) -> list[str]:
-    """`llmserve up` flags giving the stack the in-process engine's settings (engine_config),
-    its sampler seed included, then --tokenizer-replicas and every --stack-arg."""
-    return stack_up_flags(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        threads=args.threads,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=args.enforce_eager,
-        seed=ENGINE_SEED,
-        tokenizer_replicas=args.tokenizer_replicas,
-        extra=args.stack_arg or [],
-    )
-
-
-def log_tail(log: IO[bytes], num_lines: int = STACK_LOG_TAIL_LINES) -> str:
-    log.seek(0)
-    return "\n".join(log.read().decode(errors="replace").splitlines()[-num_lines:])
-
-
-@contextlib.contextmanager
-def compared_stack(args: argparse.Namespace) -> Iterator[tuple[str, ProcessCpu | None]]:
-    """The stack's grpc:// URL: --target's, or that of an `llmserve up` started here on free
-    ports and stopped (SIGTERM, a bounded wait, then SIGKILL) when the block ends; with the
-    latter, its processes (by pid) for the CPU-by-process table."""
-    target = compared_target(args)
-    if target is not None:
-        yield target, None
-        return
-    from services.launcher import StackConfig
-    from services.stack import running_stack
-
-    flags = compare_stack_flags(args)
-    # As long as `llmserve up` itself waits: a worker's first start builds the C++ kernels and
-    # compiles its step graphs, minutes on 2 cores.
-    startup_timeout_s = StackConfig().startup_timeout_s
-    print(f"$ llmserve up {shlex.join(flags)}", flush=True)
-    # The stack's processes log JSON lines on stderr: they go to an unnamed file, kept out of
-    # the report, and its tail is shown when the stack fails to start or to stop cleanly.
-    with tempfile.TemporaryFile() as log, contextlib.ExitStack() as running:
-        try:
-            stack = running.enter_context(
-                running_stack(flags, startup_timeout_s=startup_timeout_s, stderr=log)
-            )
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            raise StackStartError(f"llmserve up did not start: {exc}\n{log_tail(log)}") from exc
-        try:
-            yield f"grpc://{stack.public}", ProcessCpu(stack.info["pids"])
-        finally:
-            # Stopped before the engine loads, and timed: a slow drain delays the next system.
-            stopping = time.perf_counter()
-            running.close()
-            print(
-                f"llmserve up stopped: exit {stack.returncode} after "
-                f"{time.perf_counter() - stopping:.1f} s\n",
-                flush=True,
-            )
-            if stack.returncode != 0:
-                print(log_tail(log), file=sys.stderr)
 
 
 def json_safe(value: Any) -> Any:

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.bench import serve
+from services.bench import serve, serve_stack, serve_targets
 from services.bench.serve_clients import InProcessTarget
 from services.bench.serve_compare import (
     COMPARE_HEADERS,
@@ -82,8 +82,8 @@ def test_stack_gets_the_inprocess_engines_settings() -> None:
             *("--tokenizer-replicas", "3"),
         ]
     )
-    stack = _up(serve.compare_stack_flags(args))
-    engine = serve.engine_config(args)
+    stack = _up(serve_stack.compare_stack_flags(args))
+    engine = serve_targets.engine_config(args)
     shared = {f.name for f in fields(StackConfig)} & {f.name for f in fields(engine)}
     assert {"model", "dtype", "quantization", "max_num_seqs", "enforce_eager", "seed"} <= shared
     assert {name: getattr(stack, name) for name in shared} == {
@@ -100,7 +100,7 @@ def test_stack_args_come_last_and_win() -> None:
     args = _bench_args(
         ["--compare-inprocess", "--max-num-seqs", "4", *(f"--stack-arg={a}" for a in stack_args)]
     )
-    flags = serve.compare_stack_flags(args)
+    flags = serve_stack.compare_stack_flags(args)
     assert flags[-3:] == ["--no-redis", "--max-num-seqs=16", "--routing=round_robin"]
     stack = _up(flags)
     assert (stack.redis, stack.max_num_seqs, stack.routing) == (False, 16, "round_robin")
@@ -119,12 +119,12 @@ def test_stack_args_come_last_and_win() -> None:
 )
 def test_flags_that_do_not_fit_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        serve.check_compare_flags(_bench_args(argv))
+        serve_stack.check_compare_flags(_bench_args(argv))
 
 
 def test_flags_that_fit_pass() -> None:
     for argv in (["--compare-inprocess"], ["--compare-inprocess", "--target", "grpc://h:1"], []):
-        serve.check_compare_flags(_bench_args(argv))
+        serve_stack.check_compare_flags(_bench_args(argv))
 
 
 # ---- rows, ratios, the table -------------------------------------------------------------------

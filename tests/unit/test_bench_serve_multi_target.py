@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.bench import serve, serve_clients
+from services.bench import serve, serve_clients, serve_flags, serve_stack, serve_targets
 from services.bench.common import masked_argv
 from services.bench.serve_clients import Access, OpenAIClient
 from services.bench.serve_compare import COMPARE_HEADERS
@@ -35,7 +35,7 @@ KEY = "sk-test-good-key"
 
 @pytest.fixture(autouse=True)
 def _no_key_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in serve.API_KEY_VARIABLES:
+    for name in serve_flags.API_KEY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -263,7 +263,7 @@ def grpc_servicer() -> Iterator[tuple[KeyedTextGeneration, str]]:
     ],
 )
 def test_a_target_is_an_optional_label_and_a_url(text: str, label: str, url: str) -> None:
-    assert serve.parse_target(text) == serve.TargetSpec(label, url)
+    assert serve_targets.parse_target(text) == serve_targets.TargetSpec(label, url)
 
 
 @pytest.mark.parametrize(
@@ -281,29 +281,32 @@ def test_a_target_is_an_optional_label_and_a_url(text: str, label: str, url: str
 def test_target_flags_that_do_not_fit_are_refused(argv: list[str], message: str) -> None:
     args = _args(argv)
     with pytest.raises(ValueError, match=message):
-        serve.check_target_flags(args, serve.target_specs(args))
+        serve_targets.check_target_flags(args, serve_targets.target_specs(args))
 
 
 def test_compare_inprocess_takes_one_running_stack() -> None:
     with pytest.raises(ValueError, match="at most one --target"):
-        serve.check_compare_flags(
+        serve_stack.check_compare_flags(
             _args(["--compare-inprocess", "--target", "grpc://a:1", "--target", "grpc://b:1"])
         )
     args = _args(["--compare-inprocess", "--target", "stack=grpcs://a:1"])
-    serve.check_compare_flags(args)
-    assert serve.compared_target(args) == "grpcs://a:1"
+    serve_stack.check_compare_flags(args)
+    assert serve_stack.compared_target(args) == "grpcs://a:1"
 
 
 def test_the_api_key_comes_from_the_flag_then_the_environment() -> None:
     environ = {"OPENAI_API_KEY": "openai", "LLMSERVE_API_KEY": "ours"}
-    assert serve.api_key_source(_args(["--api-key", "flag"]), environ) == ("flag", "--api-key")
-    assert serve.api_key_source(_args([]), environ) == ("ours", "LLMSERVE_API_KEY")
-    assert serve.api_key_source(_args([]), {"OPENAI_API_KEY": "openai"}) == (
+    assert serve_targets.api_key_source(_args(["--api-key", "flag"]), environ) == (
+        "flag",
+        "--api-key",
+    )
+    assert serve_targets.api_key_source(_args([]), environ) == ("ours", "LLMSERVE_API_KEY")
+    assert serve_targets.api_key_source(_args([]), {"OPENAI_API_KEY": "openai"}) == (
         "openai",
         "OPENAI_API_KEY",
     )
-    assert serve.api_key_source(_args([]), {"LLMSERVE_API_KEY": ""}) is None
-    access, line = serve.target_access(_args([]), environ)
+    assert serve_targets.api_key_source(_args([]), {"LLMSERVE_API_KEY": ""}) is None
+    access, line = serve_targets.target_access(_args([]), environ)
     assert access.authorization == "Bearer ours"
     assert line is not None and "LLMSERVE_API_KEY" in line and "ours" not in line
     assert "ours" not in repr(access)
