@@ -1072,6 +1072,18 @@ void super_row_scalar(const SuperActivations& a, int64_t m0, int mr, const uint8
 }
 
 #ifdef GGUF_AVX2
+// vpshufb controls that give chunk c's two sub-block scales from a vector whose 128-bit lanes
+// both hold four chunks' scales (int16 h at word h % 8): word 2 (c % 4) into int16 lanes 0-7,
+// word 2 (c % 4) + 1 into lanes 8-15. One in-lane shuffle per chunk and row, where a
+// cross-lane permute and a shuffle took two (the shuffle port was the loop's bound).
+inline __m256i chunk_scale_control(int c) {
+  const char low = static_cast<char>(4 * (c % 4)), high = static_cast<char>(4 * (c % 4) + 2);
+  return _mm256_setr_epi8(low, low + 1, low, low + 1, low, low + 1, low, low + 1, low, low + 1,
+                          low, low + 1, low, low + 1, low, low + 1, high, high + 1, high,
+                          high + 1, high, high + 1, high, high + 1, high, high + 1, high,
+                          high + 1, high, high + 1, high, high + 1);
+}
+
 template <int64_t KIND, int MR, int NR>
 void super_tile_avx2(const SuperActivations& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
                      float* out, int64_t ldo) {
@@ -1080,9 +1092,6 @@ void super_tile_avx2(const SuperActivations& a, int64_t m0, const uint8_t* w, in
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
-  // int16 word 0 of each dword into the low 8 lanes, word 1 into the high 8.
-  const __m256i halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
   for (int64_t g = 0; g < a.num_supers; ++g) {
     gguf::SuperVectors sc[NR];
     for (int r = 0; r < NR; ++r) sc[r] = F::super_vectors(w + r * row_bytes + g * F::kBytes);
@@ -1096,19 +1105,30 @@ void super_tile_avx2(const SuperActivations& a, int64_t m0, const uint8_t* w, in
     __m256i dot[MR][NR];
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < NR; ++r) dot[m][r] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
+    const int8_t* codes_at = a.codes.data() + m0 * k + g * 256;
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      // Sub-blocks 8 half .. 8 half + 7 in both 128-bit lanes.
+      __m256i scales[NR];
       for (int r = 0; r < NR; ++r) {
-        const __m256i q = F::codes_avx2(w + r * row_bytes + g * F::kBytes, c);
-        // int16 lanes 0-7 pair the chunk's first 16 values (scale 2c), 8-15 its second 16.
-        const __m256i pair = _mm256_permutevar8x32_epi32(sc[r].scale, _mm256_set1_epi32(c));
-        const __m256i scale = _mm256_shuffle_epi8(pair, halves);
-        const __m256i u = F::kSigned ? _mm256_abs_epi8(q) : q;
-        for (int m = 0; m < MR; ++m) {
-          __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-              a.codes.data() + (m0 + m) * k + g * 256 + c * kBlock));
-          if constexpr (F::kSigned) codes = _mm256_sign_epi8(codes, q);
-          const __m256i pairs = _mm256_maddubs_epi16(u, codes);
-          dot[m][r] = _mm256_add_epi32(dot[m][r], _mm256_madd_epi16(pairs, scale));
+        scales[r] = half == 0 ? _mm256_permute2x128_si256(sc[r].scale, sc[r].scale, 0x00)
+                              : _mm256_permute2x128_si256(sc[r].scale, sc[r].scale, 0x11);
+      }
+#pragma GCC unroll 4
+      for (int c = 4 * half; c < 4 * half + 4; ++c) {
+        const __m256i control = chunk_scale_control(c);
+        for (int r = 0; r < NR; ++r) {
+          const __m256i q = F::codes_avx2(w + r * row_bytes + g * F::kBytes, c);
+          // int16 lanes 0-7 pair the chunk's first 16 values (scale 2c), 8-15 its second 16.
+          const __m256i scale = _mm256_shuffle_epi8(scales[r], control);
+          const __m256i u = F::kSigned ? _mm256_abs_epi8(q) : q;
+          for (int m = 0; m < MR; ++m) {
+            __m256i codes = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(codes_at + m * k + c * kBlock));
+            if constexpr (F::kSigned) codes = _mm256_sign_epi8(codes, q);
+            const __m256i pairs = _mm256_maddubs_epi16(u, codes);
+            dot[m][r] = _mm256_add_epi32(dot[m][r], _mm256_madd_epi16(pairs, scale));
+          }
         }
       }
     }
