@@ -59,15 +59,20 @@ def _attention(
 ) -> Tensor:
     """SDPA over [..., H, n, D] (mask True = attend); soft-capped scores in explicit fp32."""
     if logit_softcap <= 0:
-        return F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
+        # CPU SDPA takes its flash kernel for 4-D inputs only; [H, n, D] would go to the math
+        # path, which materialises every score (measured, 2 cores, 9 query and 3 KV heads,
+        # 1024 causal tokens, fp32: 90 ms math vs 18.5 ms flash per layer).
+        batched = query.dim() == 3
+        out = F.scaled_dot_product_attention(
+            query[None] if batched else query,
+            key[None] if batched else key,
+            value[None] if batched else value,
             attn_mask=mask,
             is_causal=is_causal,
             scale=scale,
             enable_gqa=enable_gqa,
         )
+        return out[0] if batched else out
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         group = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(group, dim=-3)
