@@ -4,8 +4,8 @@ graphs. Every source file declares its ops with TORCH_LIBRARY_FRAGMENT(llmserve,
 implementation with TORCH_LIBRARY_IMPL(llmserve, CPU, m) and its shape function with
 TORCH_LIBRARY_IMPL(llmserve, Meta, m) (what torch.compile traces with).
 
-One library per instruction-set variant (VARIANTS: AVX-512 with VNNI and BF16, AVX2 + FMA, and
-a baseline x86-64-v2 build whose kernels are the scalar ones), each the same sources compiled
+One library per instruction-set variant (VARIANTS: AVX-512 with VNNI and BF16, AVX2 + FMA with
+AVX-VNNI, AVX2 + FMA, and a baseline x86-64-v2 build whose kernels are the scalar ones), each the same sources compiled
 with that variant's flags. A process loads the best variant its CPU runs, read from
 /proc/cpuinfo, so a build made on one machine (an image, a cache shared by CI runners) is
 correct and fast on any x86 CPU; LLMSERVE_CPU_VARIANT names one instead (tests, diagnosis).
@@ -66,6 +66,13 @@ VARIANTS = (
             "avx512_vnni",
             "avx512_bf16",
         ),
+    ),
+    # AVX2 CPUs with the VEX form of VNNI (Alder Lake and later, Sierra Forest): the GGUF
+    # integer dot products take vpdpbusd where the plain AVX2 build needs two instructions.
+    Variant(
+        "avx2-vnni",
+        ("-march=x86-64-v3", "-mavxvnni", "-mtune=generic"),
+        ("avx2", "fma", "f16c", "bmi2", "avx_vnni"),
     ),
     Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c", "bmi2")),
     Variant("baseline", ("-march=x86-64-v2", "-mtune=generic"), ()),

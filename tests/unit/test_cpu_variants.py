@@ -22,6 +22,9 @@ AVX512_MACHINE = AVX2_MACHINE | {
 def test_each_cpu_gets_the_best_variant_it_runs() -> None:
     assert best_variant(AVX512_MACHINE).name == "avx512"
     assert best_variant(AVX2_MACHINE).name == "avx2"
+    assert best_variant(AVX2_MACHINE | {"avx_vnni"}).name == "avx2-vnni"
+    # AVX-512 VNNI without BF16 (Ice Lake) and without AVX-VNNI: plain AVX2.
+    assert best_variant(AVX512_MACHINE - {"avx512_bf16"}).name == "avx2"
     # AVX-512 without VNNI and BF16 (Skylake-X): the AVX2 build, not an illegal instruction.
     assert (
         best_variant(AVX2_MACHINE | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}).name == "avx2"
@@ -43,7 +46,7 @@ def test_the_environment_names_a_variant(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(cpu_extension.VARIANT_ENV_VAR, "baseline")
     assert chosen_variant().name == "baseline"
     monkeypatch.setenv(cpu_extension.VARIANT_ENV_VAR, "avx1024")
-    with pytest.raises(ValueError, match="LLMSERVE_CPU_VARIANT must be one of avx512, avx2"):
+    with pytest.raises(ValueError, match="LLMSERVE_CPU_VARIANT must be one of avx512, avx2-vnni, avx2"):
         chosen_variant()
     monkeypatch.delenv(cpu_extension.VARIANT_ENV_VAR)
     assert chosen_variant() == best_variant(cpu_extension.cpu_flags())
