@@ -38,9 +38,19 @@ namespace {
 // otherwise), so a step profile still sees matmuls, attention and KV writes apart.
 #define LLMSERVE_RECORD(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
 
-// The layers' projections: parts (GGUF block tensors) in layer order, q|k|v, o, gate|up,
-// down, each projection one or more parts (a file may store a fused layer's parts in
-// different kinds).
+// ggml's type ids of the unquantized tensors: a projection stored dense (a safetensors model,
+// or a GGUF file's F32/F16/BF16 tensors) is one part of one of these kinds.
+constexpr int64_t kDenseF32 = 0, kDenseF16 = 1, kDenseBF16 = 30;
+constexpr bool is_dense_kind(int64_t kind) {
+  return kind == kDenseF32 || kind == kDenseF16 || kind == kDenseBF16;
+}
+inline at::ScalarType dense_dtype(int64_t kind) {
+  return kind == kDenseF32 ? at::kFloat : kind == kDenseF16 ? at::kHalf : at::kBFloat16;
+}
+
+// The layers' projections: parts (GGUF block tensors, or one dense weight) in layer order,
+// q|k|v, o, gate|up, down, each projection one or more parts (a file may store a fused layer's
+// parts in different kinds).
 class Projections {
  public:
   Projections(at::TensorList parts, at::IntArrayRef kinds, at::IntArrayRef part_counts,
@@ -51,8 +61,16 @@ class Projections {
     TORCH_CHECK(part_counts.size() == 4 * num_layers,
                 "llama_decode_layers: part_counts must hold 4 per layer");
     int64_t first = 0;
-    for (int64_t count : part_counts) {
+    for (size_t index = 0; index < part_counts.size(); ++index) {
+      const int64_t count = part_counts[index];
       TORCH_CHECK(count > 0, "llama_decode_layers: a projection has no parts");
+      for (int64_t part = first; part < first + count && static_cast<size_t>(part) < kinds.size(); ++part) {
+        TORCH_CHECK(!is_dense_kind(kinds[part]) ||
+                        (count == 1 && parts[part].dim() == 2 &&
+                         parts[part].scalar_type() == dense_dtype(kinds[part])),
+                    "llama_decode_layers: a dense projection is one [N, K] weight of its kind's "
+                    "dtype");
+      }
       first_.push_back(first);
       first += count;
     }
@@ -62,9 +80,16 @@ class Projections {
 
   // x @ W^T of projection `which` (0 q|k|v, 1 o, 2 gate|up, 3 down) of `layer`.
   at::Tensor apply(const at::Tensor& x, size_t layer, int which, bool int8_activations) const {
-    LLMSERVE_RECORD("llmserve::gguf_linear");
     const size_t index = 4 * layer + which;
     const int64_t first = first_[index], count = part_counts_[index];
+    if (count == 1 && is_dense_kind(kinds_[first])) {
+      // A dense weight [N, K] in the model's dtype: the product the eager layer computes
+      // (x rounded to a bf16/fp16 weight's dtype, the product rounded back), widened to fp32.
+      LLMSERVE_RECORD("aten::mm");
+      const at::Tensor& weight = parts_[first];
+      return at::linear(x.to(weight.scalar_type()), weight).to(at::kFloat);
+    }
+    LLMSERVE_RECORD("llmserve::gguf_linear");
     if (count == 1) return gguf_linear(x, parts_[first], kinds_[first], int8_activations);
     return gguf_linear_parts(x, parts_.slice(first, count), kinds_.slice(first, count),
                              int8_activations);

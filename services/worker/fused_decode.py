@@ -1,12 +1,14 @@
 """Fused decode steps: a pure-decode batch of a model whose projections are all GGUF blocks
-(any kind the kernels read, kinds mixed within a fused layer too) runs every decoder layer in
+(any kind the kernels read, kinds mixed within a fused layer too) or dense float weights (a
+safetensors model in float32, bf16 or fp16) runs every decoder layer in
 one C++ call (kernels/csrc/llama_decode.cpp, the op
 `llmserve::llama_decode_layers`); the embedding, the final norm and the vocabulary projection
 stay in the model's own code.
 
 Why: on a CPU at small batches the time between the matrix products (Python, dispatch, a
 compiled graph's wrapper) was as large as the products. The fused call has no per-op cost and
-needs no compilation, so it takes any batch size. It computes what
+needs no compilation, so it takes any batch size, and a dense model needs no step graphs
+either (compiling them took 1 min 45 s of a first start on an AVX-512 machine). It computes what
 `CausalLM.forward` computes for one token per sequence (fp32, the same kernels); the
 tests hold its greedy tokens to the eager path's.
 """
@@ -17,7 +19,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from kernels import cpu_extension
 from services.worker.forward_batch import ForwardBatch
@@ -41,8 +43,11 @@ def unsupported_reason(model: CausalLM, kv_cache: PagedKVCache) -> str | None:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not isinstance(linear, GGUFLinear):
-                return f"a projection is {type(linear).__name__}, not GGUF blocks"
+            if not isinstance(linear, GGUFLinear) and not _is_dense(linear):
+                return (
+                    f"a projection is {type(linear).__name__}, neither GGUF blocks nor a "
+                    "dense float weight"
+                )
         if any(linear.bias is not None for linear in (attn.o_proj, mlp.gate_up_proj)):
             return "o_proj or gate_up_proj has a bias"
         if mlp.down_proj.bias is not None:
@@ -50,6 +55,22 @@ def unsupported_reason(model: CausalLM, kv_cache: PagedKVCache) -> str | None:
     if not cpu_extension.load():
         return "the C++ CPU kernels are unavailable"
     return None
+
+
+# ggml's type ids of unquantized tensors: how the op names a dense projection's weight.
+DENSE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+
+
+def _is_dense(linear: nn.Module) -> bool:
+    return type(linear) is nn.Linear and linear.weight.dtype in DENSE_KINDS
+
+
+def projection_parts(linear: nn.Module) -> tuple[list[Tensor], list[int]]:
+    """The op's parts and kinds of one projection: a GGUF layer's block tensors, or an
+    nn.Linear's weight as one dense part."""
+    if isinstance(linear, GGUFLinear):
+        return list(linear.parts), list(linear.kinds)
+    return [linear.weight], [DENSE_KINDS[linear.weight.dtype]]
 
 
 def missing_features(arch: ModelArchitecture) -> list[str]:
@@ -118,7 +139,7 @@ class FusedDecode:
             for layer in model.layers
         ]
         first_qkv = projections[0][0]
-        self.int8_activations = first_qkv.int8_activations
+        self.int8_activations = getattr(first_qkv, "int8_activations", False)
         caches = kv_cache.layers
         linears = [linear for layer in projections for linear in layer]
         self.dtype = model.norm.dtype
@@ -129,12 +150,13 @@ class FusedDecode:
         """The model's dtype: the step computes in fp32 between its embedding and its head
         (fp32 copies of a bf16 model's norms, bias and rope table, a few KB)."""
         self.rope = model.rope.float()
+        projection_lists = [projection_parts(linear) for linear in linears]
         self._lists = _LayerLists(
             input_norms=[_fp32(layer.attn_norm) for layer in model.layers],
             post_norms=[_fp32(layer.mlp_norm) for layer in model.layers],
-            projection_parts=[part for linear in linears for part in linear.parts],
-            kinds=[kind for linear in linears for kind in linear.kinds],
-            part_counts=[len(linear.kinds) for linear in linears],
+            projection_parts=[part for parts, _ in projection_lists for part in parts],
+            kinds=[kind for _, kinds in projection_lists for kind in kinds],
+            part_counts=[len(kinds) for _, kinds in projection_lists],
             qkv_bias=[_fp32(p[0].bias) for p in projections if p[0].bias is not None],
             k_caches=[c.key for c in caches],
             v_caches=[c.value for c in caches],

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from torch import nn
 
 from kernels import cpu_extension
 from kernels.gguf_blocks_torch import GGUF_KINDS, group_shape
@@ -258,13 +259,71 @@ def test_int8_activations_follow_the_layers_setting() -> None:
 
 def test_models_the_fused_step_cannot_run_say_why() -> None:
     config = tiny_config(attention_bias=False)
-    dense = CausalLM(config)
+    model = random_dense_model(config, seed=1)
     spec = KVCacheSpec.for_model(config, BLOCK_SIZE, torch.float32)
     cache = PagedKVCache(spec, NUM_BLOCKS, "cpu")
-    assert "not GGUF blocks" in (unsupported_reason(dense, cache) or "")
-    with pytest.raises(ValueError, match="not GGUF blocks"):
-        FusedDecode(dense, cache)
+    assert unsupported_reason(model, cache) is None
+    down = model.layers[1].mlp.down_proj
+    model.layers[1].mlp.down_proj = nn.Linear(
+        down.in_features, down.out_features, bias=False, dtype=torch.float64
+    )
+    reason = "neither GGUF blocks nor a dense float weight"
+    assert reason in (unsupported_reason(model, cache) or "")
+    with pytest.raises(ValueError, match=reason):
+        FusedDecode(model, cache)
     assert unsupported_reason(random_model(config, seed=1), cache) is None
+
+
+def random_dense_model(config: ModelArchitecture, seed: int) -> CausalLM:
+    """Random norms, embedding and dense projections (nn.Linear, as a safetensors model)."""
+    torch.manual_seed(seed)
+    model = CausalLM(config)
+    model.embed_tokens.weight.normal_()
+    model.lm_head.weight.normal_(std=0.1)
+    for layer in model.layers:
+        layer.attn_norm.uniform_(0.5, 1.5)
+        layer.mlp_norm.uniform_(0.5, 1.5)
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
+            linear.weight.normal_(std=0.2)
+        for linear in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.weight.normal_(std=0.1)
+        if layer.self_attn.qkv_proj.bias is not None:
+            layer.self_attn.qkv_proj.bias.normal_(std=0.1)
+    return model
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_a_dense_float32_model_runs_fused(kv_dtype: torch.dtype) -> None:
+    """nn.Linear projections go through the same product the eager layer computes (one
+    dense part of ggml kind F32), so only the C++ elementwise ops' summation order differs."""
+    config = tiny_config(attention_bias=True)
+    model = random_dense_model(config, seed=8)
+    case = decode_case(config, kv_dtype, seed=9)
+    eager, fused, after_eager, after_fused = eager_then_fused(model, case)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    tolerance = cache_tolerance(kv_dtype)
+    torch.testing.assert_close(
+        after_fused.float(), after_eager.float(), rtol=tolerance, atol=tolerance
+    )
+
+
+def test_a_dense_bf16_model_runs_fused_no_worse_than_eager_bf16() -> None:
+    """bf16 weights: each product rounds its input and output to bf16 as the eager layer
+    does, the rest stays fp32. Reference: the same bf16 weights in fp32, eager; the fused
+    step's error is held to eager bf16's on average (both round the step's key, value and
+    query to the bf16 cache)."""
+    config = tiny_config(attention_bias=True)
+    bf16_model = random_dense_model(config, seed=10).to(torch.bfloat16)
+    fp32_model = copy.deepcopy(bf16_model).float()
+    bf16_case = decode_case(config, torch.bfloat16, seed=12)
+    fp32_case = decode_case(config, torch.float32, seed=12)
+    fp32_case.cache.storage.copy_(bf16_case.cache.storage.float())
+    reference, _, _, _ = eager_then_fused(fp32_model, fp32_case)
+    eager, fused, _, _ = eager_then_fused(bf16_model, bf16_case)
+    eager_error = (eager - reference).abs().amax(dim=-1)
+    fused_error = (fused - reference).abs().amax(dim=-1)
+    assert eager_error.mean() > 0  # bf16 really rounds
+    assert fused_error.mean() <= 2 * eager_error.mean(), (fused_error, eager_error)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-kv", "int8-kv"])

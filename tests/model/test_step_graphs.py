@@ -24,7 +24,8 @@ MAX_NUM_SEQS = 4
 @pytest.fixture(scope="module")
 def compiled_engine(loaded_fp32: LoadedModel) -> LLMEngine:
     return LLMEngine(
-        replace(FP32, enforce_eager=False, max_num_seqs=MAX_NUM_SEQS), loaded=loaded_fp32
+        replace(FP32, enforce_eager=False, fused_decode=False, max_num_seqs=MAX_NUM_SEQS),
+        loaded=loaded_fp32,
     )
 
 
