@@ -5,10 +5,11 @@ implementation with TORCH_LIBRARY_IMPL(llmserve, CPU, m) and its shape function 
 TORCH_LIBRARY_IMPL(llmserve, Meta, m) (what torch.compile traces with).
 
 One library per instruction-set variant (VARIANTS: AVX-512 with VNNI and BF16, AVX2 + FMA with
-AVX-VNNI, AVX2 + FMA, and a baseline x86-64-v2 build whose kernels are the scalar ones), each the same sources compiled
-with that variant's flags. A process loads the best variant its CPU runs, read from
-/proc/cpuinfo, so a build made on one machine (an image, a cache shared by CI runners) is
-correct and fast on any x86 CPU; LLMSERVE_CPU_VARIANT names one instead (tests, diagnosis).
+AVX-VNNI, AVX2 + FMA, and a baseline x86-64-v2 build whose kernels are the scalar ones), each
+the same sources compiled with that variant's flags. A process loads the best variant its CPU
+runs, read from /proc/cpuinfo, so a build made on one machine (an image, a cache shared by CI
+runners) is correct and fast on any x86 CPU; LLMSERVE_CPU_VARIANT names one instead (tests,
+diagnosis).
 
 A variant is built with the machine's compiler the first time a process asks for it (the worker
 does so at start-up, before it reports SERVING; `llmserve build-kernels` does it ahead of time,

@@ -56,26 +56,20 @@ class WorkerConfig(
         self.check_speculation()
 
 
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = cpuinfo.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: str, *, gguf_blocks: bool = False) -> torch.dtype:
     """The compute dtype of a --dtype value. `auto`: bf16 on a GPU; on a CPU float32 for a
-    model served from GGUF blocks (its decode steps run the fused C++ step, which computes in
-    float32 and needs no compilation, and its matmuls round activations to int8 whatever the
-    dtype, so bf16 would save nothing), else bf16 where the CPU has native bf16."""
+    model served from GGUF blocks (its decode steps run the fused C++ step, whose matmuls
+    round activations to int8 whatever the dtype, so bf16 would save nothing), and for a dense
+    model whichever of float32 and bf16 multiplies faster on this CPU, measured once per
+    machine (services/worker/dtype_choice.py)."""
     if name == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16
-        if not gguf_blocks and cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
+        if gguf_blocks:
+            return torch.float32
+        from services.worker.dtype_choice import measured_cpu_dtype
+
+        return measured_cpu_dtype()
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in dtypes:
         raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {name!r}")

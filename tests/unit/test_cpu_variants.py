@@ -37,7 +37,7 @@ def test_libraries_are_named_by_variant_and_sources_only() -> None:
     names = {library_name(variant) for variant in VARIANTS}
     assert len(names) == len(VARIANTS)
     assert all(
-        name.startswith(f"llmserve_cpu_{v.name}_")
+        name.startswith(f"llmserve_cpu_{v.name.replace('-', '_')}_")
         for name, v in zip([library_name(v) for v in VARIANTS], VARIANTS, strict=True)
     )
 
@@ -46,7 +46,8 @@ def test_the_environment_names_a_variant(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(cpu_extension.VARIANT_ENV_VAR, "baseline")
     assert chosen_variant().name == "baseline"
     monkeypatch.setenv(cpu_extension.VARIANT_ENV_VAR, "avx1024")
-    with pytest.raises(ValueError, match="LLMSERVE_CPU_VARIANT must be one of avx512, avx2-vnni, avx2"):
+    message = "LLMSERVE_CPU_VARIANT must be one of avx512, avx2-vnni, avx2"
+    with pytest.raises(ValueError, match=message):
         chosen_variant()
     monkeypatch.delenv(cpu_extension.VARIANT_ENV_VAR)
     assert chosen_variant() == best_variant(cpu_extension.cpu_flags())
