@@ -215,6 +215,12 @@ def prefill_attention(
     assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} % Hkv {num_kv_heads} != 0"
     assert sliding_window >= 0, f"sliding_window {sliding_window} < 0"
     gqa = num_q_heads != num_kv_heads
+    if k_cache.is_floating_point() and k_cache.dtype != key.dtype:
+        # This chunk's keys and values as the cache holds them (a float16 cache under a float32
+        # model): a later step reading them back from the cache, as a prefix hit or a decode
+        # does, then sees the same values, so a prompt gives the same tokens cached or not.
+        key = key.to(k_cache.dtype).to(key.dtype)
+        value = value.to(v_cache.dtype).to(value.dtype)
     starts = cu_seqlens_q.tolist()
     prefixes = prefix_lens.tolist()
     assert len(starts) == len(prefixes) + 1 and starts[-1] == num_tokens

@@ -121,8 +121,9 @@ class RuntimeConfig:
     enforce_eager: bool = False
     """Run every step eagerly (no compiled step graphs): slower, starts faster."""
     fused_decode: bool = True
-    """Pure-decode steps of a float32 GGUF model run every layer in one C++ call (no
-    compilation needed); --no-fused-decode uses compiled graphs or eager ops instead."""
+    """Pure-decode steps on a CPU (GGUF blocks or dense float weights) run every layer in one
+    C++ call (no compilation needed); --no-fused-decode uses compiled graphs or eager ops
+    instead."""
     deterministic: bool = False
     """Batch-invariant kernels: a sequence's logits depend only on its own tokens, so greedy
     output is the same whatever a request is batched with (in bf16 too). Every step runs

@@ -173,6 +173,20 @@ def with_switches(
     return replace(config, layer_sliding_windows=windows, rope=rope, qk_norm=qk_norm)
 
 
+def assert_fused_matches_eager(
+    model: CausalLM, case: DecodeCase, kv_dtype: torch.dtype
+) -> torch.Tensor:
+    """Fused logits within 1e-4 of eager ones, the caches they write within
+    cache_tolerance; returns the eager logits."""
+    eager, fused, after_eager, after_fused = eager_then_fused(model, case)
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    tolerance = cache_tolerance(kv_dtype)
+    torch.testing.assert_close(
+        after_fused.float(), after_eager.float(), rtol=tolerance, atol=tolerance
+    )
+    return eager
+
+
 def cache_tolerance(kv_dtype: torch.dtype) -> float:
     """rtol = atol between the caches the eager and the fused step write: 1e-4 (the C++ and
     torch ops round in different orders), or one fp16 step (2^-10 relative) for a float16
@@ -197,14 +211,9 @@ def test_fused_step_windows_and_partial_rotary(
     config = with_switches(tiny_config(attention_bias=True), windows, rotary_dim)
     model = random_model(config, seed=7)
     case = decode_case(config, kv_dtype, seed=9)
-    eager, fused, after_eager, after_fused = eager_then_fused(model, case)
-    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
     # Keys and values are fp32 sums over K = 256 of values near 10; the C++ and torch norms
     # round in different orders, which moves them by up to ~3e-5 relative.
-    tolerance = cache_tolerance(kv_dtype)
-    torch.testing.assert_close(
-        after_fused.float(), after_eager.float(), rtol=tolerance, atol=tolerance
-    )
+    eager = assert_fused_matches_eager(model, case, kv_dtype)
     if windows or rotary_dim != 16:
         # The features change the logits: a fused step ignoring them would fail above.
         plain = random_model(tiny_config(attention_bias=True), seed=7)
@@ -298,13 +307,7 @@ def test_a_dense_float32_model_runs_fused(kv_dtype: torch.dtype) -> None:
     dense part of ggml kind F32), so only the C++ elementwise ops' summation order differs."""
     config = tiny_config(attention_bias=True)
     model = random_dense_model(config, seed=8)
-    case = decode_case(config, kv_dtype, seed=9)
-    eager, fused, after_eager, after_fused = eager_then_fused(model, case)
-    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
-    tolerance = cache_tolerance(kv_dtype)
-    torch.testing.assert_close(
-        after_fused.float(), after_eager.float(), rtol=tolerance, atol=tolerance
-    )
+    assert_fused_matches_eager(model, decode_case(config, kv_dtype, seed=9), kv_dtype)
 
 
 def test_a_dense_bf16_model_runs_fused_no_worse_than_eager_bf16() -> None:

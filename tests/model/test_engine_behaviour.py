@@ -79,6 +79,37 @@ def test_prefix_cache_reuses_blocks_with_identical_output(loaded_fp32: LoadedMod
     assert result.token_ids == run_alone(loaded_fp32, second, GREEDY)
 
 
+def test_a_prefix_hit_over_a_float16_cache_keeps_greedy_output() -> None:
+    """The default GGUF arithmetic (int8 activations, a float16 cache under a float32 model):
+    a prompt whose system part another request cached, and the same prompt cached whole,
+    give the tokens a cold cache gives. Attention over a fresh chunk sees its keys and values
+    as the cache holds them; before, the fresh chunk's float32 values and the cached float16
+    ones differed enough to turn token 5 of this prompt into another one."""
+    import torch
+
+    from services.common.chat_template import ChatMessage
+
+    loaded = LoadedModel.load(None, torch.float32, quantization="gguf")
+    sampling = replace(GREEDY, max_new_tokens=8)
+
+    def chat(text: str, engine: LLMEngine) -> list[int]:
+        return engine.tokenizer.apply_chat_template([ChatMessage("user", text)])
+
+    text = (
+        "Repeat exactly: the mill by the river was rebuilt three times in a hundred years, and "
+        "the mill by the river still grinds rye and barley for the bakery."
+    )
+    cold_engine = make_engine(loaded, enable_prefix_caching=False, dtype="float32")
+    assert cold_engine.kv_cache.spec.dtype == torch.float16
+    cold = cold_engine.generate([chat(text, cold_engine)], sampling)[0].token_ids
+    engine = make_engine(loaded)
+    engine.generate([chat("Write a haiku about the sea.", engine)], sampling)
+    partial = engine.generate([chat(text, engine)], sampling)[0]
+    whole = engine.generate([chat(text, engine)], sampling)[0]
+    assert 0 < partial.usage.cached_prompt_tokens < whole.usage.cached_prompt_tokens
+    assert partial.token_ids == whole.token_ids == cold
+
+
 def test_preemption_by_recompute_keeps_greedy_output(loaded_fp32: LoadedModel) -> None:
     spec_bytes = LLMEngine(FP32, loaded=loaded_fp32).kv_cache.spec.bytes_per_block
     # 16 blocks of 16 tokens; the 6 sequences need 23 at their longest: decodes must preempt.
