@@ -6,15 +6,15 @@ import argparse
 
 import pytest
 
-from services.cli import _add_engine_flags, _engine_config
+from services.engine.commands import add_engine_flags, engine_config
 from services.engine.config import EngineConfig
 from services.worker.config import GiB
 
 
 def parse(argv: list[str]) -> EngineConfig:
     parser = argparse.ArgumentParser()
-    _add_engine_flags(parser)
-    config = _engine_config(parser.parse_args(argv))
+    add_engine_flags(parser)
+    config = engine_config(parser.parse_args(argv))
     assert isinstance(config, EngineConfig)
     return config
 
