@@ -125,11 +125,6 @@ class BlockPool:
             self.listener.block_cached(block_hash)
         return True
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after the worker reloads weights)."""
-        for block_id in list(self._cached.values()):
-            self._evict_hash(block_id)
-
     def _evict_hash(self, block_id: int) -> None:
         block_hash = self._block_hashes[block_id]
         if block_hash is not None:

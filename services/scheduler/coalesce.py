@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from itertools import chain
 
+from services.common.backlog import take_leading
 from services.contracts.step import FinishReason, TokenEvent
 
 QueueItem = TokenEvent | BaseException
@@ -57,16 +58,13 @@ def merge_by_choice(events: Sequence[TokenEvent]) -> list[TokenEvent]:
 
 def take_batch(backlog: deque[QueueItem]) -> list[TokenEvent]:
     """Pops the leading events of `backlog` that go out together: up to an error or a
-    deadline finish (left in place), and never past the request's finish (its last
-    choice's). Empty when the head is such an error or deadline finish."""
-    batch: list[TokenEvent] = []
-    while backlog:
-        head = backlog[0]
-        # An error or the deadline finish ends the stream with a status code of its own.
-        if not isinstance(head, TokenEvent) or head.finish_reason is FinishReason.DEADLINE:
-            break
-        backlog.popleft()
-        batch.append(head)
-        if head.request_finished:
-            break
-    return batch
+    deadline finish (left in place: each ends the stream with a status code of its own), and
+    never past the request's finish (its last choice's). Empty when the head is such an
+    error or deadline finish."""
+    return take_leading(
+        backlog,
+        mergeable=lambda head: (
+            isinstance(head, TokenEvent) and head.finish_reason is not FinishReason.DEADLINE
+        ),
+        ends_batch=lambda event: event.request_finished,
+    )

@@ -68,12 +68,6 @@ class SchedulerStats:
     """Sequence-steps that verified drafts (tokens per such step: 1 + accepted / steps)."""
 
     @property
-    def draft_acceptance_rate(self) -> float:
-        if self.num_draft_tokens_proposed == 0:
-            return 0.0
-        return self.num_draft_tokens_accepted / self.num_draft_tokens_proposed
-
-    @property
     def prefix_hit_rate(self) -> float:
         if self.prefix_queried_tokens == 0:
             return 0.0

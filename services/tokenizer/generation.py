@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.llmserve.v1 import engine_pb2
+from services.common.backlog import take_leading
 from services.common.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -321,16 +322,13 @@ def _log_cancel_failure(task: asyncio.Future[engine_pb2.CancelChoiceResponse]) -
 def _take_batch(backlog: deque[EngineItem]) -> list[engine_pb2.SubmitResponse]:
     """Pops the leading responses of `backlog` that go through as one: up to the stream's end,
     an error or a deadline finish (left in place), and never past a finished response."""
-    batch: list[engine_pb2.SubmitResponse] = []
-    while backlog:
-        head = backlog[0]
-        if not isinstance(head, engine_pb2.SubmitResponse) or head.finish_reason == "deadline":
-            break
-        backlog.popleft()
-        batch.append(head)
-        if head.finish_reason:
-            break
-    return batch
+    return take_leading(
+        backlog,
+        mergeable=lambda head: (
+            isinstance(head, engine_pb2.SubmitResponse) and head.finish_reason != "deadline"
+        ),
+        ends_batch=lambda response: bool(response.finish_reason),
+    )
 
 
 async def _drain(

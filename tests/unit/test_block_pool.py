@@ -97,16 +97,6 @@ def test_contiguous_allocation_is_first_fit_and_fails_on_fragmentation() -> None
     pool.check_integrity()
 
 
-def test_reset_prefix_cache_forgets_hashes() -> None:
-    pool = BlockPool(2)
-    (block,) = pool.allocate(1)
-    block_hash = hash_block_tokens(None, [1])
-    pool.cache_block(block, block_hash)
-    pool.reset_prefix_cache()
-    assert pool.get_cached_block(block_hash) is None
-    pool.check_integrity()
-
-
 def test_check_integrity_catches_a_referenced_block_in_the_free_queue() -> None:
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
