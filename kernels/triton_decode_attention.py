@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_utils import soft_cap
+from kernels.triton_utils import dequantize_kv_tile, soft_cap
 
 LOG2E = 1.4426950408889634
 
@@ -125,27 +125,30 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + kv_head * stride_kh + k_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_head * stride_vh + v_off, mask=kv_mask, other=0.0)
         if IS_INT8:
-            grp = offs_d[None, :] // QUANT_GROUP
-            ks = tl.load(
-                k_scale_ptr
-                + block_ids[:, None] * stride_ksb
-                + in_block[:, None] * stride_kso
-                + kv_head * stride_ksh
-                + grp,
-                mask=kv_mask,
-                other=0.0,
-            )
-            vs = tl.load(
-                v_scale_ptr
-                + block_ids[:, None] * stride_vsb
-                + in_block[:, None] * stride_vso
-                + kv_head * stride_vsh
-                + grp,
-                mask=kv_mask,
-                other=0.0,
-            )
-            k = (k.to(tl.float32) * ks.to(tl.float32)).to(q.dtype)
-            v = (v.to(tl.float32) * vs.to(tl.float32)).to(q.dtype)
+            k = dequantize_kv_tile(
+                k,
+                k_scale_ptr,
+                block_ids,
+                in_block,
+                stride_ksb,
+                stride_kso,
+                kv_head * stride_ksh,
+                offs_d,
+                kv_mask,
+                QUANT_GROUP,
+            ).to(q.dtype)
+            v = dequantize_kv_tile(
+                v,
+                v_scale_ptr,
+                block_ids,
+                in_block,
+                stride_vsb,
+                stride_vso,
+                kv_head * stride_vsh,
+                offs_d,
+                kv_mask,
+                QUANT_GROUP,
+            ).to(q.dtype)
 
         if USE_SOFTCAP:
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale

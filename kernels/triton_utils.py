@@ -35,3 +35,30 @@ def soft_cap(scores, cap):
     large = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(ax, 20.0)) + 1.0)
     large = tl.where(x < 0, -large, large)
     return cap * tl.where(ax < 0.625, small, large)
+
+
+@triton.jit
+def dequantize_kv_tile(
+    codes,
+    scale_ptr,
+    block_ids,
+    in_block,
+    stride_block,
+    stride_offset,
+    head_offset,
+    offs_d,
+    mask,
+    QUANT_GROUP: tl.constexpr,
+):
+    """An int8 KV tile [N, D] (token n at offset in_block[n] of page block_ids[n]) times its
+    per-group scales -> fp32; the scales are [pages, page size, Hkv, D // QUANT_GROUP]."""
+    scales = tl.load(
+        scale_ptr
+        + block_ids[:, None] * stride_block
+        + in_block[:, None] * stride_offset
+        + head_offset
+        + offs_d[None, :] // QUANT_GROUP,
+        mask=mask,
+        other=0.0,
+    )
+    return codes.to(tl.float32) * scales.to(tl.float32)
