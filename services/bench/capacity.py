@@ -68,7 +68,7 @@ class StopAtLengthWorker:
         self.num_computed: dict[str, int] = {}
 
     def step(self, plan: BatchPlan) -> StepResult:
-        for request_id in plan.finished_ids:  # finished or preempted: forget it
+        for request_id in plan.finished_request_ids:  # finished or preempted: forget it
             del self.num_tokens[request_id], self.num_prompt_tokens[request_id]
             del self.num_computed[request_id]
         for seq in plan.new_sequences:

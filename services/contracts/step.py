@@ -72,7 +72,7 @@ class BatchPlan:
     block_deltas: list[SequenceDelta] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     """request_id -> tokens to compute this step; its order is the batch order."""
-    finished_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
     """Sequences to drop from the worker (finished, aborted, expired or preempted). Applied
     before anything else in the plan, so a preempted id may reappear in new_sequences."""
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -82,7 +82,8 @@ class BatchPlan:
     KV is reserved); sequences without an entry do not speculate this step."""
     block_truncations: dict[str, int] = field(default_factory=dict)
     """request_id -> the number of blocks its table keeps: the scheduler freed the tail it had
-    reserved for drafts. Applied after finished_ids, before new sequences and block deltas."""
+    reserved for drafts. Applied after finished_request_ids, before new sequences and block
+    deltas."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -98,7 +99,7 @@ class BatchPlan:
         blocks to copy. A plan without any is applied by the scheduler alone."""
         return bool(
             self.num_scheduled_tokens
-            or self.finished_ids
+            or self.finished_request_ids
             or self.new_sequences
             or self.block_copies
             or self.block_truncations

@@ -238,7 +238,7 @@ class Scheduler:
             # Admitting while decodes are being evicted would only thrash the cache.
             self._schedule_waiting(plan, budget)
         self._grant_draft_slots(plan)
-        plan.finished_ids, self._finished_ids = self._finished_ids, []
+        plan.finished_request_ids, self._finished_ids = self._finished_ids, []
         plan.block_copies = self.kv.take_pending_copies()
         return plan
 

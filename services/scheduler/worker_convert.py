@@ -16,7 +16,7 @@ def prepare_grammar_request(spec: StructuredOutput) -> worker_pb2.PrepareGrammar
 def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
     return worker_pb2.StepPlan(
         step_id=plan.step_id,
-        finished_ids=plan.finished_ids,
+        finished_request_ids=plan.finished_request_ids,
         new_sequences=[
             worker_pb2.NewSequence(
                 request_id=seq.request_id,
@@ -32,7 +32,7 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
             worker_pb2.SequenceDelta(request_id=d.request_id, new_block_ids=d.new_block_ids)
             for d in plan.block_deltas
         ],
-        scheduled_ids=list(plan.num_scheduled_tokens),
+        scheduled_request_ids=list(plan.num_scheduled_tokens),
         num_scheduled_tokens=list(plan.num_scheduled_tokens.values()),
         block_copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in plan.block_copies],
         draft_slots=plan.draft_slots,
@@ -43,7 +43,9 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
 def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
     return StepResult(
         step_id=message.step_id,
-        sampled_token_ids=dict(zip(message.sampled_ids, message.sampled_token_ids, strict=True)),
+        sampled_token_ids=dict(
+            zip(message.sampled_request_ids, message.sampled_token_ids, strict=True)
+        ),
         logprobs={
             request_id: TokenLogprobs(
                 lp.token_logprob, list(lp.top_token_ids), list(lp.top_logprobs)

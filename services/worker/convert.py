@@ -26,9 +26,9 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
             SequenceDelta(d.request_id, list(d.new_block_ids)) for d in message.block_deltas
         ],
         num_scheduled_tokens=dict(
-            zip(message.scheduled_ids, message.num_scheduled_tokens, strict=True)
+            zip(message.scheduled_request_ids, message.num_scheduled_tokens, strict=True)
         ),
-        finished_ids=list(message.finished_ids),
+        finished_request_ids=list(message.finished_request_ids),
         block_copies=[(c.src, c.dst) for c in message.block_copies],
         draft_slots=dict(message.draft_slots),
         block_truncations=dict(message.block_truncations),
@@ -38,7 +38,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
 def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOutput:
     message = worker_pb2.StepOutput(
         step_id=result.step_id,
-        sampled_ids=list(result.sampled_token_ids),
+        sampled_request_ids=list(result.sampled_token_ids),
         sampled_token_ids=list(result.sampled_token_ids.values()),
         forward_ms=forward_ms,
     )

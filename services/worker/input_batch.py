@@ -46,7 +46,7 @@ class CachedSequence:
 @dataclass(slots=True)
 class StepInputs:
     forward: ForwardBatch
-    sampled_ids: list[str]
+    sampled_request_ids: list[str]
     """Request ids whose scheduled range reaches their last token, in the order of
     forward.logits_indices: one row of logits each, then one more per draft."""
     drafts: dict[str, list[int]] = field(default_factory=dict)
@@ -73,7 +73,7 @@ class InputBatch:
 
     def apply(self, plan: BatchPlan) -> None:
         """Bring the persistent batch up to date with a plan's deltas."""
-        for request_id in plan.finished_ids:
+        for request_id in plan.finished_request_ids:
             self.sequences.pop(request_id, None)
         for request_id, num_kept in plan.block_truncations.items():
             del self.sequences[request_id].block_ids[num_kept:]
@@ -132,7 +132,7 @@ class InputBatch:
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         logits_rows: list[int] = []
-        sampled_ids: list[str] = []
+        sampled_request_ids: list[str] = []
         cu_seqlens = [0]
         prefix_lens: list[int] = []
         for seq, num_tokens in prefills:
@@ -144,7 +144,7 @@ class InputBatch:
             prefix_lens.append(start)
             if end == len(seq.token_ids):
                 logits_rows.append(cu_seqlens[-1] - 1)
-                sampled_ids.append(seq.request_id)
+                sampled_request_ids.append(seq.request_id)
         num_prefill_tokens = cu_seqlens[-1]
 
         if drafts:
@@ -159,7 +159,7 @@ class InputBatch:
             for seq in decodes:
                 input_ids.append(seq.token_ids[seq.num_computed_tokens])
                 input_ids.extend(drafts.get(seq.request_id, ()))
-                sampled_ids.append(seq.request_id)
+                sampled_request_ids.append(seq.request_id)
         else:
             decode_counts = [1] * len(decodes)
             decode_positions = np.fromiter(
@@ -167,7 +167,7 @@ class InputBatch:
             )
             for seq in decodes:
                 input_ids.append(seq.token_ids[seq.num_computed_tokens])
-                sampled_ids.append(seq.request_id)
+                sampled_request_ids.append(seq.request_id)
         logits_rows.extend(range(num_prefill_tokens, num_prefill_tokens + len(decode_positions)))
         positions.append(decode_positions)
 
@@ -201,7 +201,7 @@ class InputBatch:
         if self.per_token_attention:
             forward.token_block_tables = self._tensor(np.ascontiguousarray(block_table[token_rows]))
             forward.token_context_lens = self._tensor((all_positions + 1).astype(np.int32))
-        return StepInputs(forward=forward, sampled_ids=sampled_ids, drafts=drafts)
+        return StepInputs(forward=forward, sampled_request_ids=sampled_request_ids, drafts=drafts)
 
     def advance(
         self,

@@ -178,20 +178,22 @@ class ModelRunner:
             sampled, accepted = self._sample_and_verify(logits, inputs)
             result.num_proposed_drafts = {rid: len(d) for rid, d in drafts.items()}
             result.accepted_draft_ids = {rid: ids for rid, ids in accepted.items() if ids}
-        elif inputs.sampled_ids:
+        elif inputs.sampled_request_ids:
             logits = self._forward_sampled(inputs.forward)
             rows = [
                 self.batch.sequences[rid].sampler_row(self.eos_token_ids)
-                for rid in inputs.sampled_ids
+                for rid in inputs.sampled_request_ids
             ]
             metadata = build_sampling_metadata(rows, self.vocab_size, self.device)
             if grammars is not None:
                 # Every decode path (fused C++, compiled graph, eager) ends in these logits.
-                metadata.grammar_mask = grammars.fill(inputs.sampled_ids)
+                metadata.grammar_mask = grammars.fill(inputs.sampled_request_ids)
             output = self.sampler(logits, metadata)
             token_ids = output.token_ids.tolist()
-            sampled = dict(zip(inputs.sampled_ids, token_ids, strict=True))
-            for request_id, logprobs in zip(inputs.sampled_ids, output.logprobs, strict=True):
+            sampled = dict(zip(inputs.sampled_request_ids, token_ids, strict=True))
+            for request_id, logprobs in zip(
+                inputs.sampled_request_ids, output.logprobs, strict=True
+            ):
                 if logprobs is not None:
                     result.logprobs[request_id] = logprobs
         else:
@@ -215,7 +217,7 @@ class ModelRunner:
         rows = []
         row_ids: list[str] = []
         first_row: dict[str, int] = {}
-        for request_id in inputs.sampled_ids:
+        for request_id in inputs.sampled_request_ids:
             seq = sequences[request_id]
             draft = inputs.drafts.get(request_id, ())
             first_row[request_id] = len(rows)
@@ -238,7 +240,7 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         accepted: dict[str, list[int]] = {}
         generator = self.sampler.generator(self.device)
-        for request_id in inputs.sampled_ids:
+        for request_id in inputs.sampled_request_ids:
             start = first_row[request_id]
             draft = inputs.drafts.get(request_id)
             if not draft:

@@ -247,7 +247,7 @@ def _log_sequences(plan: BatchPlan) -> None:
     the tokenizer tier into the worker (dropped: finished, aborted or preempted)."""
     if not log.isEnabledFor(logging.INFO):
         return  # the plan is walked only when someone reads the lines
-    for request_id in plan.finished_ids:
+    for request_id in plan.finished_request_ids:
         log.info("sequence dropped", extra={"request_id": request_id, "step_id": plan.step_id})
     for seq in plan.new_sequences:
         log.info(

@@ -59,7 +59,7 @@ class GrammarMatchers:
         """Drop the matchers of dropped sequences, build those of new ones (finished ids first,
         as the batch applies them: a preempted id may come back in the same plan)."""
         if self._matchers:
-            for request_id in plan.finished_ids:
+            for request_id in plan.finished_request_ids:
                 self._matchers.pop(request_id, None)
         for seq in plan.new_sequences:
             spec = seq.sampling.structured_output
@@ -96,21 +96,21 @@ class GrammarMatchers:
                 break
         self._matchers[request_id] = matcher
 
-    def fill(self, sampled_ids: Sequence[str]) -> GrammarMask | None:
-        """The bitmask of this step's constrained rows (row i = sampled_ids[i]); None when no
-        row is constrained, so an unconstrained batch pays one dict check."""
+    def fill(self, sampled_request_ids: Sequence[str]) -> GrammarMask | None:
+        """The bitmask of this step's constrained rows (row i = sampled_request_ids[i]); None
+        when no row is constrained, so an unconstrained batch pays one dict check."""
         if not self._matchers:
             return None
         rows: list[int] = []
         matchers: list[Any] = []
-        for row, request_id in enumerate(sampled_ids):
+        for row, request_id in enumerate(sampled_request_ids):
             matcher = self._matchers.get(request_id)
             if matcher is not None and not matcher.is_terminated():
                 rows.append(row)
                 matchers.append(matcher)
         if not rows:
             return None
-        bitmask = self._bitmask_for(len(sampled_ids))
+        bitmask = self._bitmask_for(len(sampled_request_ids))
         # One call for every row: xgrammar walks the matchers in C++ (its own threads when
         # the batch is large), instead of a Python call per row.
         self._batch().batch_fill_next_token_bitmask(matchers, bitmask, rows)

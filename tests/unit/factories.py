@@ -95,7 +95,7 @@ class FakeWorker:
     """(block, offset) -> the token whose KV the slot holds."""
 
     def step(self, plan: BatchPlan) -> StepResult:
-        for request_id in plan.finished_ids:
+        for request_id in plan.finished_request_ids:
             assert request_id in self.token_ids, f"dropping unknown {request_id}"
             del self.token_ids[request_id], self.block_tables[request_id]
             del self.num_computed[request_id]

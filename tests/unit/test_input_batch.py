@@ -21,7 +21,7 @@ def prepared(num_tokens: int, num_computed: int, scheduled: int) -> tuple[list[s
     )
     batch.apply(plan)
     inputs = batch.prepare(plan)
-    return inputs.sampled_ids, inputs.forward.num_prefill_tokens
+    return inputs.sampled_request_ids, inputs.forward.num_prefill_tokens
 
 
 def test_a_one_token_chunk_short_of_the_end_is_a_prefill_that_does_not_sample() -> None:

@@ -244,6 +244,6 @@ def test_a_plan_needs_the_worker_only_with_work_for_it() -> None:
     from services.contracts.step import BatchPlan
 
     assert not BatchPlan(step_id=0).needs_worker
-    assert BatchPlan(step_id=0, finished_ids=["a"]).needs_worker
+    assert BatchPlan(step_id=0, finished_request_ids=["a"]).needs_worker
     assert BatchPlan(step_id=0, block_copies=[(1, 2)]).needs_worker
     assert BatchPlan(step_id=0, num_scheduled_tokens={"a": 1}).needs_worker

@@ -56,7 +56,7 @@ def test_fcfs_admission_under_max_num_seqs() -> None:
     plan = scheduler.schedule(1.0)  # both decode their second and last token
     scheduler.update(plan, result_for(scheduler, plan), 1.0)
     plan = scheduler.schedule(2.0)
-    assert plan.finished_ids == ["req0", "req1"]
+    assert plan.finished_request_ids == ["req0", "req1"]
     assert [s.request_id for s in plan.new_sequences] == ["req2"]
 
 
@@ -132,7 +132,7 @@ def test_preempted_request_is_recomputed_and_finishes_with_all_its_tokens() -> N
     preempting_plan = None
     for step in range(200):
         plan = scheduler.schedule(float(step))
-        if "req1" in plan.finished_ids and preempting_plan is None:
+        if "req1" in plan.finished_request_ids and preempting_plan is None:
             preempting_plan = plan
         events += scheduler.update(plan, worker.step(plan), float(step))
         scheduler.check_integrity()
@@ -203,7 +203,7 @@ def test_abort_frees_blocks_at_once_and_reports_next_step() -> None:
     assert scheduler.get_stats().num_free_blocks == 50
     assert scheduler.has_unfinished_requests()  # the abort events are still owed
     plan = scheduler.schedule(1.0)
-    assert plan.finished_ids == ["req0"]  # req1 never reached the worker
+    assert plan.finished_request_ids == ["req0"]  # req1 never reached the worker
     assert plan.is_empty
     events = scheduler.update(plan, StepResult(plan.step_id), 1.0)
     assert [(e.request_id, e.finish_reason) for e in events] == [
@@ -224,7 +224,7 @@ def test_abort_between_schedule_and_update_drops_the_sampled_token() -> None:
     events = scheduler.update(plan, result, 0.0)
     assert [(e.new_token_ids, e.finish_reason) for e in events] == [([], FinishReason.ABORT)]
     assert request.output_token_ids == []
-    assert scheduler.schedule(1.0).finished_ids == ["req0"]
+    assert scheduler.schedule(1.0).finished_request_ids == ["req0"]
 
 
 def test_deadline_expires_while_waiting_and_while_running() -> None:
@@ -237,14 +237,14 @@ def test_deadline_expires_while_waiting_and_while_running() -> None:
     scheduler.update(plan, result_for(scheduler, plan), 0.0)
 
     plan = scheduler.schedule(5.0)  # the waiting one expires, never having run
-    assert plan.finished_ids == [] and list(plan.num_scheduled_tokens) == ["req0"]
+    assert plan.finished_request_ids == [] and list(plan.num_scheduled_tokens) == ["req0"]
     events = scheduler.update(plan, result_for(scheduler, plan), 5.0)
     assert [(e.request_id, e.finish_reason) for e in events] == [
         ("req1", FinishReason.DEADLINE),
         ("req0", None),
     ]
     plan = scheduler.schedule(10.0)  # now the running one
-    assert plan.finished_ids == ["req0"] and plan.is_empty
+    assert plan.finished_request_ids == ["req0"] and plan.is_empty
     assert scheduler.get_stats().num_free_blocks == 1000
     events = scheduler.update(plan, StepResult(plan.step_id), 10.0)
     assert [(e.request_id, e.finish_reason) for e in events] == [("req0", FinishReason.DEADLINE)]

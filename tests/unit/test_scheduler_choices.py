@@ -146,7 +146,9 @@ def test_abort_ends_every_choice_and_frees_every_block(when: str) -> None:
     stats = scheduler.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks  # at once, before the next step
     plan = scheduler.schedule(now=10.0)
-    assert sorted(plan.finished_ids) == sorted(worker.token_ids)  # the worker drops them all
+    assert sorted(plan.finished_request_ids) == sorted(
+        worker.token_ids
+    )  # the worker drops them all
     events = scheduler.update(plan, worker.step(plan), now=10.0)
     assert sorted(e.index for e in events) == [0, 1, 2, 3]
     assert all(e.finish_reason is FinishReason.ABORT for e in events)

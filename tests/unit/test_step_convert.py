@@ -29,7 +29,7 @@ def test_plan_round_trip() -> None:
         ],
         block_deltas=[SequenceDelta("b", [9])],
         num_scheduled_tokens={"a": 2, "b": 1},
-        finished_ids=["c"],
+        finished_request_ids=["c"],
         block_copies=[(1, 2)],
     )
     assert plan_from_proto(plan_to_proto(plan)) == plan

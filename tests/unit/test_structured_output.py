@@ -242,7 +242,7 @@ def test_matchers_fill_only_constrained_rows_and_follow_accepted_tokens(
     # A step planned before the scheduler heard of the EOS: unconstrained, nothing accepted.
     assert matchers.fill(["re"]) is None
     matchers.accept({"re": 7})
-    matchers.apply(BatchPlan(1, finished_ids=["re"]))
+    matchers.apply(BatchPlan(1, finished_request_ids=["re"]))
     assert len(matchers) == 0 and matchers.fill(["free"]) is None
 
 
@@ -259,7 +259,9 @@ def test_a_resumed_sequence_replays_its_output(
     # Preempted: dropped, then sent again whole (prompt + output) in the same plan.
     resumed.apply(BatchPlan(0, new_sequences=[_new("r", spec, [9, 9], 2)]))
     resumed.apply(
-        BatchPlan(1, finished_ids=["r"], new_sequences=[_new("r", spec, [9, 9, *output], 2)])
+        BatchPlan(
+            1, finished_request_ids=["r"], new_sequences=[_new("r", spec, [9, 9, *output], 2)]
+        )
     )
     live_mask, resumed_mask = live.fill(["r"]), resumed.fill(["r"])
     assert live_mask is not None and resumed_mask is not None

@@ -81,7 +81,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "finished_ids", "new_sequences", "block_deltas", "scheduled_ids", "num_scheduled_tokens", "block_copies", "draft_slots", "block_truncations")
+    __slots__ = ("step_id", "finished_request_ids", "new_sequences", "block_deltas", "scheduled_request_ids", "num_scheduled_tokens", "block_copies", "draft_slots", "block_truncations")
     class DraftSlotsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -97,24 +97,24 @@ class StepPlan(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_DELTAS_FIELD_NUMBER: _ClassVar[int]
-    SCHEDULED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TRUNCATIONS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    finished_ids: _containers.RepeatedScalarFieldContainer[str]
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     block_deltas: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
-    scheduled_ids: _containers.RepeatedScalarFieldContainer[str]
+    scheduled_request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     draft_slots: _containers.ScalarMap[str, int]
     block_truncations: _containers.ScalarMap[str, int]
-    def __init__(self, step_id: _Optional[int] = ..., finished_ids: _Optional[_Iterable[str]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., block_deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., scheduled_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., draft_slots: _Optional[_Mapping[str, int]] = ..., block_truncations: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., block_deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., scheduled_request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., draft_slots: _Optional[_Mapping[str, int]] = ..., block_truncations: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_logprob", "top_token_ids", "top_logprobs")
@@ -127,7 +127,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("step_id", "sampled_ids", "sampled_token_ids", "logprobs", "forward_ms", "drafts")
+    __slots__ = ("step_id", "sampled_request_ids", "sampled_token_ids", "logprobs", "forward_ms", "drafts")
     class LogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,18 +143,18 @@ class StepOutput(_message.Message):
         value: DraftOutcome
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[DraftOutcome, _Mapping]] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    sampled_ids: _containers.RepeatedScalarFieldContainer[str]
+    sampled_request_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.MessageMap[str, TokenLogprobs]
     forward_ms: float
     drafts: _containers.MessageMap[str, DraftOutcome]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Mapping[str, TokenLogprobs]] = ..., forward_ms: _Optional[float] = ..., drafts: _Optional[_Mapping[str, DraftOutcome]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Mapping[str, TokenLogprobs]] = ..., forward_ms: _Optional[float] = ..., drafts: _Optional[_Mapping[str, DraftOutcome]] = ...) -> None: ...
 
 class DraftOutcome(_message.Message):
     __slots__ = ("num_proposed", "accepted_token_ids")
