@@ -381,6 +381,18 @@ def test_bad_arguments_raise_clear_errors() -> None:
         fused.run(bad)
 
 
+def test_a_dense_part_of_the_wrong_dtype_is_refused() -> None:
+    """A dense part's kind names its weight's dtype; a float32 weight labelled BF16 (30) is
+    refused before any product runs."""
+    config = tiny_config(attention_bias=False)
+    model = random_dense_model(config, seed=2)
+    case = decode_case(config, torch.float32, seed=2)
+    fused = FusedDecode(model, case.cache)
+    fused._lists.kinds[0] = 30
+    with pytest.raises(RuntimeError, match="a dense projection is one \\[N, K\\] weight"):
+        fused.run(case.batch)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
 def test_fused_step_normalizes_q_and_k_heads(kv_dtype: torch.dtype) -> None:
     """A model with per-head QK-norm (Qwen3) runs fused and matches its eager layers (here

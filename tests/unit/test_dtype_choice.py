@@ -4,6 +4,7 @@ measured once and then read from the cache file."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -79,4 +80,4 @@ def test_auto_measures_only_dense_cpu_models(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_a_real_product_is_timed() -> None:
     seconds = dtype_choice.time_product(torch.float32, rows=1, repeats=1)
-    assert 0 < seconds < 10
+    assert math.isfinite(seconds) and seconds > 0
