@@ -3,20 +3,7 @@
 No prefill phase: every request has num_computed_tokens and num_tokens, and a step gives each
 scheduled request a slice of the token budget (a decode takes 1, a prompt takes a chunk).
 
-A request with n > 1 choices computes its prompt once. Choice 0 prefills all but the prompt's
-last token, then forks choices 1..n-1, which share its block table (reference counts); each
-choice then computes the last prompt token itself, a one-token step like a decode, and
-samples its own first token. The partial last block is copied on the first write of each
-choice but the last to write it (copy-on-write, `BatchPlan.block_copies`):
-
-    prompt:   [ block 0 (full) | block 1 (full) | block 2: t32..t38 . | t39 ]
-    choice 0: ─ prefill t0..t38 ──────────────────────────────────────▶ fork
-    choice i:   block 0, 1 shared │ block 2 copied, then t39 computed, first token sampled
-
-Needing no worker change is why: a worker samples one token per sequence per step, and here
-each choice's first token comes from its own step. A forked choice is then an ordinary
-sequence (preempted, it is recomputed alone); its events go out under the request's id with
-its index, and the request ends when its last choice does.
+A request with n > 1 choices computes its prompt once and forks it: services/scheduler/choices.py.
 """
 
 from __future__ import annotations
@@ -24,10 +11,9 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from services.common.errors import CapacityError, InvalidRequestError, QueueFullError
-from services.common.sampling_params import MAX_SPECULATIVE_TOKENS
 from services.contracts.step import (
     BatchPlan,
     FinishReason,
@@ -37,13 +23,13 @@ from services.contracts.step import (
     TokenEvent,
     TokenLogprobs,
 )
+from services.scheduler.choices import new_choice
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.draft_slots import DraftSlots
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import ChoiceGroup, Request, RequestStatus, choice_request_id
-from services.scheduler.speculation_policy import SpeculationPolicy
+from services.scheduler.request import ChoiceGroup, Request, RequestStatus
 
 _COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
-_INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +96,7 @@ class Scheduler:
         # otherwise each wait for the other's).
         self._num_reserved_seats = 0
         # Speculative decoding: which decodes of the plan being made may draft, and how many.
-        self.speculation = SpeculationPolicy(MAX_SPECULATIVE_TOKENS)
-        self._plan_decodes: list[Request] = []
-        self.num_draft_tokens_proposed = 0
-        self.num_draft_tokens_accepted = 0
-        self.num_speculative_steps = 0
+        self.drafts = DraftSlots(config, self.kv)
 
     # ---- the engine's calls -------------------------------------------------------------
 
@@ -232,12 +214,12 @@ class Scheduler:
         plan = BatchPlan(step_id=self._step_id)
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
-        self._plan_decodes = []
+        self.drafts.start_plan()
         budget, preempted = self._schedule_running(plan, budget)
         if not preempted:
             # Admitting while decodes are being evicted would only thrash the cache.
             self._schedule_waiting(plan, budget)
-        self._grant_draft_slots(plan)
+        self.drafts.grant(plan, self.requests)
         plan.finished_request_ids, self._finished_ids = self._finished_ids, []
         plan.block_copies = self.kv.take_pending_copies()
         return plan
@@ -269,7 +251,7 @@ class Scheduler:
             num_accepted = len(token_ids) - 1
             num_proposed = result.num_proposed_drafts.get(request_id)
             if num_proposed is not None:
-                self._observe_drafts(request_id, num_proposed, num_accepted)
+                self.drafts.observe_drafts(request_id, num_proposed, num_accepted)
             if running:
                 # Accepted drafts' KV was written in this step; a rejected draft's lies past
                 # the end, where the next tokens overwrite it.
@@ -323,9 +305,9 @@ class Scheduler:
             num_pinned_blocks=self.kv.num_pinned_blocks,
             num_forked_block_refs=self.kv.num_forked_block_refs,
             num_block_copies=self.kv.num_block_copies,
-            num_draft_tokens_proposed=self.num_draft_tokens_proposed,
-            num_draft_tokens_accepted=self.num_draft_tokens_accepted,
-            num_speculative_steps=self.num_speculative_steps,
+            num_draft_tokens_proposed=self.drafts.num_draft_tokens_proposed,
+            num_draft_tokens_accepted=self.drafts.num_draft_tokens_accepted,
+            num_speculative_steps=self.drafts.num_speculative_steps,
         )
 
     def observe_step(self, plan: BatchPlan, result: StepResult, seconds: float) -> None:
@@ -333,7 +315,7 @@ class Scheduler:
         from (tokens computed: scheduled, plus the drafts verified)."""
         if plan.num_scheduled_tokens:
             num_drafts = sum(result.num_proposed_drafts.values())
-            self.speculation.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)
+            self.drafts.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
@@ -469,112 +451,13 @@ class Scheduler:
             )
         plan.num_scheduled_tokens[request.request_id] = num_new
         if num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens_with_pending:
-            self._plan_decodes.append(request)  # it samples this step: it may also draft
+            self.drafts.note_decode(request)  # it samples this step: it may also draft
         self._advance(request, num_new)
-
-    # ---- speculative decoding -------------------------------------------------------------
-
-    def _grant_draft_slots(self, plan: BatchPlan) -> None:
-        """Give the plan's decodes the draft slots the policy finds worth their cost, within
-        the token budget and only where free blocks hold their KV (drafts never preempt).
-        Blocks reserved for drafts no longer granted are freed."""
-        decodes = [r for r in self._plan_decodes if r.status is RequestStatus.RUNNING]
-        self._plan_decodes = []
-        if not decodes:
-            return
-        caps = {r.request_id: self._draft_cap(r) for r in decodes}
-        caps = {request_id: cap for request_id, cap in caps.items() if cap > 0}
-        budget = self.config.max_num_batched_tokens - plan.total_num_scheduled_tokens
-        if caps and budget > 0:
-            other_tokens = plan.total_num_scheduled_tokens - len(decodes)
-            slots = self.speculation.draft_slots(list(caps), other_tokens, caps)
-            for request_id, num_slots in slots.items():
-                num_slots = min(num_slots, budget)
-                if num_slots <= 0:
-                    break
-                request = self.requests[request_id]
-                new_blocks = self.kv.reserve_lookahead(
-                    request, num_slots + request.num_unconfirmed_drafts
-                )
-                if new_blocks is None:
-                    continue
-                self._send_blocks(plan, request, new_blocks)
-                plan.draft_slots[request_id] = num_slots
-                request.num_unconfirmed_drafts += num_slots
-                budget -= num_slots
-        for request in decodes:
-            # What the worker may still write: this step's token and drafts, and the drafts
-            # of plans in flight whose outcome is not known yet.
-            keep = request.num_computed_tokens + request.num_unconfirmed_drafts
-            num_kept = self.kv.trim(request, keep)
-            if num_kept is not None:
-                self._send_truncation(plan, request, num_kept)
-
-    def _draft_cap(self, request: Request) -> int:
-        """Most drafts a decode may verify: its request's limit (or the server's), within
-        the output and context it has left counting the drafts still in flight."""
-        sampling = request.sampling
-        cap = sampling.num_speculative_tokens
-        if cap is None:
-            cap = self.config.speculative_ngram
-        if cap <= 0 or not sampling.can_speculate:
-            return 0
-        ahead = request.num_unconfirmed_drafts
-        room_output = sampling.max_new_tokens - request.num_output_tokens_with_pending - ahead
-        room_context = self.config.max_model_len - request.num_tokens_with_pending - ahead
-        return max(0, min(cap, room_output, room_context))
-
-    def _observe_drafts(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        self.speculation.observe_drafts(request_id, num_proposed, num_accepted)
-        self.num_draft_tokens_proposed += num_proposed
-        self.num_draft_tokens_accepted += num_accepted
-        self.num_speculative_steps += 1
-
-    @staticmethod
-    def _new_sequence_in(plan: BatchPlan, request_id: str) -> NewSequence | None:
-        return next((s for s in plan.new_sequences if s.request_id == request_id), None)
-
-    def _send_blocks(self, plan: BatchPlan, request: Request, new_blocks: list[int]) -> None:
-        """Blocks appended to a table after its request joined the plan."""
-        if not new_blocks:
-            return
-        new_sequence = self._new_sequence_in(plan, request.request_id)
-        if new_sequence is not None:
-            new_sequence.block_ids.extend(new_blocks)
-        else:
-            plan.block_deltas.append(SequenceDelta(request.request_id, new_blocks))
-
-    def _send_truncation(self, plan: BatchPlan, request: Request, num_kept: int) -> None:
-        new_sequence = self._new_sequence_in(plan, request.request_id)
-        if new_sequence is not None:
-            del new_sequence.block_ids[num_kept:]
-        else:
-            plan.block_truncations[request.request_id] = num_kept
 
     # ---- choices of one request (n > 1) --------------------------------------------------
 
     def _new_choice(self, first: Request, index: int) -> Request:
-        """Choice `index` of `first`'s request: the same prompt and limits, seed + index."""
-        group = first.group
-        assert group is not None
-        sampling = first.sampling
-        if sampling.seed is not None:
-            # vLLM's rule, so each choice is reproducible alone; wrapped into int64 (the
-            # protos' type) for a seed near the top of the range.
-            seed = sampling.seed + index
-            sampling = replace(sampling, seed=seed - 2**64 if seed > _INT64_MAX else seed)
-        choice = Request(
-            request_id=choice_request_id(first.request_id, index),
-            prompt_token_ids=first.prompt_token_ids,
-            sampling=sampling,
-            eos_token_ids=first.eos_token_ids,
-            arrival_time=first.arrival_time,
-            deadline=first.deadline,
-            cache_salt=first.cache_salt,
-            group=group,
-            choice_index=index,
-        )
-        group.choices.append(choice)
+        choice = new_choice(first, index)
         self.requests[choice.request_id] = choice
         # The request's place in line: a choice is never preempted before its own choice 0.
         self._priority[choice.request_id] = self._priority[first.request_id]
@@ -714,7 +597,7 @@ class Scheduler:
             # Before free(): the blocks must not pass through the free queue in between.
             self.kv.pin(request.pin_name, request)
         self.kv.free(request)
-        self.speculation.forget(request.request_id)
+        self.drafts.forget(request.request_id)
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]
         del self._priority[request.request_id]

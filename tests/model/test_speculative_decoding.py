@@ -43,7 +43,7 @@ class EveryDraft(SpeculationPolicy):
 
 def engine_for(loaded: LoadedModel, **config: object) -> LLMEngine:
     engine = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, seed=0, **config), loaded=loaded)  # type: ignore[arg-type]
-    engine.scheduler.speculation = EveryDraft(MAX_SPECULATIVE_TOKENS)
+    engine.scheduler.drafts.policy = EveryDraft(MAX_SPECULATIVE_TOKENS)
     return engine
 
 

@@ -23,6 +23,9 @@ PURE_MODULES = (
     "services/scheduler/coalesce.py",
     "services/scheduler/retry_hint.py",
     "services/scheduler/speculation_policy.py",
+    "services/scheduler/draft_slots.py",
+    "services/scheduler/plan_edits.py",
+    "services/scheduler/choices.py",
     # the model registry: architectures and what each family reads from its files
     "services/worker/model/architecture.py",
     "services/worker/model/families",

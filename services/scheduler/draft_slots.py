@@ -1,0 +1,102 @@
+"""Speculative decoding in the scheduler: which decodes of the plan being made may verify
+drafts, how many, and the KV blocks those drafts need.
+
+The scheduler core tells it each decode it plans (`note_decode`), asks it to grant slots once
+the plan's other work is in (`grant`), and reports what the worker proposed and how long a
+step took (`observe_drafts`, `observe_step`); the back-off policy itself is
+SpeculationPolicy's. Drafts never preempt: a slot is granted only where free blocks hold its
+KV, and blocks reserved for drafts no longer granted are freed.
+"""
+
+from __future__ import annotations
+
+from services.common.sampling_params import MAX_SPECULATIVE_TOKENS
+from services.contracts.step import BatchPlan
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.plan_edits import send_blocks, send_truncation
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.speculation_policy import SpeculationPolicy
+
+
+class DraftSlots:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = SpeculationPolicy(MAX_SPECULATIVE_TOKENS)
+        self._plan_decodes: list[Request] = []
+        self.num_draft_tokens_proposed = 0
+        self.num_draft_tokens_accepted = 0
+        self.num_speculative_steps = 0
+
+    def start_plan(self) -> None:
+        """A new plan is being made: no decodes noted yet."""
+        self._plan_decodes = []
+
+    def note_decode(self, request: Request) -> None:
+        """`request` samples in the plan being made: it may also draft."""
+        self._plan_decodes.append(request)
+
+    def grant(self, plan: BatchPlan, requests: dict[str, Request]) -> None:
+        """Give the plan's decodes the draft slots the policy finds worth their cost, within
+        the token budget and only where free blocks hold their KV. Blocks reserved for drafts
+        no longer granted are freed."""
+        decodes = [r for r in self._plan_decodes if r.status is RequestStatus.RUNNING]
+        self._plan_decodes = []
+        if not decodes:
+            return
+        caps = {r.request_id: self.cap(r) for r in decodes}
+        caps = {request_id: cap for request_id, cap in caps.items() if cap > 0}
+        budget = self.config.max_num_batched_tokens - plan.total_num_scheduled_tokens
+        if caps and budget > 0:
+            other_tokens = plan.total_num_scheduled_tokens - len(decodes)
+            slots = self.policy.draft_slots(list(caps), other_tokens, caps)
+            for request_id, num_slots in slots.items():
+                num_slots = min(num_slots, budget)
+                if num_slots <= 0:
+                    break
+                request = requests[request_id]
+                new_blocks = self.kv.reserve_lookahead(
+                    request, num_slots + request.num_unconfirmed_drafts
+                )
+                if new_blocks is None:
+                    continue
+                send_blocks(plan, request_id, new_blocks)
+                plan.draft_slots[request_id] = num_slots
+                request.num_unconfirmed_drafts += num_slots
+                budget -= num_slots
+        for request in decodes:
+            # What the worker may still write: this step's token and drafts, and the drafts
+            # of plans in flight whose outcome is not known yet.
+            keep = request.num_computed_tokens + request.num_unconfirmed_drafts
+            num_kept = self.kv.trim(request, keep)
+            if num_kept is not None:
+                send_truncation(plan, request.request_id, num_kept)
+
+    def cap(self, request: Request) -> int:
+        """Most drafts a decode may verify: its request's limit (or the server's), within
+        the output and context it has left counting the drafts still in flight."""
+        sampling = request.sampling
+        cap = sampling.num_speculative_tokens
+        if cap is None:
+            cap = self.config.speculative_ngram
+        if cap <= 0 or not sampling.can_speculate:
+            return 0
+        ahead = request.num_unconfirmed_drafts
+        room_output = sampling.max_new_tokens - request.num_output_tokens_with_pending - ahead
+        room_context = self.config.max_model_len - request.num_tokens_with_pending - ahead
+        return max(0, min(cap, room_output, room_context))
+
+    def observe_drafts(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        self.policy.observe_drafts(request_id, num_proposed, num_accepted)
+        self.num_draft_tokens_proposed += num_proposed
+        self.num_draft_tokens_accepted += num_accepted
+        self.num_speculative_steps += 1
+
+    def forget(self, request_id: str) -> None:
+        """The request left: drop what the policy learnt of it."""
+        self.policy.forget(request_id)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step computed `num_tokens` (scheduled plus drafts verified) in `seconds`."""
+        self.policy.observe_step(num_tokens, seconds)
