@@ -53,6 +53,7 @@ from services.common.redis_store import redact_url
 from services.common.serving_config import (
     BatchingConfig,
     ChatConfig,
+    DebugConfig,
     DeviceConfig,
     InternalConfig,
     ModelConfig,
@@ -77,6 +78,7 @@ class StackConfig(
     PublicConfig,
     ChatConfig,
     InternalConfig,
+    DebugConfig,
 ):
     """The shared groups (services.common.serving_config), handed to each child as flags
     (CHILD_GROUPS), plus how the stack is laid out."""
@@ -127,7 +129,7 @@ CHILD_GROUPS: dict[str, tuple[type, ...]] = {
         SpeculationConfig,
         InternalConfig,
     ),
-    "scheduler": (BatchingConfig, StepLoopConfig, SpeculationConfig, InternalConfig),
+    "scheduler": (BatchingConfig, StepLoopConfig, SpeculationConfig, InternalConfig, DebugConfig),
     # The model reaches the tokenizer tier through the schedulers.
     "tokenizer": (PublicConfig, ChatConfig, InternalConfig),
 }

@@ -113,6 +113,16 @@ class StepLoopConfig:
 
 
 @dataclass(frozen=True)
+class DebugConfig:
+    """Checks for tests and debugging, of the scheduler (its core, server and the stack)."""
+
+    debug_checks: bool = False
+    """After every step, check that the scheduler's queues, seats, block tables and block
+    reference counts agree (an AssertionError names the first disagreement). Costs time in
+    proportion to the requests and blocks held: for tests and debugging."""
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """How a worker executes steps."""
 

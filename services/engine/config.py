@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from services.common.serving_config import (
     BatchingConfig,
     ChatConfig,
+    DebugConfig,
     DeviceConfig,
     ModelConfig,
     RuntimeConfig,
@@ -19,7 +20,13 @@ from services.worker.config import GiB
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig(
-    ModelConfig, ChatConfig, WeightsConfig, BatchingConfig, RuntimeConfig, SpeculationConfig
+    ModelConfig,
+    ChatConfig,
+    WeightsConfig,
+    BatchingConfig,
+    RuntimeConfig,
+    SpeculationConfig,
+    DebugConfig,
 ):
     """The worker's and the scheduler's shared groups (services.common.serving_config), plus
     what only the in-process engine has. quantization is ignored when a loaded model is

@@ -25,7 +25,8 @@ from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
 from services.engine.config import EngineConfig
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerStats
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.stats import SchedulerStats
 from services.worker.config import resolve_dtype
 from services.worker.loaded_model import LoadedModel
 from services.worker.quantization.formats import serves_gguf_blocks
@@ -108,6 +109,7 @@ class LLMEngine:
                 allocation_policy=config.allocation_policy,
                 max_waiting_requests=config.max_waiting_requests,
                 speculative_ngram=config.speculative_ngram,
+                debug_checks=config.debug_checks,
             ),
             self.num_kv_blocks,
             sliding_window=self.architecture.largest_window,

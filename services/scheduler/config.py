@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from services.common.serving_config import BatchingConfig, SpeculationConfig, WeightsConfig
+from services.common.serving_config import (
+    BatchingConfig,
+    DebugConfig,
+    SpeculationConfig,
+    WeightsConfig,
+)
 
 AllocationPolicy = Literal["paged", "max_length"]
 
@@ -21,7 +26,7 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerConfig(BatchingConfig, AdmissionConfig, SpeculationConfig):
+class SchedulerConfig(BatchingConfig, AdmissionConfig, SpeculationConfig, DebugConfig):
     """How the scheduler batches requests and manages KV memory."""
 
     block_size: int = WeightsConfig.block_size

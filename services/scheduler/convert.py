@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protos.llmserve.v1 import engine_pb2
 from services.contracts.step import TokenEvent
-from services.scheduler.scheduler import SchedulerStats
+from services.scheduler.stats import SchedulerStats
 
 
 def event_to_proto(event: TokenEvent) -> engine_pb2.SubmitResponse:

@@ -38,8 +38,9 @@ from services.scheduler import metrics
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.retry_hint import StepTimeAverage, retry_after_ms
-from services.scheduler.scheduler import Scheduler, SchedulerStats
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import SchedulerServerConfig
+from services.scheduler.stats import SchedulerStats
 from services.scheduler.worker_convert import (
     plan_to_proto,
     prepare_grammar_request,
@@ -190,7 +191,7 @@ class EngineLoop:
     def unpin(self, name: str) -> bool:
         spec = self._pins.pop(name, None)
         if self.scheduler is not None:
-            self.scheduler.unpin(name)
+            self.scheduler.pins.unpin(name)
         return spec is not None
 
     async def _pin_now(self, name: str, spec: PinSpec) -> int:
@@ -212,7 +213,7 @@ class EngineLoop:
                 break
         if self.scheduler is not scheduler or self.scheduler is None:
             return 0  # the worker restarted meanwhile; the reconnect re-pins
-        return self.scheduler.kv.pinned_tokens(name)
+        return self.scheduler.pins.pinned_tokens(name)
 
     async def _restore_pins(self) -> None:
         """After a worker connects: pin every live prefix again, including the named prompts

@@ -11,6 +11,8 @@ request's future queries can no longer see (services/scheduler/sliding_window.py
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from services.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens
 from services.scheduler.config import AllocationPolicy
 from services.scheduler.request import Request
@@ -27,7 +29,6 @@ class KVCacheManager:
         allocation_policy: AllocationPolicy = "paged",
         max_model_len: int = 2048,
         watermark: float = 0.0,
-        max_pinned_fraction: float = 0.5,
         sliding_window: int = 0,
     ) -> None:
         self.block_size = block_size
@@ -44,9 +45,6 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        # Pinned prefixes hold one reference per block, so LRU eviction never takes them.
-        self._pins: dict[str, list[int]] = {}
-        self.max_pinned_blocks = int(max_pinned_fraction * num_blocks)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_forked_block_refs = 0
@@ -263,41 +261,17 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens, salt))
         return hashes[index]
 
-    # ---- pinned prefixes ----------------------------------------------------------------
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        return sum(len(blocks) for blocks in self._pins.values())
-
-    def pinned_tokens(self, name: str) -> int:
-        return len(self._pins.get(name, ())) * self.block_size
-
-    def pin(self, name: str, request: Request) -> int:
-        """Hold the cached full blocks of `request`'s prompt under `name` (replacing an older
-        pin of that name). Returns the tokens pinned: 0 when caching is off or the pin would
-        take more than the pinned-block budget. Prompt blocks a sliding window released are
-        found while still cached; the pin stops at the first one evicted."""
-        self.unpin(name)
-        if not self.enable_prefix_caching:
-            return 0
+    def cached_prompt_blocks(self, request: Request) -> list[int]:
+        """The cached blocks of `request`'s full prompt blocks, from the first, up to the
+        first one not cached (none when caching is off). A sliding window's released prompt
+        blocks are found while still cached."""
         blocks: list[int] = []
         for index in range(request.num_prompt_tokens // self.block_size):
             block_id = self.pool.get_cached_block(self._block_hash(request, index))
             if block_id is None:
                 break
             blocks.append(block_id)
-        if self.num_pinned_blocks + len(blocks) > self.max_pinned_blocks:
-            return 0
-        self.pool.touch(blocks)
-        self._pins[name] = blocks
-        return len(blocks) * self.block_size
-
-    def unpin(self, name: str) -> bool:
-        blocks = self._pins.pop(name, None)
-        if blocks is None:
-            return False
-        self.pool.free(reversed(blocks))
-        return True
+        return blocks
 
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int | None = None) -> None:
         """Give `child_id` the parent's blocks, shared (refcount + 1); the first write into a
@@ -346,15 +320,15 @@ class KVCacheManager:
             # Tail first: a sequence's last blocks are the least likely to be someone's prefix.
             self.pool.free(reversed(_held(table)))
 
-    def check_integrity(self) -> None:
-        """The pool is consistent, its refcounts are exactly the block-table and pin
-        references, and released entries only lead a table."""
+    def check_integrity(self, other_references: Iterable[list[int]] = ()) -> None:
+        """The pool is consistent, its refcounts are exactly the block-table references plus
+        `other_references` (pins), and released entries only lead a table."""
         self.pool.check_integrity()
         counts = [0] * self.num_total_blocks
         for table in self._block_tables.values():
             num_released = table.count(RELEASED_BLOCK)
             assert table[:num_released] == [RELEASED_BLOCK] * num_released, table
-        for table in [*self._block_tables.values(), *self._pins.values()]:
+        for table in [*self._block_tables.values(), *other_references]:
             for block_id in _held(table):
                 counts[block_id] += 1
         for block_id, count in enumerate(counts):

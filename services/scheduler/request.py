@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.common.sampling_params import SamplingParams
-from services.contracts.step import FinishReason
+from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
 
 # Joins a request's id and a choice index into the forked sequence's id. A control character:
 # the public doors refuse it in request ids, so a forked id never collides with a submitted one.
@@ -112,6 +112,28 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def event(
+        self,
+        token_ids: list[int],
+        reason: FinishReason | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> TokenEvent:
+        """What its owner hears: new tokens and/or the finish, under the submitted id."""
+        if self.group is not None:
+            num_unfinished = self.group.num_unfinished
+        else:
+            num_unfinished = 0 if reason is not None else 1
+        return TokenEvent(
+            request_id=self.public_id,
+            new_token_ids=token_ids,
+            finish_reason=reason,
+            logprobs=logprobs or [],
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            index=self.choice_index,
+            num_unfinished_choices=num_unfinished,
+        )
+
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) across the prompt/output boundary, without copying both."""
         num_prompt = len(self.prompt_token_ids)
@@ -127,8 +149,8 @@ class ChoiceGroup:
     """The n sequences of one request with n > 1.
 
     Choice 0 is the submitted Request itself: it prefills the prompt up to its last token,
-    then forks choices 1..n-1, which share its blocks (see Scheduler._fork). Every choice's
-    events go out under `request_id`, with its index.
+    then forks choices 1..n-1, which share its blocks (services/scheduler/choices.py).
+    Every choice's events go out under `request_id`, with its index.
     """
 
     request_id: str

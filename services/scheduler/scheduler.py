@@ -3,17 +3,17 @@
 No prefill phase: every request has num_computed_tokens and num_tokens, and a step gives each
 scheduled request a slice of the token budget (a decode takes 1, a prompt takes a chunk).
 
-A request with n > 1 choices computes its prompt once and forks it: services/scheduler/choices.py.
+Features keep their state in their own modules, composed here: n > 1 choices (choices.py),
+speculative draft slots (draft_slots.py), pinned prefixes (pins.py). Each gets the KV manager and
+the lists it edits, never the scheduler.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections import deque
-from dataclasses import dataclass
 
-from services.common.errors import CapacityError, InvalidRequestError, QueueFullError
+from services.common.errors import InvalidRequestError, QueueFullError
 from services.contracts.step import (
     BatchPlan,
     FinishReason,
@@ -21,43 +21,17 @@ from services.contracts.step import (
     SequenceDelta,
     StepResult,
     TokenEvent,
-    TokenLogprobs,
 )
-from services.scheduler.choices import new_choice
+from services.scheduler.admission import check_servable, steps_until_a_seat_frees
+from services.scheduler.choices import ChoiceForks
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.draft_slots import DraftSlots
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import ChoiceGroup, Request, RequestStatus
+from services.scheduler.pins import PinnedPrefixes
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.stats import SchedulerStats
 
 _COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    num_preemptions: int
-    num_pinned_blocks: int = 0
-    num_forked_block_refs: int = 0
-    """Block references forked choices took from their request's prompt (running total)."""
-    num_block_copies: int = 0
-    """Shared blocks copied on a choice's first write into them (running total)."""
-    num_draft_tokens_proposed: int = 0
-    """Draft tokens the worker verified (speculative decoding; running total)."""
-    num_draft_tokens_accepted: int = 0
-    """Of those, the ones the model agreed with, each an output token for free."""
-    num_speculative_steps: int = 0
-    """Sequence-steps that verified drafts (tokens per such step: 1 + accepted / steps)."""
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        if self.prefix_queried_tokens == 0:
-            return 0.0
-        return self.prefix_hit_tokens / self.prefix_queried_tokens
 
 
 class Scheduler:
@@ -74,7 +48,6 @@ class Scheduler:
             allocation_policy=config.allocation_policy,
             max_model_len=config.max_model_len,
             watermark=config.watermark,
-            max_pinned_fraction=config.max_pinned_fraction,
             sliding_window=sliding_window,
         )
         self.requests: dict[str, Request] = {}
@@ -89,41 +62,18 @@ class Scheduler:
         self._pending_events: list[TokenEvent] = []  # aborts/expiries, out with the next update
         self._step_id = 0
         self.num_preemptions = 0
-        # Requests with n > 1, by the submitted id, until their last choice finishes.
-        self._groups: dict[str, ChoiceGroup] = {}
-        # Seats held for the choices running requests will fork: admitting choice 0 takes n
-        # seats at once, so forks never wait for seats (two half-admitted requests could
-        # otherwise each wait for the other's).
-        self._num_reserved_seats = 0
+        self.choices = ChoiceForks(self.kv, self.requests, self._priority)
         # Speculative decoding: which decodes of the plan being made may draft, and how many.
         self.drafts = DraftSlots(config, self.kv)
+        self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction)
 
     # ---- the engine's calls -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits)."""
-        if request.request_id in self.requests or request.request_id in self._groups:
+        if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
-        n = request.sampling.n
-        if n > min(self.config.max_num_seqs, self.config.max_num_batched_tokens):
-            raise InvalidRequestError(
-                "n",
-                f"{n} choices run at once; this scheduler runs at most "
-                f"{self.config.max_num_seqs} sequences and {self.config.max_num_batched_tokens} "
-                "tokens per step",
-            )
-        if not request.prompt_token_ids:
-            raise InvalidRequestError("prompt_token_ids", "must not be empty")
-        if request.num_prompt_tokens + 1 > self.config.max_model_len:
-            raise CapacityError(
-                f"prompt of {request.num_prompt_tokens} tokens leaves no room for output "
-                f"(max_model_len={self.config.max_model_len})"
-            )
-        if not self.kv.can_ever_fit(request):
-            raise CapacityError(
-                f"prompt of {request.num_prompt_tokens} tokens needs more KV blocks than exist "
-                f"({self.kv.num_total_blocks})"
-            )
+        check_servable(request, self.config, self.kv)
         if self.num_unfinished_requests >= self.max_num_unfinished_requests:
             raise QueueFullError(
                 f"{len(self.waiting)} requests waiting and {len(self.running)} running "
@@ -135,13 +85,11 @@ class Scheduler:
         self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
         self._num_submitted += 1
         self.waiting.append(request)
-        if n > 1:
-            group = ChoiceGroup(request.request_id, n, [request], num_unfinished=n)
-            request.group = group
-            self._groups[request.request_id] = group
+        if request.sampling.n > 1:
+            self.choices.add(request)
             if not self.kv.is_paged:
                 # A max-length reservation cannot be shared: each choice reserves its own.
-                self._split(request, len(self.waiting))
+                self.choices.split(request, self.waiting, len(self.waiting))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -164,14 +112,8 @@ class Scheduler:
         return self.config.max_num_seqs + self.config.max_waiting_requests
 
     def num_steps_until_a_seat_frees(self) -> int:
-        """At most how many steps until a request holding a seat finishes, which is what makes
-        room at the admission bound (a stop token may end one sooner): the fewest any running
-        request has left to its length limit. With no seat taken yet, the fewest among the
-        requests the next steps admit."""
-        holders = self.running or list(itertools.islice(self.waiting, self.config.max_num_seqs))
-        if not holders:
-            return 1
-        return max(1, min(self._num_steps_to_length_limit(r) for r in holders))
+        """For the retry hint of a refusal at the admission bound (retry_hint.py)."""
+        return steps_until_a_seat_frees(self.running, self.waiting, self.config)
 
     def set_grammar_ready(self, request_id: str) -> bool:
         """The worker has the request's grammar compiled: it may be admitted now. False for an
@@ -182,32 +124,22 @@ class Scheduler:
         request.grammar_ready = True
         return True
 
-    def unpin(self, name: str) -> bool:
-        """Let a pinned prefix's blocks be evicted again; False if nothing is pinned so."""
-        return self.kv.unpin(name)
-
     def abort_request(self, request_id: str) -> None:
         """Cancel a request (every choice of it); its blocks are free on return. Unknown or
         finished ids are ignored."""
-        group = self._groups.get(request_id)
-        if group is not None:
-            for choice in list(group.choices):
-                if not choice.is_finished:
-                    self._finish_early(choice, FinishReason.ABORT)
-            return
-        request = self.requests.get(request_id)
-        if request is not None:
+        if request_id in self.choices.groups:
+            for choice in self.choices.live_choices(request_id):
+                self._finish_early(choice, FinishReason.ABORT)
+        elif (request := self.requests.get(request_id)) is not None:
             self._finish_early(request, FinishReason.ABORT)
 
     def abort_choice(self, request_id: str, index: int) -> None:
         """End one forked choice of a request with n > 1 (its text hit a stop string); the
         others go on. Its blocks are free on return; unknown, unforked or finished choices
         are ignored."""
-        group = self._groups.get(request_id)
-        if group is not None and 0 <= index < len(group.choices):
-            choice = group.choices[index]
-            if not choice.is_finished:
-                self._finish_early(choice, FinishReason.ABORT)
+        choice = self.choices.choice(request_id, index)
+        if choice is not None:
+            self._finish_early(choice, FinishReason.ABORT)
 
     def schedule(self, now: float) -> BatchPlan:
         self._expire_deadlines(now)
@@ -267,10 +199,9 @@ class Scheduler:
             if running:
                 self.kv.cache_full_blocks(request)
             if reason is not None:
-                self._count_finished(request)
+                self.choices.note_finished(request)
             logprobs = result.logprobs.get(request_id)
-            logprobs_list = [logprobs] if logprobs is not None else None
-            events.append(self._event(request, emitted, reason, logprobs_list))
+            events.append(request.event(emitted, reason, [logprobs] if logprobs else None))
             if reason is None:
                 continue
             if running:
@@ -286,6 +217,8 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
             for request in finished:
                 self._release(request)
+        if self.config.debug_checks:
+            self.check_integrity()
         return events
 
     def has_unfinished_requests(self) -> bool:
@@ -302,7 +235,7 @@ class Scheduler:
             prefix_queried_tokens=self.kv.prefix_queried_tokens,
             prefix_hit_tokens=self.kv.prefix_hit_tokens,
             num_preemptions=self.num_preemptions,
-            num_pinned_blocks=self.kv.num_pinned_blocks,
+            num_pinned_blocks=self.pins.num_pinned_blocks,
             num_forked_block_refs=self.kv.num_forked_block_refs,
             num_block_copies=self.kv.num_block_copies,
             num_draft_tokens_proposed=self.drafts.num_draft_tokens_proposed,
@@ -318,18 +251,12 @@ class Scheduler:
             self.drafts.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
+        self.kv.check_integrity(self.pins.tables())
         queued = [r.request_id for r in self.waiting] + [r.request_id for r in self.running]
         assert len(queued) == len(set(queued)) == len(self.requests), "request lists disagree"
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, request.request_id
-        reserved = sum(r.num_unforked_choices for r in self.running)
-        assert reserved == self._num_reserved_seats, (reserved, self._num_reserved_seats)
-        assert len(self.running) + reserved <= self.config.max_num_seqs
-        for group in self._groups.values():
-            live = [c for c in group.choices if not c.is_finished]
-            assert group.num_unfinished > 0, group.request_id
-            assert all(self.requests.get(c.request_id) is c for c in live), group.request_id
+        self.choices.check_integrity(self.running, self.config.max_num_seqs)
 
     # ---- scheduling ---------------------------------------------------------------------
 
@@ -349,7 +276,7 @@ class Scheduler:
                         break  # it could never fork: ended, and everyone after it is gone
                     index += 1
                     continue
-                self._fork(request, index)
+                self.choices.fork(request, self.running, index)
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 index += 1
@@ -375,10 +302,7 @@ class Scheduler:
                 # max_model_len would rather than preempt it into a queue it cannot leave.
                 self._finish_early(request, FinishReason.LENGTH)
                 return None
-            victim = self.running.pop()
-            self._num_reserved_seats -= victim.num_unforked_choices
-            self._preempt(victim)
-            if victim is request:
+            if self._preempt_last() is request:
                 return None
         return new_blocks
 
@@ -404,7 +328,7 @@ class Scheduler:
                 # No prompt token is left to compute before the last one (a one-token prompt,
                 # or a cache hit up to it): nothing to fork. The choices queue right behind as
                 # sequences of their own, and take the cached blocks by their own hits.
-                self._split(request, 1)
+                self.choices.split(request, self.waiting, 1)
             if self._num_seats_taken + 1 + request.num_unforked_choices > max_num_seqs:
                 break
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
@@ -420,14 +344,14 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
-            self._num_reserved_seats += request.num_unforked_choices
+            self.choices.num_reserved_seats += request.num_unforked_choices
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
             self._add_to_plan(plan, request, num_new, new_blocks)
             budget -= num_new
 
     @property
     def _num_seats_taken(self) -> int:
-        return len(self.running) + self._num_reserved_seats
+        return len(self.running) + self.choices.num_reserved_seats
 
     def _add_to_plan(
         self, plan: BatchPlan, request: Request, num_new: int, new_blocks: list[int]
@@ -454,57 +378,19 @@ class Scheduler:
             self.drafts.note_decode(request)  # it samples this step: it may also draft
         self._advance(request, num_new)
 
-    # ---- choices of one request (n > 1) --------------------------------------------------
-
-    def _new_choice(self, first: Request, index: int) -> Request:
-        choice = new_choice(first, index)
-        self.requests[choice.request_id] = choice
-        # The request's place in line: a choice is never preempted before its own choice 0.
-        self._priority[choice.request_id] = self._priority[first.request_id]
-        return choice
-
     def _make_room_to_fork(self, first: Request, position: int) -> bool:
         """Free blocks for the fork's copies of the partial block, preempting requests after
         `first` (later arrivals) if needed. False when they do not fit this step; a request
         alone that cannot fork ends with "length", like one that cannot grow."""
-        needed = self.kv.num_blocks_to_fork(first) * first.num_unforked_choices
+        needed = self.choices.num_blocks_to_fork(first)
         while self.kv.num_free_blocks < needed:
             if len(self.running) == 1:
                 self._finish_early(first, FinishReason.LENGTH)
                 return False
             if len(self.running) - 1 <= position:
                 return False  # only earlier arrivals hold blocks: wait for them to finish
-            victim = self.running.pop()
-            self._num_reserved_seats -= victim.num_unforked_choices
-            self._preempt(victim)
+            self._preempt_last()
         return True
-
-    def _fork(self, first: Request, position: int) -> None:
-        """Create the unforked choices of the running `first` (its prompt computed up to the
-        last token) right after it in `running`, sharing its blocks."""
-        num_unforked = first.num_unforked_choices
-        assert first.group is not None
-        for index in range(len(first.group.choices), first.group.n):
-            choice = self._new_choice(first, index)
-            self.kv.fork(first.request_id, choice.request_id, first.num_computed_tokens)
-            choice.status = RequestStatus.RUNNING
-            choice.num_computed_tokens = first.num_computed_tokens
-            choice.num_cached_tokens = first.num_cached_tokens
-            position += 1
-            self.running.insert(position, choice)
-        self._num_reserved_seats -= num_unforked
-
-    def _split(self, first: Request, position: int) -> None:
-        """Queue the unforked choices of the waiting `first` as sequences of their own, at
-        `position` in `waiting` (right behind it)."""
-        assert first.group is not None
-        for index in range(len(first.group.choices), first.group.n):
-            self.waiting.insert(position, self._new_choice(first, index))
-            position += 1
-
-    def _count_finished(self, request: Request) -> None:
-        if request.group is not None:
-            request.group.num_unfinished -= 1
 
     @staticmethod
     def _advance(request: Request, num_new: int) -> None:
@@ -530,18 +416,11 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _num_steps_to_length_limit(self, request: Request) -> int:
-        """One step per output token still to come before max_new_tokens or max_model_len,
-        plus one for a prompt not computed yet (a long one in chunks takes more)."""
-        num_left = min(
-            request.sampling.max_new_tokens - request.num_output_tokens_with_pending,
-            self.config.max_model_len - request.num_tokens_with_pending,
-        )
-        num_prefill_steps = 1 if request.num_computed_tokens < request.num_prompt_tokens else 0
-        return num_prefill_steps + max(num_left, 0)
-
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: drop the KV, requeue at the front, resend it whole later."""
+    def _preempt_last(self) -> Request:
+        """Preempt by recompute the latest arrival running: drop its KV, requeue it at the
+        front, resend it whole later. Returns it."""
+        request = self.running.pop()
+        self.choices.num_reserved_seats -= request.num_unforked_choices
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -549,6 +428,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._drop_from_worker(request.request_id)
         self.waiting.appendleft(request)
+        return request
 
     def _expire_deadlines(self, now: float) -> None:
         expired = [
@@ -565,44 +445,25 @@ class Scheduler:
     def _finish_early(self, request: Request, reason: FinishReason) -> None:
         """Finish a request outside update() (abort, deadline); its event goes out next update.
         Choices it has not forked yet end with it, for the same reason."""
-        num_unforked = request.num_unforked_choices
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-            self._num_reserved_seats -= num_unforked
-        else:
-            self.waiting.remove(request)
+        was_running = request.status is RequestStatus.RUNNING
+        (self.running if was_running else self.waiting).remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self._count_finished(request)
-        self._pending_events.append(self._event(request, [], reason, None))
-        group = request.group
-        if num_unforked and group is not None:
-            for index in range(len(group.choices), group.n):
-                group.num_unfinished -= 1
-                self._pending_events.append(
-                    TokenEvent(
-                        request_id=group.request_id,
-                        new_token_ids=[],
-                        finish_reason=reason,
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        num_cached_tokens=request.num_cached_tokens,
-                        index=index,
-                        num_unfinished_choices=group.num_unfinished,
-                    )
-                )
+        self.choices.note_finished(request)
+        self._pending_events.append(request.event([], reason))
+        self._pending_events.extend(self.choices.end_unforked(request, reason, was_running))
         self._release(request)
 
     def _release(self, request: Request) -> None:
         if request.pin_name is not None and request.finish_reason in _COMPLETED:
             # Before free(): the blocks must not pass through the free queue in between.
-            self.kv.pin(request.pin_name, request)
+            self.pins.pin(request.pin_name, request)
         self.kv.free(request)
         self.drafts.forget(request.request_id)
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]
         del self._priority[request.request_id]
-        if request.group is not None and request.group.num_unfinished == 0:
-            self._groups.pop(request.group.request_id, None)
+        self.choices.release(request)
 
     def _drop_from_worker(self, request_id: str) -> None:
         if request_id in self._on_worker:
@@ -622,26 +483,3 @@ class Scheduler:
         ):
             return FinishReason.LENGTH
         return None
-
-    @staticmethod
-    def _event(
-        request: Request,
-        token_ids: list[int],
-        reason: FinishReason | None,
-        logprobs: list[TokenLogprobs] | None,
-    ) -> TokenEvent:
-        group = request.group
-        if group is not None:
-            num_unfinished = group.num_unfinished
-        else:
-            num_unfinished = 0 if reason is not None else 1
-        return TokenEvent(
-            request_id=request.public_id,
-            new_token_ids=token_ids,
-            finish_reason=reason,
-            logprobs=logprobs or [],
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            index=request.choice_index,
-            num_unfinished_choices=num_unfinished,
-        )

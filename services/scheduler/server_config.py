@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.common.serving_config import (
     BatchingConfig,
+    DebugConfig,
     InternalConfig,
     SpeculationConfig,
     StepLoopConfig,
@@ -15,7 +16,7 @@ from services.scheduler.config import AdmissionConfig, SchedulerConfig
 
 @dataclass(frozen=True, slots=True)
 class SchedulerServerConfig(
-    BatchingConfig, StepLoopConfig, AdmissionConfig, SpeculationConfig, InternalConfig
+    BatchingConfig, StepLoopConfig, AdmissionConfig, SpeculationConfig, InternalConfig, DebugConfig
 ):
     """The batching and step-loop groups (services.common.serving_config) and the core's
     admission settings, plus how the server listens and whom it talks to."""
@@ -58,4 +59,5 @@ class SchedulerServerConfig(
             max_waiting_requests=self.max_waiting_requests,
             max_pinned_fraction=self.max_pinned_fraction,
             speculative_ngram=self.speculative_ngram,
+            debug_checks=self.debug_checks,
         )

@@ -25,6 +25,8 @@ STACK_FLAGS = [
     "0",
     # Eager workers start in seconds; tests/e2e/test_compiled_stack.py runs a compiled one.
     "--enforce-eager",
+    # Every scheduler checks its queues, seats and block refcounts after each step.
+    "--debug-checks",
 ]
 STARTUP_TIMEOUT_S = 300.0
 

@@ -26,7 +26,9 @@ PROMPTS = [
 
 # Eager steps: most model tests are about the engine's logic; tests/model/test_step_graphs.py
 # holds compiled steps to the eager ones.
-FP32 = EngineConfig(dtype="float32", kv_cache_bytes=256 << 20, seed=0, enforce_eager=True)
+FP32 = EngineConfig(
+    dtype="float32", kv_cache_bytes=256 << 20, seed=0, enforce_eager=True, debug_checks=True
+)
 
 
 @pytest.fixture(scope="session")

@@ -59,6 +59,7 @@ def make_engine(directory: Path) -> LLMEngine:
         enforce_eager=True,
         max_num_batched_tokens=40,  # the prompt in chunks: later chunks start past the window
         block_size=BLOCK_SIZE,
+        debug_checks=True,
     )
     return LLMEngine(config, loaded=loaded)
 

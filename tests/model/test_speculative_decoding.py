@@ -42,7 +42,8 @@ class EveryDraft(SpeculationPolicy):
 
 
 def engine_for(loaded: LoadedModel, **config: object) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20, seed=0, **config), loaded=loaded)  # type: ignore[arg-type]
+    settings: dict = {"kv_cache_bytes": 64 << 20, "seed": 0, "debug_checks": True, **config}
+    engine = LLMEngine(EngineConfig(**settings), loaded=loaded)
     engine.scheduler.drafts.policy = EveryDraft(MAX_SPECULATIVE_TOKENS)
     return engine
 

@@ -24,6 +24,7 @@ def create_scheduler(
 ) -> Scheduler:
     config_overrides.setdefault("block_size", BLOCK_SIZE)
     config_overrides.setdefault("watermark", 0.0)
+    config_overrides.setdefault("debug_checks", True)  # integrity checked after every step
     return Scheduler(SchedulerConfig(**config_overrides), num_blocks, sliding_window=sliding_window)
 
 

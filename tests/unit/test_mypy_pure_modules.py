@@ -26,6 +26,9 @@ PURE_MODULES = (
     "services/scheduler/draft_slots.py",
     "services/scheduler/plan_edits.py",
     "services/scheduler/choices.py",
+    "services/scheduler/pins.py",
+    "services/scheduler/admission.py",
+    "services/scheduler/stats.py",
     # the model registry: architectures and what each family reads from its files
     "services/worker/model/architecture.py",
     "services/worker/model/families",

@@ -34,7 +34,7 @@ def test_pinned_prefix_survives_memory_pressure_and_is_hit() -> None:
     scheduler = create_scheduler(num_blocks=12, max_pinned_fraction=0.5)
     scheduler.add_request(pin_request("sys", SYSTEM))
     run_until_done(scheduler)
-    assert scheduler.kv.pinned_tokens("sys") == 48
+    assert scheduler.pins.pinned_tokens("sys") == 48
     assert scheduler.get_stats().num_pinned_blocks == 3
     # Unrelated requests cycle every other block through the LRU free queue...
     for request in create_requests(4, num_tokens=100, max_new_tokens=4, id_prefix="fill"):
@@ -45,8 +45,8 @@ def test_pinned_prefix_survives_memory_pressure_and_is_hit() -> None:
     scheduler.add_request(user)
     events = run_until_done(scheduler)
     assert events["req0"][-1].num_cached_tokens == 48
-    assert scheduler.unpin("sys") and not scheduler.unpin("sys")
-    assert scheduler.kv.num_pinned_blocks == 0
+    assert scheduler.pins.unpin("sys") and not scheduler.pins.unpin("sys")
+    assert scheduler.pins.num_pinned_blocks == 0
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_total_blocks
     scheduler.check_integrity()
 
@@ -55,7 +55,7 @@ def test_pin_beyond_the_budget_pins_nothing() -> None:
     scheduler = create_scheduler(num_blocks=20, max_pinned_fraction=0.1)  # 2 blocks
     scheduler.add_request(pin_request("big", SYSTEM))
     run_until_done(scheduler)
-    assert scheduler.kv.pinned_tokens("big") == 0
+    assert scheduler.pins.pinned_tokens("big") == 0
     assert scheduler.kv.num_free_blocks == 20
 
 
@@ -64,7 +64,7 @@ def test_an_aborted_pin_request_pins_nothing() -> None:
     scheduler.add_request(pin_request("sys", SYSTEM))
     scheduler.abort_request("pin-sys")
     run_until_done(scheduler)
-    assert scheduler.kv.num_pinned_blocks == 0
+    assert scheduler.pins.num_pinned_blocks == 0
 
 
 def test_tenants_never_share_cached_blocks() -> None:

@@ -45,7 +45,7 @@ def tokens_of(events: list[TokenEvent]) -> dict[int, list[int]]:
 def assert_all_free(scheduler: Scheduler) -> None:
     scheduler.check_integrity()
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
-    assert not scheduler._groups
+    assert not scheduler.choices.groups
     stats = scheduler.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 
