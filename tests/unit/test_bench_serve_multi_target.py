@@ -21,13 +21,13 @@ from typing import Any
 import grpc
 import pytest
 
+from benchmarks import serve, serve_clients, serve_flags, serve_stack, serve_targets
+from benchmarks.common import masked_argv
+from benchmarks.serve_clients import Access, OpenAIClient
+from benchmarks.serve_compare import COMPARE_HEADERS
+from benchmarks.serve_load import Generation, drive
+from benchmarks.serve_workload import Sample
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.bench import serve, serve_clients, serve_flags, serve_stack, serve_targets
-from services.bench.common import masked_argv
-from services.bench.serve_clients import Access, OpenAIClient
-from services.bench.serve_compare import COMPARE_HEADERS
-from services.bench.serve_load import Generation, drive
-from services.bench.serve_workload import Sample
 from tests.tls_certs import self_signed
 
 KEY = "sk-test-good-key"

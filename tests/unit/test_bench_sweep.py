@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import serve
-from services.bench.serve_metrics import Chunk, RequestRecord, Slo, summarize
-from services.bench.serve_plot import plot_latency_vs_throughput
-from services.bench.sweep import (
+from benchmarks import serve
+from benchmarks.serve_metrics import Chunk, RequestRecord, Slo, summarize
+from benchmarks.serve_plot import plot_latency_vs_throughput
+from benchmarks.sweep import (
     SATURATION_FRACTIONS,
     CurvePoint,
     PointResult,
