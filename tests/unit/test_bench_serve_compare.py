@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from benchmarks import serve, serve_stack, serve_targets
+from benchmarks import serve, serve_points, serve_stack, serve_targets
 from benchmarks.serve_clients import InProcessTarget
 from benchmarks.serve_compare import (
     COMPARE_HEADERS,
@@ -325,12 +325,12 @@ def fake_systems(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeSystems]:
 
     monkeypatch.setattr("services.stack.running_stack", running_stack)
     monkeypatch.setattr(serve, "inprocess_target", inprocess_target)
-    original = serve.run_point
+    original = serve_points.run_point
 
     def quiet_run_point(*args: object, **kwargs: object) -> object:
         return original(*args, show_progress=False, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(serve, "run_point", quiet_run_point)
+    monkeypatch.setattr(serve_points, "run_point", quiet_run_point)
     yield systems
     server.stop(None)
 

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from benchmarks import serve, serve_clients, serve_flags, serve_stack, serve_targets
+from benchmarks import serve, serve_clients, serve_flags, serve_points, serve_stack, serve_targets
 from benchmarks.common import masked_argv
 from benchmarks.serve_clients import Access, OpenAIClient
 from benchmarks.serve_compare import COMPARE_HEADERS
@@ -41,12 +41,12 @@ def _no_key_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True)
 def _quiet_progress(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = serve.run_point
+    original = serve_points.run_point
 
     def run_point(*args: Any, **kwargs: Any) -> Any:
         return original(*args, **{**kwargs, "show_progress": False})
 
-    monkeypatch.setattr(serve, "run_point", run_point)
+    monkeypatch.setattr(serve_points, "run_point", run_point)
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
