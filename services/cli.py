@@ -15,7 +15,8 @@ from services.common.logging import configure_logging
 # Every command: the module that defines it, the function adding its parser, and its one-line
 # help for `llmserve --help`. A command line imports only its own command's module, so
 # client commands (`chat`, `generate`, `prompts`) and `--help` never load torch, a tokenizer
-# replica never loads the worker's modules, and only `bench` loads the benchmarks.
+# replica never loads the worker's modules, and only `bench` loads the benchmarks (by name:
+# no service imports the `benchmarks` package).
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("services.launcher", "add_parser", "start the whole stack as local processes"),
     "worker": ("services.worker.server", "add_parser", "run the worker service"),
@@ -52,13 +53,28 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "add_parser",
         "build the C++ CPU kernels ahead of the first start",
     ),
-    "bench": ("services.bench.commands", "add_parser", "benchmarks"),
+    "bench": ("benchmarks.commands", "add_parser", "benchmarks"),
     "estimate": (
-        "services.bench.estimate_command",
+        "services.estimate.command",
         "add_parser",
         "the seeds' hardware table and this CPU's decode speed of light",
     ),
 }
+
+# Packages an install may lack (the service image ships `services` alone), and how to get them.
+OPTIONAL_PACKAGES: dict[str, str] = {
+    "benchmarks": "the benchmarks are not installed: run llmserve from a source checkout "
+    "(`pip install -e .` in it installs them too)",
+}
+
+
+def missing_package_hint(module: str, error: ModuleNotFoundError) -> str | None:
+    """What to tell the user when importing `module` failed because its optional package is
+    absent (None: another module is missing, a real error)."""
+    package = module.partition(".")[0]
+    missing = error.name or ""
+    absent = module == missing or module.startswith(missing + ".")
+    return OPTIONAL_PACKAGES.get(package) if missing and absent else None
 
 
 def command_of(argv: Sequence[str]) -> str | None:
@@ -85,12 +101,24 @@ def _top_parser() -> tuple[argparse.ArgumentParser, Any]:
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """`command`'s parser alone (its module imported, no other), or every command's when
-    `command` is None."""
+    `command` is None. A command whose optional package is absent exits with status 2 and one
+    line saying how to get it; the full parser lists it as not installed."""
     parser, sub = _top_parser()
     added: set[tuple[str, str]] = set()
-    for name, (module, adder, _) in COMMANDS.items():
+    for name, (module, adder, help_text) in COMMANDS.items():
         if (command is None or name == command) and (module, adder) not in added:
-            getattr(importlib.import_module(module), adder)(sub)
+            try:
+                loaded = importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                hint = missing_package_hint(module, exc)
+                if hint is None:
+                    raise
+                if command is not None:  # the one line, no traceback: status 2, as argparse
+                    print(f"llmserve {name}: {hint}", file=sys.stderr)
+                    raise SystemExit(2) from None
+                sub.add_parser(name, help=f"{help_text} (not installed)", add_help=False)
+                continue
+            getattr(loaded, adder)(sub)
             added.add((module, adder))
     return parser
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.serve_compare import INPROCESS, compare_legend
+from benchmarks.serve_compare import INPROCESS, compare_legend
 
 pytestmark = pytest.mark.slow
 

@@ -45,7 +45,7 @@ class QuantizeResult:
 
 def llama_cpp_source() -> Path:
     """The vendored llama.cpp of the bench's llama-cpp-python sdist (fetched on first use)."""
-    from services.bench.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, cache_dir, ensure_source
+    from benchmarks.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, cache_dir, ensure_source
 
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ def convert_to_gguf(hf_dir: Path, out_path: Path, outtype: str) -> Path:
 def quantize_binary() -> Path:
     """llama-quantize, built alone from the same sources on first use (a few minutes on 2
     cores; then cached beside the bench's tools). Raises PeerBuildError when it cannot be."""
-    from services.bench.llamacpp_build import ensure_tools
+    from benchmarks.llamacpp_build import ensure_tools
 
     return ensure_tools(["llama-quantize"]).quantize
 
@@ -171,7 +171,7 @@ def tiny_gguf(family: str, kind: str, cache_root: Path | None = None) -> Path:
 
 def timed_quantize_binary() -> tuple[Path, float | None]:
     """quantize_binary(), and how long building it took (None when it was already built)."""
-    from services.bench.llamacpp_build import cache_dir
+    from benchmarks.llamacpp_build import cache_dir
 
     already_built = os.access(cache_dir() / "bin" / "llama-quantize", os.X_OK)
     start = time.monotonic()

@@ -58,7 +58,7 @@ ENGINE = EngineConfig(
 
 
 def gguf_or_skip(family: str, kind: str) -> Path:
-    from services.bench.llamacpp_build import PeerBuildError
+    from benchmarks.llamacpp_build import PeerBuildError
 
     try:
         return tiny_gguf(family, kind)

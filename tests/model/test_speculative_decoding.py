@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 import torch
 
-from services.bench.speculative_workload import grounded_messages
+from benchmarks.speculative_workload import grounded_messages
 from services.common.chat_template import ChatMessage
 from services.common.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from services.engine.config import EngineConfig

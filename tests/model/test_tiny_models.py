@@ -70,7 +70,7 @@ def model_dirs() -> dict[str, Path]:
 
 
 def model_dir(family: str, cache: dict[str, Path]) -> Path:
-    from services.bench.llamacpp_build import PeerBuildError
+    from benchmarks.llamacpp_build import PeerBuildError
 
     if family not in cache:
         try:
@@ -82,7 +82,7 @@ def model_dir(family: str, cache: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def quantize_tool(request: pytest.FixtureRequest) -> Path:
-    from services.bench.llamacpp_build import PeerBuildError
+    from benchmarks.llamacpp_build import PeerBuildError
 
     try:
         binary, build_s = timed_quantize_binary()
@@ -97,7 +97,7 @@ def quantize_tool(request: pytest.FixtureRequest) -> Path:
 
 def gguf_or_refusal(family: str, kind: str, model_dirs: dict[str, Path]) -> Path | None:
     """The family's GGUF file, or None after checking an expected refusal."""
-    from services.bench.llamacpp_build import PeerBuildError
+    from benchmarks.llamacpp_build import PeerBuildError
 
     model_dir(family, model_dirs)
     try:

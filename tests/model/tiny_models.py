@@ -376,7 +376,7 @@ FAMILIES: dict[str, FamilySpec] = {
 def llama_cpp_vocab_dir() -> Path:
     """llama.cpp's models/ directory (ggml-vocab-*.gguf), from the sdist the bench tools build
     from; fetched from PyPI on first use."""
-    from services.bench.llamacpp_build import (
+    from benchmarks.llamacpp_build import (
         LLAMA_CPP_PYTHON_VERSION,
         cache_dir,
         ensure_source,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.compare import (
+from benchmarks.compare import (
     BatchedBenchRow,
     EngineSpec,
     PeersConfig,
@@ -31,8 +31,8 @@ from services.bench.compare import (
     serve_measures,
     stack_flags,
 )
-from services.bench.llamacpp_build import ninja_progress, requant_name
-from services.bench.peers_table import advantage, measures, peers_table
+from benchmarks.llamacpp_build import ninja_progress, requant_name
+from benchmarks.peers_table import advantage, measures, peers_table
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
 Q4_0 = Path("/cache/m.Q4_0.gguf")
@@ -131,7 +131,7 @@ def test_both_sides_of_a_serving_run_get_the_same_requests(tmp_path: Path) -> No
     out = tmp_path / "out.json"
     http = serve_command("py", llama, "http://127.0.0.1:1/v1", config, "b", out)
     inprocess = serve_command("py", ours, "inprocess", config, "b", out)
-    assert http[:3] == ["py", "-m", "services.bench.serve"]
+    assert http[:3] == ["py", "-m", "benchmarks.serve"]
     assert inprocess[: len(http)] == [*http[:4], "inprocess", *http[5:]]  # same requests
     assert _flag(http, "--dataset") == "synthetic"  # token ids, the same for both tokenizers
     assert _flag(http, "--concurrency") == "16" and _flag(http, "--num-prompts") == "32"
@@ -149,7 +149,7 @@ def test_offline_commands_run_the_batch_and_batch_one_prefills(tmp_path: Path) -
     engine = _engines()[3]
     config = PeersConfig(repeats=2)
     batch = offline_command("py", engine, config, "c", tmp_path / "c.json")
-    assert batch[:3] == ["py", "-m", "services.bench.offline_table"]
+    assert batch[:3] == ["py", "-m", "benchmarks.offline_table"]
     assert _flag(batch, "--batch-sizes") == "32" and _flag(batch, "--shapes") == "128x128"
     assert _flag(batch, "--quantization") == "gguf" and _flag(batch, "--repeats") == "2"
     prefill = offline_command("py", engine, config, "d", tmp_path / "d.json")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from benchmarks import detokenize
 from services import cli
-from services.bench import detokenize
 from tests.unit.test_detokenizer import MODEL_TOKENIZER
 
 

@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from services.bench.capacity import (
+from benchmarks.capacity import (
     EOS_TOKEN_ID,
     StopAtLengthWorker,
     make_workload,
     simulate,
 )
-from services.bench.common import (
+from benchmarks.common import (
     SAFE_TOKEN_RANGE,
     format_table,
     mean,

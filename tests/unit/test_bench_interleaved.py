@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from services.bench.interleaved import (
+from benchmarks.interleaved import (
     HEADERS,
     INPROCESS,
     RoundResult,

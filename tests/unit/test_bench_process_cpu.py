@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from services.bench.process_cpu import (
+from benchmarks.process_cpu import (
     CLIENT,
     CpuSnapshot,
     ProcessCpu,

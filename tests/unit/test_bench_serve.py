@@ -17,11 +17,10 @@ import grpc
 import httpx
 import pytest
 
-from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.bench.serve_clients import GrpcClient, InProcessTarget, OpenAIClient, sse_events
-from services.bench.serve_load import Generation, Load, drive, run_point
-from services.bench.serve_metrics import Slo
-from services.bench.serve_workload import (
+from benchmarks.serve_clients import GrpcClient, InProcessTarget, OpenAIClient, sse_events
+from benchmarks.serve_load import Generation, Load, drive, run_point
+from benchmarks.serve_metrics import Slo
+from benchmarks.serve_workload import (
     Sample,
     arrival_offsets,
     draw_lengths,
@@ -33,6 +32,7 @@ from services.bench.serve_workload import (
     synthetic_of_lengths,
     synthetic_text,
 )
+from protos.llmserve.v1 import text_pb2, text_pb2_grpc
 from services.contracts.step import FinishReason, TokenEvent
 
 # ---- workloads ------------------------------------------------------------------------------

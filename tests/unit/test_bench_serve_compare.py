@@ -18,10 +18,9 @@ from typing import Any
 import grpc
 import pytest
 
-from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.bench import serve, serve_stack, serve_targets
-from services.bench.serve_clients import InProcessTarget
-from services.bench.serve_compare import (
+from benchmarks import serve, serve_points, serve_stack, serve_targets
+from benchmarks.serve_clients import InProcessTarget
+from benchmarks.serve_compare import (
     COMPARE_HEADERS,
     INPROCESS,
     STACK,
@@ -34,8 +33,9 @@ from services.bench.serve_compare import (
     stack_up_flags,
     system_rows,
 )
-from services.bench.serve_metrics import Chunk, RequestRecord, Slo, summarize
-from services.bench.sweep import PointResult, SweepPoint
+from benchmarks.serve_metrics import Chunk, RequestRecord, Slo, summarize
+from benchmarks.sweep import PointResult, SweepPoint
+from protos.llmserve.v1 import text_pb2, text_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.launcher import StackConfig
 from services.worker.config import GiB
@@ -325,12 +325,12 @@ def fake_systems(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeSystems]:
 
     monkeypatch.setattr("services.stack.running_stack", running_stack)
     monkeypatch.setattr(serve, "inprocess_target", inprocess_target)
-    original = serve.run_point
+    original = serve_points.run_point
 
     def quiet_run_point(*args: object, **kwargs: object) -> object:
         return original(*args, show_progress=False, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(serve, "run_point", quiet_run_point)
+    monkeypatch.setattr(serve_points, "run_point", quiet_run_point)
     yield systems
     server.stop(None)
 

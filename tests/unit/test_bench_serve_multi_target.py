@@ -21,13 +21,13 @@ from typing import Any
 import grpc
 import pytest
 
+from benchmarks import serve, serve_clients, serve_flags, serve_points, serve_stack, serve_targets
+from benchmarks.common import masked_argv
+from benchmarks.serve_clients import Access, OpenAIClient
+from benchmarks.serve_compare import COMPARE_HEADERS
+from benchmarks.serve_load import Generation, drive
+from benchmarks.serve_workload import Sample
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.bench import serve, serve_clients, serve_flags, serve_stack, serve_targets
-from services.bench.common import masked_argv
-from services.bench.serve_clients import Access, OpenAIClient
-from services.bench.serve_compare import COMPARE_HEADERS
-from services.bench.serve_load import Generation, drive
-from services.bench.serve_workload import Sample
 from tests.tls_certs import self_signed
 
 KEY = "sk-test-good-key"
@@ -41,12 +41,12 @@ def _no_key_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True)
 def _quiet_progress(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = serve.run_point
+    original = serve_points.run_point
 
     def run_point(*args: Any, **kwargs: Any) -> Any:
         return original(*args, **{**kwargs, "show_progress": False})
 
-    monkeypatch.setattr(serve, "run_point", run_point)
+    monkeypatch.setattr(serve_points, "run_point", run_point)
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

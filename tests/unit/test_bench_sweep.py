@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import serve
-from services.bench.serve_metrics import Chunk, RequestRecord, Slo, summarize
-from services.bench.serve_plot import plot_latency_vs_throughput
-from services.bench.sweep import (
+from benchmarks import serve, serve_points
+from benchmarks.serve_metrics import Chunk, RequestRecord, Slo, summarize
+from benchmarks.serve_plot import plot_latency_vs_throughput
+from benchmarks.sweep import (
     SATURATION_FRACTIONS,
     CurvePoint,
     PointResult,
@@ -169,12 +169,12 @@ def _parse(argv: list[str]) -> object:
 
 @pytest.fixture
 def quiet_progress(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    original = serve.run_point
+    original = serve_points.run_point
 
     def run_point(*args: object, **kwargs: object) -> object:
         return original(*args, show_progress=False, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(serve, "run_point", run_point)
+    monkeypatch.setattr(serve_points, "run_point", run_point)
     yield
 
 

@@ -4,7 +4,7 @@ DeepSeek ...), on the same conversations, with the same special tokens and the s
 conversation a template refuses is refused by both, ours naming `messages`.
 
 The templates come from the llama-cpp-python sdist the llama.cpp benchmarks use, downloaded
-once into the cache (services.bench.llamacpp_build.ensure_source)."""
+once into the cache (benchmarks.llamacpp_build.ensure_source)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from services.bench.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, cache_dir, ensure_source
+from benchmarks.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, cache_dir, ensure_source
 from services.common.chat_template import ChatMessage, ChatTemplate, TextPart
 from services.common.errors import InvalidRequestError
 

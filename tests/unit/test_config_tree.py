@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from services.bench.compare import PeersConfig
+from benchmarks.compare import PeersConfig
 from services.common.config_flags import add_config_flags, config_argv, config_from_args
 from services.common.serving_config import BatchingConfig, ModelConfig
 from services.engine.config import EngineConfig

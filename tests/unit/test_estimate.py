@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.estimate import (
+from services.cli import main
+from services.estimate.catalog import DEFAULT_GPUS, KNOWN_GPUS, KNOWN_MODELS, find_gpu
+from services.estimate.command import load_gpus_file, load_model_shape
+from services.estimate.roofline import (
     Device,
     decode_flops_per_token,
     decode_throughput,
@@ -19,9 +22,6 @@ from services.bench.estimate import (
     speed_of_light_tokens_per_s,
     weight_bytes,
 )
-from services.bench.estimate_catalog import DEFAULT_GPUS, KNOWN_GPUS, KNOWN_MODELS, find_gpu
-from services.bench.estimate_command import load_gpus_file, load_model_shape
-from services.cli import main
 
 LLAMA_2_7B = KNOWN_MODELS["llama-2-7b"]
 A100_80G = KNOWN_GPUS["a100-80g"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from services.bench.llamacpp_build import (
+from benchmarks.llamacpp_build import (
     LLAMA_CPP_PYTHON_VERSION,
     PeerBuildError,
     cache_dir,

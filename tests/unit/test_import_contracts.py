@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +36,25 @@ def test_import_contracts_hold() -> None:
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "0 broken" in run.stdout
+
+
+def test_the_benchmarks_stay_outside_the_service_package() -> None:
+    """The contracts that keep `benchmarks` a package above the services exist (the test above
+    checks that they hold), and a source install still ships it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    linter = project["tool"]["importlinter"]
+    assert {"services", "kernels", "protos", "benchmarks"} <= set(linter["root_packages"])
+    contracts = {contract["name"]: contract for contract in linter["contracts"]}
+    never = contracts["No service, kernel or proto module imports the benchmarks"]
+    assert never["type"] == "forbidden"
+    assert set(never["source_modules"]) == {"services", "kernels", "protos"}
+    assert never["forbidden_modules"] == ["benchmarks"]
+    assert not never.get("ignore_imports")
+    layers = contracts["Layers: the benchmarks sit above the services"]
+    assert layers["type"] == "layers" and layers["layers"] == ["benchmarks", "services"]
+    assert "services.bench" not in str(linter)
+    assert "benchmarks*" in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not (ROOT / "services" / "bench").exists()
 
 
 def test_tokenizer_tier_never_imports_torch() -> None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.bench.serve_metrics import (
+from benchmarks.serve_metrics import (
     Chunk,
     Distribution,
     RequestRecord,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.step_profile import kind_of
+from benchmarks.step_profile import kind_of
 
 
 @pytest.mark.parametrize(

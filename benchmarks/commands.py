@@ -1,0 +1,42 @@
+"""`llmserve bench ...`: one subcommand per benchmark module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import (
+    capacity,
+    detokenize,
+    hf_baseline,
+    interleaved,
+    offline_table,
+    peers,
+    prefix_cache,
+    quant_table,
+    serve,
+    speculative,
+    step_profile,
+    structured,
+)
+
+BENCHMARKS = (
+    offline_table,
+    capacity,
+    hf_baseline,
+    serve,
+    prefix_cache,
+    quant_table,
+    peers,
+    step_profile,
+    structured,
+    detokenize,
+    interleaved,
+    speculative,
+)
+
+
+def add_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for benchmark in BENCHMARKS:
+        benchmark.add_parser(bench_sub)

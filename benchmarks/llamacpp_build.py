@@ -1,0 +1,375 @@
+"""llama.cpp's own tools, built from source for `llmserve bench peers`: `llama-server`,
+`llama-bench`, `llama-batched-bench` and `llama-quantize`, from the llama.cpp that the
+llama-cpp-python sdist vendors (PyPI is reachable where GitHub may not be).
+
+    python -m benchmarks.llamacpp_build            # build once (~10 min on 2 cores)
+    python -m benchmarks.llamacpp_build --force    # rebuild
+
+Everything lives in the cache, never in the repository:
+
+    ${XDG_CACHE_HOME:-~/.cache}/llmserve/peers/llama.cpp-0.3.36/
+      src/llama_cpp_python-0.3.36/vendor/llama.cpp/   unpacked sources
+      build/                                           cmake + ninja tree (kept: a rebuild is
+                                                       incremental)
+      bin/llama-server ...                             the four binaries (static)
+      build-info.json                                  version, llama.cpp commit, cmake flags
+      build.log                                        the whole build output
+      SmolLM2-135M-Instruct.Q4_0.gguf                  the Q4_0 requant of the embedded file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm  # type: ignore[import-untyped]
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+TOOLS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-quantize")
+NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+LOG_TAIL_LINES = 40
+
+
+class PeerBuildError(RuntimeError):
+    """The peer could not be built or prepared; the message says what to install or read."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBinaries:
+    """Paths of the built tools."""
+
+    bin_dir: Path
+
+    def tool(self, name: str) -> Path:
+        return self.bin_dir / name
+
+    @property
+    def server(self) -> Path:
+        return self.tool("llama-server")
+
+    @property
+    def bench(self) -> Path:
+        return self.tool("llama-bench")
+
+    @property
+    def batched_bench(self) -> Path:
+        return self.tool("llama-batched-bench")
+
+    @property
+    def quantize(self) -> Path:
+        return self.tool("llama-quantize")
+
+    def missing(self) -> list[str]:
+        return [name for name in TOOLS if not os.access(self.tool(name), os.X_OK)]
+
+
+def cache_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llmserve" / "peers" / f"llama.cpp-{version}"
+
+
+def find_tool(*names: str) -> str | None:
+    """The first of `names` on PATH or beside this interpreter (ninja from pip lives in the
+    virtualenv's bin, which is not on PATH when the venv is not activated)."""
+    for name in names:
+        found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+        if found:
+            return found
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Toolchain:
+    cmake: str
+    ninja: str
+    c_compiler: str
+    cxx_compiler: str
+
+
+def find_toolchain() -> Toolchain:
+    cmake = find_tool("cmake")
+    ninja = find_tool("ninja")
+    c_compiler = find_tool(os.environ.get("CC", ""), "cc", "gcc", "clang")
+    cxx_compiler = find_tool(os.environ.get("CXX", ""), "c++", "g++", "clang++")
+    missing = [
+        hint
+        for found, hint in (
+            (cmake, "cmake >= 3.14 (apt-get install cmake, or pip install cmake)"),
+            (ninja, "ninja (pip install ninja, or apt-get install ninja-build)"),
+            (c_compiler, "a C compiler (apt-get install gcc)"),
+            (cxx_compiler, "a C++17 compiler (apt-get install g++)"),
+        )
+        if not found
+    ]
+    if missing:
+        raise PeerBuildError("building llama.cpp needs " + "; ".join(missing))
+    assert cmake and ninja and c_compiler and cxx_compiler
+    return Toolchain(cmake, ninja, c_compiler, cxx_compiler)
+
+
+def cmake_flags() -> list[str]:
+    """A CPU Release build tuned for this machine (-march=native), static so the copied
+    binaries need no libllama.so beside them. No network at build time: no prebuilt web UI
+    download, no OpenSSL (the server is only reached over loopback HTTP)."""
+    return [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DGGML_NATIVE=ON",
+        "-DLLAMA_BUILD_COMMON=ON",
+        "-DLLAMA_BUILD_TOOLS=ON",
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+    ]
+
+
+def configure_command(toolchain: Toolchain, source: Path, build: Path) -> list[str]:
+    return [
+        toolchain.cmake,
+        "-S",
+        str(source),
+        "-B",
+        str(build),
+        "-G",
+        "Ninja",
+        f"-DCMAKE_MAKE_PROGRAM={toolchain.ninja}",
+        f"-DCMAKE_C_COMPILER={toolchain.c_compiler}",
+        f"-DCMAKE_CXX_COMPILER={toolchain.cxx_compiler}",
+        *cmake_flags(),
+    ]
+
+
+def build_command(
+    toolchain: Toolchain, build: Path, jobs: int, targets: Sequence[str] = TOOLS
+) -> list[str]:
+    # ninja itself, not `cmake --build`, so its "[n/total]" lines reach us unbuffered.
+    return [toolchain.ninja, "-C", str(build), "-j", str(jobs), *targets]
+
+
+def download_command(version: str, dest: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-binary",
+        ":all:",
+        "--no-deps",
+        f"llama-cpp-python=={version}",
+        "-d",
+        str(dest),
+    ]
+
+
+def ninja_progress(line: str) -> tuple[int, int] | None:
+    """(done, total) from a ninja status line like '[12/345] Building CXX object ...'."""
+    match = NINJA_PROGRESS.match(line)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def run_logged(
+    command: Sequence[str], log_path: Path, description: str, show_progress: bool = True
+) -> None:
+    """Run `command`, appending its output to `log_path`; ninja's status lines drive a bar.
+    On failure, the error names the log and shows its tail."""
+    tail: list[str] = []
+    bar: tqdm | None = None
+    with log_path.open("a", encoding="utf-8") as log:
+        log.write(f"\n$ {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            env={**os.environ, "NINJA_STATUS": "[%f/%t] "},
+        )
+        assert process.stdout is not None
+        try:
+            for line in process.stdout:
+                log.write(line)
+                tail = [*tail[-LOG_TAIL_LINES + 1 :], line.rstrip("\n")]
+                progress = ninja_progress(line)
+                if progress is not None and show_progress:
+                    if bar is None:
+                        bar = tqdm(total=progress[1], desc=description, file=sys.stderr)
+                    bar.total = progress[1]
+                    bar.n = progress[0]
+                    bar.refresh()
+            code = process.wait()
+        finally:
+            if process.poll() is None:
+                process.kill()
+            if bar is not None:
+                bar.close()
+    if code != 0:
+        shown = "\n".join(tail)
+        raise PeerBuildError(f"{description} failed (exit {code}); full log: {log_path}\n{shown}")
+
+
+def unpack_sdist(archive: Path, dest: Path) -> Path:
+    """Unpack the sdist; returns its vendored llama.cpp directory."""
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    source = dest / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+    if not (source / "CMakeLists.txt").is_file():
+        raise PeerBuildError(f"no vendor/llama.cpp/CMakeLists.txt in {archive}")
+    return source
+
+
+def source_commit(source: Path) -> str | None:
+    """The llama.cpp commit the sdist vendors (it ships the submodule's git metadata)."""
+    try:
+        result = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return None
+    if result.returncode != 0:
+        return None
+    return result.stdout.strip() or None
+
+
+def ensure_source(root: Path, log_path: Path, version: str) -> Path:
+    source = root / "src" / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if (source / "CMakeLists.txt").is_file():
+        return source
+    downloads = root / "download"
+    downloads.mkdir(parents=True, exist_ok=True)
+    archive = downloads / f"llama_cpp_python-{version}.tar.gz"
+    if not archive.is_file():
+        print(f"downloading llama-cpp-python {version} sdist from PyPI", file=sys.stderr)
+        run_logged(download_command(version, downloads), log_path, "pip download")
+    print(f"unpacking {archive.name}", file=sys.stderr)
+    return unpack_sdist(archive, root / "src")
+
+
+def ensure_built(
+    force: bool = False, jobs: int | None = None, root: Path | None = None
+) -> PeerBinaries:
+    """The four tools, built on first use and reused after (a rebuild only with `force`)."""
+    return ensure_tools(TOOLS, force=force, jobs=jobs, root=root)
+
+
+def ensure_tools(
+    names: Sequence[str],
+    force: bool = False,
+    jobs: int | None = None,
+    root: Path | None = None,
+) -> PeerBinaries:
+    """Only the tools in `names` (ninja targets), built on first use into the shared cache and
+    reused after. Building `llama-quantize` alone compiles ggml and libllama but not the server,
+    a few minutes less on 2 cores; a later full build reuses those objects."""
+    root = root or cache_dir()
+    binaries = PeerBinaries(root / "bin")
+    if not force and not [name for name in names if name in binaries.missing()]:
+        return binaries
+    toolchain = find_toolchain()
+    root.mkdir(parents=True, exist_ok=True)
+    log_path = root / "build.log"
+    log_path.write_text("")
+    source = ensure_source(root, log_path, LLAMA_CPP_PYTHON_VERSION)
+    build = root / "build"
+    jobs = jobs or os.cpu_count() or 1
+    print(f"building {', '.join(names)} in {build} ({jobs} jobs; log {log_path})", file=sys.stderr)
+    run_logged(configure_command(toolchain, source, build), log_path, "cmake configure")
+    run_logged(build_command(toolchain, build, jobs, names), log_path, "llama.cpp build")
+    binaries.bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        built = build / "bin" / name
+        if not built.is_file():
+            raise PeerBuildError(f"the build finished without {built}; see {log_path}")
+        shutil.copy2(built, binaries.tool(name))
+    info = {
+        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+        "llama_cpp_commit": source_commit(source),
+        "cmake_flags": cmake_flags(),
+        "c_compiler": toolchain.c_compiler,
+        "cxx_compiler": toolchain.cxx_compiler,
+    }
+    (root / "build-info.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"built into {binaries.bin_dir}", file=sys.stderr)
+    return binaries
+
+
+def build_info(root: Path | None = None) -> dict[str, object]:
+    path = (root or cache_dir()) / "build-info.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def requant_name(source: Path, quant: str) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct.Q4_0.gguf' (the last
+    dotted part of the stem is the quant type, as in the usual GGUF file names)."""
+    stem, dot, last = source.stem.rpartition(".")
+    base = stem if dot and re.fullmatch(r"(?i)(q\d.*|f16|f32|bf16|iq.*)", last) else source.stem
+    return f"{base}.{quant}.gguf"
+
+
+def quantize_command(binaries: PeerBinaries, source: Path, out: Path, quant: str) -> list[str]:
+    # --allow-requantize: the source is already quantized (Q4_1), so this is Q4_1 -> float ->
+    # Q4_0 per tensor; the values differ slightly from a Q4_0 made from the original weights.
+    return [str(binaries.quantize), "--allow-requantize", str(source), str(out), quant]
+
+
+def ensure_requant(
+    binaries: PeerBinaries, source: Path, quant: str = "Q4_0", root: Path | None = None
+) -> Path:
+    """`source` requantized to `quant` in the cache, made once."""
+    root = root or cache_dir()
+    out = root / requant_name(source, quant)
+    if out.is_file():
+        return out
+    partial = out.with_suffix(".partial")
+    print(f"requantizing {source.name} -> {out.name}", file=sys.stderr)
+    run_logged(
+        quantize_command(binaries, source, partial, quant),
+        root / "quantize.log",
+        "llama-quantize",
+        show_progress=False,
+    )
+    partial.replace(out)  # a file only ever appears whole
+    return out
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--jobs", type=int, default=None, help="build jobs (default: cores)")
+    args = parser.parse_args(None if argv is None else list(argv))
+    from services.common.model_source import embedded_model_path
+
+    try:
+        binaries = ensure_built(force=args.force, jobs=args.jobs)
+        requant = ensure_requant(binaries, embedded_model_path())
+    except PeerBuildError as exc:
+        print(f"llamacpp_build: {exc}", file=sys.stderr)
+        return 1
+    for name in TOOLS:
+        print(binaries.tool(name))
+    print(requant)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
