@@ -138,22 +138,22 @@ def engine_config(loaded: LoadedModel, cell: Cell, args: argparse.Namespace) -> 
     """The cell's engine. Without --kv-cache-gib the cache fits the whole batch at full length
     (plus the admission watermark), so no cell preempts and the table measures compute."""
     if args.kv_cache_gib is not None:
-        kv_cache_bytes = int(args.kv_cache_gib * GiB)
+        kv_cache_gib = args.kv_cache_gib
     else:
         spec = KVCacheSpec.for_model(loaded.model.architecture, BLOCK_SIZE, loaded.dtype)
         blocks_per_seq = -(-(cell.input_len + cell.output_len) // BLOCK_SIZE)
         num_blocks = int(cell.batch_size * blocks_per_seq * 1.02) + 2
-        kv_cache_bytes = num_blocks * spec.bytes_per_block
+        kv_cache_gib = num_blocks * spec.bytes_per_block / GiB
     return EngineConfig(
         model=args.model,
         dtype=cell.dtype,
-        kv_cache_bytes=kv_cache_bytes,
+        kv_cache_gib=kv_cache_gib,
         block_size=BLOCK_SIZE,
         # Exactly the batch: step graphs are compiled at start for every batch-size bucket up
         # to max_num_seqs, and buckets above the batch would never run.
         max_num_seqs=cell.batch_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        num_threads=args.threads,
+        threads=args.threads,
         enforce_eager=args.enforce_eager,
         seed=0,
     )
@@ -163,8 +163,8 @@ def warm_up(loaded: LoadedModel, args: argparse.Namespace) -> None:
     """One short request, so one-off costs (allocator growth, kernel selection) stay untimed."""
     config = EngineConfig(
         model=args.model,
-        kv_cache_bytes=WARMUP_KV_CACHE_BYTES,
-        num_threads=args.threads,
+        kv_cache_gib=WARMUP_KV_CACHE_BYTES / GiB,
+        threads=args.threads,
         enforce_eager=args.enforce_eager,
         seed=0,
     )

@@ -70,7 +70,7 @@ class Format:
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_group_size=self.kv_cache_group_size,
-            kv_cache_bytes=kv_cache_bytes,
+            kv_cache_gib=kv_cache_bytes / GiB,
             block_size=BLOCK_SIZE,
             max_num_seqs=max(128, LARGE_BATCH),
             enable_prefix_caching=False,

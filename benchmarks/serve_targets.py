@@ -44,15 +44,14 @@ def prompt_tokenizer(args: argparse.Namespace) -> Any:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The in-process engine's config; building it checks the flags (quantization, KV dtype)."""
     from services.engine.config import EngineConfig
-    from services.worker.config import GiB
 
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
-        kv_cache_bytes=int(args.kv_cache_gib * GiB),
+        kv_cache_gib=args.kv_cache_gib,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
-        num_threads=args.threads,
+        threads=args.threads,
         enforce_eager=args.enforce_eager,
         seed=ENGINE_SEED,
     )

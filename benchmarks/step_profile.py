@@ -26,7 +26,6 @@ from benchmarks.common import format_table, machine_header, random_prompts
 from services.common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.worker.config import GiB
 
 # Op-name fragments -> the row they count in (first match wins; "other ops" otherwise).
 KINDS: list[tuple[str, tuple[str, ...]]] = [
@@ -134,12 +133,12 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             dtype=args.dtype,
             quantization=args.quantization,
-            kv_cache_bytes=int(args.kv_cache_gib * GiB),
+            kv_cache_gib=args.kv_cache_gib,
             max_num_seqs=max(batch_sizes),
             max_num_batched_tokens=max(2048, args.context),
             enforce_eager=args.enforce_eager,
             fused_decode=args.fused_decode,
-            num_threads=args.threads,
+            threads=args.threads,
             seed=0,
         )
     )

@@ -30,7 +30,6 @@ from services.common.structured_output import StructuredOutput, StructuredOutput
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker import sampler as sampler_module
-from services.worker.config import GiB
 
 SCHEMA = {
     "type": "object",
@@ -138,11 +137,11 @@ def run(args: argparse.Namespace) -> int:
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
-            kv_cache_bytes=int(args.kv_cache_gib * GiB),
+            kv_cache_gib=args.kv_cache_gib,
             max_num_seqs=max(batch_sizes),
             max_num_batched_tokens=max(2048, args.context * max(batch_sizes)),
             enforce_eager=args.enforce_eager,
-            num_threads=args.threads,
+            threads=args.threads,
             seed=0,
         )
     )

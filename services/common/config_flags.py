@@ -21,9 +21,11 @@ import dataclasses
 import inspect
 import itertools
 import os
+import sys
 import textwrap
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -150,6 +152,47 @@ class _Repeat(argparse.Action):
         if given is self.default:
             given = ()
         setattr(namespace, self.dest, (*given, values))
+
+
+def add_deprecated_flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    *,
+    dest: str,
+    instead: str,
+    convert: Callable[[str], Any] | None = None,
+    const: Any = None,
+) -> None:
+    """Accept an older spelling of a field's flag: it writes `dest` (through `convert` when it
+    takes a value, else `const`) and prints one line naming the spelling to use `instead`.
+    Hidden from --help; default=SUPPRESS, so only a given flag writes the field."""
+    parser.add_argument(
+        flag,
+        dest=dest,
+        action=_Deprecated,
+        nargs=None if convert is not None else 0,
+        type=convert,
+        const=const,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        instead=instead,
+    )
+
+
+class _Deprecated(argparse.Action):
+    def __init__(self, *args: Any, instead: str, **kwargs: Any) -> None:
+        self.instead = instead
+        super().__init__(*args, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated; use {self.instead}", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:

@@ -13,33 +13,25 @@ from services.worker.config import GiB
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The in-process engine's flags, one per EngineConfig field (defaults live there), plus
-    the older spellings these commands have always accepted."""
-    from services.common.config_flags import add_config_flags
+    the older spellings these commands accepted before (deprecated)."""
+    from services.common.config_flags import add_config_flags, add_deprecated_flag
 
     add_config_flags(parser, EngineConfig)
-    # Aliases: default=SUPPRESS, so only a given flag writes the field.
-    parser.add_argument(
-        "--kv-cache-gib",
-        dest="kv_cache_bytes",
-        type=lambda value: int(float(value) * GiB),
-        default=argparse.SUPPRESS,
-        metavar="GIB",
-        help="--kv-cache-bytes in GiB",
+    # Older spellings, one line each saying which to use.
+    add_deprecated_flag(
+        parser,
+        "--kv-cache-bytes",
+        dest="kv_cache_gib",
+        instead="--kv-cache-gib",
+        convert=lambda value: int(value) / GiB,
     )
-    parser.add_argument(
-        "--threads",
-        dest="num_threads",
-        type=int,
-        default=argparse.SUPPRESS,
-        metavar="N",
-        help="--num-threads",
-    )
-    parser.add_argument(
+    add_deprecated_flag(parser, "--num-threads", dest="threads", instead="--threads", convert=int)
+    add_deprecated_flag(
+        parser,
         "--no-prefix-caching",
         dest="enable_prefix_caching",
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help="--no-enable-prefix-caching",
+        instead="--no-enable-prefix-caching",
+        const=False,
     )
 
 

@@ -15,7 +15,6 @@ from services.common.serving_config import (
     WeightsConfig,
 )
 from services.scheduler.config import AllocationPolicy
-from services.worker.config import GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,20 +25,17 @@ class EngineConfig(
     BatchingConfig,
     RuntimeConfig,
     SpeculationConfig,
+    DeviceConfig,
     DebugConfig,
 ):
     """The worker's and the scheduler's shared groups (services.common.serving_config), plus
     what only the in-process engine has. quantization is ignored when a loaded model is
     given."""
 
-    device: str = DeviceConfig.device
-    """cpu or cuda[:N]."""
-    kv_cache_bytes: int = int(DeviceConfig.kv_cache_gib * GiB)
-    """Memory for the paged KV cache; the number of blocks follows from it."""
     allocation_policy: AllocationPolicy = "paged"
     """"max_length" reserves each request's worst case up front (for comparison only)."""
-    num_threads: int | None = None
-    """torch intra-op threads on CPU; None = torch's default (one per core)."""
+    threads: int | None = None
+    """torch CPU threads; unset = one per core (the worker's flag)."""
 
     def __post_init__(self) -> None:
         from services.worker.quantization.formats import (

@@ -27,7 +27,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats import SchedulerStats
-from services.worker.config import resolve_dtype
+from services.worker.config import GiB, resolve_dtype
 from services.worker.loaded_model import LoadedModel
 from services.worker.quantization.formats import serves_gguf_blocks
 from services.worker.runner import ModelRunner
@@ -62,11 +62,11 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Load the model (unless `loaded` is given: its dtype and device win) and size the KV
-        cache from config.kv_cache_bytes."""
+        cache from config.kv_cache_gib."""
         self.config = config = config or EngineConfig()
         self.clock = clock
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if config.threads:
+            torch.set_num_threads(config.threads)
         if loaded is None:
             gguf_blocks = serves_gguf_blocks(config.quantization, config.model)
             dtype = resolve_dtype(config.dtype, config.device, gguf_blocks=gguf_blocks)
@@ -84,7 +84,7 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.runner = ModelRunner.create(
             loaded,
-            kv_cache_bytes=config.kv_cache_bytes,
+            kv_cache_bytes=int(config.kv_cache_gib * GiB),
             block_size=config.block_size,
             seed=config.seed,
             kv_cache_dtype=config.kv_cache_dtype,

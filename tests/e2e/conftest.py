@@ -48,4 +48,4 @@ def reference_engine():  # type: ignore[no-untyped-def]
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(dtype="float32", kv_cache_bytes=128 << 20, enforce_eager=True))
+    return LLMEngine(EngineConfig(dtype="float32", kv_cache_gib=128 / 1024, enforce_eager=True))

@@ -57,7 +57,7 @@ def exact_reference_engine():  # type: ignore[no-untyped-def]
     from services.engine.engine import LLMEngine
 
     config = EngineConfig(
-        dtype="float32", quantization="gguf-exact", kv_cache_bytes=128 << 20, enforce_eager=True
+        dtype="float32", quantization="gguf-exact", kv_cache_gib=128 / 1024, enforce_eager=True
     )
     return LLMEngine(config)
 

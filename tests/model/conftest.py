@@ -27,7 +27,7 @@ PROMPTS = [
 # Eager steps: most model tests are about the engine's logic; tests/model/test_step_graphs.py
 # holds compiled steps to the eager ones.
 FP32 = EngineConfig(
-    dtype="float32", kv_cache_bytes=256 << 20, seed=0, enforce_eager=True, debug_checks=True
+    dtype="float32", kv_cache_gib=256 / 1024, seed=0, enforce_eager=True, debug_checks=True
 )
 
 

@@ -30,7 +30,7 @@ def deterministic_bf16() -> LLMEngine:
     loaded = LoadedModel.load(None, torch.bfloat16, "cpu", "auto")
     config = EngineConfig(
         dtype="bfloat16",
-        kv_cache_bytes=256 << 20,
+        kv_cache_gib=256 / 1024,
         deterministic=True,
         # A small step budget, so the probe's prompt is chunked differently in a busy batch.
         max_num_batched_tokens=96,
@@ -94,7 +94,7 @@ def test_greedy_bf16_is_the_same_alone_and_in_a_busy_batch(deterministic_bf16: L
 
 def test_fp32_deterministic_greedy_matches_hf(hf_model) -> None:  # type: ignore[no-untyped-def]
     engine = LLMEngine(
-        EngineConfig(dtype="float32", kv_cache_bytes=256 << 20, deterministic=True),
+        EngineConfig(dtype="float32", kv_cache_gib=256 / 1024, deterministic=True),
         loaded=LoadedModel.load(None, torch.float32),
     )
     hf_model.generation_config.eos_token_id = None

@@ -113,7 +113,9 @@ def test_a_prefix_hit_over_a_float16_cache_keeps_greedy_output() -> None:
 def test_preemption_by_recompute_keeps_greedy_output(loaded_fp32: LoadedModel) -> None:
     spec_bytes = LLMEngine(FP32, loaded=loaded_fp32).kv_cache.spec.bytes_per_block
     # 16 blocks of 16 tokens; the 6 sequences need 23 at their longest: decodes must preempt.
-    engine = make_engine(loaded_fp32, kv_cache_bytes=16 * spec_bytes, enable_prefix_caching=False)
+    engine = make_engine(
+        loaded_fp32, kv_cache_gib=16 * spec_bytes / 2**30, enable_prefix_caching=False
+    )
     prompts = [p[:30] for p in mixed_prompts(engine, 6)]
     sampling = replace(GREEDY, max_new_tokens=32)
     results = engine.generate(prompts, sampling)

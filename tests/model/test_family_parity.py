@@ -29,7 +29,7 @@ SHARED_PREFIX = 64  # the prefix-cache probe reuses this much of the first promp
 # A step budget below every prompt, so each prefill runs in chunks.
 CHUNKED = EngineConfig(
     dtype="float32",
-    kv_cache_bytes=32 << 20,
+    kv_cache_gib=32 / 1024,
     seed=0,
     enforce_eager=True,
     max_num_batched_tokens=40,

@@ -53,7 +53,7 @@ def quantized_cases() -> list[tuple[str, str]]:
 
 
 ENGINE = EngineConfig(
-    dtype="float32", kv_cache_bytes=32 << 20, seed=0, enforce_eager=True, block_size=16
+    dtype="float32", kv_cache_gib=32 / 1024, seed=0, enforce_eager=True, block_size=16
 )
 
 

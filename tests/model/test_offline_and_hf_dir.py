@@ -81,7 +81,7 @@ def test_hugging_face_directory_loads_the_same_model(
     hf_tokenizer.save_pretrained(directory)
     loaded = LoadedModel.load(str(directory), torch.float32)
     from_directory = LLMEngine(
-        EngineConfig(dtype="float32", kv_cache_bytes=64 << 20, enforce_eager=True), loaded=loaded
+        EngineConfig(dtype="float32", kv_cache_gib=64 / 1024, enforce_eager=True), loaded=loaded
     )
     prompt = "The quick brown fox"
     ids = from_directory.tokenizer.encode(prompt)

@@ -89,7 +89,7 @@ def test_int8_kv_cache_greedy_matches_float_kv(
 ) -> None:
     config = EngineConfig(
         dtype="float32",
-        kv_cache_bytes=FP32.kv_cache_bytes,
+        kv_cache_gib=FP32.kv_cache_gib,
         kv_cache_dtype="int8",
         seed=0,
         enforce_eager=True,
@@ -112,7 +112,7 @@ def test_weight_format_serves_close_to_float(
     loaded = quantized_copy(loaded_fp32, quantization)
     assert isinstance(loaded.model.embed_tokens, Int8Embedding)
     assert loaded.dtype == torch.bfloat16
-    config = EngineConfig(kv_cache_bytes=16 << 20, seed=0, enforce_eager=True)
+    config = EngineConfig(kv_cache_gib=16 / 1024, seed=0, enforce_eager=True)
     engine = LLMEngine(config, loaded=loaded)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=1)
     first = [result.token_ids[0] for result in engine.generate(prompt_ids, sampling)]
@@ -178,7 +178,7 @@ def test_gguf_blocks_in_fp32_give_the_float_greedy_tokens(
     model = copy.deepcopy(loaded_fp32.model)
     load_gguf_quantized(model, loaded_fp32.path, int8_activations=False)
     loaded = LoadedModel(loaded_fp32.path, model, loaded_fp32.tokenizer, "gguf-exact")
-    gguf_engine = LLMEngine(replace(FP32, kv_cache_bytes=64 << 20), loaded=loaded)
+    gguf_engine = LLMEngine(replace(FP32, kv_cache_gib=64 / 1024), loaded=loaded)
     prompts = [engine.tokenizer.encode(text) for text in EVAL_PROMPTS]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=HELD_OUT_TOKENS, ignore_eos=True)
     expected = [result.token_ids for result in engine.generate(prompts, sampling)]

@@ -54,7 +54,7 @@ def make_engine(directory: Path) -> LLMEngine:
     bytes_per_block = arch.num_layers * 2 * BLOCK_SIZE * arch.num_kv_heads * arch.head_dim * 4
     config = EngineConfig(
         dtype="float32",
-        kv_cache_bytes=NUM_BLOCKS * bytes_per_block,
+        kv_cache_gib=NUM_BLOCKS * bytes_per_block / 2**30,
         seed=0,
         enforce_eager=True,
         max_num_batched_tokens=40,  # the prompt in chunks: later chunks start past the window

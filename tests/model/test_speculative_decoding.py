@@ -42,7 +42,7 @@ class EveryDraft(SpeculationPolicy):
 
 
 def engine_for(loaded: LoadedModel, **config: object) -> LLMEngine:
-    settings: dict = {"kv_cache_bytes": 64 << 20, "seed": 0, "debug_checks": True, **config}
+    settings: dict = {"kv_cache_gib": 64 / 1024, "seed": 0, "debug_checks": True, **config}
     engine = LLMEngine(EngineConfig(**settings), loaded=loaded)
     engine.scheduler.drafts.policy = EveryDraft(MAX_SPECULATIVE_TOKENS)
     return engine

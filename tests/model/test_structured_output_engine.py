@@ -34,7 +34,9 @@ CONSTRAINED = SamplingParams(
 def test_preempted_constrained_sequences_replay_their_matchers(loaded_fp32: LoadedModel) -> None:
     spec_bytes = make_engine(loaded_fp32).kv_cache.spec.bytes_per_block
     # 16 blocks of 16 tokens; the 6 sequences need 23 at their longest: decodes must preempt.
-    engine = make_engine(loaded_fp32, kv_cache_bytes=16 * spec_bytes, enable_prefix_caching=False)
+    engine = make_engine(
+        loaded_fp32, kv_cache_gib=16 * spec_bytes / 2**30, enable_prefix_caching=False
+    )
     prompts = [p[:30] for p in mixed_prompts(engine, 6)]
     results = engine.generate(prompts, CONSTRAINED)
     assert engine.get_stats().num_preemptions > 0

@@ -38,7 +38,6 @@ from benchmarks.sweep import PointResult, SweepPoint
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.launcher import StackConfig
-from services.worker.config import GiB
 from tests.unit.test_bench_serve import FakeEngine
 
 
@@ -89,8 +88,8 @@ def test_stack_gets_the_inprocess_engines_settings() -> None:
     assert {name: getattr(stack, name) for name in shared} == {
         name: getattr(engine, name) for name in shared
     }
-    assert int(stack.kv_cache_gib * GiB) == engine.kv_cache_bytes
-    assert stack.worker_threads == engine.num_threads == 2
+    assert stack.kv_cache_gib == engine.kv_cache_gib
+    assert stack.worker_threads == engine.threads == 2
     assert stack.tokenizer_replicas == 3
 
 

@@ -30,16 +30,25 @@ def test_defaults_are_the_configs() -> None:
 
 
 def test_field_flags() -> None:
-    config = parse(["--kv-cache-bytes", "1000", "--num-threads", "3", "--no-enable-prefix-caching"])
-    assert (config.kv_cache_bytes, config.num_threads) == (1000, 3)
+    config = parse(["--kv-cache-gib", "0.5", "--threads", "3", "--no-enable-prefix-caching"])
+    assert (config.kv_cache_gib, config.threads) == (0.5, 3)
     assert not config.enable_prefix_caching
 
 
-def test_older_spellings_still_work() -> None:
-    config = parse(["--kv-cache-gib", "0.5", "--threads", "2", "--no-prefix-caching"])
-    assert config.kv_cache_bytes == GiB // 2
-    assert config.num_threads == 2
+def test_older_spellings_still_work_and_say_which_to_use(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = parse(["--kv-cache-bytes", str(GiB // 2), "--num-threads", "2", "--no-prefix-caching"])
+    assert config.kv_cache_gib == 0.5
+    assert config.threads == 2
     assert not config.enable_prefix_caching
+    err = capsys.readouterr().err
+    for old, new in [
+        ("--kv-cache-bytes", "--kv-cache-gib"),
+        ("--num-threads", "--threads"),
+        ("--no-prefix-caching", "--no-enable-prefix-caching"),
+    ]:
+        assert f"{old} is deprecated; use {new}" in err
 
 
 def test_literal_fields_take_only_their_values() -> None:
