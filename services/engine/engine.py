@@ -27,7 +27,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats import SchedulerStats
-from services.worker.config import GiB, resolve_dtype
+from services.worker.config import resolve_dtype
 from services.worker.loaded_model import LoadedModel
 from services.worker.quantization.formats import serves_gguf_blocks
 from services.worker.runner import ModelRunner
@@ -82,20 +82,7 @@ class LLMEngine:
         self.architecture = self.model.architecture
         self.max_model_len = loaded.max_model_len(config.max_model_len)
         self.eos_token_ids = loaded.eos_token_ids
-        self.runner = ModelRunner.create(
-            loaded,
-            kv_cache_bytes=int(config.kv_cache_gib * GiB),
-            block_size=config.block_size,
-            seed=config.seed,
-            kv_cache_dtype=config.kv_cache_dtype,
-            kv_cache_group_size=config.kv_cache_group_size,
-            enforce_eager=config.enforce_eager,
-            max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            fused_decode=config.fused_decode,
-            batch_invariant=config.deterministic,
-            ngram_sizes=(config.speculative_ngram_min_n, config.speculative_ngram_max_n),
-        )
+        self.runner = ModelRunner.from_settings(loaded, config, self.max_model_len)
         self.runner.compile_step_graphs()
         self.kv_cache = self.runner.kv_cache
         self.num_kv_blocks = self.kv_cache.num_blocks

@@ -12,8 +12,8 @@ import torch
 from services.common.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan
 from services.worker.forward_batch import ForwardBatch
-from services.worker.ngram_proposer import NgramIndex
 from services.worker.sampling_metadata import SamplerRow
+from services.worker.speculative.ngram_proposer import NgramIndex
 
 
 @dataclass(slots=True)

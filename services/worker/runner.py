@@ -3,7 +3,7 @@ batch and the sampler; knows nothing of scheduling or text."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -11,22 +11,41 @@ from services.common.grammar import GrammarCompiler
 from services.common.serving_config import DEFAULT_KV_GROUP_SIZE
 from services.contracts.step import BatchPlan, StepResult
 from services.worker.batch_invariance import make_batch_invariant
-from services.worker.draft_verification import verify_greedy, verify_sampled
+from services.worker.config import GiB
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode
 from services.worker.host_memory import keep_freed_memory
-from services.worker.input_batch import InputBatch, StepInputs
+from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
 from services.worker.model.causal_lm import CausalLM
 from services.worker.python_gc import freeze_loaded_objects
 from services.worker.quantization.formats import check_kv_cache_group_size
-from services.worker.sampler import Sampler, filtered_probs
+from services.worker.sampler import Sampler
 from services.worker.sampling_metadata import build_sampling_metadata
+from services.worker.speculative.verify_step import sample_and_verify
 from services.worker.step_graphs import DEFAULT_BATCH_BUCKETS, DecodeGraphs, buckets_up_to
-from services.worker.structured_output import GrammarMatchers
+from services.worker.structured_output.matchers import GrammarMatchers
 
 StepMode = Literal["fused", "compiled", "eager"]
+
+
+class RunnerSettings(Protocol):
+    """The config fields a runner is made from: the shared groups (DeviceConfig,
+    WeightsConfig, BatchingConfig, RuntimeConfig, SpeculationConfig) the worker's and the
+    in-process engine's configs both have."""
+
+    kv_cache_gib: float
+    block_size: int
+    seed: int | None
+    kv_cache_dtype: str
+    kv_cache_group_size: int
+    enforce_eager: bool
+    max_num_seqs: int
+    fused_decode: bool
+    deterministic: bool
+    speculative_ngram_min_n: int
+    speculative_ngram_max_n: int
 
 
 class ModelRunner:
@@ -134,6 +153,26 @@ class ModelRunner:
             ),
         )
 
+    @classmethod
+    def from_settings(
+        cls, loaded: LoadedModel, settings: RunnerSettings, max_model_len: int | None
+    ) -> ModelRunner:
+        """`create` with a config's fields (the KV cache's size in GiB)."""
+        return cls.create(
+            loaded,
+            kv_cache_bytes=int(settings.kv_cache_gib * GiB),
+            block_size=settings.block_size,
+            seed=settings.seed,
+            kv_cache_dtype=settings.kv_cache_dtype,
+            kv_cache_group_size=settings.kv_cache_group_size,
+            enforce_eager=settings.enforce_eager,
+            max_model_len=max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            fused_decode=settings.fused_decode,
+            batch_invariant=settings.deterministic,
+            ngram_sizes=(settings.speculative_ngram_min_n, settings.speculative_ngram_max_n),
+        )
+
     def compile_step_graphs(self, show_progress: bool = True) -> None:
         """Build the C++ kernels and compile every decode bucket (from the disk cache when a
         previous start compiled them); a no-op when running eagerly."""
@@ -175,7 +214,15 @@ class ModelRunner:
         accepted: dict[str, list[int]] = {}
         if drafts:
             logits = self._forward_sampled(inputs.forward)
-            sampled, accepted = self._sample_and_verify(logits, inputs)
+            sampled, accepted = sample_and_verify(
+                logits,
+                inputs,
+                self.batch.sequences,
+                self.sampler,
+                self.eos_token_ids,
+                self.vocab_size,
+                self.grammars,
+            )
             result.num_proposed_drafts = {rid: len(d) for rid, d in drafts.items()}
             result.accepted_draft_ids = {rid: ids for rid, ids in accepted.items() if ids}
         elif inputs.sampled_request_ids:
@@ -204,55 +251,6 @@ class ModelRunner:
             grammars.accept(sampled)
         result.sampled_token_ids = sampled
         return result
-
-    def _sample_and_verify(
-        self, logits: torch.Tensor, inputs: StepInputs
-    ) -> tuple[dict[str, int], dict[str, list[int]]]:
-        """A step with drafts: one logits row per sequence plus one per draft. Every row is
-        processed as its own sampling position (penalties and min_new_tokens count the drafts
-        before it), then each speculating sequence keeps the drafts the model agrees with
-        (draft_verification.py): greedy rows by argmax, sampled rows by the rejection rule
-        on the row's final distribution. Returns (sampled token, accepted drafts) per id."""
-        sequences, eos = self.batch.sequences, self.eos_token_ids
-        rows = []
-        row_ids: list[str] = []
-        first_row: dict[str, int] = {}
-        for request_id in inputs.sampled_request_ids:
-            seq = sequences[request_id]
-            draft = inputs.drafts.get(request_id, ())
-            first_row[request_id] = len(rows)
-            rows.extend(seq.sampler_row(eos, draft[:j]) for j in range(len(draft) + 1))
-            row_ids.extend([request_id] * (len(draft) + 1))
-        metadata = build_sampling_metadata(rows, self.vocab_size, self.device)
-        if self.grammars is not None:
-            # Sequences with a grammar never draft (SamplingParams.can_speculate): one row.
-            metadata.grammar_mask = self.grammars.fill(row_ids)
-        # A sampled (not greedy) speculating sequence verifies against its rows' final
-        # distributions, taken before the sampler consumes the logits.
-        probs: dict[str, torch.Tensor] = {}
-        for request_id, draft in inputs.drafts.items():
-            if not sequences[request_id].sampling.is_greedy:
-                start, end = first_row[request_id], first_row[request_id] + len(draft) + 1
-                own = build_sampling_metadata(rows[start:end], self.vocab_size, self.device)
-                probs[request_id] = filtered_probs(logits[start:end].float().clone(), own)
-        output = self.sampler(logits, metadata)
-        token_ids = output.token_ids.tolist()
-        sampled: dict[str, int] = {}
-        accepted: dict[str, list[int]] = {}
-        generator = self.sampler.generator(self.device)
-        for request_id in inputs.sampled_request_ids:
-            start = first_row[request_id]
-            draft = inputs.drafts.get(request_id)
-            if not draft:
-                sampled[request_id] = token_ids[start]
-                continue
-            if request_id in probs:
-                verified = verify_sampled(probs[request_id], draft, generator)
-            else:
-                verified = verify_greedy(token_ids[start : start + len(draft) + 1], draft)
-            accepted[request_id] = verified.token_ids[:-1]
-            sampled[request_id] = verified.token_ids[-1]
-        return sampled, accepted
 
     def _forward_sampled(self, forward: ForwardBatch) -> torch.Tensor:
         """Logits of a step that samples, by the fastest path that can run it."""

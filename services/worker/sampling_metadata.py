@@ -38,7 +38,7 @@ class SamplerRow:
 
 @dataclass(slots=True)
 class GrammarMask:
-    """Structured output's allowed tokens this step (services/worker/structured_output.py)."""
+    """Structured output's allowed tokens this step (worker/structured_output/matchers.py)."""
 
     bitmask: torch.Tensor
     """[>= B, ceil(V / 32)] int32 on the CPU, bit t of row r set = token t allowed; only the

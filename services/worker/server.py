@@ -35,7 +35,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.sampling_proto import structured_output_from_proto
 from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.worker import metrics
-from services.worker.config import GiB, WorkerConfig, resolve_dtype
+from services.worker.config import WorkerConfig, resolve_dtype
 from services.worker.convert import plan_from_proto, result_to_proto
 from services.worker.loaded_model import LoadedModel
 from services.worker.quantization.formats import serves_gguf_blocks
@@ -283,20 +283,7 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
     gguf_blocks = serves_gguf_blocks(config.quantization, config.model)
     dtype = resolve_dtype(config.dtype, config.device, gguf_blocks=gguf_blocks)
     loaded = LoadedModel.load(config.model, dtype, config.device, config.quantization)
-    runner = ModelRunner.create(
-        loaded,
-        kv_cache_bytes=int(config.kv_cache_gib * GiB),
-        block_size=config.block_size,
-        seed=config.seed,
-        kv_cache_dtype=config.kv_cache_dtype,
-        kv_cache_group_size=config.kv_cache_group_size,
-        enforce_eager=config.enforce_eager,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        fused_decode=config.fused_decode,
-        batch_invariant=config.deterministic,
-        ngram_sizes=(config.speculative_ngram_min_n, config.speculative_ngram_max_n),
-    )
+    runner = ModelRunner.from_settings(loaded, config, config.max_model_len)
     runner.compile_step_graphs()
     warm_up(runner)
     return loaded, runner

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.draft_verification import verify_greedy, verify_sampled
+from services.worker.speculative.draft_verification import verify_greedy, verify_sampled
 
 TRIALS = 20_000
 

@@ -34,7 +34,7 @@ PURE_MODULES = (
     "services/worker/model/families",
     "services/worker/model/architecture_switches.py",
     # the worker's draft proposer (prompt lookup)
-    "services/worker/ngram_proposer.py",
+    "services/worker/speculative/ngram_proposer.py",
     # the tokenizer tier's logic
     "services/tokenizer/routing.py",
     "services/tokenizer/membership.py",

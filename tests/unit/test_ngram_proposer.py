@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.worker.ngram_proposer import NgramIndex
+from services.worker.speculative.ngram_proposer import NgramIndex
 
 
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

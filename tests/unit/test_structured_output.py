@@ -32,7 +32,7 @@ from services.tokenizer.openai_http.schemas import (
 from services.tokenizer.validation import Limits, SamplingInput, validate_sampling
 from services.worker.sampler import Sampler
 from services.worker.sampling_metadata import SamplerRow, build_sampling_metadata
-from services.worker.structured_output import GrammarMatchers
+from services.worker.structured_output.matchers import GrammarMatchers
 from tests.unit.factories import create_requests, create_scheduler, result_for
 
 K = StructuredOutputKind
