@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protos.llmserve.v1 import engine_pb2
+from protos.llmserve.v1 import engine_pb2, logprobs_pb2
 from services.contracts.step import TokenEvent
 from services.scheduler.stats import SchedulerStats
 
@@ -12,7 +12,7 @@ def event_to_proto(event: TokenEvent) -> engine_pb2.SubmitResponse:
         token_ids=event.new_token_ids,
         finish_reason=event.finish_reason.value if event.finish_reason is not None else "",
         logprobs=[
-            engine_pb2.EngineTokenLogprob(
+            logprobs_pb2.TokenLogprob(
                 token_id=token_id,
                 logprob=lp.token_logprob,
                 top_token_ids=lp.top_token_ids,

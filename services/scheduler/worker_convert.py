@@ -47,9 +47,7 @@ def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
             zip(message.sampled_request_ids, message.sampled_token_ids, strict=True)
         ),
         logprobs={
-            request_id: TokenLogprobs(
-                lp.token_logprob, list(lp.top_token_ids), list(lp.top_logprobs)
-            )
+            request_id: TokenLogprobs(lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
             for request_id, lp in message.logprobs.items()
         },
         accepted_draft_ids={

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from protos.llmserve.v1 import engine_pb2, text_pb2
+from protos.llmserve.v1 import engine_pb2, logprobs_pb2, text_pb2
 from services.common.chat_template import ChatMessage
 from services.common.named_prompt import NamedPrompt
 from services.common.sampling_proto import sampling_to_proto, structured_output_from_proto
@@ -123,7 +123,7 @@ def generate_response(request_id: str, delta: OutputDelta) -> text_pb2.GenerateR
         text=delta.text,
         token_ids=list(delta.token_ids),
         logprobs=[
-            text_pb2.TokenLogprob(
+            logprobs_pb2.TokenLogprob(
                 token_id=item.token_id,
                 logprob=item.logprob,
                 top_token_ids=list(item.top_token_ids),

@@ -3,7 +3,7 @@ touches protos; the scheduler's side is services/scheduler/worker_convert.py).""
 
 from __future__ import annotations
 
-from protos.llmserve.v1 import worker_pb2
+from protos.llmserve.v1 import logprobs_pb2, worker_pb2
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.step import BatchPlan, NewSequence, SequenceDelta, StepResult
 
@@ -43,9 +43,11 @@ def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOut
         forward_ms=forward_ms,
     )
     for request_id, logprobs in result.logprobs.items():
+        # Logprobs come only with a sampled token: the message names it, as on every hop.
         message.logprobs[request_id].CopyFrom(
-            worker_pb2.TokenLogprobs(
-                token_logprob=logprobs.token_logprob,
+            logprobs_pb2.TokenLogprob(
+                token_id=result.sampled_token_ids[request_id],
+                logprob=logprobs.token_logprob,
                 top_token_ids=logprobs.top_token_ids,
                 top_logprobs=logprobs.top_logprobs,
             )

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from protos.llmserve.v1 import engine_pb2
+from protos.llmserve.v1 import engine_pb2, logprobs_pb2
 from services.tokenizer import convert
 from services.tokenizer.output import EngineOutput, OutputPipeline, OutputText, TokenLogprob
 from tests.unit.test_detokenizer import (
@@ -54,7 +54,7 @@ def one_token_responses(
     responses = [
         engine_pb2.SubmitResponse(
             token_ids=[token_id],
-            logprobs=[engine_pb2.EngineTokenLogprob(token_id=token_id, logprob=-float(index))],
+            logprobs=[logprobs_pb2.TokenLogprob(token_id=token_id, logprob=-float(index))],
             queue_ms=5.0 if index == 0 else 0.0,
             num_prompt_tokens=len(PROMPT_IDS),
         )

@@ -19,7 +19,7 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
         check=True,
         env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
     )
-    assert len(GENERATED) == 15
+    assert len(GENERATED) == 18
     for checked_in in GENERATED:
         fresh = tmp_path / checked_in.relative_to(ROOT)
         assert fresh.read_text() == checked_in.read_text(), (
@@ -44,3 +44,23 @@ def test_public_contract_names() -> None:
     }
     response_fields = set(text_pb2.GenerateResponse.DESCRIPTOR.fields_by_name)
     assert response_fields >= {"text", "token_ids", "finish_reason", "usage", "timings"}
+
+
+def test_one_logprob_message_on_every_hop() -> None:
+    from protos.llmserve.v1 import engine_pb2, logprobs_pb2, text_pb2, worker_pb2
+
+    message = logprobs_pb2.TokenLogprob.DESCRIPTOR
+    # The public name and wire format of text.proto's TokenLogprob are unchanged.
+    assert message.full_name == "llmserve.v1.TokenLogprob"
+    assert [(f.name, f.number) for f in message.fields] == [
+        ("token_id", 1),
+        ("logprob", 2),
+        ("top_token_ids", 3),
+        ("top_logprobs", 4),
+    ]
+    # text.proto imports it publicly: Python clients still find text_pb2.TokenLogprob.
+    assert text_pb2.TokenLogprob is logprobs_pb2.TokenLogprob
+    assert text_pb2.GenerateResponse.DESCRIPTOR.fields_by_name["logprobs"].message_type is message
+    assert engine_pb2.SubmitResponse.DESCRIPTOR.fields_by_name["logprobs"].message_type is message
+    entry = worker_pb2.StepOutput.DESCRIPTOR.fields_by_name["logprobs"].message_type
+    assert entry.fields_by_name["value"].message_type is message

@@ -41,4 +41,7 @@ def test_result_round_trip() -> None:
         sampled_token_ids={"a": 10, "b": 11},
         logprobs={"a": TokenLogprobs(-0.5, [10, 12], [-0.5, -1.25])},
     )
-    assert result_from_proto(result_to_proto(result, forward_ms=1.5)) == result
+    message = result_to_proto(result, forward_ms=1.5)
+    # The shared TokenLogprob names the sampled token on the worker hop too.
+    assert message.logprobs["a"].token_id == 10
+    assert result_from_proto(message) == result

@@ -22,10 +22,12 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.llmserve.v1 import logprobs_pb2 as protos_dot_llmserve_dot_v1_dot_logprobs__pb2
 from protos.llmserve.v1 import sampling_pb2 as protos_dot_llmserve_dot_v1_dot_sampling__pb2
 
+from protos.llmserve.v1.logprobs_pb2 import *
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/llmserve/v1/text.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/sampling.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9b\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x05\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\x05\x12\x0e\n\x01n\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\x12#\n\x16num_speculative_tokens\x18\x13 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\x04\n\x02_nB\x19\n\x17_num_speculative_tokens\"\xf6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x13\n\x0bprompt_name\x18\x08 \x01(\t\x12\x11\n\ttenant_id\x18\t \x01(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xe4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.llmserve.v1.Timings\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\"g\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"\x81\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo\"^\n\x15RegisterPromptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rsystem_prompt\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\r\x12\x11\n\ttenant_id\x18\x04 \x01(\t\"~\n\x10RegisteredPrompt\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x65xpires_unix_s\x18\x03 \x01(\x01\x12\x1d\n\x15num_pinned_schedulers\x18\x04 \x01(\r\x12\x11\n\ttenant_id\x18\x05 \x01(\t\"\'\n\x12ListPromptsRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\"E\n\x13ListPromptsResponse\x12.\n\x07prompts\x18\x01 \x03(\x0b\x32\x1d.llmserve.v1.RegisteredPrompt\"6\n\x13\x44\x65letePromptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\"\'\n\x14\x44\x65letePromptResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xbe\x04\n\x0eTextGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmserve.v1.DetokenizeRequest\x1a\x1f.llmserve.v1.DetokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponse\x12S\n\x0eRegisterPrompt\x12\".llmserve.v1.RegisterPromptRequest\x1a\x1d.llmserve.v1.RegisteredPrompt\x12P\n\x0bListPrompts\x12\x1f.llmserve.v1.ListPromptsRequest\x1a .llmserve.v1.ListPromptsResponse\x12S\n\x0c\x44\x65letePrompt\x12 .llmserve.v1.DeletePromptRequest\x1a!.llmserve.v1.DeletePromptResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/llmserve/v1/text.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a!protos/llmserve/v1/sampling.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9b\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x05\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\x05\x12\x0e\n\x01n\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\x12#\n\x16num_speculative_tokens\x18\x13 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\x04\n\x02_nB\x19\n\x17_num_speculative_tokens\"\xf6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x13\n\x0bprompt_name\x18\x08 \x01(\t\x12\x11\n\ttenant_id\x18\t \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xe4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.llmserve.v1.Timings\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\"g\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"\x81\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo\"^\n\x15RegisterPromptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rsystem_prompt\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\r\x12\x11\n\ttenant_id\x18\x04 \x01(\t\"~\n\x10RegisteredPrompt\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x65xpires_unix_s\x18\x03 \x01(\x01\x12\x1d\n\x15num_pinned_schedulers\x18\x04 \x01(\r\x12\x11\n\ttenant_id\x18\x05 \x01(\t\"\'\n\x12ListPromptsRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\"E\n\x13ListPromptsResponse\x12.\n\x07prompts\x18\x01 \x03(\x0b\x32\x1d.llmserve.v1.RegisteredPrompt\"6\n\x13\x44\x65letePromptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\"\'\n\x14\x44\x65letePromptResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xbe\x04\n\x0eTextGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmserve.v1.DetokenizeRequest\x1a\x1f.llmserve.v1.DetokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponse\x12S\n\x0eRegisterPrompt\x12\".llmserve.v1.RegisterPromptRequest\x1a\x1d.llmserve.v1.RegisteredPrompt\x12P\n\x0bListPrompts\x12\x1f.llmserve.v1.ListPromptsRequest\x1a .llmserve.v1.ListPromptsResponse\x12S\n\x0c\x44\x65letePrompt\x12 .llmserve.v1.DeletePromptRequest\x1a!.llmserve.v1.DeletePromptResponseP\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,48 +36,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_CHATMESSAGE']._serialized_start=81
-  _globals['_CHATMESSAGE']._serialized_end=125
-  _globals['_SAMPLINGPARAMS']._serialized_start=128
-  _globals['_SAMPLINGPARAMS']._serialized_end=923
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=683
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=731
-  _globals['_GENERATEREQUEST']._serialized_start=926
-  _globals['_GENERATEREQUEST']._serialized_end=1172
-  _globals['_TOKENLOGPROB']._serialized_start=1174
-  _globals['_TOKENLOGPROB']._serialized_end=1268
-  _globals['_USAGE']._serialized_start=1270
-  _globals['_USAGE']._serialized_end=1357
-  _globals['_TIMINGS']._serialized_start=1359
-  _globals['_TIMINGS']._serialized_end=1421
-  _globals['_GENERATERESPONSE']._serialized_start=1424
-  _globals['_GENERATERESPONSE']._serialized_end=1652
-  _globals['_TOKENIZEREQUEST']._serialized_start=1654
-  _globals['_TOKENIZEREQUEST']._serialized_end=1757
-  _globals['_TOKENIZERESPONSE']._serialized_start=1759
-  _globals['_TOKENIZERESPONSE']._serialized_end=1812
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1814
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1881
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1883
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1917
-  _globals['_LISTMODELSREQUEST']._serialized_start=1919
-  _globals['_LISTMODELSREQUEST']._serialized_end=1938
-  _globals['_MODELINFO']._serialized_start=1941
-  _globals['_MODELINFO']._serialized_end=2070
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2072
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2132
-  _globals['_REGISTERPROMPTREQUEST']._serialized_start=2134
-  _globals['_REGISTERPROMPTREQUEST']._serialized_end=2228
-  _globals['_REGISTEREDPROMPT']._serialized_start=2230
-  _globals['_REGISTEREDPROMPT']._serialized_end=2356
-  _globals['_LISTPROMPTSREQUEST']._serialized_start=2358
-  _globals['_LISTPROMPTSREQUEST']._serialized_end=2397
-  _globals['_LISTPROMPTSRESPONSE']._serialized_start=2399
-  _globals['_LISTPROMPTSRESPONSE']._serialized_end=2468
-  _globals['_DELETEPROMPTREQUEST']._serialized_start=2470
-  _globals['_DELETEPROMPTREQUEST']._serialized_end=2524
-  _globals['_DELETEPROMPTRESPONSE']._serialized_start=2526
-  _globals['_DELETEPROMPTRESPONSE']._serialized_end=2565
-  _globals['_TEXTGENERATION']._serialized_start=2568
-  _globals['_TEXTGENERATION']._serialized_end=3142
+  _globals['_CHATMESSAGE']._serialized_start=116
+  _globals['_CHATMESSAGE']._serialized_end=160
+  _globals['_SAMPLINGPARAMS']._serialized_start=163
+  _globals['_SAMPLINGPARAMS']._serialized_end=958
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=718
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=766
+  _globals['_GENERATEREQUEST']._serialized_start=961
+  _globals['_GENERATEREQUEST']._serialized_end=1207
+  _globals['_USAGE']._serialized_start=1209
+  _globals['_USAGE']._serialized_end=1296
+  _globals['_TIMINGS']._serialized_start=1298
+  _globals['_TIMINGS']._serialized_end=1360
+  _globals['_GENERATERESPONSE']._serialized_start=1363
+  _globals['_GENERATERESPONSE']._serialized_end=1591
+  _globals['_TOKENIZEREQUEST']._serialized_start=1593
+  _globals['_TOKENIZEREQUEST']._serialized_end=1696
+  _globals['_TOKENIZERESPONSE']._serialized_start=1698
+  _globals['_TOKENIZERESPONSE']._serialized_end=1751
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1753
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1820
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1822
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1856
+  _globals['_LISTMODELSREQUEST']._serialized_start=1858
+  _globals['_LISTMODELSREQUEST']._serialized_end=1877
+  _globals['_MODELINFO']._serialized_start=1880
+  _globals['_MODELINFO']._serialized_end=2009
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2011
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2071
+  _globals['_REGISTERPROMPTREQUEST']._serialized_start=2073
+  _globals['_REGISTERPROMPTREQUEST']._serialized_end=2167
+  _globals['_REGISTEREDPROMPT']._serialized_start=2169
+  _globals['_REGISTEREDPROMPT']._serialized_end=2295
+  _globals['_LISTPROMPTSREQUEST']._serialized_start=2297
+  _globals['_LISTPROMPTSREQUEST']._serialized_end=2336
+  _globals['_LISTPROMPTSRESPONSE']._serialized_start=2338
+  _globals['_LISTPROMPTSRESPONSE']._serialized_end=2407
+  _globals['_DELETEPROMPTREQUEST']._serialized_start=2409
+  _globals['_DELETEPROMPTREQUEST']._serialized_end=2463
+  _globals['_DELETEPROMPTRESPONSE']._serialized_start=2465
+  _globals['_DELETEPROMPTRESPONSE']._serialized_end=2504
+  _globals['_TEXTGENERATION']._serialized_start=2507
+  _globals['_TEXTGENERATION']._serialized_end=3081
 # @@protoc_insertion_point(module_scope)

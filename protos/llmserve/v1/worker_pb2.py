@@ -22,11 +22,12 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos.llmserve.v1 import logprobs_pb2 as protos_dot_llmserve_dot_v1_dot_logprobs__pb2
 from protos.llmserve.v1 import model_pb2 as protos_dot_llmserve_dot_v1_dot_model__pb2
 from protos.llmserve.v1 import sampling_pb2 as protos_dot_llmserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/worker.proto\x12\x0bllmserve.v1\x1a\x1eprotos/llmserve/v1/model.proto\x1a!protos/llmserve/v1/sampling.proto\"Q\n\x15PrepareGrammarRequest\x12\x38\n\x11structured_output\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\",\n\x16PrepareGrammarResponse\x12\x12\n\ncompile_ms\x18\x01 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\x95\x02\n\x11WorkerDescription\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cworker_epoch\x18\x0c \x01(\t\x12,\n\x05model\x18\r \x01(\x0b\x32\x1d.llmserve.v1.ModelDescription\x12\x16\n\x0esliding_window\x18\x0e \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\t\x10\n\"\xb3\x01\n\x0bNewSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\":\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xf7\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12/\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x30\n\x0c\x62lock_deltas\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x1d\n\x15scheduled_request_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12,\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockCopy\x12:\n\x0b\x64raft_slots\x18\x08 \x03(\x0b\x32%.llmserve.v1.StepPlan.DraftSlotsEntry\x12\x46\n\x11\x62lock_truncations\x18\t \x03(\x0b\x32+.llmserve.v1.StepPlan.BlockTruncationsEntry\x1a\x31\n\x0f\x44raftSlotsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15\x42lockTruncationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"S\n\rTokenLogprobs\x12\x15\n\rtoken_logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xee\x02\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1b\n\x13sampled_request_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.llmserve.v1.StepOutput.LogprobsEntry\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x33\n\x06\x64rafts\x18\x06 \x03(\x0b\x32#.llmserve.v1.StepOutput.DraftsEntry\x1aK\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.llmserve.v1.TokenLogprobs:\x02\x38\x01\x1aH\n\x0b\x44raftsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.DraftOutcome:\x02\x38\x01\"@\n\x0c\x44raftOutcome\x12\x14\n\x0cnum_proposed\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\x05\x32\xe9\x01\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12:\n\x04Step\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepOutput(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".llmserve.v1.PrepareGrammarRequest\x1a#.llmserve.v1.PrepareGrammarResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/worker.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a\x1eprotos/llmserve/v1/model.proto\x1a!protos/llmserve/v1/sampling.proto\"Q\n\x15PrepareGrammarRequest\x12\x38\n\x11structured_output\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\",\n\x16PrepareGrammarResponse\x12\x12\n\ncompile_ms\x18\x01 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\x95\x02\n\x11WorkerDescription\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cworker_epoch\x18\x0c \x01(\t\x12,\n\x05model\x18\r \x01(\x0b\x32\x1d.llmserve.v1.ModelDescription\x12\x16\n\x0esliding_window\x18\x0e \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\t\x10\n\"\xb3\x01\n\x0bNewSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\":\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xf7\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12/\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x30\n\x0c\x62lock_deltas\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x1d\n\x15scheduled_request_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12,\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockCopy\x12:\n\x0b\x64raft_slots\x18\x08 \x03(\x0b\x32%.llmserve.v1.StepPlan.DraftSlotsEntry\x12\x46\n\x11\x62lock_truncations\x18\t \x03(\x0b\x32+.llmserve.v1.StepPlan.BlockTruncationsEntry\x1a\x31\n\x0f\x44raftSlotsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15\x42lockTruncationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xed\x02\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1b\n\x13sampled_request_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.llmserve.v1.StepOutput.LogprobsEntry\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x33\n\x06\x64rafts\x18\x06 \x03(\x0b\x32#.llmserve.v1.StepOutput.DraftsEntry\x1aJ\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.TokenLogprob:\x02\x38\x01\x1aH\n\x0b\x44raftsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.DraftOutcome:\x02\x38\x01\"@\n\x0c\x44raftOutcome\x12\x14\n\x0cnum_proposed\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\x05\x32\xe9\x01\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12:\n\x04Step\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepOutput(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".llmserve.v1.PrepareGrammarRequest\x1a#.llmserve.v1.PrepareGrammarResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,36 +42,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_STEPOUTPUT_DRAFTSENTRY']._loaded_options = None
   _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_options = b'8\001'
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=115
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=196
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=198
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=242
-  _globals['_DESCRIBEREQUEST']._serialized_start=244
-  _globals['_DESCRIBEREQUEST']._serialized_end=261
-  _globals['_WORKERDESCRIPTION']._serialized_start=264
-  _globals['_WORKERDESCRIPTION']._serialized_end=541
-  _globals['_NEWSEQUENCE']._serialized_start=544
-  _globals['_NEWSEQUENCE']._serialized_end=723
-  _globals['_SEQUENCEDELTA']._serialized_start=725
-  _globals['_SEQUENCEDELTA']._serialized_end=783
-  _globals['_BLOCKCOPY']._serialized_start=785
-  _globals['_BLOCKCOPY']._serialized_end=822
-  _globals['_STEPPLAN']._serialized_start=825
-  _globals['_STEPPLAN']._serialized_end=1328
-  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_start=1222
-  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_end=1271
-  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_start=1273
-  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_end=1328
-  _globals['_TOKENLOGPROBS']._serialized_start=1330
-  _globals['_TOKENLOGPROBS']._serialized_end=1413
-  _globals['_STEPOUTPUT']._serialized_start=1416
-  _globals['_STEPOUTPUT']._serialized_end=1782
-  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_start=1633
-  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_end=1708
-  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_start=1710
-  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_end=1782
-  _globals['_DRAFTOUTCOME']._serialized_start=1784
-  _globals['_DRAFTOUTCOME']._serialized_end=1848
-  _globals['_WORKER']._serialized_start=1851
-  _globals['_WORKER']._serialized_end=2084
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=150
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=231
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=233
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=277
+  _globals['_DESCRIBEREQUEST']._serialized_start=279
+  _globals['_DESCRIBEREQUEST']._serialized_end=296
+  _globals['_WORKERDESCRIPTION']._serialized_start=299
+  _globals['_WORKERDESCRIPTION']._serialized_end=576
+  _globals['_NEWSEQUENCE']._serialized_start=579
+  _globals['_NEWSEQUENCE']._serialized_end=758
+  _globals['_SEQUENCEDELTA']._serialized_start=760
+  _globals['_SEQUENCEDELTA']._serialized_end=818
+  _globals['_BLOCKCOPY']._serialized_start=820
+  _globals['_BLOCKCOPY']._serialized_end=857
+  _globals['_STEPPLAN']._serialized_start=860
+  _globals['_STEPPLAN']._serialized_end=1363
+  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_start=1257
+  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_end=1306
+  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_start=1308
+  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_end=1363
+  _globals['_STEPOUTPUT']._serialized_start=1366
+  _globals['_STEPOUTPUT']._serialized_end=1731
+  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_start=1583
+  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_end=1657
+  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_start=1659
+  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_end=1731
+  _globals['_DRAFTOUTCOME']._serialized_start=1733
+  _globals['_DRAFTOUTCOME']._serialized_end=1797
+  _globals['_WORKER']._serialized_start=1800
+  _globals['_WORKER']._serialized_end=2033
 # @@protoc_insertion_point(module_scope)

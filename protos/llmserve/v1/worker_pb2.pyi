@@ -1,3 +1,4 @@
+from protos.llmserve.v1 import logprobs_pb2 as _logprobs_pb2
 from protos.llmserve.v1 import model_pb2 as _model_pb2
 from protos.llmserve.v1 import sampling_pb2 as _sampling_pb2
 from google.protobuf.internal import containers as _containers
@@ -116,16 +117,6 @@ class StepPlan(_message.Message):
     block_truncations: _containers.ScalarMap[str, int]
     def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., block_deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., scheduled_request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., draft_slots: _Optional[_Mapping[str, int]] = ..., block_truncations: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
-class TokenLogprobs(_message.Message):
-    __slots__ = ("token_logprob", "top_token_ids", "top_logprobs")
-    TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    token_logprob: float
-    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
-
 class StepOutput(_message.Message):
     __slots__ = ("step_id", "sampled_request_ids", "sampled_token_ids", "logprobs", "forward_ms", "drafts")
     class LogprobsEntry(_message.Message):
@@ -133,8 +124,8 @@ class StepOutput(_message.Message):
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
-        value: TokenLogprobs
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
+        value: _logprobs_pb2.TokenLogprob
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_logprobs_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
     class DraftsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,10 +142,10 @@ class StepOutput(_message.Message):
     step_id: int
     sampled_request_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.MessageMap[str, TokenLogprobs]
+    logprobs: _containers.MessageMap[str, _logprobs_pb2.TokenLogprob]
     forward_ms: float
     drafts: _containers.MessageMap[str, DraftOutcome]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Mapping[str, TokenLogprobs]] = ..., forward_ms: _Optional[float] = ..., drafts: _Optional[_Mapping[str, DraftOutcome]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Mapping[str, _logprobs_pb2.TokenLogprob]] = ..., forward_ms: _Optional[float] = ..., drafts: _Optional[_Mapping[str, DraftOutcome]] = ...) -> None: ...
 
 class DraftOutcome(_message.Message):
     __slots__ = ("num_proposed", "accepted_token_ids")
