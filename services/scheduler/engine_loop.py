@@ -9,12 +9,13 @@ The worker takes one controller: it accepts a stream (initial metadata, before a
 refuses it (FAILED_PRECONDITION while another stream drives it, e.g. this scheduler's own
 previous life, until the worker sees that stream end). The loop reports its worker connected
 only once accepted, and retries a refusal like a worker that is down.
+
+The calls themselves, and their protobuf and gRPC, are worker_client.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -22,18 +23,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import grpc
-
-from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.cache_keys import CacheKeys
 from services.common.errors import InvalidRequestError, LLMServeError, QueueFullError
-from services.common.grpc_server import CHANNEL_OPTIONS
-from services.common.internal_auth import internal_metadata
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.sampling_params import SamplingParams
 from services.common.structured_output import StructuredOutput
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
+from services.contracts.worker_description import WorkerDescription
 from services.scheduler import metrics
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
@@ -41,25 +38,17 @@ from services.scheduler.retry_hint import StepTimeAverage, retry_after_ms
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import SchedulerServerConfig
 from services.scheduler.stats import SchedulerStats
-from services.scheduler.worker_convert import (
-    plan_to_proto,
-    prepare_grammar_request,
-    result_from_proto,
+from services.scheduler.worker_client import (
+    GrammarNotPrepared,
+    StepStream,
+    WorkerClient,
+    WorkerRefused,
+    WorkerUnavailable,
 )
 
 log = logging.getLogger(__name__)
 
 EventQueue = asyncio.Queue[TokenEvent | BaseException]
-
-# How long the worker may take to accept a Step stream (it resets its batch first).
-STEP_ACCEPT_TIMEOUT_S = 30.0
-# How long a grammar compile on the worker may take before the request is let in anyway (the
-# worker then compiles it with the sequence, on its step).
-PREPARE_GRAMMAR_TIMEOUT_S = 30.0
-
-
-class WorkerUnavailable(LLMServeError):
-    """The worker is not connected (starting, restarting or gone)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +81,14 @@ class EngineLoop:
         self.registered_prompts = registered_prompts
         self._pins: dict[str, PinSpec] = {}
         self.scheduler: Scheduler | None = None
-        self.description: worker_pb2.WorkerDescription | None = None
+        self.description: WorkerDescription | None = None
         self._queues: dict[str, EventQueue] = {}
         self._scheduled_at: dict[str, float] = {}
         self._wakeup = asyncio.Event()
         self.connected = asyncio.Event()
         self.num_steps = 0
         self.step_time = StepTimeAverage()
-        self._worker: worker_pb2_grpc.WorkerStub | None = None
+        self._worker: WorkerClient | None = None
         self._grammar_tasks: set[asyncio.Task[None]] = set()
 
     # ---- the server's calls --------------------------------------------------------------
@@ -137,19 +126,14 @@ class EngineLoop:
         scheduler, worker = self.scheduler, self._worker
         try:
             if worker is not None:
-                await worker.PrepareGrammar(
-                    prepare_grammar_request(spec),
-                    timeout=PREPARE_GRAMMAR_TIMEOUT_S,
-                    metadata=internal_metadata(self.config.internal_secret),
-                )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                queue = self._queues.get(request_id)
-                if queue is not None:
-                    field, _, message = (exc.details() or "").partition(": ")
-                    queue.put_nowait(InvalidRequestError(field, message))
-                self.abort(request_id)
-                return
+                await worker.prepare_grammar(spec)
+        except InvalidRequestError as exc:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(exc)
+            self.abort(request_id)
+            return
+        except GrammarNotPrepared as exc:
             # Anything else (a worker restarting, a slow compile): let the request in; the
             # worker compiles it when the sequence arrives, or the request fails with the
             # worker like every other.
@@ -253,18 +237,12 @@ class EngineLoop:
     async def run(self) -> None:
         """Connect, drive, and reconnect forever (until cancelled)."""
         backoff = 0.05
-        # Passed per call rather than by a channel interceptor: an intercepted stream-stream
-        # call routes every write and read through an extra queue, on the step loop's path.
-        metadata = internal_metadata(self.config.internal_secret)
-        refusal_logged: grpc.StatusCode | None = None
+        refusal_logged: str | None = None
         while True:
-            channel = grpc.aio.insecure_channel(self.config.worker, options=CHANNEL_OPTIONS)
+            worker = WorkerClient(self.config.worker, self.config.internal_secret)
             try:
-                stub = worker_pb2_grpc.WorkerStub(channel)
-                self._worker = stub
-                self.description = await stub.Describe(
-                    worker_pb2.DescribeRequest(), timeout=5, metadata=metadata
-                )
+                self._worker = worker
+                self.description = await worker.describe()
                 self.scheduler = Scheduler(
                     self.config.scheduler_config(
                         self.description.block_size, self.description.model.max_model_len
@@ -279,8 +257,7 @@ class EngineLoop:
                         CacheKeys(self.description.model.model_name),
                         self.scheduler.kv.pool.cached_hashes,
                     )
-                call = stub.Step(metadata=metadata)
-                await _accepted(call)
+                steps = await worker.open_steps()
                 refusal_logged = None
                 self._set_connected(True)
                 restore = asyncio.create_task(self._restore_pins())
@@ -296,11 +273,13 @@ class EngineLoop:
                     },
                 )
                 try:
-                    await self._drive(call)
+                    await self._drive(steps)
                 finally:
                     restore.cancel()
-            except (grpc.aio.AioRpcError, WorkerUnavailable) as exc:
-                refusal = _refusal_code(exc)
+            except WorkerUnavailable as exc:
+                # A worker that answers but will not be driven by this scheduler (another
+                # controller, a wrong secret), told from a worker that is down.
+                refusal = exc.reason if isinstance(exc, WorkerRefused) else None
                 if self.connected.is_set():
                     log.error(
                         "worker lost", extra={"worker": self.config.worker, "error": str(exc)}
@@ -319,10 +298,9 @@ class EngineLoop:
             finally:
                 self._worker = None
                 self._set_connected(False)
-                with contextlib.suppress(Exception):
-                    await channel.close(grace=None)
+                await worker.close()
 
-    async def _drive(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _drive(self, steps: StepStream) -> None:
         """Plans out, results in, in order. Overlapped: up to two plans in flight, so the
         worker already holds plan N+1 when it finishes step N and this loop digests step N
         (events, stops, blocks) while N+1 runs. Serial: one plan in flight."""
@@ -332,13 +310,13 @@ class EngineLoop:
         in_flight: deque[BatchPlan] = deque()
         # An idle loop sends nothing, so it would learn of a dead worker only at the next
         # request; the stream's end wakes it instead, and stats stop reporting a stale epoch.
-        call.add_done_callback(lambda _: self._wakeup.set())
+        steps.add_done_callback(self._wakeup.set)
         worker_busy_since = time.perf_counter()
         while True:
             if not in_flight and not scheduler.has_unfinished_requests():
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            if call.done():
+            if steps.done():
                 raise WorkerUnavailable("the worker's step stream ended")
             if len(in_flight) < depth:
                 plan = scheduler.schedule(self.clock())
@@ -346,7 +324,7 @@ class EngineLoop:
                     self._note_scheduled(plan)
                     if not in_flight:
                         worker_busy_since = time.perf_counter()
-                    await call.write(plan_to_proto(plan))
+                    await steps.write(plan)
                     in_flight.append(plan)
                     if len(in_flight) < depth:
                         continue  # make the next plan before waiting for this one
@@ -359,11 +337,8 @@ class EngineLoop:
                     if not in_flight:
                         await asyncio.sleep(0.002)  # requests wait for KV blocks: do not spin
                         continue
-            output = await call.read()
-            if output is grpc.aio.EOF:
-                raise WorkerUnavailable("the worker closed the step stream")
+            result = await steps.read()
             plan = in_flight.popleft()
-            result = result_from_proto(output)
             if result.step_id != plan.step_id:
                 raise WorkerUnavailable(
                     f"the worker answered step {result.step_id}, expected {plan.step_id}"
@@ -419,24 +394,3 @@ class EngineLoop:
             self.connected.clear()
         if self.on_connection_change is not None:
             self.on_connection_change(connected)
-
-
-async def _accepted(call: grpc.aio.StreamStreamCall) -> None:
-    """Returns once the worker has taken `call` as its controller's stream (its initial
-    metadata); raises its refusal (AioRpcError) or WorkerUnavailable."""
-    try:
-        await asyncio.wait_for(call.initial_metadata(), STEP_ACCEPT_TIMEOUT_S)
-    except TimeoutError as exc:
-        raise WorkerUnavailable("the worker did not accept the step stream in time") from exc
-    if call.done():
-        await call.read()  # a refused call raises its status here
-        raise WorkerUnavailable("the worker ended the step stream at once")
-
-
-def _refusal_code(exc: BaseException) -> grpc.StatusCode | None:
-    """The code of a worker that answers but will not be driven by this scheduler (another
-    controller, a wrong secret); None for a worker that is down."""
-    refusals = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED)
-    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in refusals:
-        return exc.code()
-    return None

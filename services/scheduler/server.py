@@ -23,6 +23,7 @@ from services.common.grpc_server import (
     status_for,
 )
 from services.common.metrics_http import start_metrics_server
+from services.common.model_description_proto import description_to_proto
 from services.common.named_prompt import NamedPrompt
 from services.common.prompt_checks import check_token_ids
 from services.common.prompt_store import PromptStore
@@ -172,7 +173,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if not self.loop.connected.is_set() or description is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not connected")
         assert description is not None
-        return description.model
+        return description_to_proto(description.model)
 
     async def Pin(
         self, request: engine_pb2.PinRequest, context: grpc.aio.ServicerContext

@@ -1,12 +1,29 @@
-"""The scheduler's side of worker.proto: plans out, results in (the worker's side is
-services/worker/convert.py)."""
+"""The scheduler's side of worker.proto: the worker's description and results in, plans out
+(the worker's side is services/worker/convert.py)."""
 
 from __future__ import annotations
 
 from protos.llmserve.v1 import worker_pb2
+from services.common.model_description_proto import description_from_proto
 from services.common.sampling_proto import sampling_to_proto, structured_output_to_proto
 from services.common.structured_output import StructuredOutput
 from services.contracts.step import BatchPlan, StepResult, TokenLogprobs
+from services.contracts.worker_description import WorkerDescription
+
+
+def worker_description_from_proto(message: worker_pb2.WorkerDescription) -> WorkerDescription:
+    return WorkerDescription(
+        model=description_from_proto(message.model),
+        architecture=message.architecture,
+        dtype=message.dtype,
+        device=message.device,
+        block_size=message.block_size,
+        num_kv_blocks=message.num_kv_blocks,
+        kv_cache_dtype=message.kv_cache_dtype,
+        quantization=message.quantization,
+        worker_epoch=message.worker_epoch,
+        sliding_window=message.sliding_window,
+    )
 
 
 def prepare_grammar_request(spec: StructuredOutput) -> worker_pb2.PrepareGrammarRequest:

@@ -1,6 +1,6 @@
 """Protobuf ↔ plain data for the tokenizer tier: the public text.proto messages and the
-scheduler's engine.proto messages. Besides the servicer and the server, the only module
-that sees generated code."""
+scheduler's engine.proto messages. Besides the servicer, the server and the scheduler clients
+(scheduler_pool.py, submit_stream.py: the calls), the only module that sees generated code."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Iterable, Sequence
 
 from protos.llmserve.v1 import engine_pb2, logprobs_pb2, text_pb2
 from services.common.chat_template import ChatMessage
-from services.common.named_prompt import NamedPrompt
+from services.common.named_prompt import NamedPrompt, pin_name
+from services.common.prefix_hash import tenant_salt
 from services.common.sampling_proto import sampling_to_proto, structured_output_from_proto
 from services.tokenizer.output import EngineOutput, OutputDelta, TokenLogprob
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
@@ -67,6 +68,24 @@ def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> engine_p
         arrival_unix_s=arrival_unix_s,
         cache_salt=request.cache_salt,
     )
+
+
+def pin_request(prompt: NamedPrompt) -> engine_pb2.PinRequest:
+    """A named prompt's KV to pin on a scheduler, under its tenant's name and salt."""
+    return engine_pb2.PinRequest(
+        name=pin_name(prompt.tenant_id, prompt.name),
+        token_ids=list(prompt.token_ids),
+        cache_salt=tenant_salt(prompt.tenant_id),
+        ttl_s=float(prompt.ttl_s),
+    )
+
+
+def unpin_request(tenant_id: str, name: str) -> engine_pb2.UnpinRequest:
+    return engine_pb2.UnpinRequest(name=pin_name(tenant_id, name))
+
+
+def cancel_choice_request(request_id: str, index: int) -> engine_pb2.CancelChoiceRequest:
+    return engine_pb2.CancelChoiceRequest(request_id=request_id, index=index)
 
 
 def engine_output(response: engine_pb2.SubmitResponse) -> EngineOutput:

@@ -306,7 +306,7 @@ class SchedulerPool:
 
     async def _drain(self, client: SchedulerClient) -> None:
         """Close a leaver's channel once its last stream ends, or after drain_s: a stream
-        still open then ends UNAVAILABLE (generation.py names the scheduler that left)."""
+        still open then ends UNAVAILABLE (scheduler_errors.py names the scheduler that left)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_s
         while client.num_in_flight and loop.time() < deadline:

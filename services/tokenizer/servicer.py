@@ -17,11 +17,10 @@ from typing import NoReturn
 
 import grpc
 
-from protos.llmserve.v1 import engine_pb2, text_pb2, text_pb2_grpc
+from protos.llmserve.v1 import text_pb2, text_pb2_grpc
 from services.common.errors import InvalidRequestError, LLMServeError, shortened
 from services.common.grpc_server import refusal_metadata, status_for
-from services.common.named_prompt import NamedPrompt, pin_name
-from services.common.prefix_hash import tenant_salt
+from services.common.named_prompt import NamedPrompt
 from services.common.prompt_checks import check_token_ids
 from services.tokenizer import convert, metrics
 from services.tokenizer.access import OPEN_CALLER, AccessPolicy, Caller, require_admin, tenant_for
@@ -164,12 +163,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
     async def _pin_everywhere(self, prompt: NamedPrompt) -> int:
         """Pin the prompt's KV on every scheduler; returns how many pinned some of it. A
         scheduler that is down now pins it from Redis when it comes back."""
-        pin = engine_pb2.PinRequest(
-            name=pin_name(prompt.tenant_id, prompt.name),
-            token_ids=list(prompt.token_ids),
-            cache_salt=tenant_salt(prompt.tenant_id),
-            ttl_s=float(prompt.ttl_s),
-        )
+        pin = convert.pin_request(prompt)
         timeout_s = self._generator.config.pin_timeout_s
 
         async def pin_on(client: SchedulerClient) -> bool:
@@ -210,7 +204,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             deleted = await self._generator.prompts.delete(request.tenant_id, request.name)
         except LLMServeError as exc:
             await _abort(context, *status_for(exc))
-        unpin = engine_pb2.UnpinRequest(name=pin_name(request.tenant_id, request.name))
+        unpin = convert.unpin_request(request.tenant_id, request.name)
         await asyncio.gather(
             *(c.stub.Unpin(unpin, timeout=5.0) for c in self._generator.pool.clients),
             return_exceptions=True,

@@ -1,11 +1,28 @@
-"""The worker's side of worker.proto: plans in, results out (the only place the worker
-touches protos; the scheduler's side is services/scheduler/worker_convert.py)."""
+"""The worker's side of worker.proto: plans in, its description and results out (the only
+place the worker touches protos; the scheduler's side is services/scheduler/worker_convert.py)."""
 
 from __future__ import annotations
 
 from protos.llmserve.v1 import logprobs_pb2, worker_pb2
+from services.common.model_description_proto import description_to_proto
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.step import BatchPlan, NewSequence, SequenceDelta, StepResult
+from services.contracts.worker_description import WorkerDescription
+
+
+def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.WorkerDescription:
+    return worker_pb2.WorkerDescription(
+        model=description_to_proto(description.model),
+        architecture=description.architecture,
+        dtype=description.dtype,
+        device=description.device,
+        block_size=description.block_size,
+        num_kv_blocks=description.num_kv_blocks,
+        kv_cache_dtype=description.kv_cache_dtype,
+        quantization=description.quantization,
+        worker_epoch=description.worker_epoch,
+        sliding_window=description.sliding_window,
+    )
 
 
 def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:

@@ -30,13 +30,13 @@ from services.common.config_flags import add_config_flags, config_from_args
 from services.common.errors import InvalidRequestError
 from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
-from services.common.model_description_proto import description_to_proto
 from services.common.sampling_params import SamplingParams
 from services.common.sampling_proto import structured_output_from_proto
 from services.contracts.step import BatchPlan, NewSequence, StepResult
+from services.contracts.worker_description import WorkerDescription
 from services.worker import metrics
 from services.worker.config import WorkerConfig, resolve_dtype
-from services.worker.convert import plan_from_proto, result_to_proto
+from services.worker.convert import plan_from_proto, result_to_proto, worker_description_to_proto
 from services.worker.loaded_model import LoadedModel
 from services.worker.quantization.formats import serves_gguf_blocks
 from services.worker.runner import ModelRunner, StepMode
@@ -90,7 +90,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerDescription:
         loaded, runner = await self._ready(context)
-        return worker_pb2.WorkerDescription(
+        description = WorkerDescription(
+            model=loaded.describe(self.config.max_model_len),
             architecture=loaded.model.architecture.family,
             dtype=str(loaded.dtype).removeprefix("torch."),
             device=str(loaded.device),
@@ -99,9 +100,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_cache_dtype=str(runner.kv_cache.spec.dtype).removeprefix("torch."),
             quantization=loaded.quantization,
             worker_epoch=self.epoch,
-            model=description_to_proto(loaded.describe(self.config.max_model_len)),
             sliding_window=loaded.model.architecture.largest_window,
         )
+        return worker_description_to_proto(description)
 
     async def PrepareGrammar(
         self, request: worker_pb2.PrepareGrammarRequest, context: grpc.aio.ServicerContext

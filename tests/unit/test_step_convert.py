@@ -1,7 +1,9 @@
-"""The step plan and result survive worker.proto: the scheduler's side out, the worker's in."""
+"""The step plan and result, and the worker's description, survive worker.proto: each side's
+converter out, the other's in."""
 
 from __future__ import annotations
 
+from services.common.model_description import ModelDescription
 from services.common.sampling_params import SamplingParams
 from services.contracts.step import (
     BatchPlan,
@@ -10,8 +12,13 @@ from services.contracts.step import (
     StepResult,
     TokenLogprobs,
 )
-from services.scheduler.worker_convert import plan_to_proto, result_from_proto
-from services.worker.convert import plan_from_proto, result_to_proto
+from services.contracts.worker_description import WorkerDescription
+from services.scheduler.worker_convert import (
+    plan_to_proto,
+    result_from_proto,
+    worker_description_from_proto,
+)
+from services.worker.convert import plan_from_proto, result_to_proto, worker_description_to_proto
 
 
 def test_plan_round_trip() -> None:
@@ -45,3 +52,31 @@ def test_result_round_trip() -> None:
     # The shared TokenLogprob names the sampled token on the worker hop too.
     assert message.logprobs["a"].token_id == 10
     assert result_from_proto(message) == result
+
+
+def test_worker_description_round_trip() -> None:
+    description = WorkerDescription(
+        model=ModelDescription(
+            model_name="m",
+            vocab_size=100,
+            max_model_len=256,
+            tokenizer_json="{}",
+            chat_template=None,
+            bos_token_id=1,
+            eos_token_ids=(2, 3),
+            add_bos_token=True,
+            special_tokens=(("bos_token", "<s>"), ("eos_token", "</s>")),
+        ),
+        architecture="llama",
+        dtype="bfloat16",
+        device="cpu",
+        block_size=16,
+        num_kv_blocks=64,
+        kv_cache_dtype="float16",
+        quantization="q8_0",
+        worker_epoch="e1",
+        sliding_window=48,
+    )
+    message = worker_description_to_proto(description)
+    assert not message.model.HasField("chat_template")
+    assert worker_description_from_proto(message) == description

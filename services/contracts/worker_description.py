@@ -1,0 +1,27 @@
+"""What a worker says about itself (Worker.Describe): its scheduler sizes the KV manager from
+it, keys the prefix index by its epoch, and passes the model part on to the tokenizer tier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.model_description import ModelDescription
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDescription:
+    model: ModelDescription
+    architecture: str = ""
+    dtype: str = ""
+    device: str = ""
+    block_size: int = 0
+    """Tokens per KV block."""
+    num_kv_blocks: int = 0
+    """What the worker allocated from its KV budget."""
+    kv_cache_dtype: str = ""
+    quantization: str = ""
+    worker_epoch: str = ""
+    """Changes when the worker restarts: its KV cache is empty."""
+    sliding_window: int = 0
+    """The window every layer attends through (a query at p sees keys p - W < j <= p), 0 when
+    some layer sees the whole context: the scheduler frees blocks before it, never read."""
