@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from benchmarks.common import SAFE_TOKEN_RANGE, command_line, format_table, mean, uniform_int
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, StepResult
 from services.scheduler.config import AllocationPolicy, SchedulerConfig
 from services.scheduler.request import Request

@@ -112,7 +112,7 @@ def stack_system(address: str, output_len: int) -> Callable[[Prompts], RoundResu
 
 
 def inprocess_system(engine: object, output_len: int) -> Callable[[Prompts], RoundResult]:
-    from services.common.sampling_params import SamplingParams
+    from services.contracts.sampling_params import SamplingParams
 
     sampling = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
 

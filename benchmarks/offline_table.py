@@ -28,8 +28,8 @@ from benchmarks.common import (
     random_prompts,
     reset_peak_rss,
 )
-from services.common.sampling_params import SamplingParams
 from services.common.serving_config import DTypeName
+from services.contracts.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker.config import GiB, resolve_dtype

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine

@@ -32,8 +32,8 @@ from benchmarks.quant_accuracy import (
     kl_and_top1,
     measure_accuracy,
 )
-from services.common.sampling_params import SamplingParams
 from services.common.serving_config import DTypeName
+from services.contracts.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker.config import GiB, resolve_dtype

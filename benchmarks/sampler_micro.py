@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.worker.sampler import Sampler
 from services.worker.sampling_metadata import SamplerRow, build_sampling_metadata
 

@@ -9,7 +9,7 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import StepResult
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request

@@ -348,8 +348,8 @@ class InProcessTarget:
         concurrency: int | None,
         progress: tqdm | None,
     ) -> list[RequestRecord]:
-        from services.common.errors import LLMServeError
-        from services.common.sampling_params import SamplingParams
+        from services.contracts.errors import LLMServeError
+        from services.contracts.sampling_params import SamplingParams
 
         engine = self.engine
         records: list[RequestRecord] = []

@@ -23,7 +23,7 @@ import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import format_table, machine_header, random_prompts
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 

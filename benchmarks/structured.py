@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import format_table, machine_header, random_prompts
-from services.common.sampling_params import SamplingParams
-from services.common.structured_output import StructuredOutput, StructuredOutputKind
+from services.contracts.sampling_params import SamplingParams
+from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker import sampler as sampler_module

@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the user sees one line, not a traceback, for our own errors
-        from services.common.errors import LLMServeError
+        from services.contracts.errors import LLMServeError
 
         if isinstance(exc, LLMServeError):
             logging.getLogger("llmserve").debug("failed", exc_info=True)

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import ModelLoadError
 from services.common.model_source import resolve_model_path
+from services.contracts.errors import ModelLoadError
 from services.model_inspect import ModelReport, UnreadableModelError, describe_model
 
 EXIT_SERVABLE = 0

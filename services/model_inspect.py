@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import LLMServeError, ModelLoadError
 from services.common.gguf_metadata import field_value, open_gguf
 from services.common.model_source import model_display_name
 from services.common.model_tokenizer import ModelTokenizer
+from services.contracts.errors import LLMServeError, ModelLoadError
 from services.worker.loader.weight_names import PartName, gguf_part, hf_part
 from services.worker.model.architecture import ModelArchitecture, RopeConfig
 from services.worker.model.architecture_switches import architecture_switches

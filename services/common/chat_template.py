@@ -22,7 +22,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from services.common.errors import InvalidRequestError, ModelLoadError, quoted, shortened
+from services.contracts.errors import InvalidRequestError, ModelLoadError, quoted, shortened
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 
 
 @functools.lru_cache(maxsize=4)

@@ -20,9 +20,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from services.common.errors import InvalidRequestError, shortened
-from services.common.model_description import ModelDescription
-from services.common.structured_output import StructuredOutput, StructuredOutputKind
+from services.contracts.errors import InvalidRequestError, shortened
+from services.contracts.model_description import ModelDescription
+from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
 
 MAX_ERROR_CHARS = 300
 """xgrammar's messages quote the input; a status message quotes at most this much of it."""

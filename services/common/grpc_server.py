@@ -159,7 +159,7 @@ def install_uvloop() -> None:
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one mapping from our typed errors to gRPC status codes."""
-    from services.common.errors import (
+    from services.contracts.errors import (
         CapacityError,
         DeadlineExceededError,
         DependencyUnavailableError,
@@ -196,7 +196,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 def refusal_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
     """Trailing metadata of a call refused with `exc`: its reason, and for a full queue the
     retry pushback when the scheduler estimated one."""
-    from services.common.errors import QueueFullError
+    from services.contracts.errors import QueueFullError
 
     metadata = ((REASON_METADATA_KEY, rejection_reason(exc)),)
     if isinstance(exc, QueueFullError) and exc.retry_after_ms is not None:
@@ -215,7 +215,7 @@ def retry_pushback_ms(metadata: Mapping[str, str | bytes]) -> int | None:
 
 def rejection_reason(exc: BaseException) -> str:
     """A short, bounded metric label for a request refused with `exc` (never the message)."""
-    from services.common.errors import CapacityError, PromptTooLongError, QueueFullError
+    from services.contracts.errors import CapacityError, PromptTooLongError, QueueFullError
 
     if isinstance(exc, QueueFullError):
         return "queue_full"

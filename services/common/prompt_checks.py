@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.errors import InvalidRequestError, PromptTooLongError
+from services.contracts.errors import InvalidRequestError, PromptTooLongError
 
 
 def check_token_ids(field_name: str, token_ids: Sequence[int], vocab_size: int) -> None:

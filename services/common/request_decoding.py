@@ -25,7 +25,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from services.common.errors import InvalidRequestError, quoted
+from services.contracts.errors import InvalidRequestError, quoted
 
 MessageT = TypeVar("MessageT", bound=Message)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from protos.llmserve.v1 import sampling_pb2
-from services.common.sampling_params import SamplingParams
-from services.common.structured_output import StructuredOutput, StructuredOutputKind
+from services.contracts.sampling_params import SamplingParams
+from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
 
 
 def sampling_to_proto(params: SamplingParams) -> sampling_pb2.TokenSamplingParams:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.common.sampling_params import MAX_SPECULATIVE_TOKENS
+from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingMode = Literal["overlapped", "serial"]

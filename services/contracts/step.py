@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 
 
 class FinishReason(StrEnum):

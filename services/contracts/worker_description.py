@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.model_description import ModelDescription
+from services.contracts.model_description import ModelDescription
 
 
 @dataclass(frozen=True, slots=True)

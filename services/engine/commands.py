@@ -63,7 +63,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Stream one chat answer from the in-process engine to the terminal."""
     from services.common.chat_template import ChatMessage
-    from services.common.sampling_params import SamplingParams
+    from services.contracts.sampling_params import SamplingParams
     from services.engine.engine import LLMEngine
     from services.tokenizer.detokenizer import IncrementalDetokenizer
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.chat_template import read_chat_template_file
-from services.common.errors import InvalidRequestError
 from services.common.prompt_checks import check_prompt_length, check_token_ids
-from services.common.sampling_params import SamplingParams
+from services.contracts.errors import InvalidRequestError
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
 from services.engine.config import EngineConfig
 from services.scheduler.config import SchedulerConfig

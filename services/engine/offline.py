@@ -17,8 +17,8 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from services.common.chat_template import ChatMessage
-from services.common.errors import CapacityError, InvalidRequestError
-from services.common.sampling_params import SamplingParams, logit_bias_from_json
+from services.contracts.errors import CapacityError, InvalidRequestError
+from services.contracts.sampling_params import SamplingParams, logit_bias_from_json
 from services.engine.engine import LLMEngine
 
 _SAMPLING_FIELDS = {f.name: f for f in fields(SamplingParams)}

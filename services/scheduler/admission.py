@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from services.common.errors import CapacityError, InvalidRequestError
+from services.contracts.errors import CapacityError, InvalidRequestError
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request

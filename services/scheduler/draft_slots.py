@@ -10,7 +10,7 @@ KV, and blocks reserved for drafts no longer granted are freed.
 
 from __future__ import annotations
 
-from services.common.sampling_params import MAX_SPECULATIVE_TOKENS
+from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
 from services.contracts.step import BatchPlan
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager

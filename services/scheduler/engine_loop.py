@@ -24,12 +24,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.cache_keys import CacheKeys
-from services.common.errors import InvalidRequestError, LLMServeError, QueueFullError
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
-from services.common.sampling_params import SamplingParams
-from services.common.structured_output import StructuredOutput
+from services.contracts.errors import InvalidRequestError, LLMServeError, QueueFullError
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
+from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
 from services.scheduler import metrics
 from services.scheduler.prefix_index import PrefixIndexPublisher

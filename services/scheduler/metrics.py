@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.grpc_server import rejection_reason
 from services.common.metrics import LATENCY_BUCKETS_S
 from services.common.redis_metrics import RedisMetrics
-from services.common.sampling_params import MAX_SPECULATIVE_TOKENS
+from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
 
 # Joins a request's id and a choice index into the forked sequence's id. A control character:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from services.common.errors import InvalidRequestError, QueueFullError
+from services.contracts.errors import InvalidRequestError, QueueFullError
 from services.contracts.step import (
     BatchPlan,
     FinishReason,

@@ -15,7 +15,6 @@ import grpc
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2
 from services.common.cache_keys import CacheKeys
 from services.common.config_flags import add_config_flags, config_from_args
-from services.common.errors import InvalidRequestError
 from services.common.grpc_server import (
     GrpcService,
     refusal_metadata,
@@ -29,6 +28,7 @@ from services.common.prompt_checks import check_token_ids
 from services.common.prompt_store import PromptStore
 from services.common.redis_store import RedisStore, open_store, redact_url
 from services.common.sampling_proto import sampling_from_proto
+from services.contracts.errors import InvalidRequestError
 from services.scheduler import metrics
 from services.scheduler.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.convert import event_to_proto, stats_to_proto

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import grpc
 
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
-from services.common.errors import InvalidRequestError, LLMServeError
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.internal_auth import internal_metadata
-from services.common.structured_output import StructuredOutput
+from services.contracts.errors import InvalidRequestError, LLMServeError
 from services.contracts.step import BatchPlan, StepResult
+from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
 from services.scheduler.worker_convert import (
     plan_to_proto,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from protos.llmserve.v1 import worker_pb2
 from services.common.model_description_proto import description_from_proto
 from services.common.sampling_proto import sampling_to_proto, structured_output_to_proto
-from services.common.structured_output import StructuredOutput
 from services.contracts.step import BatchPlan, StepResult, TokenLogprobs
+from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
 
 

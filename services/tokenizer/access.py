@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.errors import PermissionDeniedError, UnauthenticatedError, quoted
 from services.common.shared_secret import digest_id, find_digest, secret_digest
+from services.contracts.errors import PermissionDeniedError, UnauthenticatedError, quoted
 
 BEARER = "bearer "
 

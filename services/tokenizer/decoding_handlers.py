@@ -22,9 +22,9 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from protos.llmserve.v1 import text_pb2
-from services.common.errors import InvalidRequestError
 from services.common.grpc_server import status_for
 from services.common.request_decoding import decode_request
+from services.contracts.errors import InvalidRequestError
 from services.tokenizer import metrics
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@
              → OutputDelta, each choice's last one with its finish reason; the stream ends
                when every choice has finished (n > 1: the choices share one engine call)
 
-Failures are our typed errors (services.common.errors; a scheduler's status becomes one in
+Failures are our typed errors (services.contracts.errors; a scheduler's status becomes one in
 scheduler_errors.py), so each door maps them to its own status in one place: a gRPC code
 (grpc_server.status_for) or an HTTP status (openai_http.errors). Leaving a stream early (a stop
 string matched, the client went away, an error) cancels the engine call, which is how the
@@ -24,13 +24,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.common.errors import (
+from services.common.grammar import GrammarCompiler
+from services.common.prompt_store import PromptStore
+from services.contracts.errors import (
     DeadlineExceededError,
     DependencyUnavailableError,
     InvalidRequestError,
 )
-from services.common.grammar import GrammarCompiler
-from services.common.prompt_store import PromptStore
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline

@@ -14,14 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.chat_template import ChatMessage
-from services.common.errors import (
+from services.common.named_prompt import NamedPrompt
+from services.common.prompt_store import PromptStore
+from services.contracts.errors import (
     DependencyUnavailableError,
     InvalidRequestError,
     NotFoundError,
     quoted,
 )
-from services.common.named_prompt import NamedPrompt
-from services.common.prompt_store import PromptStore
 from services.tokenizer.validation import validate_prompt_name, validate_tenant_id
 
 

@@ -1,5 +1,5 @@
 """A scheduler call that failed, or whose channel closed, as the tier's typed error
-(services.common.errors): what the client can act on keeps its meaning (retry, back off, fix a
+(services.contracts.errors): what the client can act on keeps its meaning (retry, back off, fix a
 field, too late), anything else is internal. Each door then maps the typed error to its own
 status in one place."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.errors import (
+from services.common.grpc_server import REASON_METADATA_KEY, retry_pushback_ms
+from services.contracts.errors import (
     CapacityError,
     DeadlineExceededError,
     DependencyUnavailableError,
@@ -16,7 +17,6 @@ from services.common.errors import (
     LLMServeError,
     QueueFullError,
 )
-from services.common.grpc_server import REASON_METADATA_KEY, retry_pushback_ms
 from services.tokenizer.scheduler_pool import SchedulerClient
 
 

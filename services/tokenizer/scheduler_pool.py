@@ -29,12 +29,12 @@ from typing import Any
 import grpc
 
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2
-from services.common.errors import DependencyUnavailableError
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.internal_auth import internal_channel
-from services.common.model_description import ModelDescription
 from services.common.model_description_proto import description_from_proto
 from services.common.prefix_hash import BlockHash, prefix_block_hashes
+from services.contracts.errors import DependencyUnavailableError
+from services.contracts.model_description import ModelDescription
 from services.tokenizer import metrics
 from services.tokenizer.membership import MEMBER_STATES, DnsName, Membership, SchedulerEntry
 from services.tokenizer.prefix_locator import MAX_LOOKUP_BLOCKS, PrefixLocator

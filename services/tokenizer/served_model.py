@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from services.common.errors import ModelLoadError
-from services.common.model_description import ModelDescription
 from services.common.model_tokenizer import ModelTokenizer
+from services.contracts.errors import ModelLoadError
+from services.contracts.model_description import ModelDescription
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.validation import Limits
 

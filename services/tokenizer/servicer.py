@@ -18,10 +18,10 @@ from typing import NoReturn
 import grpc
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.common.errors import InvalidRequestError, LLMServeError, shortened
 from services.common.grpc_server import refusal_metadata, status_for
 from services.common.named_prompt import NamedPrompt
 from services.common.prompt_checks import check_token_ids
+from services.contracts.errors import InvalidRequestError, LLMServeError, shortened
 from services.tokenizer import convert, metrics
 from services.tokenizer.access import OPEN_CALLER, AccessPolicy, Caller, require_admin, tenant_for
 from services.tokenizer.generation import Generator

@@ -19,7 +19,7 @@ import grpc
 
 from protos.llmserve.v1 import engine_pb2
 from services.common.backlog import take_leading
-from services.common.errors import DeadlineExceededError
+from services.contracts.errors import DeadlineExceededError
 from services.tokenizer import convert
 from services.tokenizer.output import EngineOutput
 from services.tokenizer.scheduler_errors import scheduler_error, scheduler_gone

@@ -11,12 +11,12 @@ from typing import Any, Protocol
 
 from services.common.cache_keys import PROMPT_NAME_PATTERN
 from services.common.chat_template import ChatMessage
-from services.common.errors import InvalidRequestError, NotFoundError, PromptTooLongError, quoted
 from services.common.named_prompt import NamedPrompt
 from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
-from services.common.sampling_params import SamplingParams
-from services.common.structured_output import StructuredOutput
+from services.contracts.errors import InvalidRequestError, NotFoundError, PromptTooLongError, quoted
+from services.contracts.sampling_params import SamplingParams
+from services.contracts.structured_output import StructuredOutput
 
 # Identifiers are echoed into log lines and keys; bounded at the edge, both doors. A UUID is 36
 # characters, a W3C trace id 55, a Hugging Face model id rarely over 100.

@@ -28,7 +28,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from kernels import batch_invariant_torch
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
 from services.worker.quantization.linear import QuantizedLinear

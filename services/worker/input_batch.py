@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan
 from services.worker.forward_batch import ForwardBatch
 from services.worker.sampling_metadata import SamplerRow

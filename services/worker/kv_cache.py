@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.common.errors import CapacityError
+from services.contracts.errors import CapacityError
 from services.worker.model.architecture import ModelArchitecture
 from services.worker.quantization.formats import InvalidFormatError
 

@@ -14,7 +14,7 @@ from itertools import chain
 
 import torch
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 
 # A temperature below this is treated as greedy: dividing logits by ~1e-40 overflows to inf
 # and the softmax turns into NaN, while anything this cold is argmax in all but exact ties.

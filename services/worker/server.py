@@ -27,11 +27,11 @@ import torch
 
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
-from services.common.errors import InvalidRequestError
 from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
-from services.common.sampling_params import SamplingParams
 from services.common.sampling_proto import structured_output_from_proto
+from services.contracts.errors import InvalidRequestError
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.contracts.worker_description import WorkerDescription
 from services.worker import metrics

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
-from services.common.sampling_params import SamplingParams
 from services.common.sampling_proto import sampling_to_proto
+from services.contracts.sampling_params import SamplingParams
 from services.stack import RunningStack
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from protos.llmserve.v1 import text_pb2
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.stack import RunningStack
 from tests.e2e.conftest import e2e_stack
 

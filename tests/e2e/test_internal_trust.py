@@ -27,9 +27,9 @@ from protos.llmserve.v1 import (
 )
 from services.common.internal_auth import INTERNAL_SECRET_KEY
 from services.common.prefix_hash import tenant_salt
-from services.common.sampling_params import SamplingParams
 from services.common.sampling_proto import sampling_to_proto
-from services.common.structured_output import StructuredOutput, StructuredOutputKind
+from services.contracts.sampling_params import SamplingParams
+from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
 from services.stack import RunningStack, running_stack, wait_until
 from tests.e2e.conftest import STACK_FLAGS, STARTUP_TIMEOUT_S
 

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.launcher import free_port
 from services.stack import RunningStack, running_service, wait_until
 

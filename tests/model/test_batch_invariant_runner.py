@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from services.common.errors import ModelLoadError
-from services.common.sampling_params import SamplingParams
+from services.contracts.errors import ModelLoadError
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 from services.worker.batch_invariance import BatchInvariantLinear, make_batch_invariant
 from services.worker.loaded_model import LoadedModel

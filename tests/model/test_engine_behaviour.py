@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from services.common.errors import InvalidRequestError
-from services.common.sampling_params import SamplingParams
+from services.contracts.errors import InvalidRequestError
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, FinishReason, StepResult
 from services.engine.engine import LLMEngine
 from services.worker.loaded_model import LoadedModel

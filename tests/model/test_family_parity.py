@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker.loaded_model import LoadedModel

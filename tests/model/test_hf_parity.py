@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.common.chat_template import ChatMessage
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 from services.engine.engine import LLMEngine
 from services.worker.input_batch import InputBatch

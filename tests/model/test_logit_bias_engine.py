@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.common.errors import InvalidRequestError
-from services.common.sampling_params import SamplingParams
+from services.contracts.errors import InvalidRequestError
+from services.contracts.sampling_params import SamplingParams
 from services.engine.engine import LLMEngine
 from services.worker.loaded_model import LoadedModel
 from tests.model.conftest import FP32, PROMPTS

@@ -19,7 +19,7 @@ import torch
 from benchmarks.quant_accuracy import EVAL_PROMPTS
 from kernels.gguf_blocks_torch import dequantize_blocks
 from protos.llmserve.v1 import worker_pb2
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker.config import WorkerConfig

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from protos.llmserve.v1 import worker_pb2
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker.config import WorkerConfig

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.speculative_workload import grounded_messages
 from services.common.chat_template import ChatMessage
-from services.common.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
+from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.scheduler.speculation_policy import SpeculationPolicy

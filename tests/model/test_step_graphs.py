@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.engine.engine import LLMEngine
 from services.worker.loaded_model import LoadedModel
 from services.worker.step_graphs import buckets_up_to

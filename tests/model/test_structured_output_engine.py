@@ -9,9 +9,9 @@ import json
 import jsonschema
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.common.structured_output import StructuredOutput, StructuredOutputKind
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason
+from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
 from services.worker.loaded_model import LoadedModel
 from tests.model.test_engine_behaviour import make_engine, mixed_prompts, run_alone
 

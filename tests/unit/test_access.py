@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.common import shared_secret
-from services.common.errors import PermissionDeniedError, UnauthenticatedError
+from services.contracts.errors import PermissionDeniedError, UnauthenticatedError
 from services.tokenizer import access
 from services.tokenizer.access import (
     AccessPolicy,

@@ -25,7 +25,7 @@ from benchmarks.common import (
     random_prompts,
     uniform_int,
 )
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 
 # ---- tables -----------------------------------------------------------------------------

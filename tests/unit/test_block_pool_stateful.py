@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
 from services.scheduler.sliding_window import RELEASED_BLOCK, num_dead_blocks

@@ -19,9 +19,9 @@ from services.common.chat_template import (
     TextPart,
     read_chat_template_file,
 )
-from services.common.errors import InvalidRequestError, ModelLoadError
 from services.common.model_source import embedded_model_path
 from services.common.model_tokenizer import ModelTokenizer
+from services.contracts.errors import InvalidRequestError, ModelLoadError
 
 FIXED_NOW = datetime_module.datetime(2024, 2, 29, 8, 15)
 USER = [ChatMessage("user", "hi")]

@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, cache_dir, ensure_source
 from services.common.chat_template import ChatMessage, ChatTemplate, TextPart
-from services.common.errors import InvalidRequestError
+from services.contracts.errors import InvalidRequestError
 
 chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
 

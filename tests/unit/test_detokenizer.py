@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
-from services.common.errors import ModelLoadError
 from services.common.model_source import embedded_model_path
 from services.common.model_tokenizer import ModelTokenizer
+from services.contracts.errors import ModelLoadError
 from services.tokenizer.detokenizer import (
     MAX_PENDING_TOKENS,
     NUM_CONTEXT_TOKENS,

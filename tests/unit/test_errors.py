@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.errors import QUOTED_CHARS, quoted, shortened
+from services.contracts.errors import QUOTED_CHARS, quoted, shortened
 
 
 def test_quoted_keeps_a_short_string_whole() -> None:

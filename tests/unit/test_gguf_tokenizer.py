@@ -12,7 +12,6 @@ from collections.abc import Callable
 import pytest
 from tokenizers import Regex, normalizers, pre_tokenizers
 
-from services.common.errors import ModelLoadError
 from services.common.gguf_metadata import field_value, open_gguf, read_metadata
 from services.common.gguf_pretokenizers import oniguruma_pattern
 from services.common.gguf_tokenizer import (
@@ -28,6 +27,7 @@ from services.common.gguf_tokenizer import (
 )
 from services.common.model_source import embedded_model_path
 from services.common.model_tokenizer import ModelTokenizer
+from services.contracts.errors import ModelLoadError
 
 # --- refusals ----------------------------------------------------------------------------
 

@@ -28,7 +28,6 @@ from benchmarks.llamacpp_build import (
     cache_dir,
     ensure_source,
 )
-from services.common.errors import ModelLoadError
 from services.common.gguf_metadata import read_metadata
 from services.common.gguf_pretokenizers import PRE_TOKENIZERS_BY_NAME
 from services.common.gguf_tokenizer import (
@@ -41,6 +40,7 @@ from services.common.gguf_tokenizer import (
     USER_DEFINED,
 )
 from services.common.model_tokenizer import ModelTokenizer
+from services.contracts.errors import ModelLoadError
 
 # Every vocabulary file of llama.cpp's models/ directory, and why we refuse it (None: built).
 VOCABS: dict[str, str | None] = {

@@ -3,7 +3,7 @@ which sequences sample."""
 
 from __future__ import annotations
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 from services.worker.input_batch import InputBatch
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from protos.llmserve.v1 import text_pb2
-from services.common.errors import InvalidRequestError
-from services.common.sampling_params import SamplingParams, logit_bias_from_json
 from services.common.sampling_proto import sampling_from_proto, sampling_to_proto
+from services.contracts.errors import InvalidRequestError
+from services.contracts.sampling_params import SamplingParams, logit_bias_from_json
 from services.engine.offline import parse_sampling
 from services.tokenizer.convert import sampling_input
 from services.tokenizer.openai_http.errors import http_error

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 from services.worker.model.families import FAMILIES, hf_family, hf_model_architecture
 
 transformers = pytest.importorskip("transformers")

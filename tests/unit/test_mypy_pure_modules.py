@@ -44,7 +44,6 @@ PURE_MODULES = (
     "services/tokenizer/output.py",
     # strict decoding of public requests
     "services/common/request_decoding.py",
-    "services/common/structured_output.py",
     # a GGUF file's tokenizer, as llama.cpp builds it
     "services/common/gguf_metadata.py",
     "services/common/gguf_tokenizer.py",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import (
+from services.contracts.errors import (
     CapacityError,
     DeadlineExceededError,
     DependencyUnavailableError,

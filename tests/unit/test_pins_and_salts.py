@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.prefix_hash import hash_block_tokens, prefix_block_hashes, tenant_salt
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.scheduler.request import Request
 from tests.unit.factories import create_requests, create_scheduler, run_until_done
 

@@ -7,8 +7,8 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from protos.llmserve.v1 import text_pb2
-from services.common.errors import InvalidRequestError
 from services.common.request_decoding import MAX_FIELDS_WALKED, WHOLE_REQUEST, decode_request
+from services.contracts.errors import InvalidRequestError
 from tests.wire_bytes import FIXED32, FIXED64, LEN, VARINT, len_field, tag, varint, varint_field
 
 BAD_UTF8 = b"ok\xff"

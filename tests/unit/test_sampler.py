@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.worker import sampler as sampler_module
 from services.worker.sampler import Sampler, apply_penalties, filtered_probs
 from services.worker.sampling_metadata import (

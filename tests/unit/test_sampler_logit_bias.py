@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.sampling_params import SamplingParams
+from services.contracts.sampling_params import SamplingParams
 from services.worker.sampler import Sampler, apply_logit_bias, apply_penalties, filtered_probs
 from services.worker.sampling_metadata import SamplerRow, build_sampling_metadata
 

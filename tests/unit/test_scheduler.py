@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.common.errors import CapacityError, QueueFullError
+from services.contracts.errors import CapacityError, QueueFullError
 from services.contracts.step import FinishReason, StepResult
 from services.scheduler.request import RequestStatus
 from tests.unit.factories import (

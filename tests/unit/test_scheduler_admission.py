@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import CapacityError, QueueFullError
 from services.common.grpc_server import (
     REASON_METADATA_KEY,
     RETRY_PUSHBACK_METADATA_KEY,
     refusal_metadata,
     retry_pushback_ms,
 )
+from services.contracts.errors import CapacityError, QueueFullError
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.request import Request
 from services.scheduler.retry_hint import (

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.common.errors import InvalidRequestError
+from services.contracts.errors import InvalidRequestError
 from services.contracts.step import FinishReason, TokenEvent
 from services.scheduler.request import choice_request_id
 from services.scheduler.scheduler import Scheduler

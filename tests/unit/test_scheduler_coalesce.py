@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc
-from services.common.sampling_params import SamplingParams
 from services.common.sampling_proto import sampling_to_proto
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
 from services.scheduler.coalesce import QueueItem, merge_by_choice, merge_events, take_batch
 from services.scheduler.engine_loop import EventQueue, WorkerUnavailable

@@ -3,8 +3,8 @@ converter out, the other's in."""
 
 from __future__ import annotations
 
-from services.common.model_description import ModelDescription
-from services.common.sampling_params import SamplingParams
+from services.contracts.model_description import ModelDescription
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import (
     BatchPlan,
     NewSequence,

@@ -12,18 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.errors import InvalidRequestError
 from services.common.grammar import GrammarCompiler, xgrammar_message
 from services.common.model_source import embedded_model_path
 from services.common.model_tokenizer import ModelTokenizer
-from services.common.sampling_params import SamplingParams
 from services.common.sampling_proto import sampling_from_proto, sampling_to_proto
-from services.common.structured_output import (
+from services.contracts.errors import InvalidRequestError
+from services.contracts.sampling_params import SamplingParams
+from services.contracts.step import BatchPlan, NewSequence
+from services.contracts.structured_output import (
     MAX_STRUCTURED_OUTPUT_CHARS,
     StructuredOutput,
     StructuredOutputKind,
 )
-from services.contracts.step import BatchPlan, NewSequence
 from services.tokenizer.openai_http.schemas import (
     parse_chat,
     parse_completion,

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from protos.llmserve.v1 import engine_pb2, logprobs_pb2
-from services.common.errors import DeadlineExceededError, DependencyUnavailableError
-from services.common.sampling_params import SamplingParams
+from services.contracts.errors import DeadlineExceededError, DependencyUnavailableError
+from services.contracts.sampling_params import SamplingParams
 from services.tokenizer.output import EngineOutput
 from services.tokenizer.scheduler_pool import SchedulerClient
 from services.tokenizer.submit_stream import SubmitStream

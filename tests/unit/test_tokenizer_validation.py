@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from services.common.chat_template import ChatMessage, ChatTemplate
-from services.common.errors import InvalidRequestError, NotFoundError, PromptTooLongError
+from services.contracts.errors import InvalidRequestError, NotFoundError, PromptTooLongError
 from services.tokenizer.validation import (
     GenerateInput,
     Limits,

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common.errors import DependencyUnavailableError, LLMServeError
+from services.contracts.errors import DependencyUnavailableError, LLMServeError
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy, tenant_for
 from services.tokenizer.generation import GenerationStream, Generator

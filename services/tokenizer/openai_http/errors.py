@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import (
+from services.contracts.errors import (
     CapacityError,
     DeadlineExceededError,
     DependencyUnavailableError,

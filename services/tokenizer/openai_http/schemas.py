@@ -27,9 +27,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from services.common.chat_template import ChatMessage
 from services.common.chat_template import TextPart as ChatTextPart
-from services.common.errors import InvalidRequestError, quoted, shortened
-from services.common.sampling_params import logit_bias_from_json
-from services.common.structured_output import StructuredOutput, StructuredOutputKind
+from services.contracts.errors import InvalidRequestError, quoted, shortened
+from services.contracts.sampling_params import logit_bias_from_json
+from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
 from services.tokenizer.validation import (
     MAX_MODEL_NAME_LEN,
     MAX_PROMPT_NAME_LEN,

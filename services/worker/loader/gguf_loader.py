@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 from services.worker.loader.weight_names import gguf_part
 from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.causal_lm import WeightPart

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 from services.worker.loader.weight_names import hf_part, is_norm
 from services.worker.model.causal_lm import WeightPart
 from services.worker.model.families.base import ModelFamily

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 from services.worker.model.families.base import (
     ATTN_NORM,
     ATTN_OUT_NORM,

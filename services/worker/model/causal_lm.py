@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels import ops
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import LayerKVCache
 from services.worker.model.architecture import ModelArchitecture

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 from services.worker.model.architecture import RopeConfig
 
 

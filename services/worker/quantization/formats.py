@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from services.common.errors import LLMServeError
+from services.contracts.errors import LLMServeError
 
 KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 Quantization = Literal["none", "int8", "w8a8", "int4", "nf4", "gguf", "gguf-exact", "auto"]

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from services.common.grammar import GrammarCompiler
-from services.common.structured_output import StructuredOutput
 from services.contracts.step import BatchPlan
+from services.contracts.structured_output import StructuredOutput
 from services.worker.sampling_metadata import GrammarMask
 
 log = logging.getLogger(__name__)

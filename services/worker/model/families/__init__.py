@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import ModelLoadError
 from services.common.gguf_metadata import open_gguf
+from services.contracts.errors import ModelLoadError
 from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.families.base import GGUFMetadata, ModelFamily
 from services.worker.model.families.gemma import GEMMA, GEMMA2, GEMMA3

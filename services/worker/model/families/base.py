@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from services.common.errors import ModelLoadError
 from services.common.gguf_metadata import field_value
+from services.contracts.errors import ModelLoadError
 from services.worker.model.architecture import ModelArchitecture, RopeConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.common.errors import ModelLoadError
+from services.contracts.errors import ModelLoadError
 from services.worker.model.architecture import ModelArchitecture, RopeConfig
 from services.worker.model.families.base import (
     ATTN_NORM,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from services.common.errors import InvalidRequestError
+from services.contracts.errors import InvalidRequestError
 
 MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
 """The largest schema, regex or grammar accepted: compile time and the compiled grammar's

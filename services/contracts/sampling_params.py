@@ -8,8 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from services.common.errors import InvalidRequestError, quoted, shortened
-from services.common.structured_output import StructuredOutput
+from services.contracts.errors import InvalidRequestError, quoted, shortened
+from services.contracts.structured_output import StructuredOutput
 
 # Most stop strings or stop ids a request may carry; guards the per-step checks.
 MAX_STOP_ITEMS = 16
@@ -257,7 +257,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _sorted_if_ints(items: tuple[T, ...], key: Callable[[T], Any] | None = None) -> tuple[T, ...]:
+def _itself(item: Any) -> Any:
+    return item
+
+
+def _sorted_if_ints(items: tuple[T, ...], key: Callable[[T], Any] = _itself) -> tuple[T, ...]:
     """`items` sorted when their ids compare; as given otherwise, for validate() to refuse."""
     try:
         return tuple(sorted(items, key=key))
