@@ -64,7 +64,7 @@ class PinSpec:
 PromptSource = Callable[[str], Awaitable[list[NamedPrompt] | None]]
 
 
-class EngineLoop:
+class StepLoop:
     def __init__(
         self,
         config: SchedulerServerConfig,
@@ -122,7 +122,7 @@ class EngineLoop:
         """Have the worker compile the request's grammar (off its step loop; cached per spec)
         while the request waits, then let the scheduler admit it. A spec the worker refuses
         fails the request with INVALID_ARGUMENT (the tokenizer tier has compiled it already,
-        so only a client calling the Engine API directly gets here)."""
+        so only a client calling the Scheduler API directly gets here)."""
         scheduler, worker = self.scheduler, self._worker
         try:
             if worker is not None:
