@@ -12,6 +12,7 @@ from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.sampling_proto import sampling_to_proto, structured_output_from_proto
 from services.tokenizer.output import OutputDelta, SchedulerOutput, TokenLogprob
+from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
 
 # The public sampling scalars with presence (proto3 `optional`): unset means "our default".
@@ -172,8 +173,22 @@ def generate_response(request_id: str, delta: OutputDelta) -> text_pb2.GenerateR
     return response
 
 
+def scheduler_snapshot(stats: scheduler_pb2.SchedulerStats) -> SchedulerSnapshot:
+    return SchedulerSnapshot(
+        scheduler_id=stats.scheduler_id,
+        worker_epoch=stats.worker_epoch,
+        block_size=stats.block_size,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_free_blocks=stats.num_free_blocks,
+        dtype=stats.dtype,
+        kv_cache_dtype=stats.kv_cache_dtype,
+        quantization=stats.quantization,
+    )
+
+
 def model_info(
-    name: str, max_model_len: int, vocab_size: int, stats: scheduler_pb2.SchedulerStats | None
+    name: str, max_model_len: int, vocab_size: int, stats: SchedulerSnapshot | None
 ) -> text_pb2.ModelInfo:
     """The served model; dtype, KV cache dtype and quantization are the workers', as a
     scheduler's stats report them (empty while no scheduler has answered)."""

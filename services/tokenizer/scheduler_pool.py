@@ -35,7 +35,7 @@ from services.common.model_description_proto import description_from_proto
 from services.common.prefix_hash import BlockHash, prefix_block_hashes
 from services.contracts.errors import DependencyUnavailableError
 from services.contracts.model_description import ModelDescription
-from services.tokenizer import metrics
+from services.tokenizer import convert, metrics
 from services.tokenizer.membership import MEMBER_STATES, DnsName, Membership, SchedulerEntry
 from services.tokenizer.prefix_locator import MAX_LOOKUP_BLOCKS, PrefixLocator
 from services.tokenizer.routing import (
@@ -45,6 +45,7 @@ from services.tokenizer.routing import (
     SchedulerLoad,
     choose_scheduler,
 )
+from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.served_model import one_model
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class SchedulerClient:
     address: str
     channel: grpc.aio.Channel
     stub: scheduler_pb2_grpc.SchedulerStub
-    stats: scheduler_pb2.SchedulerStats | None = None
+    stats: SchedulerSnapshot | None = None
     """The last GetStats answer; None while it does not answer."""
     num_sent_since_poll: int = 0
     num_in_flight: int = 0
@@ -238,7 +239,8 @@ class SchedulerPool:
         if client.closed:
             return
         try:
-            stats = await client.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=1.0)
+            answer = await client.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=1.0)
+            stats: SchedulerSnapshot | None = convert.scheduler_snapshot(answer)
         except grpc.aio.AioRpcError:
             stats = None
         except asyncio.CancelledError:
@@ -248,9 +250,7 @@ class SchedulerPool:
         self._answered(client, stats)
         client.num_sent_since_poll = 0
 
-    def _answered(
-        self, client: SchedulerClient, stats: scheduler_pb2.SchedulerStats | None
-    ) -> None:
+    def _answered(self, client: SchedulerClient, stats: SchedulerSnapshot | None) -> None:
         client.stats = stats
         if stats is None or client.draining or not self.membership.answered(client.address):
             return
@@ -372,7 +372,7 @@ class SchedulerPool:
                 if client.closed:
                     continue
                 try:
-                    stats = await client.stub.GetStats(
+                    answer = await client.stub.GetStats(
                         scheduler_pb2.GetStatsRequest(), timeout=max(2.0, poll_s)
                     )
                 except grpc.aio.AioRpcError as exc:
@@ -389,6 +389,7 @@ class SchedulerPool:
                     if closed_under(client):
                         continue
                     raise
+                stats = convert.scheduler_snapshot(answer)
                 self._answered(client, stats)
                 log.info(
                     "scheduler answered",
