@@ -188,7 +188,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if self.loop.description is not None:
                 vocab_size = self.loop.description.model.vocab_size
                 check_token_ids("token_ids", request.token_ids, vocab_size)
-            pinned = await self.loop.pin(
+            pinned = await self.loop.pins.pin(
                 request.name, list(request.token_ids), bytes(request.cache_salt), request.ttl_s
             )
         except WorkerUnavailable as exc:
@@ -204,7 +204,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Unpin(
         self, request: scheduler_pb2.UnpinRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.UnpinResponse:
-        return scheduler_pb2.UnpinResponse(unpinned=self.loop.unpin(request.name))
+        return scheduler_pb2.UnpinResponse(unpinned=self.loop.pins.unpin(request.name))
 
     async def CancelChoice(
         self, request: scheduler_pb2.CancelChoiceRequest, context: grpc.aio.ServicerContext
@@ -231,7 +231,10 @@ async def serve(config: SchedulerServerConfig) -> None:
     log.info("scheduler listening", extra={"address": f"{config.host}:{port}"})
     start_metrics_server(metrics.REGISTRY, config.host, config.metrics_port, "scheduler")
     redis = RedisLink.connect(config, servicer.scheduler_id, step_loop)
-    tasks = [asyncio.create_task(step_loop.run()), asyncio.create_task(step_loop.expire_pins())]
+    tasks = [
+        asyncio.create_task(step_loop.run()),
+        asyncio.create_task(step_loop.pins.expire_forever()),
+    ]
     if redis is not None:
         tasks.append(asyncio.create_task(redis.publisher.run()))
     await service.wait_for_signal()
@@ -249,7 +252,7 @@ class RedisLink:
         self.store = store
         self.publisher = PrefixIndexPublisher(store, scheduler_id, ttl_s=ttl_s)
         loop.prefix_index = self.publisher
-        loop.registered_prompts = self.registered_prompts
+        loop.pins.registered_prompts = self.registered_prompts
 
     @classmethod
     def connect(
