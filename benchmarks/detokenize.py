@@ -8,7 +8,7 @@ CJK, emoji) tokenized by the model's tokenizer, each stream from its own seeded 
 engine sends one id per SubmitResponse (the scheduler kept up); the tier takes them k at a
 time, as it does with a backlog, and does for each group exactly what its servicer does:
 
-    parse k SubmitResponses → convert.merged_engine_output
+    parse k SubmitResponses → convert.merged_scheduler_output
     → OutputPipeline.step (incremental detokenizer, stop-string matcher, usage, timings)
     → convert.generate_response → serialize
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import command_line, cpu_model_name, format_table, load_average
-from protos.llmserve.v1 import engine_pb2
+from protos.llmserve.v1 import scheduler_pb2
 from services.common.model_source import model_display_name, resolve_model_path
 from services.common.model_tokenizer import ModelTokenizer
 from services.tokenizer import convert
@@ -105,7 +105,7 @@ def build_streams(
         ids = [corpus_ids[(start + i) % len(corpus_ids)] for i in range(num_tokens)]
         messages = []
         for index, token_id in enumerate(ids):
-            response = engine_pb2.SubmitResponse(token_ids=[token_id])
+            response = scheduler_pb2.SubmitResponse(token_ids=[token_id])
             if index == 0:
                 response.queue_ms = 1.5
                 response.num_prompt_tokens = 16
@@ -129,15 +129,15 @@ def run_streams(
     texts: list[list[str]] = [[] for _ in streams]
     num_messages = 0
     longest = max(len(s.messages) for s in streams)
-    parse = engine_pb2.SubmitResponse.FromString
+    parse = scheduler_pb2.SubmitResponse.FromString
     started = time.perf_counter()
     for start in range(0, longest, tokens_per_message):
         for stream, pipeline, text in zip(streams, pipelines, texts, strict=True):
             group = stream.messages[start : start + tokens_per_message]
             if not group:
                 continue
-            engine_output = convert.merged_engine_output([parse(m) for m in group])
-            delta = pipeline.step(engine_output, time.perf_counter())
+            scheduler_output = convert.merged_scheduler_output([parse(m) for m in group])
+            delta = pipeline.step(scheduler_output, time.perf_counter())
             if delta is None:
                 continue
             convert.generate_response(REQUEST_ID, delta).SerializeToString()

@@ -96,7 +96,7 @@ def paged_decode_attention(
             *args, sliding_window=sliding_window, logit_softcap=logit_softcap
         )
     # The C++ kernel reads K/V in place (the torch path gathers a dense copy first) and is
-    # faster in every cell of kernels/bench_decode_cpu.py: bf16, bf16 + int8 KV, fp32.
+    # faster in every cell of benchmarks/kernels_decode_cpu.py: bf16, bf16 + int8 KV, fp32.
     if use_cpu_extension(query):
         return torch.ops.llmserve.paged_decode_attention(  # type: ignore[no-any-return]
             *args, batch_invariant, sliding_window, logit_softcap

@@ -8,4 +8,4 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -m grpc_tools.protoc -I . --python_out="$OUT" --grpc_python_out="$OUT" --pyi_out="$OUT" \
   protos/llmserve/v1/sampling.proto protos/llmserve/v1/model.proto protos/llmserve/v1/logprobs.proto \
   protos/llmserve/v1/text.proto \
-  protos/llmserve/v1/engine.proto protos/llmserve/v1/worker.proto
+  protos/llmserve/v1/scheduler.proto protos/llmserve/v1/worker.proto

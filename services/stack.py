@@ -4,7 +4,7 @@ health service says SERVING, and is stopped on exit (SIGTERM, a bounded wait, th
 
 `running_stack` chooses the stack's internal secret and hands it to `llmserve up` through the
 environment (as an operator would with LLMSERVE_INTERNAL_SECRET), so a test can call the
-Engine API itself (`RunningStack.internal_metadata`) and start more services that join the
+Scheduler API itself (`RunningStack.internal_metadata`) and start more services that join the
 stack (`running_service(..., env=stack.child_env)`).
 """
 
@@ -26,7 +26,7 @@ from typing import IO, Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2_grpc
+from protos.llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, text_pb2_grpc
 from services.common.config_flags import env_name
 from services.common.internal_auth import Metadata, internal_metadata
 from services.launcher import free_port, llmserve_command
@@ -159,18 +159,18 @@ class RunningStack(RunningProcess):
     def text_stub(self, address: str | None = None) -> text_pb2_grpc.TextGenerationStub:
         return text_pb2_grpc.TextGenerationStub(grpc.insecure_channel(address or self.public))
 
-    def stats(self, address: str | None = None) -> engine_pb2.EngineStats:
+    def stats(self, address: str | None = None) -> scheduler_pb2.SchedulerStats:
         """GetStats of one scheduler (the first by default)."""
         with grpc.insecure_channel(address or self.scheduler) as channel:
-            return engine_pb2_grpc.EngineStub(channel).GetStats(
-                engine_pb2.GetStatsRequest(), timeout=5, metadata=self.internal_metadata
+            return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=5, metadata=self.internal_metadata
             )
 
-    def wait_all_blocks_free(self, timeout_s: float = 1.0) -> engine_pb2.EngineStats:
+    def wait_all_blocks_free(self, timeout_s: float = 1.0) -> scheduler_pb2.SchedulerStats:
         """The first scheduler's stats once it is idle with every KV block free, or its stats
         when `timeout_s` has passed (for the caller to assert on)."""
 
-        def idle() -> engine_pb2.EngineStats | None:
+        def idle() -> scheduler_pb2.SchedulerStats | None:
             stats = self.stats()
             free = stats.num_free_blocks == stats.num_total_blocks
             return stats if free and stats.num_running == stats.num_waiting == 0 else None

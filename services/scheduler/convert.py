@@ -1,14 +1,14 @@
-"""Engine protos ↔ dataclasses (the only place besides the servers that touches protos)."""
+"""Scheduler protos ↔ dataclasses (the only place besides the servers that touches protos)."""
 
 from __future__ import annotations
 
-from protos.llmserve.v1 import engine_pb2, logprobs_pb2
+from protos.llmserve.v1 import logprobs_pb2, scheduler_pb2
 from services.contracts.step import TokenEvent
 from services.scheduler.stats import SchedulerStats
 
 
-def event_to_proto(event: TokenEvent) -> engine_pb2.SubmitResponse:
-    return engine_pb2.SubmitResponse(
+def event_to_proto(event: TokenEvent) -> scheduler_pb2.SubmitResponse:
+    return scheduler_pb2.SubmitResponse(
         token_ids=event.new_token_ids,
         finish_reason=event.finish_reason.value if event.finish_reason is not None else "",
         logprobs=[
@@ -37,8 +37,8 @@ def stats_to_proto(
     dtype: str = "",
     kv_cache_dtype: str = "",
     quantization: str = "",
-) -> engine_pb2.EngineStats:
-    return engine_pb2.EngineStats(
+) -> scheduler_pb2.SchedulerStats:
+    return scheduler_pb2.SchedulerStats(
         num_waiting=stats.num_waiting,
         num_running=stats.num_running,
         num_free_blocks=stats.num_free_blocks,

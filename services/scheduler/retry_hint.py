@@ -1,5 +1,5 @@
 """How long a caller refused for a full scheduler should wait before retrying: the steps until
-a seat frees (the scheduler's estimate) times the recent step time (the engine loop's timing).
+a seat frees (the scheduler's estimate) times the recent step time (the step loop's timing).
 """
 
 from __future__ import annotations

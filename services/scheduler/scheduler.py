@@ -67,7 +67,7 @@ class Scheduler:
         self.drafts = DraftSlots(config, self.kv)
         self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction)
 
-    # ---- the engine's calls -------------------------------------------------------------
+    # ---- the callers' API ---------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits)."""
@@ -223,7 +223,7 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """True while anything is queued or running, or a plan/event is still owed to the
-        worker or the caller (so the engine keeps stepping until aborts are delivered)."""
+        worker or the caller (so the caller keeps stepping until aborts are delivered)."""
         return bool(self.waiting or self.running or self._finished_ids or self._pending_events)
 
     def get_stats(self) -> SchedulerStats:

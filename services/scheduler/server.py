@@ -1,4 +1,4 @@
-"""The scheduler process: serves the Engine API (ids in, stream of ids out; GetStats) and
+"""The scheduler process: serves the Scheduler API (ids in, stream of ids out; GetStats) and
 drives its worker through the step loop."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2
+from protos.llmserve.v1 import model_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.cache_keys import CacheKeys
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import (
@@ -32,25 +32,25 @@ from services.contracts.errors import InvalidRequestError
 from services.scheduler import metrics
 from services.scheduler.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.convert import event_to_proto, stats_to_proto
-from services.scheduler.engine_loop import EngineLoop, WorkerUnavailable
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.server_config import SchedulerServerConfig
+from services.scheduler.step_loop import StepLoop, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
-class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, config: SchedulerServerConfig, loop: EngineLoop, scheduler_id: str) -> None:
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, config: SchedulerServerConfig, loop: StepLoop, scheduler_id: str) -> None:
         self.config = config
         self.loop = loop
         self.scheduler_id = scheduler_id
 
     async def Submit(
-        self, request: engine_pb2.SubmitRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[engine_pb2.SubmitResponse]:
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         now = self.loop.clock()
         remaining = context.time_remaining()
@@ -146,8 +146,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self.loop.abort(request_id)
 
     async def GetStats(
-        self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
-    ) -> engine_pb2.EngineStats:
+        self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerStats:
         stats = self.loop.stats()
         description = self.loop.description
         if stats is None or description is None:
@@ -176,8 +176,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return description_to_proto(description.model)
 
     async def Pin(
-        self, request: engine_pb2.PinRequest, context: grpc.aio.ServicerContext
-    ) -> engine_pb2.PinResponse:
+        self, request: scheduler_pb2.PinRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.PinResponse:
         try:
             if not request.name:
                 raise InvalidRequestError("name", "must not be empty")
@@ -188,7 +188,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if self.loop.description is not None:
                 vocab_size = self.loop.description.model.vocab_size
                 check_token_ids("token_ids", request.token_ids, vocab_size)
-            pinned = await self.loop.pin(
+            pinned = await self.loop.pins.pin(
                 request.name, list(request.token_ids), bytes(request.cache_salt), request.ttl_s
             )
         except WorkerUnavailable as exc:
@@ -199,18 +199,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 log.exception("pin failed", extra={"pin": request.name})
             await context.abort(code, message)
         log.info("pinned", extra={"pin": request.name, "tokens": pinned})
-        return engine_pb2.PinResponse(num_pinned_tokens=pinned)
+        return scheduler_pb2.PinResponse(num_pinned_tokens=pinned)
 
     async def Unpin(
-        self, request: engine_pb2.UnpinRequest, context: grpc.aio.ServicerContext
-    ) -> engine_pb2.UnpinResponse:
-        return engine_pb2.UnpinResponse(unpinned=self.loop.unpin(request.name))
+        self, request: scheduler_pb2.UnpinRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.UnpinResponse:
+        return scheduler_pb2.UnpinResponse(unpinned=self.loop.pins.unpin(request.name))
 
     async def CancelChoice(
-        self, request: engine_pb2.CancelChoiceRequest, context: grpc.aio.ServicerContext
-    ) -> engine_pb2.CancelChoiceResponse:
+        self, request: scheduler_pb2.CancelChoiceRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.CancelChoiceResponse:
         self.loop.abort_choice(request.request_id, request.index)
-        return engine_pb2.CancelChoiceResponse()
+        return scheduler_pb2.CancelChoiceResponse()
 
 
 async def serve(config: SchedulerServerConfig) -> None:
@@ -223,15 +223,18 @@ async def serve(config: SchedulerServerConfig) -> None:
 
     # The id is known once the port is bound, and the prefix index is keyed by it, so the
     # Redis side is wired up after start() (no request can arrive before the worker anyway).
-    engine_loop = EngineLoop(config, on_connection_change=on_connection_change)
-    servicer = EngineServicer(config, engine_loop, config.scheduler_id)
-    service.add(engine_pb2_grpc.add_EngineServicer_to_server, servicer)
+    step_loop = StepLoop(config, on_connection_change=on_connection_change)
+    servicer = SchedulerServicer(config, step_loop, config.scheduler_id)
+    service.add(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)
     port = await service.start(config.host, config.port)
     servicer.scheduler_id = config.scheduler_id or f"{config.host}:{port}"
     log.info("scheduler listening", extra={"address": f"{config.host}:{port}"})
     start_metrics_server(metrics.REGISTRY, config.host, config.metrics_port, "scheduler")
-    redis = RedisLink.connect(config, servicer.scheduler_id, engine_loop)
-    tasks = [asyncio.create_task(engine_loop.run()), asyncio.create_task(engine_loop.expire_pins())]
+    redis = RedisLink.connect(config, servicer.scheduler_id, step_loop)
+    tasks = [
+        asyncio.create_task(step_loop.run()),
+        asyncio.create_task(step_loop.pins.expire_forever()),
+    ]
     if redis is not None:
         tasks.append(asyncio.create_task(redis.publisher.run()))
     await service.wait_for_signal()
@@ -245,15 +248,15 @@ async def serve(config: SchedulerServerConfig) -> None:
 class RedisLink:
     """This scheduler's Redis side: the prefix-index publisher and the named-prompt reader."""
 
-    def __init__(self, store: RedisStore, scheduler_id: str, loop: EngineLoop, ttl_s: float):
+    def __init__(self, store: RedisStore, scheduler_id: str, loop: StepLoop, ttl_s: float):
         self.store = store
         self.publisher = PrefixIndexPublisher(store, scheduler_id, ttl_s=ttl_s)
         loop.prefix_index = self.publisher
-        loop.registered_prompts = self.registered_prompts
+        loop.pins.registered_prompts = self.registered_prompts
 
     @classmethod
     def connect(
-        cls, config: SchedulerServerConfig, scheduler_id: str, loop: EngineLoop
+        cls, config: SchedulerServerConfig, scheduler_id: str, loop: StepLoop
     ) -> RedisLink | None:
         store = open_store(config.redis_url, metrics.REDIS)
         if store is None:

@@ -25,7 +25,7 @@ class SchedulerServerConfig(
     """Address to listen on (loopback: only this machine's tokenizer tier may reach it;
     0.0.0.0 in a container, behind the stack's network and its internal secret)."""
     port: int = 50060
-    """Port of the Engine service (0 = any free port)."""
+    """Port of the Scheduler service (0 = any free port)."""
     worker: str = "127.0.0.1:50070"
     """Address of the worker this scheduler drives."""
     scheduler_id: str = ""

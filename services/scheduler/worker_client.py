@@ -1,6 +1,6 @@
 """The scheduler's calls to its worker (worker.proto), in the scheduler's own types: the
 worker's description, plans out and results in (worker_convert.py maps the messages), and
-typed errors instead of gRPC statuses, so the step loop (engine_loop.py) sees neither protobuf
+typed errors instead of gRPC statuses, so the step loop (step_loop.py) sees neither protobuf
 nor grpc.
 
 One WorkerClient (one channel) per connection attempt of the step loop.

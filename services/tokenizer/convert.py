@@ -1,17 +1,18 @@
 """Protobuf ↔ plain data for the tokenizer tier: the public text.proto messages and the
-scheduler's engine.proto messages. Besides the servicer, the server and the scheduler clients
+scheduler's scheduler.proto messages. Besides the servicer, the server and the scheduler clients
 (scheduler_pool.py, submit_stream.py: the calls), the only module that sees generated code."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from protos.llmserve.v1 import engine_pb2, logprobs_pb2, text_pb2
+from protos.llmserve.v1 import logprobs_pb2, scheduler_pb2, text_pb2
 from services.common.chat_template import ChatMessage
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.sampling_proto import sampling_to_proto, structured_output_from_proto
-from services.tokenizer.output import EngineOutput, OutputDelta, TokenLogprob
+from services.tokenizer.output import OutputDelta, SchedulerOutput, TokenLogprob
+from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
 
 # The public sampling scalars with presence (proto3 `optional`): unset means "our default".
@@ -60,8 +61,8 @@ def generate_input(request: text_pb2.GenerateRequest) -> GenerateInput:
     )
 
 
-def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> engine_pb2.SubmitRequest:
-    return engine_pb2.SubmitRequest(
+def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> scheduler_pb2.SubmitRequest:
+    return scheduler_pb2.SubmitRequest(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
         sampling=sampling_to_proto(request.sampling),
@@ -70,9 +71,9 @@ def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> engine_p
     )
 
 
-def pin_request(prompt: NamedPrompt) -> engine_pb2.PinRequest:
+def pin_request(prompt: NamedPrompt) -> scheduler_pb2.PinRequest:
     """A named prompt's KV to pin on a scheduler, under its tenant's name and salt."""
-    return engine_pb2.PinRequest(
+    return scheduler_pb2.PinRequest(
         name=pin_name(prompt.tenant_id, prompt.name),
         token_ids=list(prompt.token_ids),
         cache_salt=tenant_salt(prompt.tenant_id),
@@ -80,16 +81,16 @@ def pin_request(prompt: NamedPrompt) -> engine_pb2.PinRequest:
     )
 
 
-def unpin_request(tenant_id: str, name: str) -> engine_pb2.UnpinRequest:
-    return engine_pb2.UnpinRequest(name=pin_name(tenant_id, name))
+def unpin_request(tenant_id: str, name: str) -> scheduler_pb2.UnpinRequest:
+    return scheduler_pb2.UnpinRequest(name=pin_name(tenant_id, name))
 
 
-def cancel_choice_request(request_id: str, index: int) -> engine_pb2.CancelChoiceRequest:
-    return engine_pb2.CancelChoiceRequest(request_id=request_id, index=index)
+def cancel_choice_request(request_id: str, index: int) -> scheduler_pb2.CancelChoiceRequest:
+    return scheduler_pb2.CancelChoiceRequest(request_id=request_id, index=index)
 
 
-def engine_output(response: engine_pb2.SubmitResponse) -> EngineOutput:
-    return EngineOutput(
+def scheduler_output(response: scheduler_pb2.SubmitResponse) -> SchedulerOutput:
+    return SchedulerOutput(
         token_ids=tuple(response.token_ids),
         logprobs=tuple(
             TokenLogprob(
@@ -108,8 +109,8 @@ def engine_output(response: engine_pb2.SubmitResponse) -> EngineOutput:
     )
 
 
-def merged_engine_output(responses: Sequence[engine_pb2.SubmitResponse]) -> EngineOutput:
-    """Consecutive messages of one choice of a Submit stream as one EngineOutput: ids and
+def merged_scheduler_output(responses: Sequence[scheduler_pb2.SubmitResponse]) -> SchedulerOutput:
+    """Consecutive messages of one choice of a Submit stream as one SchedulerOutput: ids and
     logprobs in order, the last finish reason, and of each counter the last value reported
     (the value `output.Progress` would keep, reading them one at a time).
 
@@ -117,22 +118,22 @@ def merged_engine_output(responses: Sequence[engine_pb2.SubmitResponse]) -> Engi
     to a non-default value overwrites), done in C: k responses cost about one conversion.
     """
     if len(responses) == 1:
-        return engine_output(responses[0])
-    merged = engine_pb2.SubmitResponse()
+        return scheduler_output(responses[0])
+    merged = scheduler_pb2.SubmitResponse()
     for response in responses:
         merged.MergeFrom(response)
-    return engine_output(merged)
+    return scheduler_output(merged)
 
 
-def engine_outputs_by_choice(
-    responses: Sequence[engine_pb2.SubmitResponse],
-) -> list[EngineOutput]:
-    """Messages of a Submit stream as one EngineOutput per choice (n > 1 interleaves them),
+def scheduler_outputs_by_choice(
+    responses: Sequence[scheduler_pb2.SubmitResponse],
+) -> list[SchedulerOutput]:
+    """Messages of a Submit stream as one SchedulerOutput per choice (n > 1 interleaves them),
     in the order the choices first appear."""
-    by_index: dict[int, list[engine_pb2.SubmitResponse]] = {}
+    by_index: dict[int, list[scheduler_pb2.SubmitResponse]] = {}
     for response in responses:
         by_index.setdefault(response.index, []).append(response)
-    return [merged_engine_output(group) for group in by_index.values()]
+    return [merged_scheduler_output(group) for group in by_index.values()]
 
 
 def generate_response(request_id: str, delta: OutputDelta) -> text_pb2.GenerateResponse:
@@ -172,8 +173,22 @@ def generate_response(request_id: str, delta: OutputDelta) -> text_pb2.GenerateR
     return response
 
 
+def scheduler_snapshot(stats: scheduler_pb2.SchedulerStats) -> SchedulerSnapshot:
+    return SchedulerSnapshot(
+        scheduler_id=stats.scheduler_id,
+        worker_epoch=stats.worker_epoch,
+        block_size=stats.block_size,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_free_blocks=stats.num_free_blocks,
+        dtype=stats.dtype,
+        kv_cache_dtype=stats.kv_cache_dtype,
+        quantization=stats.quantization,
+    )
+
+
 def model_info(
-    name: str, max_model_len: int, vocab_size: int, stats: engine_pb2.EngineStats | None
+    name: str, max_model_len: int, vocab_size: int, stats: SchedulerSnapshot | None
 ) -> text_pb2.ModelInfo:
     """The served model; dtype, KV cache dtype and quantization are the workers', as a
     scheduler's stats report them (empty while no scheduler has answered)."""

@@ -2,17 +2,17 @@
 
     prepare: validate (no scheduler call for a bad request) → token ids (chat template for
              messages, a named prompt first) → a scheduler
-    stream:  Engine.Submit (submit_stream.py: the call, as EngineOutputs), timeout = the
+    stream:  Scheduler.Submit (submit_stream.py: the call, as EngineOutputs), timeout = the
              remaining budget
-             → per EngineOutput: output.OutputPipeline (detokenize, stop strings, finish,
+             → per SchedulerOutput: output.OutputPipeline (detokenize, stop strings, finish,
                usage); responses a slow client let pile up arrive merged, one per choice
              → OutputDelta, each choice's last one with its finish reason; the stream ends
-               when every choice has finished (n > 1: the choices share one engine call)
+               when every choice has finished (n > 1: the choices share one scheduler call)
 
 Failures are our typed errors (services.contracts.errors; a scheduler's status becomes one in
 scheduler_errors.py), so each door maps them to its own status in one place: a gRPC code
 (grpc_server.status_for) or an HTTP status (openai_http.errors). Leaving a stream early (a stop
-string matched, the client went away, an error) cancels the engine call, which is how the
+string matched, the client went away, an error) cancels the scheduler call, which is how the
 scheduler learns to free the KV blocks.
 """
 
@@ -162,10 +162,10 @@ class Generator:
 
 
 class GenerationStream:
-    """One request's engine call and its output pipeline.
+    """One request's scheduler call and its output pipeline.
 
     `deltas()` yields the request's OutputDeltas, the last one with its finish reason.
-    `cancel()` ends the engine call at once (idempotent, synchronous: safe from a done
+    `cancel()` ends the scheduler call at once (idempotent, synchronous: safe from a done
     callback); closing `deltas()` early does too.
     """
 
@@ -190,33 +190,33 @@ class GenerationStream:
             n=request.sampling.n,
         )
         # Read at once, whatever the client's pace: what piles up meanwhile goes through the
-        # pipeline as one engine output per choice and out as one message.
-        self._engine = SubmitStream(
+        # pipeline as one scheduler output per choice and out as one message.
+        self._stream = SubmitStream(
             prepared.scheduler, request, prepared.arrival_unix_s, prepared.timeout_s, self._extra
         )
 
     def cancel(self) -> None:
         """The scheduler's signal to free the request's KV blocks."""
-        self._engine.cancel()
+        self._stream.cancel()
 
     def _cancel_choice(self, index: int) -> None:
         """A stop string ended one choice while others go on: the scheduler frees its blocks
         (the last choice's end cancels the whole call instead)."""
         if self.output.num_unfinished == 0:
             return
-        self._engine.cancel_choice(index)
+        self._stream.cancel_choice(index)
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         extra, progress = self._extra, self.output.progress
         address = self.prepared.scheduler.address
         try:
             # None: the stream ended; errors and the deadline finish raise.
-            while (engine_outputs := await self._engine.next_outputs()) is not None:
-                for engine_output in engine_outputs:
-                    delta = self.output.step(engine_output, time.perf_counter())
+            while (outputs := await self._stream.next_outputs()) is not None:
+                for scheduler_output in outputs:
+                    delta = self.output.step(scheduler_output, time.perf_counter())
                     if delta is None:
                         continue
-                    if delta.finish_reason and not engine_output.finish_reason:
+                    if delta.finish_reason and not scheduler_output.finish_reason:
                         self._cancel_choice(delta.index)
                     if delta.finish_reason and delta.finish_reason not in PUBLIC_FINISH_REASONS:
                         log.warning(
@@ -245,7 +245,7 @@ class GenerationStream:
             raise
         finally:
             # Leaving the stream for any reason (client gone, stop string, error) must
-            # cancel the engine call: that is the scheduler's signal to free the KV blocks.
+            # cancel the scheduler call: that is the scheduler's signal to free the KV blocks.
             self.cancel()
         log.warning("scheduler stream ended early", extra=extra)
         raise DependencyUnavailableError(

@@ -1,5 +1,5 @@
 """The tokenizer tier's metrics: what the client sees (TTFT, TPOT, ITL, end-to-end latency,
-outcomes). Timings are taken when an engine message becomes the client's delta, on the same
+outcomes). Timings are taken when an scheduler message becomes the client's delta, on the same
 clock as the Timings of the last response.
 
 Process-wide, like the logging configuration: one registry per process, scraped at /metrics.

@@ -1,6 +1,6 @@
 """One request's output: the scheduler's token events in, the public response deltas out.
 
-Pure (no gRPC, no protobuf, no clock reads: times are passed in). Per engine event:
+Pure (no gRPC, no protobuf, no clock reads: times are passed in). Per scheduler event:
 
     token ids → incremental detokenize → stop strings → OutputDelta
     last event (or a stop string) → finish_reason, usage, timings
@@ -10,11 +10,11 @@ event and delta names its choice (`index`), each choice finishes on its own, and
 that finishes the last one also carries the usage (the prompt counted once, the completion
 tokens of every choice summed) and the timings.
 
-Several engine events that waited for a slow client go through as one (convert.py merges
+Several scheduler events that waited for a slow client go through as one (convert.py merges
 them): one detokenizer call and one public message for all their ids, with the same text and
 ids as one event at a time, cut at the token that completes a stop string.
 
-convert.py maps SubmitResponse → EngineOutput and OutputDelta → GenerateResponse.
+convert.py maps SubmitResponse → SchedulerOutput and OutputDelta → GenerateResponse.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.stop_strings import StopStringMatcher
 
-# The engine's finish reasons that end the stream normally, as the public API names them.
+# The scheduler's finish reasons that end the stream normally, as the public API names them.
 PUBLIC_FINISH_REASONS = frozenset({"stop", "length", "abort"})
 
 
@@ -42,7 +42,7 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineOutput:
+class SchedulerOutput:
     """One message of the scheduler's Submit stream (zero fields: not reported in it)."""
 
     token_ids: tuple[int, ...] = ()
@@ -174,13 +174,13 @@ class Progress:
     queue_ms: float = 0.0
     ttft_ms: float | None = None
 
-    def observe(self, engine_output: EngineOutput) -> None:
-        if engine_output.queue_ms:
-            self.queue_ms = engine_output.queue_ms
-        if engine_output.num_cached_tokens:
-            self.num_cached_tokens = engine_output.num_cached_tokens
-        if engine_output.num_prompt_tokens:
-            self.num_prompt_tokens = engine_output.num_prompt_tokens
+    def observe(self, scheduler_output: SchedulerOutput) -> None:
+        if scheduler_output.queue_ms:
+            self.queue_ms = scheduler_output.queue_ms
+        if scheduler_output.num_cached_tokens:
+            self.num_cached_tokens = scheduler_output.num_cached_tokens
+        if scheduler_output.num_prompt_tokens:
+            self.num_prompt_tokens = scheduler_output.num_prompt_tokens
 
     def elapsed_ms(self, now_s: float) -> float:
         return (now_s - self.started_s) * 1000.0
@@ -193,7 +193,7 @@ class Progress:
 
 @dataclass(slots=True)
 class OutputPipeline:
-    """Engine events of one request → public deltas; one OutputText per choice."""
+    """Scheduler events of one request → public deltas; one OutputText per choice."""
 
     texts: list[OutputText]
     progress: Progress
@@ -219,24 +219,24 @@ class OutputPipeline:
             [False] * n,
         )
 
-    def step(self, engine_output: EngineOutput, now_s: float) -> OutputDelta | None:
-        """One engine message → the public message to send (None: nothing to send yet).
+    def step(self, scheduler_output: SchedulerOutput, now_s: float) -> OutputDelta | None:
+        """One scheduler message → the public message to send (None: nothing to send yet).
 
         A message may carry token ids with empty text (half a character, or text held back
         because it may begin a stop string). Messages of a choice that has finished (a stop
         string ended it while the scheduler went on) are dropped.
         """
-        index = engine_output.index
+        index = scheduler_output.index
         if not 0 <= index < len(self.texts) or self.finished[index]:
             return None
         progress = self.progress
-        progress.observe(engine_output)
+        progress.observe(scheduler_output)
         output_text = self.texts[index]
-        step = output_text.add(engine_output.token_ids)
+        step = output_text.add(scheduler_output.token_ids)
         text = step.text
-        token_ids = engine_output.token_ids[: step.num_token_ids]
-        logprobs = engine_output.logprobs[: step.num_token_ids]
-        finish_reason = "stop" if step.stopped else engine_output.finish_reason
+        token_ids = scheduler_output.token_ids[: step.num_token_ids]
+        logprobs = scheduler_output.logprobs[: step.num_token_ids]
+        finish_reason = "stop" if step.stopped else scheduler_output.finish_reason
         if finish_reason and not step.stopped:
             tail = output_text.finish()
             text += tail.text

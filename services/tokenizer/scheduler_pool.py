@@ -28,14 +28,14 @@ from typing import Any
 
 import grpc
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2
+from protos.llmserve.v1 import model_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.internal_auth import internal_channel
 from services.common.model_description_proto import description_from_proto
 from services.common.prefix_hash import BlockHash, prefix_block_hashes
 from services.contracts.errors import DependencyUnavailableError
 from services.contracts.model_description import ModelDescription
-from services.tokenizer import metrics
+from services.tokenizer import convert, metrics
 from services.tokenizer.membership import MEMBER_STATES, DnsName, Membership, SchedulerEntry
 from services.tokenizer.prefix_locator import MAX_LOOKUP_BLOCKS, PrefixLocator
 from services.tokenizer.routing import (
@@ -45,6 +45,7 @@ from services.tokenizer.routing import (
     SchedulerLoad,
     choose_scheduler,
 )
+from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.served_model import one_model
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ def closed_under(client: SchedulerClient) -> bool:
 class SchedulerClient:
     address: str
     channel: grpc.aio.Channel
-    stub: engine_pb2_grpc.EngineStub
-    stats: engine_pb2.EngineStats | None = None
+    stub: scheduler_pb2_grpc.SchedulerStub
+    stats: SchedulerSnapshot | None = None
     """The last GetStats answer; None while it does not answer."""
     num_sent_since_poll: int = 0
     num_in_flight: int = 0
@@ -150,7 +151,7 @@ class SchedulerPool:
     def _connect(self, address: str) -> None:
         channel = internal_channel(address, self.internal_secret, CHANNEL_OPTIONS)
         self._by_address[address] = SchedulerClient(
-            address, channel, engine_pb2_grpc.EngineStub(channel)
+            address, channel, scheduler_pb2_grpc.SchedulerStub(channel)
         )
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
@@ -238,7 +239,8 @@ class SchedulerPool:
         if client.closed:
             return
         try:
-            stats = await client.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=1.0)
+            answer = await client.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=1.0)
+            stats: SchedulerSnapshot | None = convert.scheduler_snapshot(answer)
         except grpc.aio.AioRpcError:
             stats = None
         except asyncio.CancelledError:
@@ -248,7 +250,7 @@ class SchedulerPool:
         self._answered(client, stats)
         client.num_sent_since_poll = 0
 
-    def _answered(self, client: SchedulerClient, stats: engine_pb2.EngineStats | None) -> None:
+    def _answered(self, client: SchedulerClient, stats: SchedulerSnapshot | None) -> None:
         client.stats = stats
         if stats is None or client.draining or not self.membership.answered(client.address):
             return
@@ -370,8 +372,8 @@ class SchedulerPool:
                 if client.closed:
                     continue
                 try:
-                    stats = await client.stub.GetStats(
-                        engine_pb2.GetStatsRequest(), timeout=max(2.0, poll_s)
+                    answer = await client.stub.GetStats(
+                        scheduler_pb2.GetStatsRequest(), timeout=max(2.0, poll_s)
                     )
                 except grpc.aio.AioRpcError as exc:
                     if client.address not in warned:
@@ -387,6 +389,7 @@ class SchedulerPool:
                     if closed_under(client):
                         continue
                     raise
+                stats = convert.scheduler_snapshot(answer)
                 self._answered(client, stats)
                 log.info(
                     "scheduler answered",

@@ -3,7 +3,7 @@ protobuf at the edge, runs the shared pipeline (generation.Generator) and maps o
 to status codes (grpc_server.status_for).
 
 Leaving a Generate stream (the client went away, an error) closes the pipeline's stream, which
-cancels the engine call: the scheduler's signal to free the request's KV blocks.
+cancels the scheduler call: the scheduler's signal to free the request's KV blocks.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         request_id = prepared.request.request_id
         stream = self._generator.stream(prepared)
         # A cancelled stream paused at `yield` gets no CancelledError (grpc 1.85): end the
-        # engine call when the RPC ends, however it ends.
+        # scheduler call when the RPC ends, however it ends.
         context.add_done_callback(lambda _: stream.cancel())
         deltas = stream.deltas()
         try:

@@ -1,8 +1,8 @@
-"""One request's Engine.Submit call, read as the tier's own data (EngineOutput, typed errors):
+"""One request's Scheduler.Submit call, read as the tier's own data (SchedulerOutput, typed errors):
 the gRPC side of a generation, so generation.py sees neither protobuf nor grpc.
 
 A reader task moves the call's responses into a local queue as they arrive. What a slow client
-let pile up there comes out of `next_outputs` at once: one EngineOutput per choice, merged by
+let pile up there comes out of `next_outputs` at once: one SchedulerOutput per choice, merged by
 convert.py (protobuf's own merge, in C: k responses cost about one conversion). A batch never
 goes past a finished response, and the call's end, its failure and the scheduler's deadline
 finish come out only after every response before them, as they would one at a time.
@@ -17,20 +17,20 @@ from collections.abc import Mapping
 
 import grpc
 
-from protos.llmserve.v1 import engine_pb2
+from protos.llmserve.v1 import scheduler_pb2
 from services.common.backlog import take_leading
 from services.contracts.errors import DeadlineExceededError
 from services.tokenizer import convert
-from services.tokenizer.output import EngineOutput
+from services.tokenizer.output import SchedulerOutput
 from services.tokenizer.scheduler_errors import scheduler_error, scheduler_gone
 from services.tokenizer.scheduler_pool import SchedulerClient, closed_under
 from services.tokenizer.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
 
-# What the reader task passes on from the engine stream: a response, the call's error, or
+# What the reader task passes on from the scheduler stream: a response, the call's error, or
 # None for its end.
-EngineItem = engine_pb2.SubmitResponse | BaseException | None
+SchedulerItem = scheduler_pb2.SubmitResponse | BaseException | None
 
 
 class SubmitStream:
@@ -56,17 +56,17 @@ class SubmitStream:
             self._call = scheduler.stub.Submit(
                 convert.submit_request(request, arrival_unix_s), timeout=timeout_s
             )
-        # The client may be slower than the engine. Read the engine stream at once into a
+        # The client may be slower than the scheduler. Read the scheduler stream at once into a
         # local queue: a stalled client must never stall the shared scheduler connection
         # (HTTP/2 flow control is per connection too).
-        self._responses: asyncio.Queue[EngineItem] = asyncio.Queue()
-        self._backlog: deque[EngineItem] = deque()
+        self._responses: asyncio.Queue[SchedulerItem] = asyncio.Queue()
+        self._backlog: deque[SchedulerItem] = deque()
         self._reader = asyncio.create_task(_drain(self._call, self._responses, scheduler))
         # The stream is in flight until its reader ends, however it ends (a leaving
         # scheduler's channel closes when none is).
         scheduler.num_in_flight += 1
         self._reader.add_done_callback(lambda _: _release(scheduler))
-        self._cancels: set[asyncio.Future[engine_pb2.CancelChoiceResponse]] = set()
+        self._cancels: set[asyncio.Future[scheduler_pb2.CancelChoiceResponse]] = set()
 
     def cancel(self) -> None:
         """The scheduler's signal to free the request's KV blocks."""
@@ -87,9 +87,9 @@ class SubmitStream:
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
-    async def next_outputs(self) -> list[EngineOutput] | None:
+    async def next_outputs(self) -> list[SchedulerOutput] | None:
         """What the scheduler sent since the last call (waits for something): one
-        EngineOutput per choice, in the order the choices first appear. None once the stream
+        SchedulerOutput per choice, in the order the choices first appear. None once the stream
         has ended. Raises a failed call as our typed error (scheduler_errors.py), and
         DeadlineExceededError for the scheduler's deadline finish."""
         backlog, responses = self._backlog, self._responses
@@ -99,7 +99,7 @@ class SubmitStream:
             backlog.append(responses.get_nowait())
         batch = _take_batch(backlog)
         if batch:
-            return convert.engine_outputs_by_choice(batch)
+            return convert.scheduler_outputs_by_choice(batch)
         # The end of the stream, an error or the deadline finish; the responses before it
         # went out already, as they would have one at a time.
         item = backlog.popleft()
@@ -119,18 +119,18 @@ class SubmitStream:
         raise DeadlineExceededError("deadline passed")
 
 
-def _log_cancel_failure(task: asyncio.Future[engine_pb2.CancelChoiceResponse]) -> None:
+def _log_cancel_failure(task: asyncio.Future[scheduler_pb2.CancelChoiceResponse]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("cancelling a choice failed", extra={"error": str(task.exception())})
 
 
-def _take_batch(backlog: deque[EngineItem]) -> list[engine_pb2.SubmitResponse]:
+def _take_batch(backlog: deque[SchedulerItem]) -> list[scheduler_pb2.SubmitResponse]:
     """Pops the leading responses of `backlog` that go through as one: up to the stream's end,
     an error or a deadline finish (left in place), and never past a finished response."""
     return take_leading(
         backlog,
         mergeable=lambda head: (
-            isinstance(head, engine_pb2.SubmitResponse) and head.finish_reason != "deadline"
+            isinstance(head, scheduler_pb2.SubmitResponse) and head.finish_reason != "deadline"
         ),
         ends_batch=lambda response: bool(response.finish_reason),
     )
@@ -138,10 +138,10 @@ def _take_batch(backlog: deque[EngineItem]) -> list[engine_pb2.SubmitResponse]:
 
 async def _drain(
     call: grpc.aio.UnaryStreamCall | None,
-    queue: asyncio.Queue[EngineItem],
+    queue: asyncio.Queue[SchedulerItem],
     scheduler: SchedulerClient,
 ) -> None:
-    """Move every engine response into `queue`; None marks the end, an exception a failure.
+    """Move every scheduler response into `queue`; None marks the end, an exception a failure.
     `call` None: it could not be made (the scheduler's channel had closed)."""
     try:
         if call is None:

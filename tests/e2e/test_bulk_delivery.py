@@ -12,7 +12,7 @@ from typing import TypeVar
 import grpc
 import pytest
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
+from protos.llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, text_pb2, text_pb2_grpc
 from services.common.sampling_proto import sampling_to_proto
 from services.contracts.sampling_params import SamplingParams
 from services.stack import RunningStack
@@ -42,7 +42,9 @@ def read_slowly(call: Iterable[Message], pause_s: float = PAUSE_S) -> list[Messa
         messages.append(message)
 
 
-def ids_of(messages: Sequence[text_pb2.GenerateResponse | engine_pb2.SubmitResponse]) -> list[int]:
+def ids_of(
+    messages: Sequence[text_pb2.GenerateResponse | scheduler_pb2.SubmitResponse],
+) -> list[int]:
     return [t for m in messages for t in m.token_ids]
 
 
@@ -73,11 +75,11 @@ def test_scheduler_merges_what_a_slow_reader_let_pile_up(stack: RunningStack) ->
         SamplingParams(temperature=0.0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
     )
 
-    def submit(channel: grpc.Channel) -> Iterable[engine_pb2.SubmitResponse]:
-        request = engine_pb2.SubmitRequest(
+    def submit(channel: grpc.Channel) -> Iterable[scheduler_pb2.SubmitResponse]:
+        request = scheduler_pb2.SubmitRequest(
             request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling=sampling
         )
-        return engine_pb2_grpc.EngineStub(channel).Submit(  # type: ignore[no-any-return]
+        return scheduler_pb2_grpc.SchedulerStub(channel).Submit(  # type: ignore[no-any-return]
             request, timeout=120, metadata=stack.internal_metadata
         )
 

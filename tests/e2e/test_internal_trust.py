@@ -17,10 +17,10 @@ import pytest
 import redis
 
 from protos.llmserve.v1 import (
-    engine_pb2,
-    engine_pb2_grpc,
     model_pb2,
     sampling_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
     text_pb2,
     worker_pb2,
     worker_pb2_grpc,
@@ -116,47 +116,47 @@ WRONG = {
 
 
 @pytest.mark.parametrize("metadata", WRONG.values(), ids=WRONG.keys())
-def test_engine_calls_need_the_internal_secret(
+def test_scheduler_calls_need_the_internal_secret(
     trusted: TrustStack, metadata: tuple[tuple[str, str], ...]
 ) -> None:
     # Raw ids under another tenant's cache salt: the prefix cache of tenant "acme".
-    forged = engine_pb2.SubmitRequest(
+    forged = scheduler_pb2.SubmitRequest(
         prompt_token_ids=[1, 2, 3, 4],
         sampling=sampling_to_proto(SamplingParams(temperature=0.0, max_new_tokens=2)),
         cache_salt=tenant_salt("acme"),
     )
     with grpc.insecure_channel(trusted.stack.scheduler) as channel:
-        engine = engine_pb2_grpc.EngineStub(channel)
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
         calls = {
-            "Submit": lambda: list(engine.Submit(forged, timeout=10, metadata=metadata)),
-            "GetStats": lambda: engine.GetStats(
-                engine_pb2.GetStatsRequest(), timeout=10, metadata=metadata
+            "Submit": lambda: list(scheduler.Submit(forged, timeout=10, metadata=metadata)),
+            "GetStats": lambda: scheduler.GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=10, metadata=metadata
             ),
-            "Describe": lambda: engine.Describe(
+            "Describe": lambda: scheduler.Describe(
                 model_pb2.DescribeModelRequest(), timeout=10, metadata=metadata
             ),
-            "Pin": lambda: engine.Pin(
-                engine_pb2.PinRequest(name="p", token_ids=[1, 2], ttl_s=60.0),
+            "Pin": lambda: scheduler.Pin(
+                scheduler_pb2.PinRequest(name="p", token_ids=[1, 2], ttl_s=60.0),
                 timeout=10,
                 metadata=metadata,
             ),
-            "Unpin": lambda: engine.Unpin(
-                engine_pb2.UnpinRequest(name="p"), timeout=10, metadata=metadata
+            "Unpin": lambda: scheduler.Unpin(
+                scheduler_pb2.UnpinRequest(name="p"), timeout=10, metadata=metadata
             ),
         }
         codes = {name: code_of(call) for name, call in calls.items()}
     assert codes == dict.fromkeys(calls, grpc.StatusCode.UNAUTHENTICATED)
 
 
-def test_engine_answers_the_stack(trusted: TrustStack) -> None:
-    request = engine_pb2.SubmitRequest(
+def test_the_scheduler_answers_the_stack(trusted: TrustStack) -> None:
+    request = scheduler_pb2.SubmitRequest(
         prompt_token_ids=[1, 2, 3, 4],
         sampling=sampling_to_proto(SamplingParams(temperature=0.0, max_new_tokens=2)),
     )
     with grpc.insecure_channel(trusted.stack.scheduler) as channel:
-        engine = engine_pb2_grpc.EngineStub(channel)
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
         responses = list(
-            engine.Submit(request, timeout=60, metadata=trusted.stack.internal_metadata)
+            scheduler.Submit(request, timeout=60, metadata=trusted.stack.internal_metadata)
         )
     assert sum(len(r.token_ids) for r in responses) == 2
     assert trusted.stack.stats().num_total_blocks > 0  # GetStats with the secret
@@ -191,7 +191,7 @@ def test_a_grammar_the_worker_refuses_fails_a_direct_submit(trusted: TrustStack)
     """A client of the Engine API skips the tokenizer tier's compile: the worker's
     PrepareGrammar refuses the bad regex, the request ends INVALID_ARGUMENT naming the field
     before it is admitted, and no block stays held."""
-    request = engine_pb2.SubmitRequest(
+    request = scheduler_pb2.SubmitRequest(
         prompt_token_ids=[1, 2, 3, 4],
         sampling=sampling_to_proto(
             SamplingParams(
@@ -202,9 +202,9 @@ def test_a_grammar_the_worker_refuses_fails_a_direct_submit(trusted: TrustStack)
         ),
     )
     with grpc.insecure_channel(trusted.stack.scheduler) as channel:
-        engine = engine_pb2_grpc.EngineStub(channel)
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
         with pytest.raises(grpc.RpcError) as error:
-            list(engine.Submit(request, timeout=60, metadata=trusted.stack.internal_metadata))
+            list(scheduler.Submit(request, timeout=60, metadata=trusted.stack.internal_metadata))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     assert "regex" in (error.value.details() or "")  # type: ignore[attr-defined]
     stats = trusted.stack.wait_all_blocks_free(timeout_s=10)

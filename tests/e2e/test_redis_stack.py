@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, text_pb2, text_pb2_grpc
+from protos.llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, text_pb2, text_pb2_grpc
 from services.common.cache_keys import CacheKeys
 from services.common.prefix_hash import prefix_block_hashes
 from services.common.redis_store import RedisStore
@@ -36,11 +36,11 @@ class RedisStack:
     def stub(self, address: str | None = None) -> text_pb2_grpc.TextGenerationStub:
         return self.stack.text_stub(address)
 
-    def scheduler_stats(self) -> list[engine_pb2.EngineStats]:
+    def scheduler_stats(self) -> list[scheduler_pb2.SchedulerStats]:
         return [self.stack.stats(address) for address in self.stack.schedulers]
 
     def indexed_blocks(
-        self, prompt_ids: list[int], stats: list[engine_pb2.EngineStats] | None = None
+        self, prompt_ids: list[int], stats: list[scheduler_pb2.SchedulerStats] | None = None
     ) -> list[int]:
         """Per scheduler, how many leading full blocks of `prompt_ids` the Redis index says it
         holds (under the worker epochs in `stats`, by default the current ones)."""
@@ -140,8 +140,8 @@ def test_pin_rejects_bad_input_naming_the_field(
 ) -> None:
     address = redis_stack.stack.info["schedulers"][0]
     with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as error:
-        engine_pb2_grpc.EngineStub(channel).Pin(
-            engine_pb2.PinRequest(**fields),
+        scheduler_pb2_grpc.SchedulerStub(channel).Pin(
+            scheduler_pb2.PinRequest(**fields),
             timeout=10,
             metadata=redis_stack.stack.internal_metadata,
         )
@@ -227,7 +227,7 @@ def test_restarted_worker_stale_entries_are_not_trusted(redis_stack: RedisStack)
     before = redis_stack.scheduler_stats()
     num_blocks = len(prefix_block_hashes(prompt_ids, BLOCK))
 
-    def lookup(stats: list[engine_pb2.EngineStats]) -> list[int]:
+    def lookup(stats: list[scheduler_pb2.SchedulerStats]) -> list[int]:
         return redis_stack.indexed_blocks(prompt_ids, stats)
 
     # The index is written off the step loop: wait until it holds every block.
@@ -237,7 +237,7 @@ def test_restarted_worker_stale_entries_are_not_trusted(redis_stack: RedisStack)
     holder = holders[0]
     os.kill(redis_stack.stack.info["pids"][f"worker-{holder}"], signal.SIGKILL)
 
-    def new_epoch() -> list[engine_pb2.EngineStats] | None:
+    def new_epoch() -> list[scheduler_pb2.SchedulerStats] | None:
         try:
             stats = redis_stack.scheduler_stats()
         except grpc.RpcError:

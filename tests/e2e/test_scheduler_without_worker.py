@@ -8,7 +8,7 @@ import subprocess
 import grpc
 import pytest
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2
+from protos.llmserve.v1 import model_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.launcher import free_port, llmserve_command
 from services.stack import wait_until
 
@@ -24,7 +24,7 @@ def test_describe_is_unavailable_until_a_worker_connects() -> None:
     )
     try:
         channel = grpc.insecure_channel(f"{HOST}:{port}")
-        stub = engine_pb2_grpc.EngineStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
 
         def answered() -> grpc.RpcError | None:
             assert process.poll() is None, "the scheduler exited"
@@ -39,7 +39,7 @@ def test_describe_is_unavailable_until_a_worker_connects() -> None:
         error = wait_until(answered, 60, "the scheduler answering")
         assert error.code() == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(grpc.RpcError) as stats_error:
-            stub.GetStats(engine_pb2.GetStatsRequest(), timeout=2)
+            stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=2)
         assert stats_error.value.code() == grpc.StatusCode.UNAVAILABLE
         channel.close()
     finally:

@@ -27,6 +27,7 @@ PURE_MODULES = (
     "services/scheduler/plan_edits.py",
     "services/scheduler/choices.py",
     "services/scheduler/pins.py",
+    "services/scheduler/pin_keeper.py",
     "services/scheduler/admission.py",
     "services/scheduler/stats.py",
     # the model registry: architectures and what each family reads from its files

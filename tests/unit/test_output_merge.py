@@ -1,4 +1,4 @@
-"""Engine responses that waited for a slow client, merged (`convert.merged_engine_output`) and
+"""Engine responses that waited for a slow client, merged (`convert.merged_scheduler_output`) and
 run through the output pipeline once, against the same responses one at a time (what a client
 that keeps up gets): the same text, ids, logprobs, finish reason and usage, cut at the same
 token when a stop string completes, on the embedded model's real tokenizer."""
@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from protos.llmserve.v1 import engine_pb2, logprobs_pb2
+from protos.llmserve.v1 import logprobs_pb2, scheduler_pb2
 from services.tokenizer import convert
-from services.tokenizer.output import EngineOutput, OutputPipeline, OutputText, TokenLogprob
+from services.tokenizer.output import OutputPipeline, OutputText, SchedulerOutput, TokenLogprob
 from tests.unit.test_detokenizer import (
     BROKEN_BYTE_TOKEN_IDS,
     BYTE_TOKEN_IDS,
@@ -48,43 +48,43 @@ class Received:
 
 def one_token_responses(
     token_ids: Sequence[int], finish_reason: str = "length"
-) -> list[engine_pb2.SubmitResponse]:
+) -> list[scheduler_pb2.SubmitResponse]:
     """The Submit stream of a reader that keeps up: one id per message, a logprob each, the
     queue time on the first message, the finish reason on the last."""
     responses = [
-        engine_pb2.SubmitResponse(
+        scheduler_pb2.SubmitResponse(
             token_ids=[token_id],
             logprobs=[logprobs_pb2.TokenLogprob(token_id=token_id, logprob=-float(index))],
             queue_ms=5.0 if index == 0 else 0.0,
             num_prompt_tokens=len(PROMPT_IDS),
         )
         for index, token_id in enumerate(token_ids)
-    ] or [engine_pb2.SubmitResponse()]
+    ] or [scheduler_pb2.SubmitResponse()]
     responses[-1].finish_reason = finish_reason
     return responses
 
 
-def one_at_a_time(responses: Sequence[engine_pb2.SubmitResponse]) -> list[EngineOutput]:
-    return [convert.engine_output(r) for r in responses]
+def one_at_a_time(responses: Sequence[scheduler_pb2.SubmitResponse]) -> list[SchedulerOutput]:
+    return [convert.scheduler_output(r) for r in responses]
 
 
 def merged(
-    responses: Sequence[engine_pb2.SubmitResponse], sizes: Sequence[int]
-) -> list[EngineOutput]:
+    responses: Sequence[scheduler_pb2.SubmitResponse], sizes: Sequence[int]
+) -> list[SchedulerOutput]:
     """Consecutive responses merged in groups of the given sizes (cycled)."""
     groups = []
     start = 0
     for size in itertools.cycle(sizes):
         if start >= len(responses):
             return groups
-        groups.append(convert.merged_engine_output(responses[start : start + size]))
+        groups.append(convert.merged_scheduler_output(responses[start : start + size]))
         start += size
     raise AssertionError("unreachable")
 
 
-def reference_merge(outputs: Sequence[EngineOutput]) -> EngineOutput:
+def reference_merge(outputs: Sequence[SchedulerOutput]) -> SchedulerOutput:
     """The merge rule spelled out: what one-at-a-time reading ends up with."""
-    return EngineOutput(
+    return SchedulerOutput(
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         logprobs=tuple(p for o in outputs for p in o.logprobs),
         finish_reason=outputs[-1].finish_reason,
@@ -99,7 +99,7 @@ def reference_merge(outputs: Sequence[EngineOutput]) -> EngineOutput:
 
 
 def receive(
-    outputs: Sequence[EngineOutput], stop: Sequence[str], tokenizer: object = TOKENIZER
+    outputs: Sequence[SchedulerOutput], stop: Sequence[str], tokenizer: object = TOKENIZER
 ) -> Received:
     pipeline = OutputPipeline.create(tokenizer, PROMPT_IDS, stop, 0.0)
     deltas = []
@@ -138,7 +138,7 @@ def check_same_as_one_at_a_time(
 
 
 def test_merge_joins_ids_and_logprobs_and_keeps_the_last_finish() -> None:
-    merged_output = convert.merged_engine_output(one_token_responses([11, 12, 13], "stop"))
+    merged_output = convert.merged_scheduler_output(one_token_responses([11, 12, 13], "stop"))
     assert merged_output.token_ids == (11, 12, 13)
     assert [p.token_id for p in merged_output.logprobs] == [11, 12, 13]
     assert merged_output.finish_reason == "stop"
@@ -149,23 +149,23 @@ def test_merge_joins_ids_and_logprobs_and_keeps_the_last_finish() -> None:
 
 def test_merge_keeps_the_last_reported_counter() -> None:
     responses = [
-        engine_pb2.SubmitResponse(token_ids=[1], num_cached_tokens=16),
-        engine_pb2.SubmitResponse(token_ids=[2], num_cached_tokens=32),
-        engine_pb2.SubmitResponse(token_ids=[3]),
+        scheduler_pb2.SubmitResponse(token_ids=[1], num_cached_tokens=16),
+        scheduler_pb2.SubmitResponse(token_ids=[2], num_cached_tokens=32),
+        scheduler_pb2.SubmitResponse(token_ids=[3]),
     ]
-    assert convert.merged_engine_output(responses).num_cached_tokens == 32
+    assert convert.merged_scheduler_output(responses).num_cached_tokens == 32
 
 
 def test_merge_leaves_the_responses_alone() -> None:
     responses = one_token_responses([1, 2])
-    convert.merged_engine_output(responses)
+    convert.merged_scheduler_output(responses)
     assert [list(r.token_ids) for r in responses] == [[1], [2]]
 
 
 _counter = st.sampled_from([0, 0, 3, 17])
 _responses = st.lists(
     st.builds(
-        engine_pb2.SubmitResponse,
+        scheduler_pb2.SubmitResponse,
         token_ids=st.lists(st.integers(0, 100), max_size=3),
         queue_ms=st.sampled_from([0.0, 0.0, 2.5]),
         num_cached_tokens=_counter,
@@ -178,11 +178,11 @@ _responses = st.lists(
 
 @given(responses=_responses, finish_reason=st.sampled_from(["", "length", "stop"]))
 def test_merge_is_the_one_at_a_time_rule(
-    responses: list[engine_pb2.SubmitResponse], finish_reason: str
+    responses: list[scheduler_pb2.SubmitResponse], finish_reason: str
 ) -> None:
     # Only a stream's last message finishes it (a batch never goes past a finished one).
     responses[-1].finish_reason = finish_reason
-    assert convert.merged_engine_output(responses) == reference_merge(one_at_a_time(responses))
+    assert convert.merged_scheduler_output(responses) == reference_merge(one_at_a_time(responses))
 
 
 # ---- stop strings inside and across merged outputs ------------------------------------------

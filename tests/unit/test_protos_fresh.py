@@ -47,7 +47,7 @@ def test_public_contract_names() -> None:
 
 
 def test_one_logprob_message_on_every_hop() -> None:
-    from protos.llmserve.v1 import engine_pb2, logprobs_pb2, text_pb2, worker_pb2
+    from protos.llmserve.v1 import logprobs_pb2, scheduler_pb2, text_pb2, worker_pb2
 
     message = logprobs_pb2.TokenLogprob.DESCRIPTOR
     # The public name and wire format of text.proto's TokenLogprob are unchanged.
@@ -61,6 +61,8 @@ def test_one_logprob_message_on_every_hop() -> None:
     # text.proto imports it publicly: Python clients still find text_pb2.TokenLogprob.
     assert text_pb2.TokenLogprob is logprobs_pb2.TokenLogprob
     assert text_pb2.GenerateResponse.DESCRIPTOR.fields_by_name["logprobs"].message_type is message
-    assert engine_pb2.SubmitResponse.DESCRIPTOR.fields_by_name["logprobs"].message_type is message
+    assert (
+        scheduler_pb2.SubmitResponse.DESCRIPTOR.fields_by_name["logprobs"].message_type is message
+    )
     entry = worker_pb2.StepOutput.DESCRIPTOR.fields_by_name["logprobs"].message_type
     assert entry.fields_by_name["value"].message_type is message

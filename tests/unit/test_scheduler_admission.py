@@ -14,7 +14,6 @@ from services.common.grpc_server import (
     retry_pushback_ms,
 )
 from services.contracts.errors import CapacityError, QueueFullError
-from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.request import Request
 from services.scheduler.retry_hint import (
     DEFAULT_RETRY_AFTER_MS,
@@ -24,6 +23,7 @@ from services.scheduler.retry_hint import (
 )
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import SchedulerServerConfig
+from services.scheduler.step_loop import StepLoop
 from tests.unit.factories import create_requests, create_scheduler, result_for
 
 
@@ -153,7 +153,7 @@ def test_step_time_average_follows_recent_steps() -> None:
 def test_a_refusal_carries_the_hint_as_grpc_retry_pushback() -> None:
     """The engine loop turns the core's steps into milliseconds with its step time; the hint
     goes out as gRPC's retry pushback beside the reason, and reads back the same."""
-    loop = EngineLoop(SchedulerServerConfig(max_num_seqs=1, max_waiting_requests=1))
+    loop = StepLoop(SchedulerServerConfig(max_num_seqs=1, max_waiting_requests=1))
     loop.scheduler = create_scheduler(max_num_seqs=1, max_waiting_requests=1)
     loop.connected.set()
     first, second, third = create_requests(3, max_new_tokens=20)

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc
+from protos.llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.sampling_proto import sampling_to_proto
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
 from services.scheduler.coalesce import QueueItem, merge_by_choice, merge_events, take_batch
-from services.scheduler.engine_loop import EventQueue, WorkerUnavailable
 from services.scheduler.request import Request
-from services.scheduler.server import EngineServicer
+from services.scheduler.server import SchedulerServicer
 from services.scheduler.server_config import SchedulerServerConfig
+from services.scheduler.step_loop import EventQueue, WorkerUnavailable
 
 TIMEOUT_S = 10.0
 
@@ -110,7 +110,7 @@ def test_batch_of_an_empty_backlog_is_empty() -> None:
 
 @dataclass
 class FakeLoop:
-    """The EngineLoop surface the servicer uses; `script` is queued at submit, all at once."""
+    """The StepLoop surface the servicer uses; `script` is queued at submit, all at once."""
 
     script: Sequence[QueueItem]
     description: None = None
@@ -133,21 +133,21 @@ class FakeLoop:
 
 
 @contextlib.asynccontextmanager
-async def engine_stub(loop: FakeLoop) -> AsyncIterator[engine_pb2_grpc.EngineStub]:
+async def engine_stub(loop: FakeLoop) -> AsyncIterator[scheduler_pb2_grpc.SchedulerStub]:
     server = grpc.aio.server()
-    servicer = EngineServicer(SchedulerServerConfig(), loop, "test")  # type: ignore[arg-type]
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    servicer = SchedulerServicer(SchedulerServerConfig(), loop, "test")  # type: ignore[arg-type]
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield engine_pb2_grpc.EngineStub(channel)
+            yield scheduler_pb2_grpc.SchedulerStub(channel)
     finally:
         await server.stop(0)
 
 
-def submit_request() -> engine_pb2.SubmitRequest:
-    return engine_pb2.SubmitRequest(
+def submit_request() -> scheduler_pb2.SubmitRequest:
+    return scheduler_pb2.SubmitRequest(
         request_id="r",
         prompt_token_ids=[1, 2, 3, 4, 5],
         sampling=sampling_to_proto(SamplingParams(max_new_tokens=8)),
@@ -156,9 +156,9 @@ def submit_request() -> engine_pb2.SubmitRequest:
 
 async def collect(
     loop: FakeLoop,
-) -> tuple[list[engine_pb2.SubmitResponse], grpc.StatusCode]:
+) -> tuple[list[scheduler_pb2.SubmitResponse], grpc.StatusCode]:
     """Every message of one Submit call, and how the call ended."""
-    responses: list[engine_pb2.SubmitResponse] = []
+    responses: list[scheduler_pb2.SubmitResponse] = []
     async with engine_stub(loop) as stub:
         call = stub.Submit(submit_request(), timeout=TIMEOUT_S)
         try:
@@ -169,7 +169,7 @@ async def collect(
     return responses, grpc.StatusCode.OK
 
 
-def run(loop: FakeLoop) -> tuple[list[engine_pb2.SubmitResponse], grpc.StatusCode]:
+def run(loop: FakeLoop) -> tuple[list[scheduler_pb2.SubmitResponse], grpc.StatusCode]:
     return asyncio.run(asyncio.wait_for(collect(loop), 30))
 
 

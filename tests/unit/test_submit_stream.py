@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
-from protos.llmserve.v1 import engine_pb2, logprobs_pb2
+from protos.llmserve.v1 import logprobs_pb2, scheduler_pb2
 from services.contracts.errors import DeadlineExceededError, DependencyUnavailableError
 from services.contracts.sampling_params import SamplingParams
-from services.tokenizer.output import EngineOutput
+from services.tokenizer.output import SchedulerOutput
 from services.tokenizer.scheduler_pool import SchedulerClient
 from services.tokenizer.submit_stream import SubmitStream
 from services.tokenizer.validation import ValidatedRequest
@@ -26,13 +26,13 @@ REQUEST = ValidatedRequest("r1", (1, 2, 3), SamplingParams(n=2), (), None)
 class FakeCall:
     """A Submit call that sends its script as soon as it is read, then ends (or fails)."""
 
-    def __init__(self, script: Sequence[engine_pb2.SubmitResponse], error: Exception | None):
+    def __init__(self, script: Sequence[scheduler_pb2.SubmitResponse], error: Exception | None):
         self.script, self.error, self.cancelled = script, error, False
 
-    def __aiter__(self) -> AsyncIterator[engine_pb2.SubmitResponse]:
+    def __aiter__(self) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         return self._responses()
 
-    async def _responses(self) -> AsyncIterator[engine_pb2.SubmitResponse]:
+    async def _responses(self) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         for response in self.script:
             yield response
         if self.error is not None:
@@ -44,22 +44,22 @@ class FakeCall:
 
 
 class FakeStub:
-    def __init__(self, script: Sequence[engine_pb2.SubmitResponse], error: Exception | None):
+    def __init__(self, script: Sequence[scheduler_pb2.SubmitResponse], error: Exception | None):
         self.call = FakeCall(script, error)
-        self.submitted: list[engine_pb2.SubmitRequest] = []
-        self.cancelled_choices: list[engine_pb2.CancelChoiceRequest] = []
+        self.submitted: list[scheduler_pb2.SubmitRequest] = []
+        self.cancelled_choices: list[scheduler_pb2.CancelChoiceRequest] = []
 
-    def Submit(self, request: engine_pb2.SubmitRequest, timeout: float | None) -> FakeCall:
+    def Submit(self, request: scheduler_pb2.SubmitRequest, timeout: float | None) -> FakeCall:
         self.submitted.append(request)
         return self.call
 
-    def CancelChoice(self, request: engine_pb2.CancelChoiceRequest, timeout: float) -> Any:
+    def CancelChoice(self, request: scheduler_pb2.CancelChoiceRequest, timeout: float) -> Any:
         self.cancelled_choices.append(request)
-        return asyncio.sleep(0, engine_pb2.CancelChoiceResponse())
+        return asyncio.sleep(0, scheduler_pb2.CancelChoiceResponse())
 
 
-def response(*token_ids: int, finish: str = "", index: int = 0) -> engine_pb2.SubmitResponse:
-    return engine_pb2.SubmitResponse(
+def response(*token_ids: int, finish: str = "", index: int = 0) -> scheduler_pb2.SubmitResponse:
+    return scheduler_pb2.SubmitResponse(
         token_ids=token_ids,
         logprobs=[logprobs_pb2.TokenLogprob(token_id=t, logprob=-1.0) for t in token_ids],
         finish_reason=finish,
@@ -71,10 +71,10 @@ def client(stub: FakeStub, closed: bool = False) -> SchedulerClient:
     return SchedulerClient("127.0.0.1:1", channel=None, stub=stub, closed=closed)  # type: ignore[arg-type]
 
 
-async def read_all(stream: SubmitStream) -> list[list[EngineOutput] | BaseException]:
+async def read_all(stream: SubmitStream) -> list[list[SchedulerOutput] | BaseException]:
     """Every batch `next_outputs` hands on, after the reader has queued the whole script."""
     await asyncio.sleep(0.01)
-    batches: list[list[EngineOutput] | BaseException] = []
+    batches: list[list[SchedulerOutput] | BaseException] = []
     while True:
         try:
             outputs = await stream.next_outputs()
@@ -86,7 +86,7 @@ async def read_all(stream: SubmitStream) -> list[list[EngineOutput] | BaseExcept
         batches.append(outputs)
 
 
-def shapes(batches: list[list[EngineOutput] | BaseException]) -> list[Any]:
+def shapes(batches: list[list[SchedulerOutput] | BaseException]) -> list[Any]:
     """Each batch's outputs as (token ids, finish reason, choice); an error as itself."""
     return [
         batch
@@ -97,12 +97,12 @@ def shapes(batches: list[list[EngineOutput] | BaseException]) -> list[Any]:
 
 
 def run_script(
-    script: Sequence[engine_pb2.SubmitResponse], error: Exception | None = None
-) -> tuple[list[list[EngineOutput] | BaseException], FakeStub, SchedulerClient]:
+    script: Sequence[scheduler_pb2.SubmitResponse], error: Exception | None = None
+) -> tuple[list[list[SchedulerOutput] | BaseException], FakeStub, SchedulerClient]:
     stub = FakeStub(script, error)
     scheduler = client(stub)
 
-    async def scenario() -> list[list[EngineOutput] | BaseException]:
+    async def scenario() -> list[list[SchedulerOutput] | BaseException]:
         stream = SubmitStream(scheduler, REQUEST, 0.0, None, {"request_id": "r1"})
         assert scheduler.num_in_flight == 1
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from protos.llmserve.v1 import engine_pb2_grpc, text_pb2, text_pb2_grpc
+from protos.llmserve.v1 import scheduler_pb2_grpc, text_pb2, text_pb2_grpc
 from services.common.model_description_proto import description_to_proto
 from services.tokenizer import metrics
 from services.tokenizer.config import TokenizerConfig
@@ -84,7 +84,7 @@ async def discovery(
     for ip, engine in engines.items():
         engine.description = description_to_proto(model.description)
         server = grpc.aio.server()
-        engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(engine, server)
         port = server.add_insecure_port(f"{ip}:{port}")
         await server.start()
         servers.append(server)

@@ -12,10 +12,10 @@ from services.common.model_source import embedded_model_path
 from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import ModelLoadError
 from services.tokenizer.output import (
-    EngineOutput,
     OutputDelta,
     OutputPipeline,
     OutputText,
+    SchedulerOutput,
     TokenLogprob,
     Usage,
 )
@@ -33,18 +33,18 @@ def tokenizer() -> ModelTokenizer:
 
 def events_for(
     token_ids: Sequence[int], *, chunk: int = 1, finish_reason: str = "length"
-) -> list[EngineOutput]:
+) -> list[SchedulerOutput]:
     """One event per `chunk` ids; the last one carries finish_reason (if any)."""
     ids = tuple(token_ids)
-    events = [EngineOutput(token_ids=ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
-    events = events or [EngineOutput()]
-    events[-1] = EngineOutput(token_ids=events[-1].token_ids, finish_reason=finish_reason)
+    events = [SchedulerOutput(token_ids=ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    events = events or [SchedulerOutput()]
+    events[-1] = SchedulerOutput(token_ids=events[-1].token_ids, finish_reason=finish_reason)
     return events
 
 
 def run_pipeline(
     tokenizer: ModelTokenizer,
-    events: Sequence[EngineOutput],
+    events: Sequence[SchedulerOutput],
     stop: Sequence[str] = (),
     prompt: str = "x",
 ) -> list[OutputDelta]:
@@ -112,13 +112,13 @@ def test_usage_and_timings_on_the_last_delta(tokenizer: ModelTokenizer) -> None:
     ids = tokenizer.encode("one two three")
     pipeline = OutputPipeline.create(tokenizer.tokenizer, tokenizer.encode("hi"), (), 10.0)
     first = pipeline.step(
-        EngineOutput(
+        SchedulerOutput(
             token_ids=tuple(ids[:1]), queue_ms=12.5, num_cached_tokens=4, num_prompt_tokens=7
         ),
         10.25,
     )
     assert first is not None and first.usage is None and first.timings is None
-    last = pipeline.step(EngineOutput(token_ids=tuple(ids[1:]), finish_reason="length"), 11.0)
+    last = pipeline.step(SchedulerOutput(token_ids=tuple(ids[1:]), finish_reason="length"), 11.0)
     assert last is not None
     assert last.usage == Usage(prompt_tokens=7, completion_tokens=len(ids), cached_prompt_tokens=4)
     assert last.timings is not None
@@ -130,7 +130,7 @@ def test_usage_and_timings_on_the_last_delta(tokenizer: ModelTokenizer) -> None:
 def test_prompt_tokens_default_to_the_local_count(tokenizer: ModelTokenizer) -> None:
     prompt_ids = tokenizer.encode("a longer prompt here")
     pipeline = OutputPipeline.create(tokenizer.tokenizer, prompt_ids, (), 0.0)
-    last = pipeline.step(EngineOutput(finish_reason="length"), 2.0)
+    last = pipeline.step(SchedulerOutput(finish_reason="length"), 2.0)
     assert last is not None and last.usage is not None and last.timings is not None
     assert last.usage.prompt_tokens == len(prompt_ids)
     assert last.usage.completion_tokens == 0
@@ -140,7 +140,7 @@ def test_prompt_tokens_default_to_the_local_count(tokenizer: ModelTokenizer) -> 
 
 def test_nothing_to_send_yields_none(tokenizer: ModelTokenizer) -> None:
     pipeline = OutputPipeline.create(tokenizer.tokenizer, tokenizer.encode("x"), (), 0.0)
-    assert pipeline.step(EngineOutput(queue_ms=3.0), 1.0) is None
+    assert pipeline.step(SchedulerOutput(queue_ms=3.0), 1.0) is None
     assert pipeline.progress.queue_ms == 3.0
 
 
@@ -148,7 +148,7 @@ def test_logprobs_travel_with_their_ids(tokenizer: ModelTokenizer) -> None:
     ids = tuple(tokenizer.encode("hi"))
     logprobs = tuple(TokenLogprob(t, -0.5, (t,), (-0.5,)) for t in ids)
     pipeline = OutputPipeline.create(tokenizer.tokenizer, tokenizer.encode("x"), (), 0.0)
-    delta = pipeline.step(EngineOutput(token_ids=ids, logprobs=logprobs), 1.0)
+    delta = pipeline.step(SchedulerOutput(token_ids=ids, logprobs=logprobs), 1.0)
     assert delta is not None and delta.logprobs == logprobs
 
 
@@ -169,7 +169,7 @@ def test_choices_have_their_own_text_stops_and_finish_and_share_one_usage(
             last = position == len(ids[index]) - 1
             if position >= len(ids[index]):
                 continue
-            event = EngineOutput(
+            event = SchedulerOutput(
                 token_ids=token_ids, finish_reason="length" if last else "", index=index
             )
             delta = pipeline.step(event, float(position))
@@ -188,4 +188,4 @@ def test_choices_have_their_own_text_stops_and_finish_and_share_one_usage(
         prompt_tokens=len(prompt_ids), completion_tokens=sent, cached_prompt_tokens=0
     )
     # A choice a stop string ended may still get events from the scheduler: dropped.
-    assert pipeline.step(EngineOutput(token_ids=(5,), index=1), 99.0) is None
+    assert pipeline.step(SchedulerOutput(token_ids=(5,), index=1), 99.0) is None

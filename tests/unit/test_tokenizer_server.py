@@ -115,7 +115,7 @@ def test_chat_messages_use_the_chat_template(model: ServedModel) -> None:
     run(scenario)
 
 
-def test_stop_string_across_tokens_is_cut_and_the_engine_call_cancelled(
+def test_stop_string_across_tokens_is_cut_and_the_scheduler_call_cancelled(
     model: ServedModel,
 ) -> None:
     output_ids = model.tokenizer.encode("Hello there, my friend. More text that must not appear.")
@@ -208,7 +208,7 @@ def test_slow_client_gets_fewer_messages_with_the_same_text_and_ids(
     run(scenario)
 
 
-def test_slow_client_gets_the_tokens_before_an_engine_failure(model: ServedModel) -> None:
+def test_slow_client_gets_the_tokens_before_a_scheduler_failure(model: ServedModel) -> None:
     output_ids = model.tokenizer.encode("one two three four five")
     engine = FakeEngine(
         script_for(output_ids, finish_reason=""),
@@ -225,7 +225,7 @@ def test_slow_client_gets_the_tokens_before_an_engine_failure(model: ServedModel
     run(scenario)
 
 
-def test_client_going_away_cancels_the_engine_call(model: ServedModel) -> None:
+def test_client_going_away_cancels_the_scheduler_call(model: ServedModel) -> None:
     engine = FakeEngine(script_for(model.tokenizer.encode("one two"), finish_reason=""))
     engine.hold_open = True
 

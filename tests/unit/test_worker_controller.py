@@ -1,7 +1,7 @@
 """The worker takes one controller (services/worker/server.py): while a Step stream is live, a
 second one is refused with FAILED_PRECONDITION and the live batch is left alone (no reset, no
 abort); once that stream ends, however it ends, the next one is let in. And the scheduler's
-side (services/scheduler/engine_loop.py): it reports its worker connected only once the worker
+side (services/scheduler/step_loop.py): it reports its worker connected only once the worker
 has accepted its stream, so a refused scheduler never turns SERVING, and it builds its
 scheduler from the worker's Describe answer (its KV blocks and its model's sliding window)."""
 
@@ -17,8 +17,8 @@ import pytest
 
 from protos.llmserve.v1 import model_pb2, worker_pb2, worker_pb2_grpc
 from services.contracts.step import BatchPlan, StepResult
-from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.server_config import SchedulerServerConfig
+from services.scheduler.step_loop import StepLoop
 from services.worker.config import WorkerConfig
 from services.worker.server import WorkerServicer
 
@@ -172,7 +172,7 @@ def test_a_refused_scheduler_never_reports_its_worker_connected() -> None:
         await server.start()
         changes: list[bool] = []
         config = SchedulerServerConfig(worker=f"127.0.0.1:{port}", reconnect_max_s=0.05)
-        loop = EngineLoop(config, on_connection_change=changes.append)
+        loop = StepLoop(config, on_connection_change=changes.append)
         task = asyncio.create_task(loop.run())
         try:
             while refusing.num_refused < 3:  # it keeps trying, as a restarted one must
@@ -219,7 +219,7 @@ def test_the_scheduler_is_built_with_the_workers_window() -> None:
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         config = SchedulerServerConfig(worker=f"127.0.0.1:{port}", reconnect_max_s=0.05)
-        loop = EngineLoop(config)
+        loop = StepLoop(config)
         task = asyncio.create_task(loop.run())
         try:
             await asyncio.wait_for(loop.connected.wait(), TIMEOUT_S)

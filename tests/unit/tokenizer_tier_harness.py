@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.llmserve.v1 import engine_pb2, engine_pb2_grpc, model_pb2, text_pb2, text_pb2_grpc
+from protos.llmserve.v1 import model_pb2, scheduler_pb2, scheduler_pb2_grpc, text_pb2, text_pb2_grpc
 from services.common.model_description_proto import description_to_proto
 from services.common.model_source import embedded_model_path
 from services.common.model_tokenizer import ModelTokenizer
@@ -42,10 +42,10 @@ def served_model() -> ServedModel:
 
 
 @dataclass
-class FakeEngine(engine_pb2_grpc.EngineServicer):
+class FakeEngine(scheduler_pb2_grpc.SchedulerServicer):
     """Streams `script` for every Submit and records what it saw."""
 
-    script: list[engine_pb2.SubmitResponse] = field(default_factory=list)
+    script: list[scheduler_pb2.SubmitResponse] = field(default_factory=list)
     hold_open: bool = False
     """After the script, keep the stream open until the caller cancels."""
     abort_with: tuple[grpc.StatusCode, str] | None = None
@@ -56,13 +56,13 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     stats_available: bool = True
     description: model_pb2.ModelDescription | None = None
     """What Describe answers (running_stack sets the served model's)."""
-    requests: list[engine_pb2.SubmitRequest] = field(default_factory=list)
+    requests: list[scheduler_pb2.SubmitRequest] = field(default_factory=list)
     time_remaining: list[float | None] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def Submit(
-        self, request: engine_pb2.SubmitRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[engine_pb2.SubmitResponse]:
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         self.requests.append(request)
         self.time_remaining.append(context.time_remaining())
         if self.abort_with is not None:
@@ -87,11 +87,11 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             await context.abort(*self.fail_after_script)
 
     async def GetStats(
-        self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
-    ) -> engine_pb2.EngineStats:
+        self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerStats:
         if not self.stats_available:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not connected")
-        return engine_pb2.EngineStats(scheduler_id="fake", num_free_blocks=100)
+        return scheduler_pb2.SchedulerStats(scheduler_id="fake", num_free_blocks=100)
 
     async def Describe(
         self, request: model_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
@@ -110,13 +110,14 @@ def script_for(
     num_prompt_tokens: int = 0,
     num_cached_tokens: int = 0,
     queue_ms: float = 0.0,
-) -> list[engine_pb2.SubmitResponse]:
+) -> list[scheduler_pb2.SubmitResponse]:
     """One message per `chunk` ids; the last one carries finish_reason (if any)."""
     ids = list(token_ids)
     messages = [
-        engine_pb2.SubmitResponse(token_ids=ids[i : i + chunk]) for i in range(0, len(ids), chunk)
+        scheduler_pb2.SubmitResponse(token_ids=ids[i : i + chunk])
+        for i in range(0, len(ids), chunk)
     ]
-    messages = messages or [engine_pb2.SubmitResponse()]
+    messages = messages or [scheduler_pb2.SubmitResponse()]
     messages[0].queue_ms = queue_ms
     messages[0].num_prompt_tokens = num_prompt_tokens
     messages[0].num_cached_tokens = num_cached_tokens
@@ -163,7 +164,7 @@ async def running_stack(
         if engine.description is None:
             engine.description = description_to_proto(model.description)
         engine_server = grpc.aio.server()
-        engine_pb2_grpc.add_EngineServicer_to_server(engine, engine_server)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(engine, engine_server)
         addresses.append(f"127.0.0.1:{engine_server.add_insecure_port('127.0.0.1:0')}")
         await engine_server.start()
         engine_servers.append(engine_server)

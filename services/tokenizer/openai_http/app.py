@@ -12,7 +12,7 @@ a bad field (400) is a real status, never an error inside a 200 stream. An error
 `data: [DONE]`, as vLLM does.
 
 A client that disconnects cancels its request: a stream's body generator is cancelled by the
-server; a non-streaming request watches the connection while it waits. Either way the engine
+server; a non-streaming request watches the connection while it waits. Either way the scheduler
 call ends, and the scheduler frees the KV blocks at once.
 """
 

@@ -369,7 +369,7 @@ def _sampling(
         # vLLM refuses an empty list rather than read it as "no restriction"; so does
         # validation (SamplingParams), so [] stays distinct from null here.
         allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
-        # The engine reports a token's logprob along with at least one alternative; a
+        # The scheduler reports a token's logprob along with at least one alternative; a
         # request for none gets that one dropped on the way out (responses.py).
         logprobs=max(top_logprobs, 1) if wants_logprobs else 0,
         n=body.n,

@@ -18,20 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from services.common.cache_keys import CacheKeys
-from services.common.named_prompt import NamedPrompt, pin_name
-from services.common.prefix_hash import tenant_salt
-from services.contracts.errors import InvalidRequestError, LLMServeError, QueueFullError
-from services.contracts.sampling_params import SamplingParams
+from services.contracts.errors import InvalidRequestError, QueueFullError
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
 from services.scheduler import metrics
+from services.scheduler.pin_keeper import PinKeeper, PromptSource
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.retry_hint import StepTimeAverage, retry_after_ms
@@ -51,20 +47,7 @@ log = logging.getLogger(__name__)
 EventQueue = asyncio.Queue[TokenEvent | BaseException]
 
 
-@dataclass(frozen=True, slots=True)
-class PinSpec:
-    """A prefix to keep pinned until `expires_at` (this loop's clock), across worker restarts."""
-
-    token_ids: tuple[int, ...]
-    cache_salt: bytes
-    expires_at: float
-
-
-# Named prompts registered for a model (by name); None when Redis did not answer.
-PromptSource = Callable[[str], Awaitable[list[NamedPrompt] | None]]
-
-
-class EngineLoop:
+class StepLoop:
     def __init__(
         self,
         config: SchedulerServerConfig,
@@ -78,8 +61,12 @@ class EngineLoop:
         self.clock = clock
         self.on_connection_change = on_connection_change
         self.prefix_index = prefix_index
-        self.registered_prompts = registered_prompts
-        self._pins: dict[str, PinSpec] = {}
+        self.pins = PinKeeper(
+            self.submit,
+            lambda: None if self.scheduler is None else self.scheduler.pins,
+            clock,
+            registered_prompts,
+        )
         self.scheduler: Scheduler | None = None
         self.description: WorkerDescription | None = None
         self._queues: dict[str, EventQueue] = {}
@@ -122,7 +109,7 @@ class EngineLoop:
         """Have the worker compile the request's grammar (off its step loop; cached per spec)
         while the request waits, then let the scheduler admit it. A spec the worker refuses
         fails the request with INVALID_ARGUMENT (the tokenizer tier has compiled it already,
-        so only a client calling the Engine API directly gets here)."""
+        so only a client calling the Scheduler API directly gets here)."""
         scheduler, worker = self.scheduler, self._worker
         try:
             if worker is not None:
@@ -163,75 +150,6 @@ class EngineLoop:
     def stats(self) -> SchedulerStats | None:
         return None if self.scheduler is None else self.scheduler.get_stats()
 
-    # ---- pinned prefixes -----------------------------------------------------------------
-
-    async def pin(self, name: str, token_ids: list[int], cache_salt: bytes, ttl_s: float) -> int:
-        """Compute the prefix (a prefill like any request's) and pin its full blocks; kept
-        until ttl_s passes, re-pinned whenever a new worker connects. Returns tokens pinned."""
-        spec = PinSpec(tuple(token_ids), cache_salt, self.clock() + ttl_s)
-        self._pins[name] = spec
-        return await self._pin_now(name, spec)
-
-    def unpin(self, name: str) -> bool:
-        spec = self._pins.pop(name, None)
-        if self.scheduler is not None:
-            self.scheduler.pins.unpin(name)
-        return spec is not None
-
-    async def _pin_now(self, name: str, spec: PinSpec) -> int:
-        scheduler = self.scheduler
-        request = Request(
-            request_id=f"pin:{name}:{uuid.uuid4().hex[:8]}",
-            prompt_token_ids=list(spec.token_ids),
-            sampling=SamplingParams(temperature=0.0, max_new_tokens=1),
-            arrival_time=self.clock(),
-            cache_salt=spec.cache_salt,
-            pin_name=name,
-        )
-        queue = self.submit(request)
-        while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                break
-        if self.scheduler is not scheduler or self.scheduler is None:
-            return 0  # the worker restarted meanwhile; the reconnect re-pins
-        return self.scheduler.pins.pinned_tokens(name)
-
-    async def _restore_pins(self) -> None:
-        """After a worker connects: pin every live prefix again, including the named prompts
-        other processes registered in Redis (this scheduler may be new, or restarted)."""
-        if self.registered_prompts is not None and self.description is not None:
-            prompts = await self.registered_prompts(self.description.model.model_name)
-            now_unix, now = time.time(), self.clock()
-            for prompt in prompts or []:
-                if not prompt.expired(now_unix):
-                    self._pins.setdefault(
-                        pin_name(prompt.tenant_id, prompt.name),
-                        PinSpec(
-                            prompt.token_ids,
-                            tenant_salt(prompt.tenant_id),
-                            now + prompt.expires_unix_s - now_unix,
-                        ),
-                    )
-        for name, spec in list(self._pins.items()):
-            try:
-                pinned = await self._pin_now(name, spec)
-            except LLMServeError as exc:
-                log.warning("re-pin failed", extra={"pin": name, "error": str(exc)})
-                continue
-            log.info("re-pinned", extra={"pin": name, "tokens": pinned})
-
-    async def expire_pins(self, period_s: float = 1.0) -> None:
-        """Forever: unpin prefixes whose TTL has passed."""
-        while True:
-            await asyncio.sleep(period_s)
-            now = self.clock()
-            for name in [n for n, spec in self._pins.items() if spec.expires_at <= now]:
-                self.unpin(name)
-                log.info("pin expired", extra={"pin": name})
-
     # ---- the loop ------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -260,7 +178,7 @@ class EngineLoop:
                 steps = await worker.open_steps()
                 refusal_logged = None
                 self._set_connected(True)
-                restore = asyncio.create_task(self._restore_pins())
+                restore = asyncio.create_task(self.pins.restore(self.description.model.model_name))
                 backoff = 0.05
                 # Routine at start-up; losing the worker is what gets logged as an error.
                 log.info(

@@ -45,7 +45,7 @@ class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class EngineStats(_message.Message):
+class SchedulerStats(_message.Message):
     __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "prefix_hit_rate", "num_preemptions", "scheduler_id", "max_waiting_requests", "block_size", "worker_epoch", "max_num_seqs", "num_pinned_blocks", "dtype", "kv_cache_dtype", "quantization", "num_forked_block_refs", "num_block_copies", "num_draft_tokens_proposed", "num_draft_tokens_accepted", "num_speculative_steps")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]

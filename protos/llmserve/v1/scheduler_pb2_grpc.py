@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.llmserve.v1 import engine_pb2 as protos_dot_llmserve_dot_v1_dot_engine__pb2
 from protos.llmserve.v1 import model_pb2 as protos_dot_llmserve_dot_v1_dot_model__pb2
+from protos.llmserve.v1 import scheduler_pb2 as protos_dot_llmserve_dot_v1_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,14 +19,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/llmserve/v1/engine_pb2_grpc.py depends on'
+        + ' but the generated code in protos/llmserve/v1/scheduler_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class EngineStub:
+class SchedulerStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -36,38 +36,38 @@ class EngineStub:
             channel: A grpc.Channel.
         """
         self.Submit = channel.unary_stream(
-                '/llmserve.v1.Engine/Submit',
-                request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.SubmitResponse.FromString,
+                '/llmserve.v1.Scheduler/Submit',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
-                '/llmserve.v1.Engine/GetStats',
-                request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.EngineStats.FromString,
+                '/llmserve.v1.Scheduler/GetStats',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
                 _registered_method=True)
         self.Describe = channel.unary_unary(
-                '/llmserve.v1.Engine/Describe',
+                '/llmserve.v1.Scheduler/Describe',
                 request_serializer=protos_dot_llmserve_dot_v1_dot_model__pb2.DescribeModelRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_model__pb2.ModelDescription.FromString,
                 _registered_method=True)
         self.Pin = channel.unary_unary(
-                '/llmserve.v1.Engine/Pin',
-                request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.PinRequest.SerializeToString,
-                response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.PinResponse.FromString,
+                '/llmserve.v1.Scheduler/Pin',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.PinRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.PinResponse.FromString,
                 _registered_method=True)
         self.Unpin = channel.unary_unary(
-                '/llmserve.v1.Engine/Unpin',
-                request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinRequest.SerializeToString,
-                response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinResponse.FromString,
+                '/llmserve.v1.Scheduler/Unpin',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.UnpinResponse.FromString,
                 _registered_method=True)
         self.CancelChoice = channel.unary_unary(
-                '/llmserve.v1.Engine/CancelChoice',
-                request_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceRequest.SerializeToString,
-                response_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceResponse.FromString,
+                '/llmserve.v1.Scheduler/CancelChoice',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceResponse.FromString,
                 _registered_method=True)
 
 
-class EngineServicer:
+class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Submit(self, request, context):
@@ -115,17 +115,17 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_EngineServicer_to_server(servicer, server):
+def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Submit': grpc.unary_stream_rpc_method_handler(
                     servicer.Submit,
-                    request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.SubmitRequest.FromString,
-                    response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.SubmitResponse.SerializeToString,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.SubmitResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.GetStatsRequest.FromString,
-                    response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.EngineStats.SerializeToString,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.SchedulerStats.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
@@ -134,28 +134,28 @@ def add_EngineServicer_to_server(servicer, server):
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
-                    request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.PinRequest.FromString,
-                    response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.PinResponse.SerializeToString,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.PinRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.PinResponse.SerializeToString,
             ),
             'Unpin': grpc.unary_unary_rpc_method_handler(
                     servicer.Unpin,
-                    request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinRequest.FromString,
-                    response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinResponse.SerializeToString,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.UnpinRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.UnpinResponse.SerializeToString,
             ),
             'CancelChoice': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelChoice,
-                    request_deserializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceRequest.FromString,
-                    response_serializer=protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceResponse.SerializeToString,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'llmserve.v1.Engine', rpc_method_handlers)
+            'llmserve.v1.Scheduler', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('llmserve.v1.Engine', rpc_method_handlers)
+    server.add_registered_method_handlers('llmserve.v1.Scheduler', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Engine:
+class Scheduler:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -172,9 +172,9 @@ class Engine:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/llmserve.v1.Engine/Submit',
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.SubmitRequest.SerializeToString,
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.SubmitResponse.FromString,
+            '/llmserve.v1.Scheduler/Submit',
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -199,9 +199,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/llmserve.v1.Engine/GetStats',
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.GetStatsRequest.SerializeToString,
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.EngineStats.FromString,
+            '/llmserve.v1.Scheduler/GetStats',
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -226,7 +226,7 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/llmserve.v1.Engine/Describe',
+            '/llmserve.v1.Scheduler/Describe',
             protos_dot_llmserve_dot_v1_dot_model__pb2.DescribeModelRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_model__pb2.ModelDescription.FromString,
             options,
@@ -253,9 +253,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/llmserve.v1.Engine/Pin',
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.PinRequest.SerializeToString,
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.PinResponse.FromString,
+            '/llmserve.v1.Scheduler/Pin',
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.PinRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -280,9 +280,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/llmserve.v1.Engine/Unpin',
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinRequest.SerializeToString,
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.UnpinResponse.FromString,
+            '/llmserve.v1.Scheduler/Unpin',
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.UnpinRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.UnpinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -307,9 +307,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/llmserve.v1.Engine/CancelChoice',
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceRequest.SerializeToString,
-            protos_dot_llmserve_dot_v1_dot_engine__pb2.CancelChoiceResponse.FromString,
+            '/llmserve.v1.Scheduler/CancelChoice',
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
 """CPU decode micro-benchmark: the C++ ops (kernels/csrc) against the torch references.
 
-    python -m kernels.bench_decode_cpu [--heads 9 3] [--head-dim 64] [--repeats 10] [--threads N]
+    python -m benchmarks.kernels_decode_cpu [--heads 9 3] [--head-dim 64] [--repeats 10]
+        [--threads N]
 
 Prints markdown tables of ms per call (best of N, each cell capped at about a second) for
 paged decode attention at B in {1, 16, 32, 64} x context in {128, 1024}, bf16 query with a

@@ -2,7 +2,7 @@
 shapes: ms per call against torch's CPU paths, and the sum over one decode step (30 layers'
 q|k|v, o, gate|up and down, plus the lm_head).
 
-    python -m kernels.bench_gguf_gemm [--m 1 4 16 32 64] [--budget-s 0.02] [--repeats 3]
+    python -m benchmarks.kernels_gguf_gemm [--m 1 4 16 32 64] [--budget-s 0.02] [--repeats 3]
 
 Columns: gguf fp32 (exact path), gguf bf16 (int8 activation blocks), torch packed bf16
 (aten._weight_int4pack_mm_for_cpu for the Q4 layers, as `--quantization int4` runs them, and

@@ -1,0 +1,22 @@
+"""What a tokenizer replica knows of one scheduler: its last GetStats answer, as the fields
+routing, model listings and health read (the pool converts the proto as it arrives)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSnapshot:
+    scheduler_id: str
+    worker_epoch: str
+    """Changes when the scheduler's worker restarts (its KV cache is then empty)."""
+    block_size: int
+    """Tokens per KV block: what the prefix hashes cover."""
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    dtype: str
+    """The worker's, as its Describe reports them (ListModels shows them)."""
+    kv_cache_dtype: str
+    quantization: str
