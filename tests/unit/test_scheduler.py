@@ -379,3 +379,20 @@ def test_watermark_is_not_kept_when_nothing_runs() -> None:
     scheduler.add_request(request)  # 9 blocks with the next token: more than 10 - 5
     plan = scheduler.schedule(0.0)
     assert [s.request_id for s in plan.new_sequences] == ["req0"]
+
+
+@pytest.mark.parametrize("debug_checks", [True, False])
+def test_debug_checks_catch_a_disagreement_at_the_next_step(debug_checks: bool) -> None:
+    """With debug_checks the step after a corruption fails naming it; without, nothing runs."""
+    scheduler = create_scheduler(num_blocks=16, debug_checks=debug_checks)
+    for request in create_requests(2, num_tokens=10, max_new_tokens=4):
+        scheduler.add_request(request)
+    plan = scheduler.schedule(0.0)
+    scheduler.update(plan, result_for(scheduler, plan), 0.0)
+    scheduler.choices.num_reserved_seats += 1  # seats no running request holds
+    plan = scheduler.schedule(1.0)
+    if debug_checks:
+        with pytest.raises(AssertionError, match=r"\(0, 1\)"):
+            scheduler.update(plan, result_for(scheduler, plan), 1.0)
+    else:
+        scheduler.update(plan, result_for(scheduler, plan), 1.0)
