@@ -3,6 +3,8 @@ cut into deltas, and never half a tag in either part."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -51,7 +53,7 @@ TEXTS = st.text(alphabet="ab<>/thinkT \n", max_size=40).map(
 )
 def test_any_cut_into_deltas_gives_the_whole_split(parser: str, text: str, cuts: list[int]) -> None:
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     assert streamed(parser, pieces) == split_reasoning(parser, text)
 
 
