@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.tokenizer.partial_tags import partial_tag_suffix
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
@@ -68,7 +70,7 @@ class ReasoningSplitter:
                     pending = pending[end + len(THINK_END) :].lstrip("\n")
                     self._state = "content"
                     continue
-                keep = _partial_tag_suffix(pending, THINK_END)
+                keep = partial_tag_suffix(pending, THINK_END)
                 reasoning.append(pending[: len(pending) - keep])
                 self._held = pending[len(pending) - keep :]
                 break
@@ -91,11 +93,3 @@ def split_reasoning(parser: str, text: str) -> SplitDelta:
     splitter = ReasoningSplitter(parser)
     first, last = splitter.feed(text), splitter.finish()
     return SplitDelta(first.reasoning + last.reasoning, first.content + last.content)
-
-
-def _partial_tag_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag` (0: none)."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0

@@ -43,6 +43,9 @@ PURE_MODULES = (
     "services/tokenizer/stop_strings.py",
     "services/tokenizer/validation.py",
     "services/tokenizer/output.py",
+    "services/tokenizer/reasoning.py",
+    "services/tokenizer/tool_calls.py",
+    "services/tokenizer/partial_tags.py",
     # strict decoding of public requests
     "services/common/request_decoding.py",
     # a GGUF file's tokenizer, as llama.cpp builds it
