@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.reasoning import ReasoningSplitter
 from services.tokenizer.stop_strings import StopStringMatcher
 
 # The scheduler's finish reasons that end the stream normally, as the public API names them.
@@ -81,6 +82,8 @@ class OutputDelta:
     usage: Usage | None = None
     timings: Timings | None = None
     index: int = 0
+    reasoning_text: str = ""
+    """With a reasoning parser: the new reasoning (`text` is then the answer only)."""
 
     @property
     def ends_stream(self) -> bool:
@@ -199,6 +202,8 @@ class OutputPipeline:
     progress: Progress
     finished: list[bool]
     """Per choice: its finish delta was made (later events of it are dropped)."""
+    reasoning: list[ReasoningSplitter] | None = None
+    """Per choice, with a reasoning parser: its text split into reasoning and answer."""
 
     @property
     def num_unfinished(self) -> int:
@@ -212,11 +217,13 @@ class OutputPipeline:
         stop: Sequence[str],
         started_s: float,
         n: int = 1,
+        reasoning_parser: str | None = None,
     ) -> OutputPipeline:
         return cls(
             [OutputText(tokenizer, prompt_token_ids, stop) for _ in range(n)],
             Progress(len(prompt_token_ids), started_s),
             [False] * n,
+            [ReasoningSplitter(reasoning_parser) for _ in range(n)] if reasoning_parser else None,
         )
 
     def step(self, scheduler_output: SchedulerOutput, now_s: float) -> OutputDelta | None:
@@ -243,13 +250,23 @@ class OutputPipeline:
             if tail.stopped:
                 finish_reason = "stop"
         progress.sending(len(token_ids), now_s)
+        text, reasoning_text = self._split(index, text, finished=bool(finish_reason))
         if not finish_reason:
-            if not (text or token_ids):
+            if not (text or reasoning_text or token_ids):
                 return None
-            return OutputDelta(text, token_ids, logprobs, index=index)
+            return OutputDelta(
+                text, token_ids, logprobs, index=index, reasoning_text=reasoning_text
+            )
         self.finished[index] = True
         if not all(self.finished):
-            return OutputDelta(text, token_ids, logprobs, finish_reason=finish_reason, index=index)
+            return OutputDelta(
+                text,
+                token_ids,
+                logprobs,
+                finish_reason=finish_reason,
+                index=index,
+                reasoning_text=reasoning_text,
+            )
         total_ms = progress.elapsed_ms(now_s)
         return OutputDelta(
             text,
@@ -257,6 +274,7 @@ class OutputPipeline:
             logprobs,
             finish_reason=finish_reason,
             index=index,
+            reasoning_text=reasoning_text,
             usage=Usage(
                 prompt_tokens=progress.num_prompt_tokens,
                 completion_tokens=progress.num_completion_tokens,
@@ -268,3 +286,15 @@ class OutputPipeline:
                 total_ms=total_ms,
             ),
         )
+
+    def _split(self, index: int, text: str, finished: bool) -> tuple[str, str]:
+        """(answer, reasoning) of a choice's new text; all answer without a parser."""
+        if self.reasoning is None:
+            return text, ""
+        splitter = self.reasoning[index]
+        delta = splitter.feed(text)
+        content, reasoning = delta.content, delta.reasoning
+        if finished:
+            last = splitter.finish()
+            content, reasoning = content + last.content, reasoning + last.reasoning
+        return content, reasoning

@@ -67,13 +67,20 @@ class ReasoningSplitter:
                 end = pending.find(THINK_END)
                 if end >= 0:
                     reasoning.append(pending[:end])
-                    pending = pending[end + len(THINK_END) :].lstrip("\n")
-                    self._state = "content"
+                    pending = pending[end + len(THINK_END) :]
+                    self._state = "after_end"
                     continue
                 keep = partial_tag_suffix(pending, THINK_END)
                 reasoning.append(pending[: len(pending) - keep])
                 self._held = pending[len(pending) - keep :]
                 break
+            if self._state == "after_end":
+                # The newlines a template puts between the thinking and the answer belong to
+                # neither, however the deltas cut them.
+                pending = pending.lstrip("\n")
+                if pending:
+                    self._state = "content"
+                continue
             content.append(pending)
             break
         return SplitDelta("".join(reasoning), "".join(content))

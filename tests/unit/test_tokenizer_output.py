@@ -189,3 +189,35 @@ def test_choices_have_their_own_text_stops_and_finish_and_share_one_usage(
     )
     # A choice a stop string ended may still get events from the scheduler: dropped.
     assert pipeline.step(SchedulerOutput(token_ids=(5,), index=1), 99.0) is None
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_a_reasoning_parser_splits_the_thinking_from_the_answer(
+    tokenizer: ModelTokenizer, chunk: int
+) -> None:
+    """On the real tokenizer, however the ids arrive: the `<think>` text in reasoning_text,
+    the rest in text, no tag in either, and every id still counted."""
+    ids = tokenizer.encode("<think>\n2 and 2 make 4.\n</think>\n\nThe answer is 4.")
+    pipeline = OutputPipeline.create(
+        tokenizer.tokenizer, tokenizer.encode("x"), (), 0.0, reasoning_parser="qwen3"
+    )
+    deltas = [
+        delta
+        for now_s, event in enumerate(events_for(ids, chunk=chunk), start=1)
+        if (delta := pipeline.step(event, float(now_s))) is not None
+    ]
+    reasoning = "".join(d.reasoning_text for d in deltas)
+    answer = "".join(d.text for d in deltas)
+    assert reasoning.strip() == "2 and 2 make 4."
+    assert answer == "The answer is 4."
+    assert sum(len(d.token_ids) for d in deltas) == len(ids)
+    assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == len(ids)
+
+
+def test_without_a_reasoning_parser_the_think_text_is_the_answer(
+    tokenizer: ModelTokenizer,
+) -> None:
+    ids = tokenizer.encode("<think>a</think>b")
+    deltas = run_pipeline(tokenizer, events_for(ids))
+    assert "".join(d.text for d in deltas) == "<think>a</think>b"
+    assert not any(d.reasoning_text for d in deltas)
