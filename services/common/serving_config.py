@@ -29,6 +29,7 @@ from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingMode = Literal["overlapped", "serial"]
+ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 DEFAULT_KV_GROUP_SIZE = 8
 """int8 KV cache: values of head_dim sharing one fp16 scale."""
@@ -52,6 +53,10 @@ class ChatConfig:
     chat_template: str | None = None
     """A Jinja chat template file that replaces the model's, or gives one to a model that
     ships none (without either, chat requests are refused; completions work)."""
+    reasoning_parser: ReasoningParserName | None = None
+    """How a reasoning model marks its thinking (deepseek_r1, qwen3: `<think>...</think>`):
+    a chat answer's thinking then goes out apart from its content (OpenAI's
+    `reasoning_content`, the gRPC `reasoning_text`); unset = all of it is content."""
 
 
 @dataclass(frozen=True)

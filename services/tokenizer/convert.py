@@ -153,6 +153,7 @@ def generate_response(request_id: str, delta: OutputDelta) -> text_pb2.GenerateR
         ],
         finish_reason=delta.finish_reason,
         index=delta.index,
+        reasoning_text=delta.reasoning_text,
     )
     if delta.usage is not None:
         response.usage.CopyFrom(

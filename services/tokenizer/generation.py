@@ -188,6 +188,7 @@ class GenerationStream:
             request.stop,
             prepared.started,
             n=request.sampling.n,
+            reasoning_parser=model.reasoning_parser if request.is_chat else None,
         )
         # Read at once, whatever the client's pace: what piles up meanwhile goes through the
         # pipeline as one scheduler output per choice and out as one message.

@@ -15,12 +15,14 @@ Parsers, named as vLLM names them (`--reasoning-parser`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
+from services.common.serving_config import ReasoningParserName
 from services.tokenizer.partial_tags import partial_tag_suffix
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+PARSERS: tuple[str, ...] = get_args(ReasoningParserName)
 
 
 @dataclass(frozen=True, slots=True)

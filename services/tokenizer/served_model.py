@@ -18,17 +18,23 @@ class ServedModel:
 
     description: ModelDescription
     tokenizer: ModelTokenizer
+    reasoning_parser: str | None = None
+    """How chat answers' thinking is told from their content (--reasoning-parser)."""
 
     @classmethod
     def from_description(
-        cls, description: ModelDescription, *, chat_template: str | None = None
+        cls,
+        description: ModelDescription,
+        *,
+        chat_template: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> ServedModel:
         """`chat_template` (--chat-template's) replaces the model's own templates."""
         if chat_template is not None:
             description = replace(
                 description, chat_template=chat_template, tool_use_chat_template=None
             )
-        return cls(description, ModelTokenizer.from_description(description))
+        return cls(description, ModelTokenizer.from_description(description), reasoning_parser)
 
     @property
     def name(self) -> str:

@@ -114,7 +114,10 @@ class TokenizerServer:
         started = time.perf_counter()
         # In a thread so health checks are answered (NOT_SERVING) while it parses.
         model = await asyncio.to_thread(
-            ServedModel.from_description, description, chat_template=self.chat_template
+            ServedModel.from_description,
+            description,
+            chat_template=self.chat_template,
+            reasoning_parser=self.config.reasoning_parser,
         )
         log.info(
             "tokenizer loaded",

@@ -127,6 +127,8 @@ class ValidatedRequest:
     structured_output_param: str = ""
     """The public name of the parameter holding sampling.structured_output, for the errors
     of its compile (which runs after this validation, off the event loop)."""
+    is_chat: bool = False
+    """The prompt was chat messages (a reasoning parser applies to chat answers only)."""
 
 
 def validate_generate(
@@ -156,6 +158,7 @@ def validate_generate(
         deadline_s,
         tenant_salt(request.tenant_id),
         structured_output_param(request.sampling),
+        is_chat=bool(request.messages),
     )
 
 

@@ -394,3 +394,36 @@ def test_a_whole_response_lists_the_choices_in_index_order(chat: bool) -> None:
     assert [c["token_ids"] for c in body["choices"]] == [[2, 4], [1, 3], []]
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop", None]
     assert body["usage"] == usage_body(USAGE)
+
+
+REASONING_STREAM = [
+    OutputDelta("", (1,), reasoning_text="2 and 2"),
+    OutputDelta("", (2,), reasoning_text=" make 4."),
+    OutputDelta("It is 4.", (3,)),
+    OutputDelta("", (), finish_reason="stop", usage=Usage(5, 3, 0)),
+]
+
+
+def test_chat_stream_sends_reasoning_as_reasoning_content_apart_from_content() -> None:
+    chunks = [c for d in REASONING_STREAM for c in builder(chat=True).chunks(d)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert [d.get("reasoning_content") for d in deltas] == ["2 and 2", " make 4.", None, None]
+    assert [d.get("content") for d in deltas] == [None, None, "It is 4.", None]
+
+
+def test_a_whole_chat_response_carries_the_reasoning_beside_the_content() -> None:
+    whole = builder(chat=True)
+    for delta in REASONING_STREAM:
+        whole.add(delta)
+    message = whole.response()["choices"][0]["message"]
+    assert message == {
+        "role": "assistant",
+        "content": "It is 4.",
+        "reasoning_content": "2 and 2 make 4.",
+    }
+
+
+def test_without_reasoning_a_chat_message_has_no_reasoning_field() -> None:
+    whole = builder(chat=True)
+    whole.add(OutputDelta("hi", (1,), finish_reason="stop", usage=Usage(1, 1, 0)))
+    assert "reasoning_content" not in whole.response()["choices"][0]["message"]

@@ -58,12 +58,14 @@ class _Accumulated:
     """What a non-streaming response collects over the deltas."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
 
     def add(self, delta: OutputDelta) -> None:
         self.text.append(delta.text)
+        self.reasoning.append(delta.reasoning_text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
@@ -107,7 +109,7 @@ class ResponseBuilder:
         """The chunks one delta becomes (none when it carries nothing to say)."""
         logprobs = self._logprobs(delta.logprobs, delta.index)
         ids = self.return_token_ids and delta.token_ids
-        if not (delta.text or delta.finish_reason or logprobs or ids):
+        if not (delta.text or delta.reasoning_text or delta.finish_reason or logprobs or ids):
             return []
         choice: dict[str, Any] = {"index": delta.index}
         if self.chat:
@@ -115,7 +117,10 @@ class ResponseBuilder:
             if delta.index not in self._sent_role:
                 message["role"] = "assistant"
                 self._sent_role.add(delta.index)
-            if delta.text or not delta.finish_reason:
+            if delta.reasoning_text:
+                # vLLM's and DeepSeek's field for a reasoning model's thinking.
+                message["reasoning_content"] = delta.reasoning_text
+            if delta.text or not (delta.finish_reason or delta.reasoning_text):
                 message["content"] = delta.text
             choice["delta"] = message
         else:
@@ -173,6 +178,9 @@ class ResponseBuilder:
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            reasoning = "".join(collected.reasoning)
+            if reasoning:
+                choice["message"]["reasoning_content"] = reasoning
         else:
             choice["text"] = text
         self._text_offset[index] = 0
