@@ -1,4 +1,4 @@
-"""Holding back a tag cut across text deltas (`<think>`, `<tool_call>`...): a client must see a
+"""Holding back a tag cut across text deltas (`<think>`...): a client must see a
 tag whole or not at all."""
 
 from __future__ import annotations

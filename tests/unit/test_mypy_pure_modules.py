@@ -44,7 +44,6 @@ PURE_MODULES = (
     "services/tokenizer/validation.py",
     "services/tokenizer/output.py",
     "services/tokenizer/reasoning.py",
-    "services/tokenizer/tool_calls.py",
     "services/tokenizer/partial_tags.py",
     # strict decoding of public requests
     "services/common/request_decoding.py",
