@@ -251,30 +251,16 @@ class OutputPipeline:
                 finish_reason = "stop"
         progress.sending(len(token_ids), now_s)
         text, reasoning_text = self._split(index, text, finished=bool(finish_reason))
+        delta = OutputDelta(text, token_ids, logprobs, index=index, reasoning_text=reasoning_text)
         if not finish_reason:
-            if not (text or reasoning_text or token_ids):
-                return None
-            return OutputDelta(
-                text, token_ids, logprobs, index=index, reasoning_text=reasoning_text
-            )
+            return delta if (text or reasoning_text or token_ids) else None
         self.finished[index] = True
+        delta = replace(delta, finish_reason=finish_reason)
         if not all(self.finished):
-            return OutputDelta(
-                text,
-                token_ids,
-                logprobs,
-                finish_reason=finish_reason,
-                index=index,
-                reasoning_text=reasoning_text,
-            )
+            return delta
         total_ms = progress.elapsed_ms(now_s)
-        return OutputDelta(
-            text,
-            token_ids,
-            logprobs,
-            finish_reason=finish_reason,
-            index=index,
-            reasoning_text=reasoning_text,
+        return replace(
+            delta,
             usage=Usage(
                 prompt_tokens=progress.num_prompt_tokens,
                 completion_tokens=progress.num_completion_tokens,
