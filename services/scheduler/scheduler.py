@@ -201,7 +201,8 @@ class Scheduler:
             if reason is not None:
                 self.choices.note_finished(request)
             logprobs = result.logprobs.get(request_id)
-            events.append(request.event(emitted, reason, [logprobs] if logprobs else None))
+            logprobs_list = [logprobs] if logprobs is not None else None
+            events.append(request.event(emitted, reason, logprobs_list))
             if reason is None:
                 continue
             if running:
