@@ -43,6 +43,16 @@ class TextPart:
 
 
 @dataclass(frozen=True, slots=True)
+class MessageToolCall:
+    """A call an assistant message made, as the conversation's history carries it."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text (OpenAI's `function.arguments`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: str | tuple[TextPart, ...]
@@ -50,6 +60,10 @@ class ChatMessage:
     {"type": "text", "text": ...}), as transformers passes it: templates that iterate over a
     message's parts get them, templates written for strings only fail or render the list as
     they would under transformers."""
+    tool_calls: tuple[MessageToolCall, ...] = ()
+    """An assistant message's calls."""
+    tool_call_id: str = ""
+    """A tool message: the call it answers."""
 
     @property
     def text(self) -> str:
@@ -269,7 +283,29 @@ def _looked_up_key(node: nodes.Node) -> Any:
 def _template_message(message: ChatMessage, parts_as_list: bool) -> dict[str, Any]:
     """A message as the template takes it: parts as a list of dicts (as transformers hands
     them) when the template loops over them, else their text joined."""
+    rendered: dict[str, Any]
     if isinstance(message.content, str) or not parts_as_list:
-        return {"role": message.role, "content": message.text}
-    parts = [{"type": "text", "text": part.text} for part in message.content]
-    return {"role": message.role, "content": parts}
+        rendered = {"role": message.role, "content": message.text}
+    else:
+        parts = [{"type": "text", "text": part.text} for part in message.content]
+        rendered = {"role": message.role, "content": parts}
+    if message.tool_calls:
+        rendered["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _template_tool_call(call: MessageToolCall) -> dict[str, Any]:
+    """OpenAI's shape, with the arguments as an object when they are JSON: templates print
+    them with `tojson` (Qwen, Llama 3.1, Mistral) and would quote the text a second time, so
+    vLLM and transformers' own examples hand them an object."""
+    try:
+        arguments: Any = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        arguments = call.arguments
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": arguments},
+    }

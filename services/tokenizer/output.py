@@ -26,6 +26,7 @@ from typing import Any
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.reasoning import ReasoningSplitter
 from services.tokenizer.stop_strings import StopStringMatcher
+from services.tokenizer.tool_calls import ToolCallDelta
 
 # The scheduler's finish reasons that end the stream normally, as the public API names them.
 PUBLIC_FINISH_REASONS = frozenset({"stop", "length", "abort"})
@@ -84,6 +85,12 @@ class OutputDelta:
     index: int = 0
     reasoning_text: str = ""
     """With a reasoning parser: the new reasoning (`text` is then the answer only)."""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    """With tools: pieces of the calls the answer makes (`text` is then the rest of it); a
+    choice that made a call finishes with "tool_calls"."""
+    matched_stop: str = ""
+    """With finish_reason "stop": the stop string that ended the choice (empty: the model's
+    end of sequence or a stop token)."""
 
     @property
     def ends_stream(self) -> bool:

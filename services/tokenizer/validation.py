@@ -17,6 +17,7 @@ from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.contracts.errors import InvalidRequestError, NotFoundError, PromptTooLongError, quoted
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.structured_output import StructuredOutput
+from services.tokenizer.tool_request import ToolRequest
 
 # Identifiers are echoed into log lines and keys; bounded at the edge, both doors. A UUID is 36
 # characters, a W3C trace id 55, a Hugging Face model id rarely over 100.
@@ -92,9 +93,9 @@ class GenerateInput:
     model: str = ""
     prompt_name: str = ""
     tenant_id: str = ""
-    tools: tuple[Mapping[str, Any], ...] | None = None
-    """JSON schemas of the functions the model may call, for the chat template (no public
-    field carries them yet)."""
+    tool_request: ToolRequest | None = None
+    """The functions the model may call and how (chat only): their schemas reach the chat
+    template, a forced choice becomes the request's grammar."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +282,9 @@ def prompt_to_token_ids(
         token_ids = tuple(int(t) for t in request.prompt_token_ids)
         check_token_ids("prompt_token_ids", token_ids, limits.vocab_size)
     elif request.messages:
-        token_ids = tuple(tokenizer.apply_chat_template(request.messages, tools=request.tools))
+        token_ids = tuple(
+            tokenizer.apply_chat_template(request.messages, tools=_template_tools(request))
+        )
     else:
         token_ids = tuple(tokenizer.encode(request.prompt))
     check_prompt_length(len(token_ids), limits.max_model_len)
@@ -326,6 +329,13 @@ def _ids_after_named_prompt(
     system = (ChatMessage(role="system", content=named_prompt.system_prompt),)
     return tuple(
         tokenizer.encode_chat_after_prefix(
-            system, named_prompt.token_ids, request.messages, tools=request.tools
+            system, named_prompt.token_ids, request.messages, tools=_template_tools(request)
         )
     )
+
+
+def _template_tools(request: GenerateInput) -> tuple[Mapping[str, Any], ...] | None:
+    """The tools as the chat template takes them (None: the request has none)."""
+    if request.tool_request is None or not request.tool_request.tools:
+        return None
+    return request.tool_request.template_tools()

@@ -11,6 +11,7 @@ import pytest
 
 from services.common.chat_template import ChatMessage, ChatTemplate
 from services.contracts.errors import InvalidRequestError, NotFoundError, PromptTooLongError
+from services.tokenizer.tool_request import FunctionTool, ToolRequest
 from services.tokenizer.validation import (
     GenerateInput,
     Limits,
@@ -114,10 +115,13 @@ def test_messages_go_through_the_chat_template() -> None:
 
 def test_tools_reach_the_chat_template() -> None:
     roomy = replace(LIMITS, max_model_len=200)
-    tool = {"type": "function", "function": {"name": "now"}}
-    request = GenerateInput(messages=(ChatMessage("user", "x"),), tools=(tool,))
+    tools = ToolRequest((FunctionTool("now"),))
+    request = GenerateInput(messages=(ChatMessage("user", "x"),), tool_request=tools)
     text = bytes(validate(request, roomy).prompt_token_ids).decode()
-    assert text.startswith('<|im_start|>tools\n[{"type": "function", "function": {"name": "now"}}]')
+    assert text.startswith(
+        '<|im_start|>tools\n[{"type": "function", "function": {"name": "now", "parameters": '
+        '{"type": "object", "properties": {}}}}]'
+    )
 
 
 @pytest.mark.parametrize(
