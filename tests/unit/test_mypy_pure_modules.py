@@ -45,6 +45,9 @@ PURE_MODULES = (
     "services/tokenizer/output.py",
     "services/tokenizer/reasoning.py",
     "services/tokenizer/partial_tags.py",
+    "services/tokenizer/tool_calls.py",
+    "services/tokenizer/tool_output.py",
+    "services/tokenizer/tool_request.py",
     # strict decoding of public requests
     "services/common/request_decoding.py",
     # a GGUF file's tokenizer, as llama.cpp builds it
