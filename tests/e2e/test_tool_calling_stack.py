@@ -7,7 +7,10 @@ pieces that join into the same calls as the whole answer."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -236,3 +239,20 @@ def test_grpc_gets_the_calls_http_gets(stack: RunningStack) -> None:
     arguments = "".join(p.arguments for r in responses for p in r.tool_calls)
     assert [(names, json.loads(arguments))] == expected
     assert responses[-1].finish_reason == "tool_calls"
+
+
+def test_the_chat_command_shows_the_calls(stack: RunningStack, tmp_path: Path) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    command = [
+        sys.executable, "-m", "services.cli", "chat", QUESTION[0]["content"],
+        "--target", stack.public, "--tools", str(tools), "--tool-choice", "get_weather",
+        "--temperature", "0", "--max-new-tokens", str(MAX_TOKENS),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("[tool call]")]
+    name, _, arguments = line.removeprefix("[tool call] ").partition("(")
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments.removesuffix(")")), SCHEMAS["get_weather"])
+    assert "[tool_calls]" in done.stderr
