@@ -27,6 +27,9 @@ class StructuredOutputKind(StrEnum):
     JSON_OBJECT = "json_object"
     REGEX = "regex"
     GRAMMAR = "grammar"
+    STRUCTURAL_TAG = "structural_tag"
+    """xgrammar's structural tag (JSON): free text, and a schema inside each triggered tag
+    (how strict tools hold a model's own call syntax to their schemas)."""
 
 
 @dataclass(frozen=True, slots=True)

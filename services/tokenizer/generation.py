@@ -38,6 +38,7 @@ from services.tokenizer.reasoning import prompt_closes_reasoning
 from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.submit_stream import SubmitStream
+from services.tokenizer.tool_request import strict_call_grammar
 from services.tokenizer.validation import GenerateInput, Limits, ValidatedRequest, validate_generate
 
 # Prompt tokens read to see whether the template already closed the thinking (`<think>\n\n
@@ -141,6 +142,7 @@ class Generator:
                 generate_input.tenant_id, generate_input.prompt_name
             )
         validated = validate_generate(generate_input, limits, model.tokenizer, named_prompt)
+        validated = self._strict_tools(validated)
         validated = self._grammar_after_reasoning(validated)
         await self.check_structured_output(validated)
         timeout = remaining_budget(time_remaining_s, validated.deadline_s)
@@ -148,6 +150,22 @@ class Generator:
             raise DeadlineExceededError("deadline passed on arrival")
         scheduler = await self.pool.pick(validated.prompt_token_ids, validated.cache_salt)
         return Prepared(validated, scheduler, timeout, arrival_unix_s, started)
+
+    def _strict_tools(self, request: ValidatedRequest) -> ValidatedRequest:
+        """Strict tools under auto: their calls, in the model's own syntax, follow their
+        schemas (tool_request.strict_call_grammar)."""
+        tools = request.tool_request
+        grammar = strict_call_grammar(tools, self.model.tool_call_parser) if tools else None
+        if grammar is None:
+            return request
+        if request.sampling.structured_output is not None:
+            raise InvalidRequestError(
+                "tools",
+                f"strict tools hold calls to their schemas by a grammar, which "
+                f"{request.structured_output_param} would replace: send one",
+            )
+        sampling = replace(request.sampling, structured_output=grammar)
+        return replace(request, sampling=sampling, structured_output_param="tools")
 
     def _grammar_after_reasoning(self, request: ValidatedRequest) -> ValidatedRequest:
         """A reasoning model's grammar (structured output, a forced tool call) applies to
