@@ -25,6 +25,10 @@ _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
 
 # Most choices (n) one request may ask for: each holds a seat and KV blocks of its own.
 MAX_N = 16
+MAX_TOP_K = 2**31 - 1
+"""The wire's int32; any k at least the vocabulary's size keeps every token anyway."""
+SEED_RANGE = (-(2**63), 2**63 - MAX_N)
+"""The wire's int64, less the n - 1 that choice i adds to the seed."""
 # Most draft tokens one step may verify for a sequence (speculative decoding by n-gram lookup).
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -123,8 +127,14 @@ class SamplingParams:
         _finite("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise InvalidRequestError("top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequestError(
+                "top_k", f"must be -1 (off) or in [0, {MAX_TOP_K}], got {self.top_k}"
+            )
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise InvalidRequestError(
+                "seed", f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}"
+            )
         _finite("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")

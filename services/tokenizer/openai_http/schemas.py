@@ -40,6 +40,8 @@ from services.tokenizer.validation import (
 )
 
 MAX_LOGPROBS = 20
+MAX_DEADLINE_MS = 2**32 - 1
+"""As the gRPC door's uint32 (49 days)."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) default for the legacy completions endpoint."""
 
@@ -154,7 +156,7 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     # Ours, as the gRPC API names them.
-    deadline_ms: Annotated[int, Field(ge=0)] | None = None
+    deadline_ms: Annotated[int, Field(ge=0, le=MAX_DEADLINE_MS)] | None = None
     tenant_id: TenantId | None = None
     num_speculative_tokens: int | None = None
     """Speculative decoding by n-gram lookup: most draft tokens per step, 0 = off, null = the
