@@ -30,6 +30,7 @@ from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingMode = Literal["overlapped", "serial"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
+ToolCallParserName = Literal["auto", "hermes", "llama3_json", "mistral", "json"]
 
 DEFAULT_KV_GROUP_SIZE = 8
 """int8 KV cache: values of head_dim sharing one fp16 scale."""
@@ -57,6 +58,10 @@ class ChatConfig:
     """How a reasoning model marks its thinking (deepseek_r1, qwen3: `<think>...</think>`):
     a chat answer's thinking then goes out apart from its content (OpenAI's
     `reasoning_content`, the gRPC `reasoning_text`); unset = all of it is content."""
+    tool_call_parser: ToolCallParserName = "auto"
+    """How the model writes a tool call, when a request gives tools (vLLM's names): hermes
+    (Hermes, Qwen2.5/3 `<tool_call>`), llama3_json, mistral (`[TOOL_CALLS]`), json (the whole
+    answer is a call object or a list of them); auto = told from the chat template."""
 
 
 @dataclass(frozen=True)

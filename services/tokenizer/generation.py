@@ -189,6 +189,8 @@ class GenerationStream:
             prepared.started,
             n=request.sampling.n,
             reasoning_parser=model.reasoning_parser if request.is_chat else None,
+            tool_request=request.tool_request,
+            tool_call_parser=model.tool_call_parser,
         )
         # Read at once, whatever the client's pace: what piles up meanwhile goes through the
         # pipeline as one scheduler output per choice and out as one message.

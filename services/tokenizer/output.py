@@ -27,6 +27,8 @@ from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.reasoning import ReasoningSplitter
 from services.tokenizer.stop_strings import StopStringMatcher
 from services.tokenizer.tool_calls import ToolCallDelta
+from services.tokenizer.tool_output import ToolCallOutput
+from services.tokenizer.tool_request import ToolRequest
 
 # The scheduler's finish reasons that end the stream normally, as the public API names them.
 PUBLIC_FINISH_REASONS = frozenset({"stop", "length", "abort"})
@@ -110,6 +112,8 @@ class TextStep:
     num_token_ids: int = 0
     """How many of the added ids the step took: all of them, or when a stop string matched,
     those up to the one whose text completed it (the ids after it are never sent)."""
+    stop: str = ""
+    """The stop string that matched (stopped)."""
 
 
 class OutputText:
@@ -152,7 +156,7 @@ class OutputText:
             step = self._match(self._detokenizer.add((token_id,)))
             parts.append(step.text)
             if step.stopped:
-                return TextStep("".join(parts), stopped=True, num_token_ids=index + 1)
+                return TextStep("".join(parts), True, index + 1, step.stop)
         return TextStep("".join(parts), num_token_ids=len(token_ids))
 
     def finish(self) -> TextStep:
@@ -166,7 +170,7 @@ class OutputText:
         if self._stops is None:
             return TextStep(delta)
         result = self._stops.feed(delta)
-        return TextStep(result.text, result.stopped)
+        return TextStep(result.text, result.stopped, stop=result.stop or "")
 
 
 # ---- the whole pipeline -------------------------------------------------------------------
@@ -211,6 +215,8 @@ class OutputPipeline:
     """Per choice: its finish delta was made (later events of it are dropped)."""
     reasoning: list[ReasoningSplitter] | None = None
     """Per choice, with a reasoning parser: its text split into reasoning and answer."""
+    tools: list[ToolCallOutput] | None = None
+    """Per choice, with tools to call: its answer read for calls."""
 
     @property
     def num_unfinished(self) -> int:
@@ -225,12 +231,20 @@ class OutputPipeline:
         started_s: float,
         n: int = 1,
         reasoning_parser: str | None = None,
+        tool_request: ToolRequest | None = None,
+        tool_call_parser: str = "json",
     ) -> OutputPipeline:
+        """`tool_request`: the request's tools, read for with `tool_call_parser` (the model
+        family's call syntax) unless its choice is none."""
+        reads_calls = tool_request is not None and tool_request.parses_calls
         return cls(
             [OutputText(tokenizer, prompt_token_ids, stop) for _ in range(n)],
             Progress(len(prompt_token_ids), started_s),
             [False] * n,
             [ReasoningSplitter(reasoning_parser) for _ in range(n)] if reasoning_parser else None,
+            [ToolCallOutput(tool_request, tool_call_parser) for _ in range(n)]
+            if reads_calls and tool_request is not None
+            else None,
         )
 
     def step(self, scheduler_output: SchedulerOutput, now_s: float) -> OutputDelta | None:
@@ -251,18 +265,29 @@ class OutputPipeline:
         token_ids = scheduler_output.token_ids[: step.num_token_ids]
         logprobs = scheduler_output.logprobs[: step.num_token_ids]
         finish_reason = "stop" if step.stopped else scheduler_output.finish_reason
+        tail_stop = ""
         if finish_reason and not step.stopped:
             tail = output_text.finish()
             text += tail.text
             if tail.stopped:
-                finish_reason = "stop"
+                finish_reason, tail_stop = "stop", tail.stop
         progress.sending(len(token_ids), now_s)
         text, reasoning_text = self._split(index, text, finished=bool(finish_reason))
-        delta = OutputDelta(text, token_ids, logprobs, index=index, reasoning_text=reasoning_text)
+        text, calls, made_calls = self._read_calls(index, text, finished=bool(finish_reason))
+        delta = OutputDelta(
+            text,
+            token_ids,
+            logprobs,
+            index=index,
+            reasoning_text=reasoning_text,
+            tool_calls=calls,
+        )
         if not finish_reason:
-            return delta if (text or reasoning_text or token_ids) else None
+            return delta if (text or reasoning_text or calls or token_ids) else None
         self.finished[index] = True
-        delta = replace(delta, finish_reason=finish_reason)
+        if finish_reason == "stop" and made_calls:
+            finish_reason = "tool_calls"
+        delta = replace(delta, finish_reason=finish_reason, matched_stop=step.stop or tail_stop)
         if not all(self.finished):
             return delta
         total_ms = progress.elapsed_ms(now_s)
@@ -279,6 +304,20 @@ class OutputPipeline:
                 total_ms=total_ms,
             ),
         )
+
+    def _read_calls(
+        self, index: int, text: str, finished: bool
+    ) -> tuple[str, tuple[ToolCallDelta, ...], bool]:
+        """(content, call pieces, whether the choice made a call) of its new answer text."""
+        if self.tools is None:
+            return text, (), False
+        reader = self.tools[index]
+        step = reader.feed(text)
+        content, calls = step.content, step.calls
+        if finished:
+            last = reader.finish()
+            content, calls = content + last.content, calls + last.calls
+        return content, calls, reader.made_calls
 
     def _split(self, index: int, text: str, finished: bool) -> tuple[str, str]:
         """(answer, reasoning) of a choice's new text; all answer without a parser."""

@@ -9,6 +9,7 @@ from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import ModelLoadError
 from services.contracts.model_description import ModelDescription
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.tool_calls import parser_for_template
 from services.tokenizer.validation import Limits
 
 
@@ -20,6 +21,8 @@ class ServedModel:
     tokenizer: ModelTokenizer
     reasoning_parser: str | None = None
     """How chat answers' thinking is told from their content (--reasoning-parser)."""
+    tool_call_parser: str = "json"
+    """How the model writes a tool call (--tool-call-parser, auto resolved)."""
 
     @classmethod
     def from_description(
@@ -28,13 +31,23 @@ class ServedModel:
         *,
         chat_template: str | None = None,
         reasoning_parser: str | None = None,
+        tool_call_parser: str = "auto",
     ) -> ServedModel:
-        """`chat_template` (--chat-template's) replaces the model's own templates."""
+        """`chat_template` (--chat-template's) replaces the model's own templates;
+        `tool_call_parser` auto is told from the template that renders tools."""
         if chat_template is not None:
             description = replace(
                 description, chat_template=chat_template, tool_use_chat_template=None
             )
-        return cls(description, ModelTokenizer.from_description(description), reasoning_parser)
+        if tool_call_parser == "auto":
+            template = description.tool_use_chat_template or description.chat_template
+            tool_call_parser = parser_for_template(template or "")
+        return cls(
+            description,
+            ModelTokenizer.from_description(description),
+            reasoning_parser,
+            tool_call_parser,
+        )
 
     @property
     def name(self) -> str:

@@ -121,6 +121,7 @@ class TokenizerServer:
             description,
             chat_template=self.chat_template,
             reasoning_parser=self.config.reasoning_parser,
+            tool_call_parser=self.config.tool_call_parser,
         )
         log.info(
             "tokenizer loaded",

@@ -169,6 +169,18 @@ class ToolCallStream:
         return [CallStarted(index, call.id, name), CallArguments(index, text)]
 
 
+def parser_for_template(template: str) -> str:
+    """The parser for the call syntax a chat template teaches its model (`auto`): the tag it
+    writes calls in, else the generic JSON one."""
+    if HERMES_START in template:
+        return "hermes"
+    if MISTRAL_START in template:
+        return "mistral"
+    if PYTHON_TAG in template or "ipython" in template:
+        return "llama3_json"
+    return "json"
+
+
 def parse_tool_calls(
     parser: str, text: str, make_id: Callable[[], str] = new_call_id
 ) -> tuple[str, list[ToolCall]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from services.common.cache_keys import PROMPT_NAME_PATTERN
@@ -17,7 +17,7 @@ from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.contracts.errors import InvalidRequestError, NotFoundError, PromptTooLongError, quoted
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.structured_output import StructuredOutput
-from services.tokenizer.tool_request import ToolRequest
+from services.tokenizer.tool_request import ToolRequest, check_tool_request, forced_call_grammar
 
 # Identifiers are echoed into log lines and keys; bounded at the edge, both doors. A UUID is 36
 # characters, a W3C trace id 55, a Hugging Face model id rarely over 100.
@@ -130,6 +130,8 @@ class ValidatedRequest:
     of its compile (which runs after this validation, off the event loop)."""
     is_chat: bool = False
     """The prompt was chat messages (a reasoning parser applies to chat answers only)."""
+    tool_request: ToolRequest | None = None
+    """The functions the answer may call (its output is read for calls)."""
 
 
 def validate_generate(
@@ -149,6 +151,7 @@ def validate_generate(
         validate_prompt_name(request.prompt_name, "prompt_name")
     sampling = validate_sampling(request.sampling, limits)
     stop = validate_stop_strings(request.sampling.stop, limits)
+    sampling, spec_param = _with_forced_call(request, sampling)
     prompt_token_ids = prompt_to_token_ids(request, limits, tokenizer, named_prompt)
     deadline_s = request.deadline_ms / 1000.0 if request.deadline_ms > 0 else None
     return ValidatedRequest(
@@ -158,9 +161,32 @@ def validate_generate(
         stop,
         deadline_s,
         tenant_salt(request.tenant_id),
-        structured_output_param(request.sampling),
+        spec_param,
         is_chat=bool(request.messages),
+        tool_request=request.tool_request,
     )
+
+
+def _with_forced_call(
+    request: GenerateInput, sampling: SamplingParams
+) -> tuple[SamplingParams, str]:
+    """The sampling parameters with a forced call's grammar, and the parameter that carried
+    the request's grammar (for its compile's errors)."""
+    tools = request.tool_request
+    param = structured_output_param(request.sampling)
+    if tools is None:
+        return sampling, param
+    if not request.messages:
+        raise InvalidRequestError("tools", "apply to chat requests: send messages")
+    check_tool_request(tools, "tools", "tool_choice")
+    grammar = forced_call_grammar(tools)
+    if grammar is None:
+        return sampling, param
+    if sampling.structured_output is not None:
+        raise InvalidRequestError(
+            "tool_choice", f"forces a call, whose grammar {param} would replace: send one"
+        )
+    return replace(sampling, structured_output=grammar), "tools"
 
 
 def structured_output_param(sampling: SamplingInput) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.tokenizer.output import OutputDelta, TokenLogprob, Usage
+from services.tokenizer.tool_calls import ToolCallDelta
 
 TokenText = Callable[[int], str]
 """A token id's text, as the logprobs of a response spell it."""
@@ -53,6 +54,22 @@ def model_list(name: str, created: int, owned_by: str = "llmserve") -> dict[str,
     }
 
 
+def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _call_piece(piece: ToolCallDelta) -> dict[str, Any]:
+    """A stream's call piece: the first one of a call has its id, type and name, as
+    OpenAI's do; the later ones only argument text."""
+    if piece.id:
+        return {"index": piece.index, **_call(piece.id, piece.name, piece.arguments)}
+    return {"index": piece.index, "function": {"arguments": piece.arguments}}
+
+
 @dataclass(slots=True)
 class _Accumulated:
     """What a non-streaming response collects over the deltas."""
@@ -62,10 +79,15 @@ class _Accumulated:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str = ""
+    calls: dict[int, tuple[str, str, list[str]]] = field(default_factory=dict)
+    """Per call index: its id, name and argument fragments."""
 
     def add(self, delta: OutputDelta) -> None:
         self.text.append(delta.text)
         self.reasoning.append(delta.reasoning_text)
+        for piece in delta.tool_calls:
+            _, _, arguments = self.calls.setdefault(piece.index, (piece.id, piece.name, []))
+            arguments.append(piece.arguments)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
@@ -109,7 +131,8 @@ class ResponseBuilder:
         """The chunks one delta becomes (none when it carries nothing to say)."""
         logprobs = self._logprobs(delta.logprobs, delta.index)
         ids = self.return_token_ids and delta.token_ids
-        if not (delta.text or delta.reasoning_text or delta.finish_reason or logprobs or ids):
+        said = delta.text or delta.reasoning_text or delta.tool_calls or delta.finish_reason
+        if not (said or logprobs or ids):
             return []
         choice: dict[str, Any] = {"index": delta.index}
         if self.chat:
@@ -120,8 +143,10 @@ class ResponseBuilder:
             if delta.reasoning_text:
                 # vLLM's and DeepSeek's field for a reasoning model's thinking.
                 message["reasoning_content"] = delta.reasoning_text
-            if delta.text or not (delta.finish_reason or delta.reasoning_text):
+            if delta.text or not (delta.finish_reason or delta.reasoning_text or delta.tool_calls):
                 message["content"] = delta.text
+            if delta.tool_calls:
+                message["tool_calls"] = [_call_piece(piece) for piece in delta.tool_calls]
             choice["delta"] = message
         else:
             choice["text"] = delta.text
@@ -177,10 +202,19 @@ class ResponseBuilder:
         text = "".join(collected.text)
         choice: dict[str, Any] = {"index": index}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            # OpenAI's content is null in an answer that is only calls.
+            content = text if text or not collected.calls else None
+            choice["message"] = {"role": "assistant", "content": content}
             reasoning = "".join(collected.reasoning)
             if reasoning:
                 choice["message"]["reasoning_content"] = reasoning
+            if collected.calls:
+                choice["message"]["tool_calls"] = [
+                    _call(call_id, name, "".join(arguments))
+                    for call_id, name, arguments in (
+                        collected.calls[i] for i in sorted(collected.calls)
+                    )
+                ]
         else:
             choice["text"] = text
         self._text_offset[index] = 0

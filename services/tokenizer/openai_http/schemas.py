@@ -2,7 +2,7 @@
 
 Pure: JSON in, plain data out, InvalidRequestError naming the parameter at fault out of a bad
 body. Every parameter a body may carry is declared: one we do not know, or one we know but do
-not implement given a value that would change the result (tools, echo...), is refused
+not implement given a value that would change the result (echo, suffix...), is refused
 with 400 naming it, never silently ignored. A known parameter at its "off" value (null)
 is accepted: many clients send those by default. `n` (1..16) asks for that many choices
 of the one prompt.
@@ -25,12 +25,13 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from services.common.chat_template import ChatMessage
+from services.common.chat_template import ChatMessage, MessageToolCall
 from services.common.chat_template import TextPart as ChatTextPart
 from services.contracts.errors import InvalidRequestError, quoted, shortened
 from services.contracts.sampling_params import logit_bias_from_json
 from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
 from services.tokenizer.http_common import body_error
+from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest
 from services.tokenizer.validation import (
     MAX_MODEL_NAME_LEN,
     MAX_PROMPT_NAME_LEN,
@@ -73,11 +74,51 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCallBody(_Body):
+    name: str
+    arguments: str
+    """JSON text, as the API returned it."""
+
+
+class ToolCallBody(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class ChatMessageBody(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: None = None
     """Accepted only absent or null: our chat templates have no participant names."""
+    tool_calls: list[ToolCallBody] | None = None
+    """An assistant message's calls (the history of a tool-calling conversation)."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
+    reasoning_content: str | None = None
+    """An earlier answer's reasoning, as we returned it: accepted and left out of the prompt
+    (reasoning models' templates drop past thinking, and so does vLLM)."""
+
+
+class FunctionBody(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolBody(_Body):
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Sampling(_Body):
@@ -128,8 +169,8 @@ class ChatCompletionBody(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_name: PromptName | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolBody] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -163,10 +204,8 @@ def _parse(model: type[BodyT], body: bytes) -> BodyT:
 
 def _refuse_unimplemented(body: _Sampling) -> None:
     if isinstance(body, ChatCompletionBody):
-        if body.tools:
-            raise InvalidRequestError("tools", "tool calling is not supported")
-        if body.tool_choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice", "tool calling is not supported")
+        if body.tool_choice not in (None, "none") and not body.tools:
+            raise InvalidRequestError("tool_choice", "needs tools")
         if body.top_logprobs and not body.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs: true")
     if isinstance(body, CompletionBody):
@@ -276,10 +315,7 @@ def _json_schema(schema: object, param: str) -> StructuredOutput:
 def chat_input(
     body: ChatCompletionBody, request_id: str, max_new_tokens_limit: int
 ) -> GenerateInput:
-    messages = tuple(
-        ChatMessage(role=_role(m.role), content=_content(m.content, index))
-        for index, m in enumerate(body.messages)
-    )
+    messages = tuple(_message(m, index) for index, m in enumerate(body.messages))
     max_tokens = body.max_completion_tokens or body.max_tokens
     # OpenAI's chat default: as long as the context allows (the scheduler ends the sequence
     # with "length" when it fills).
@@ -292,7 +328,30 @@ def chat_input(
         model=body.model,
         prompt_name=body.prompt_name or "",
         tenant_id=body.tenant_id or "",
+        tool_request=tool_request(body),
     )
+
+
+def tool_request(body: ChatCompletionBody) -> ToolRequest | None:
+    """The body's tools and choice; None without tools (a choice of none needs none)."""
+    if not body.tools:
+        return None
+    tools = tuple(
+        FunctionTool(
+            name=tool.function.name,
+            description=tool.function.description or "",
+            parameters=tool.function.parameters or {},
+            strict=bool(tool.function.strict),
+        )
+        for tool in body.tools
+    )
+    choice, name = ToolChoiceMode.AUTO, ""
+    if isinstance(body.tool_choice, NamedToolChoice):
+        choice, name = ToolChoiceMode.FUNCTION, body.tool_choice.function.name
+    elif body.tool_choice is not None:
+        choice = ToolChoiceMode(body.tool_choice)
+    parallel = body.parallel_tool_calls is not False
+    return ToolRequest(tools, choice, name, parallel)
 
 
 def completion_input(body: CompletionBody, request_id: str) -> GenerateInput:
@@ -343,6 +402,30 @@ def _sampling(
         structured_output=spec,
         structured_output_param=spec_param,
         num_speculative_tokens=body.num_speculative_tokens,
+    )
+
+
+def _message(message: ChatMessageBody, index: int) -> ChatMessage:
+    """A history message. An assistant message that made calls may have no content; a tool
+    message names the call it answers."""
+    calls = tuple(
+        MessageToolCall(call.id, call.function.name, call.function.arguments)
+        for call in message.tool_calls or ()
+    )
+    if calls and message.role != "assistant":
+        raise InvalidRequestError(f"messages[{index}].tool_calls", "only assistant messages")
+    if message.role == "tool" and not message.tool_call_id:
+        raise InvalidRequestError(f"messages[{index}].tool_call_id", "is required")
+    if message.tool_call_id and message.role != "tool":
+        raise InvalidRequestError(f"messages[{index}].tool_call_id", "only tool messages")
+    content: str | tuple[ChatTextPart, ...] = ""
+    if message.content is not None or not calls:
+        content = _content(message.content, index)
+    return ChatMessage(
+        role=_role(message.role),
+        content=content,
+        tool_calls=calls,
+        tool_call_id=message.tool_call_id or "",
     )
 
 
