@@ -109,11 +109,7 @@ ContentBlock = Annotated[
     | Annotated[ToolResultBlock, Tag("tool_result block")]
     | Annotated[ThinkingBlock, Tag("thinking block")]
     | Annotated[RedactedThinkingBlock, Tag("redacted_thinking block")],
-    Discriminator(
-        _block_tag,
-        custom_error_type="union_tag_invalid",
-        custom_error_message="unsupported content block type",
-    ),
+    Discriminator(_block_tag),
 ]
 
 
