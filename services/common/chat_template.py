@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,10 @@ class ChatTemplate:
             if tool_use_source is not None
             else None
         )
+        self.reads_tools = tool_use_source is not None or reads_variable(source, "tools")
+        """Whether the template shows the model its tools; when it does not, they go into
+        the system message as text (tools_as_system_text), as llama.cpp's generic format
+        does, and the answer's call syntax is plain JSON."""
         self.reads_content_parts = reads_content_parts(source)
         """Whether the template loops over a message's content (takes OpenAI's parts);
         otherwise text parts reach it joined into one string, as vLLM's 'auto' content format
@@ -209,6 +213,8 @@ class ChatTemplate:
         template = self._template
         if tools is not None and self._tool_use_template is not None:
             template = self._tool_use_template
+        if tools and not self.reads_tools:
+            messages, tools = tools_as_system_text(messages, tools), None
         variables = {
             **self.special_tokens,
             **extra,
@@ -255,6 +261,32 @@ def _check_messages(messages: Sequence[ChatMessage]) -> None:
                 f"messages[{index}].role",
                 f"unknown role {quoted(message.role)} (allowed: {', '.join(ALLOWED_ROLES)})",
             )
+
+
+TOOLS_SYSTEM_TEXT = (
+    "You can call these functions, given as JSON Schemas:\n{tools}\n"
+    "To call one, answer with only a JSON object: "
+    '{{"name": <the function\'s name>, "arguments": <its arguments as an object>}}.'
+)
+
+
+def tools_as_system_text(
+    messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]]
+) -> list[ChatMessage]:
+    """The tools described in the system message (added first when there is none), for a
+    template that has no place for them."""
+    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    text = TOOLS_SYSTEM_TEXT.format(tools=listing)
+    if messages and messages[0].role == "system":
+        first = messages[0]
+        return [replace(first, content=f"{first.text}\n\n{text}"), *messages[1:]]
+    return [ChatMessage("system", text), *messages]
+
+
+def reads_variable(source: str, name: str) -> bool:
+    """Whether the template reads the variable `name` anywhere."""
+    tree = _ENVIRONMENT.parse(source)
+    return any(node.name == name for node in tree.find_all(nodes.Name) if node.ctx == "load")
 
 
 def reads_content_parts(source: str) -> bool:

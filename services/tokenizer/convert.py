@@ -4,15 +4,18 @@ scheduler's scheduler.proto messages. Besides the servicer, the server and the s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 
 from protos.llmserve.v1 import logprobs_pb2, scheduler_pb2, text_pb2
-from services.common.chat_template import ChatMessage
+from services.common.chat_template import ChatMessage, MessageToolCall
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.sampling_proto import sampling_to_proto, structured_output_from_proto
+from services.contracts.errors import InvalidRequestError
 from services.tokenizer.output import OutputDelta, SchedulerOutput, TokenLogprob
 from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
+from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
 
 # The public sampling scalars with presence (proto3 `optional`): unset means "our default".
@@ -24,7 +27,50 @@ OPTIONAL_SAMPLING_FIELDS = tuple(
 
 
 def chat_messages(messages: Iterable[text_pb2.ChatMessage]) -> tuple[ChatMessage, ...]:
-    return tuple(ChatMessage(role=m.role, content=m.content) for m in messages)
+    return tuple(
+        ChatMessage(
+            role=m.role,
+            content=m.content,
+            tool_calls=tuple(MessageToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+            tool_call_id=m.tool_call_id,
+        )
+        for m in messages
+    )
+
+
+_TOOL_CHOICES = {
+    text_pb2.ToolChoice.AUTO: ToolChoiceMode.AUTO,
+    text_pb2.ToolChoice.NONE: ToolChoiceMode.NONE,
+    text_pb2.ToolChoice.REQUIRED: ToolChoiceMode.REQUIRED,
+    text_pb2.ToolChoice.FUNCTION: ToolChoiceMode.FUNCTION,
+}
+
+
+def tool_request(request: text_pb2.GenerateRequest) -> ToolRequest | None:
+    """The request's tools (None without any); a schema that is not a JSON object is refused
+    naming its field."""
+    if not request.tools:
+        if request.tool_choice.mode in (text_pb2.ToolChoice.REQUIRED, text_pb2.ToolChoice.FUNCTION):
+            raise InvalidRequestError("tool_choice", "needs tools")
+        return None
+    tools = []
+    for index, tool in enumerate(request.tools):
+        parameters: object = {}
+        if tool.parameters:
+            try:
+                parameters = json.loads(tool.parameters)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(
+                    f"tools[{index}].parameters", f"is not valid JSON: {exc}"
+                ) from None
+        if not isinstance(parameters, dict):
+            raise InvalidRequestError(f"tools[{index}].parameters", "must be a JSON object")
+        tools.append(FunctionTool(tool.name, tool.description, parameters, tool.strict))
+    mode = _TOOL_CHOICES.get(request.tool_choice.mode)
+    if mode is None:
+        raise InvalidRequestError("tool_choice.mode", f"unknown mode {request.tool_choice.mode}")
+    parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
+    return ToolRequest(tuple(tools), mode, request.tool_choice.function_name, parallel)
 
 
 def sampling_input(sampling: text_pb2.SamplingParams) -> SamplingInput:
@@ -58,6 +104,7 @@ def generate_input(request: text_pb2.GenerateRequest) -> GenerateInput:
         model=request.model,
         prompt_name=request.prompt_name,
         tenant_id=request.tenant_id,
+        tool_request=tool_request(request),
     )
 
 
@@ -154,6 +201,13 @@ def generate_response(request_id: str, delta: OutputDelta) -> text_pb2.GenerateR
         finish_reason=delta.finish_reason,
         index=delta.index,
         reasoning_text=delta.reasoning_text,
+        tool_calls=[
+            text_pb2.ToolCallDelta(
+                index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments
+            )
+            for piece in delta.tool_calls
+        ],
+        matched_stop=delta.matched_stop,
     )
     if delta.usage is not None:
         response.usage.CopyFrom(

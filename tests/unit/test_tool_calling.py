@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.common.chat_template import ChatMessage, MessageToolCall
+from services.common.chat_template import ChatMessage, ChatTemplate, MessageToolCall
 from services.common.model_source import embedded_model_path
 from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import InvalidRequestError
@@ -365,3 +365,18 @@ def test_a_stream_sends_openai_call_pieces() -> None:
         "tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]
     }
     assert last[0]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tools_go_into_the_system_message_when_the_template_has_no_place_for_them() -> None:
+    template = ChatTemplate("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    tools_template = ChatTemplate("{{ tools | tojson }}{{ messages[0].content }}")
+    assert not template.reads_tools and tools_template.reads_tools
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    text = template.render(
+        [ChatMessage("system", "Be brief."), ChatMessage("user", "hi")], tools=tools
+    )
+    assert text.startswith("[system] Be brief.\n\nYou can call these functions")
+    assert '{"type": "function", "function": {"name": "f"}}' in text and "[user] hi" in text
+    text = template.render([ChatMessage("user", "hi")], tools=tools)
+    assert text.startswith("[system] You can call these functions")
+    assert tools_template.render([ChatMessage("user", "hi")], tools=tools).startswith('[{"type"')
