@@ -6,6 +6,7 @@ refusals in Anthropic's shape, count_tokens."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,14 @@ WEATHER = {
 }
 
 
+HERMES_TEMPLATE = str(Path(__file__).parents[1] / "templates" / "hermes_tools.jinja")
+
+
 @pytest.fixture(scope="module")
 def model() -> ServedModel:
-    return served_model()
+    # Tool schemas take room: a context longer than the harness's short one.
+    served = served_model()
+    return replace(served, description=replace(served.description, max_model_len=1024))
 
 
 def engine_saying(model: ServedModel, text: str, finish_reason: str = "stop") -> FakeEngine:
@@ -161,7 +167,7 @@ def test_a_tool_use_round_trip(model: ServedModel) -> None:
     calling = engine_saying(model, HERMES_CALL)
 
     async def scenario() -> None:
-        async with running_stack(model, [calling], tool_call_parser="hermes") as stack:
+        async with running_stack(model, [calling], chat_template=HERMES_TEMPLATE) as stack:
             api = client(stack)
             message = await api.messages.create(
                 model=model.name, max_tokens=64, messages=USER, tools=[WEATHER]
@@ -220,9 +226,10 @@ def test_a_tool_use_round_trip(model: ServedModel) -> None:
 
         assert answer.content[0].text == "It is 18°C in Paris."  # type: ignore[union-attr]
         assert answer.stop_reason == "end_turn"
-        # The history reached the template: the result's text is in the prompt.
+        # The history reached the template: the call and its result are in the prompt.
         prompt = model.tokenizer.decode(list(calling.requests[-1].prompt_token_ids))
-        assert "18°C" in prompt
+        assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+        assert "<tool_response>\n18°C\n</tool_response>" in prompt
 
     run(scenario)
 
@@ -389,15 +396,18 @@ def test_count_tokens_is_the_templated_prompt(model: ServedModel) -> None:
             with_tools = await api.messages.count_tokens(
                 model=model.name, messages=USER, system="Be brief.", tools=[WEATHER]
             )
-            await api.messages.create(
-                model=model.name, max_tokens=4, messages=USER, system="Be brief."
-            )
+            for tools in ([], [WEATHER]):
+                await api.messages.create(
+                    model=model.name, max_tokens=4, messages=USER, system="Be brief.", tools=tools
+                )
             with pytest.raises(anthropic.BadRequestError) as raised:
                 await api.messages.count_tokens(
                     model=model.name, messages=USER, extra_body={"max_tokens": 4}
                 )
+        # The prompts /v1/messages sent for the same conversations, tools included.
         assert counted.input_tokens == len(engine.requests[0].prompt_token_ids)
-        assert with_tools.input_tokens >= counted.input_tokens
+        assert with_tools.input_tokens == len(engine.requests[1].prompt_token_ids)
+        assert with_tools.input_tokens > counted.input_tokens
         assert raised.value.body["error"]["message"].startswith("max_tokens")  # type: ignore[index]
 
     run(scenario)
