@@ -5,6 +5,7 @@ refusals in Anthropic's shape, count_tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -372,6 +373,30 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(model: ServedModel)
         assert name == "error" and data["type"] == "error"
         assert data["error"]["type"] == "overloaded_error"
         assert "message_stop" not in [name for name, _ in events]
+
+    run(scenario)
+
+
+def test_a_client_that_goes_away_cancels_the_scheduler_call(model: ServedModel) -> None:
+    ids = model.tokenizer.encode("one two", add_special_tokens=False)
+    engine = FakeEngine(script_for(ids, finish_reason=""), hold_open=True)
+
+    async def scenario() -> None:
+        async with running_stack(model, [engine]) as stack:
+            body = {"model": model.name, "max_tokens": 64, "messages": USER}
+            # Streaming: the client closes the stream after the first events.
+            raw = await client(stack).messages.create(**body, stream=True)
+            async for event in raw:
+                assert event.type == "message_start"
+                break
+            await raw.close()
+            await asyncio.wait_for(engine.cancelled.wait(), 10)
+            # Whole: the client stops waiting for the answer.
+            engine.cancelled.clear()
+            async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=0.5)) as http:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post(base_url(stack) + "/v1/messages", json=body)
+            await asyncio.wait_for(engine.cancelled.wait(), 10)
 
     run(scenario)
 
