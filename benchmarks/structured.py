@@ -3,13 +3,18 @@ same prompts, once unconstrained and once with every sequence under a JSON schem
 mask's own time per step (xgrammar's fill of the constrained rows' bitmask, then its apply to
 the logits).
 
-    llmserve bench structured --batch-sizes 1,32 --context 128 --steps 30 --rounds 3
+    llmserve bench structured --batch-sizes 1,16 --context 128 --steps 30 --rounds 3
+
+Two constraints: `json_schema` (response_format's kind) and `tool_call` (the grammar a forced
+tool call gets: tool_choice "required" over two tools, the answer a JSON list of calls whose
+arguments follow each tool's schema).
 
 Accept is the matchers taking each step's sampled tokens; the grammar share is fill + apply +
 accept over the constrained step; the overhead compares the medians of the two kinds of run.
 
-The schema (an object holding an array of at least 200 short strings) cannot complete within
-the measured steps, so every row stays constrained and the batch stays whole.
+Both schemas hold an array of at least 200 short strings (a tool's `notes` argument), so no
+output can complete within the measured steps: every row stays constrained and the batch
+stays whole.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ from services.contracts.sampling_params import SamplingParams
 from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.tokenizer.tool_request import (
+    FunctionTool,
+    ToolChoiceMode,
+    ToolRequest,
+    forced_call_grammar,
+)
 from services.worker import sampler as sampler_module
 
 SCHEMA = {
@@ -41,6 +52,21 @@ SCHEMA = {
         }
     },
     "required": ["notes"],
+}
+TOOLS = ToolRequest(
+    (
+        FunctionTool("take_notes", "Write notes down", SCHEMA),
+        FunctionTool(
+            "get_weather",
+            "The weather in a city",
+            {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        ),
+    ),
+    ToolChoiceMode.REQUIRED,
+)
+CONSTRAINTS = {
+    "json_schema": StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+    "tool_call": forced_call_grammar(TOOLS),
 }
 HEADERS = [
     "batch",
@@ -92,16 +118,19 @@ class MaskTimer:
 
 
 def decode_ms(
-    engine: LLMEngine, timer: MaskTimer, prompts: list[list[int]], steps: int, constrained: bool
+    engine: LLMEngine,
+    timer: MaskTimer,
+    prompts: list[list[int]],
+    steps: int,
+    spec: StructuredOutput | None,
 ) -> tuple[float, float, float, float]:
     """(ms per decode step, then fill, apply and accept ms per step) over `steps` pure
-    decodes."""
-    spec = StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    decodes, every sequence under `spec` (None: unconstrained)."""
     sampling = SamplingParams(
         temperature=0.0,
         max_new_tokens=steps + 8,
-        ignore_eos=not constrained,
-        structured_output=spec if constrained else None,
+        ignore_eos=spec is None,
+        structured_output=spec,
     )
     for prompt in prompts:
         engine.add_request(prompt, sampling)
@@ -149,51 +178,57 @@ def run(args: argparse.Namespace) -> int:
     started = perf_counter()
     grammars = engine.runner.grammars
     assert grammars is not None
-    grammars.compiler.compile(
-        StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA))
-    )
+    constraints = [name.strip() for name in args.constraints.split(",")]
+    for name in constraints:
+        spec = CONSTRAINTS.get(name)
+        if spec is None:
+            print(f"unknown constraint {name!r}; known: {', '.join(CONSTRAINTS)}")
+            return 2
+        grammars.compiler.compile(spec)
     compile_ms = (perf_counter() - started) * 1e3
     print(machine_header(torch.get_num_threads()))
     print(
         f"model: {engine.model_name}; dtype: {engine.dtype}; context {args.context}; "
-        f"{args.steps} decode steps; schema compiled once in {compile_ms:.0f} ms (not in the "
+        f"{args.steps} decode steps; grammars compiled once in {compile_ms:.0f} ms (not in the "
         "step times)\n"
     )
     rows: list[list[object]] = []
     try:
         # One constrained run first, not measured: the first matcher steps pay one-time costs
         # (measured: close to a second on this model).
-        decode_ms(engine, timer, random_prompts(1, args.context, seed=0), 4, constrained=True)
+        for name in constraints:
+            decode_ms(engine, timer, random_prompts(1, args.context, seed=0), 4, CONSTRAINTS[name])
         for batch in batch_sizes:
             prompts = random_prompts(batch, args.context, seed=batch)
-            plain: list[float] = []
-            constrained: list[tuple[float, float, float, float]] = []
-            # Rounds alternate which run goes first, so a drift of the machine's speed falls
-            # on both alike; the table holds medians.
+            kinds: list[str | None] = [None, *constraints]
+            results: dict[str | None, list[tuple[float, float, float, float]]] = {
+                kind: [] for kind in kinds
+            }
+            # Rounds rotate which run goes first, so a drift of the machine's speed falls on
+            # every kind alike; the table holds medians.
             for round_index in range(args.rounds):
-                for is_constrained in (round_index % 2 == 1, round_index % 2 == 0):
-                    result = decode_ms(engine, timer, prompts, args.steps, is_constrained)
-                    if is_constrained:
-                        constrained.append(result)
-                    else:
-                        plain.append(result[0])
-            plain_ms = statistics.median(plain)
-            step, fill, apply, accept = (
-                statistics.median(values) for values in zip(*constrained, strict=True)
-            )
+                shift = round_index % len(kinds)
+                for kind in kinds[shift:] + kinds[:shift]:
+                    spec = CONSTRAINTS[kind] if kind is not None else None
+                    results[kind].append(decode_ms(engine, timer, prompts, args.steps, spec))
+            plain_ms = statistics.median(result[0] for result in results[None])
             rows.append([batch, "none", plain_ms, 0.0, 0.0, 0.0, "", ""])
-            rows.append(
-                [
-                    batch,
-                    "json_schema",
-                    step,
-                    fill,
-                    apply,
-                    accept,
-                    f"{100 * (fill + apply + accept) / step:.1f} %",
-                    f"{100 * (step - plain_ms) / plain_ms:+.1f} %",
-                ]
-            )
+            for name in constraints:
+                step, fill, apply, accept = (
+                    statistics.median(values) for values in zip(*results[name], strict=True)
+                )
+                rows.append(
+                    [
+                        batch,
+                        name,
+                        step,
+                        fill,
+                        apply,
+                        accept,
+                        f"{100 * (fill + apply + accept) / step:.1f} %",
+                        f"{100 * (step - plain_ms) / plain_ms:+.1f} %",
+                    ]
+                )
     finally:
         timer.close()
     print(format_table(HEADERS, rows))
@@ -207,7 +242,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument(
+        "--constraints",
+        default=",".join(CONSTRAINTS),
+        help=f"comma-separated, of: {', '.join(CONSTRAINTS)}",
+    )
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=30, help="measured decode steps")
     parser.add_argument(

@@ -119,9 +119,13 @@ def chosen_variant() -> Variant:
 
 
 def library_name(variant: Variant | None = None) -> str:
-    """The variant's library: named by its instruction set and the sources' hash."""
+    """The variant's library: named by its instruction set, the sources' hash and where they
+    are. Torch rebuilds a library whose include paths changed, so two checkouts on one machine
+    (worktrees, a copy in a container build) sharing a name would rebuild each other's in turn;
+    with the path in the name each builds its own once."""
     variant = variant or chosen_variant()
     digest = hashlib.sha1(" ".join(variant.flags).encode())
+    digest.update(str(SOURCE_DIR.resolve()).encode())
     for path in sources():
         digest.update(path.name.encode())
         digest.update(path.read_bytes())

@@ -1,6 +1,11 @@
 """Streaming command-line client of the public API: `llmserve chat "..."` and
 `llmserve generate --prompt ... | --token-ids ...`. Prints text as it arrives; `--json`
-prints one JSON object per response message instead (machine-readable)."""
+prints one JSON object per response message instead (machine-readable).
+
+`llmserve chat --tools tools.json` offers the model functions (OpenAI's tool list: objects
+`{"type": "function", "function": {"name", "description", "parameters"}}`, or the function
+objects alone); the calls it makes are printed as `[tool call] name(arguments)` lines after
+its text. A reasoning model's thinking (`--reasoning-parser` on the server) goes to stderr."""
 
 from __future__ import annotations
 
@@ -119,11 +124,50 @@ def request_from_args(args: argparse.Namespace) -> text_pb2.GenerateRequest:
         if args.system:
             request.messages.append(text_pb2.ChatMessage(role="system", content=args.system))
         request.messages.append(text_pb2.ChatMessage(role="user", content=args.prompt))
+        if args.tools:
+            request.tools.extend(tools_from_file(args.tools))
+        request.tool_choice.CopyFrom(tool_choice(args.tool_choice))
     elif args.token_ids is not None:
         request.prompt_token_ids.extend(_parse_token_ids(args.token_ids))
     else:
         request.prompt = args.prompt
     return request
+
+
+def tools_from_file(path: str) -> list[text_pb2.Tool]:
+    """The tools a JSON file lists, as OpenAI's API takes them (or the bare functions)."""
+    try:
+        listed = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"llmserve: error: --tools {path}: {exc}") from exc
+    if not isinstance(listed, list):
+        raise SystemExit(f"llmserve: error: --tools {path}: must hold a JSON list of tools")
+    tools = []
+    for index, item in enumerate(listed):
+        function = item.get("function", item) if isinstance(item, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise SystemExit(f"llmserve: error: --tools {path}: tool {index} has no name")
+        tools.append(
+            text_pb2.Tool(
+                name=function["name"],
+                description=str(function.get("description", "")),
+                parameters=json.dumps(function.get("parameters") or {}),
+                strict=bool(function.get("strict", False)),
+            )
+        )
+    return tools
+
+
+def tool_choice(value: str) -> text_pb2.ToolChoice:
+    """auto, none, required, or a function's name."""
+    modes = {
+        "auto": text_pb2.ToolChoice.AUTO,
+        "none": text_pb2.ToolChoice.NONE,
+        "required": text_pb2.ToolChoice.REQUIRED,
+    }
+    if value in modes:
+        return text_pb2.ToolChoice(mode=modes[value])
+    return text_pb2.ToolChoice(mode=text_pb2.ToolChoice.FUNCTION, function_name=value)
 
 
 def _parse_token_ids(value: str) -> list[int]:
@@ -150,12 +194,20 @@ def stream(
     last: text_pb2.GenerateResponse | None = None
     several = request.sampling.n > 1 and not as_json
     choices: dict[int, list[str]] = {}
+    calls: dict[tuple[int, int], list[str]] = {}  # (choice, call) → [name, arguments]
     with public_channel(target, tls=tls, tls_ca=tls_ca) as channel:
         stub = text_pb2_grpc.TextGenerationStub(channel)
         try:
             metadata = auth_metadata(api_key)
             for response in stub.Generate(request, timeout=timeout_s, metadata=metadata):
                 last = response
+                for piece in response.tool_calls:
+                    call = calls.setdefault((response.index, piece.index), ["", ""])
+                    call[0] += piece.name
+                    call[1] += piece.arguments
+                if response.reasoning_text and not as_json:
+                    err.write(response.reasoning_text)
+                    err.flush()
                 if as_json:
                     out.write(json.dumps(_to_dict(response), ensure_ascii=False) + "\n")
                 elif several:
@@ -168,6 +220,10 @@ def stream(
             return 1
     for index in sorted(choices):
         out.write(f"--- choice {index} ---\n{''.join(choices[index])}\n")
+    if not as_json:
+        for (index, _), (name, arguments) in sorted(calls.items()):
+            choice = f" (choice {index})" if several else ""
+            out.write(f"\n[tool call{choice}] {name}({arguments})")
     if not as_json and last is not None:
         out.write("\n")
         usage, timings = last.usage, last.timings
@@ -211,6 +267,17 @@ def add_parser(subparsers: Any) -> None:
     chat.add_argument("--system", default="", help="a system message before it")
     chat.add_argument(
         "--prompt-name", default="", help="a registered system prompt (see `llmserve prompts`)"
+    )
+    chat.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE.json",
+        help="functions the model may call: a JSON list in OpenAI's tools format",
+    )
+    chat.add_argument(
+        "--tool-choice",
+        default="auto",
+        help="auto, none, required, or the name of the one function to call (default: auto)",
     )
     _add_common_flags(chat)
     chat.set_defaults(func=cmd_generate)

@@ -16,6 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -110,6 +111,8 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutput) -> Any:
         """The `xgrammar.CompiledGrammar` of `spec`; blocks while it compiles. Raises
         InvalidRequestError(spec.field, xgrammar's reason) when it does not compile."""
+        # Where the grammar starts (starts_after) is the matcher's business, not the compile's.
+        spec = replace(spec, starts_after=())
         with self._lock:
             future = self._cache.get(spec)
             owner = future is None
@@ -131,6 +134,7 @@ class GrammarCompiler:
 
     def is_compiled(self, spec: StructuredOutput) -> bool:
         """Compiled (successfully) and still cached: a matcher can be built without waiting."""
+        spec = replace(spec, starts_after=())
         with self._lock:
             future = self._cache.get(spec)
         return future is not None and future.done() and future.exception() is None
@@ -172,6 +176,8 @@ class GrammarCompiler:
                 )
             if spec.kind is StructuredOutputKind.REGEX:
                 return compiler.compile_regex(spec.text)
+            if spec.kind is StructuredOutputKind.STRUCTURAL_TAG:
+                return compiler.compile_structural_tag(spec.text)
             return compiler.compile_grammar(spec.text)
         except (RuntimeError, ValueError) as exc:
             raise InvalidRequestError(spec.field, xgrammar_message(exc)) from None

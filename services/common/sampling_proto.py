@@ -62,9 +62,10 @@ def sampling_from_proto(message: sampling_pb2.TokenSamplingParams) -> SamplingPa
 
 
 def structured_output_to_proto(spec: StructuredOutput) -> sampling_pb2.StructuredOutput:
+    starts_after = list(spec.starts_after)
     if spec.kind is StructuredOutputKind.JSON_OBJECT:
-        return sampling_pb2.StructuredOutput(json_object=True)
-    return sampling_pb2.StructuredOutput(**{spec.kind.value: spec.text})
+        return sampling_pb2.StructuredOutput(json_object=True, starts_after=starts_after)
+    return sampling_pb2.StructuredOutput(**{spec.kind.value: spec.text}, starts_after=starts_after)
 
 
 def structured_output_from_proto(
@@ -74,6 +75,7 @@ def structured_output_from_proto(
     kind = message.WhichOneof("kind")
     if kind is None or (kind == "json_object" and not message.json_object):
         return None
+    starts_after = tuple(message.starts_after)
     if kind == "json_object":
-        return StructuredOutput(StructuredOutputKind.JSON_OBJECT)
-    return StructuredOutput(StructuredOutputKind(kind), getattr(message, kind))
+        return StructuredOutput(StructuredOutputKind.JSON_OBJECT, starts_after=starts_after)
+    return StructuredOutput(StructuredOutputKind(kind), getattr(message, kind), starts_after)

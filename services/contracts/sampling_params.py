@@ -174,6 +174,12 @@ class SamplingParams:
         self._validate_allowed_token_ids(vocab_size)
         if self.structured_output is not None:
             self.structured_output.validate()
+            starts_after = self.structured_output.starts_after
+            if vocab_size is not None and any(t >= vocab_size for t in starts_after):
+                raise InvalidRequestError(
+                    f"{self.structured_output.field}.starts_after",
+                    f"token ids must be in [0, {vocab_size})",
+                )
             # A complete output allows only EOS: ignore_eos would leave no token to sample,
             # min_new_tokens would mask the only one allowed.
             if self.ignore_eos:

@@ -18,11 +18,18 @@ MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
 memory grow with it, and real tool schemas are a few KiB."""
 
 
+MAX_STARTS_AFTER_IDS = 16
+"""A tag that opens the grammar is a few tokens at most."""
+
+
 class StructuredOutputKind(StrEnum):
     JSON_SCHEMA = "json_schema"
     JSON_OBJECT = "json_object"
     REGEX = "regex"
     GRAMMAR = "grammar"
+    STRUCTURAL_TAG = "structural_tag"
+    """xgrammar's structural tag (JSON): free text, and a schema inside each triggered tag
+    (how strict tools hold a model's own call syntax to their schemas)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +39,9 @@ class StructuredOutput:
     kind: StructuredOutputKind
     text: str = ""
     """The schema (JSON text), regex or grammar; empty for json_object."""
+    starts_after: tuple[int, ...] = ()
+    """The grammar applies once the output has produced these ids (a reasoning model's
+    `</think>`): the thinking before them is free. Empty: from the first token."""
 
     @property
     def field(self) -> str:
@@ -40,6 +50,10 @@ class StructuredOutput:
 
     def validate(self) -> None:
         """Cheap checks (the compile, which finds the rest, is the caller's)."""
+        if len(self.starts_after) > MAX_STARTS_AFTER_IDS or any(t < 0 for t in self.starts_after):
+            raise InvalidRequestError(
+                f"{self.field}.starts_after", f"at most {MAX_STARTS_AFTER_IDS} token ids >= 0"
+            )
         if self.kind is StructuredOutputKind.JSON_OBJECT:
             if self.text:
                 raise InvalidRequestError(self.field, "takes no text")

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.common.grammar import GrammarCompiler
 from services.common.prompt_store import PromptStore
@@ -34,11 +34,16 @@ from services.contracts.errors import (
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline
+from services.tokenizer.reasoning import prompt_closes_reasoning
 from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.submit_stream import SubmitStream
+from services.tokenizer.tool_request import strict_call_grammar
 from services.tokenizer.validation import GenerateInput, Limits, ValidatedRequest, validate_generate
 
+# Prompt tokens read to see whether the template already closed the thinking (`<think>\n\n
+# </think>\n\n` and what follows it: a handful of tokens).
+REASONING_PROMPT_TAIL = 32
 # Compiled specs a tokenizer replica keeps: it compiles only to validate, so a repeated schema
 # skips the compile; the workers keep their own.
 GRAMMAR_CACHE_SIZE = 64
@@ -137,12 +142,46 @@ class Generator:
                 generate_input.tenant_id, generate_input.prompt_name
             )
         validated = validate_generate(generate_input, limits, model.tokenizer, named_prompt)
+        validated = self._strict_tools(validated)
+        validated = self._grammar_after_reasoning(validated)
         await self.check_structured_output(validated)
         timeout = remaining_budget(time_remaining_s, validated.deadline_s)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceededError("deadline passed on arrival")
         scheduler = await self.pool.pick(validated.prompt_token_ids, validated.cache_salt)
         return Prepared(validated, scheduler, timeout, arrival_unix_s, started)
+
+    def _strict_tools(self, request: ValidatedRequest) -> ValidatedRequest:
+        """Strict tools under auto: their calls, in the model's own syntax, follow their
+        schemas (tool_request.strict_call_grammar)."""
+        tools = request.tool_request
+        grammar = strict_call_grammar(tools, self.model.tool_call_parser) if tools else None
+        if grammar is None:
+            return request
+        if request.sampling.structured_output is not None:
+            raise InvalidRequestError(
+                "tools",
+                f"strict tools hold calls to their schemas by a grammar, which "
+                f"{request.structured_output_param} would replace: send one",
+            )
+        sampling = replace(request.sampling, structured_output=grammar)
+        return replace(request, sampling=sampling, structured_output_param="tools")
+
+    def _grammar_after_reasoning(self, request: ValidatedRequest) -> ValidatedRequest:
+        """A reasoning model's grammar (structured output, a forced tool call) applies to
+        the answer only: it starts after the end-of-thinking tag, unless the prompt already
+        ended the thinking."""
+        model = self.model
+        spec = request.sampling.structured_output
+        if spec is None or not request.is_chat or model.reasoning_parser is None:
+            return request
+        tail = model.tokenizer.decode(
+            list(request.prompt_token_ids[-REASONING_PROMPT_TAIL:]), skip_special_tokens=False
+        )
+        if prompt_closes_reasoning(tail):
+            return request
+        gated = replace(spec, starts_after=model.reasoning_end_ids)
+        return replace(request, sampling=replace(request.sampling, structured_output=gated))
 
     async def check_structured_output(self, request: ValidatedRequest) -> None:
         """Compile the request's grammar (once per distinct spec, on a thread: a compile takes

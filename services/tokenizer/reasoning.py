@@ -102,3 +102,10 @@ def split_reasoning(parser: str, text: str) -> SplitDelta:
     splitter = ReasoningSplitter(parser)
     first, last = splitter.feed(text), splitter.finish()
     return SplitDelta(first.reasoning + last.reasoning, first.content + last.content)
+
+
+def prompt_closes_reasoning(prompt_tail: str) -> bool:
+    """Whether the prompt itself ends the thinking (Qwen3's template with thinking off
+    writes an empty `<think>\n\n</think>`): the answer starts at the first token."""
+    end = prompt_tail.rfind(THINK_END)
+    return end >= 0 and end > prompt_tail.rfind(THINK_START)

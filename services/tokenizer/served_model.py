@@ -9,6 +9,7 @@ from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import ModelLoadError
 from services.contracts.model_description import ModelDescription
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.reasoning import THINK_END
 from services.tokenizer.tool_calls import parser_for_template
 from services.tokenizer.validation import Limits
 
@@ -48,6 +49,12 @@ class ServedModel:
             reasoning_parser,
             tool_call_parser,
         )
+
+    @property
+    def reasoning_end_ids(self) -> tuple[int, ...]:
+        """The ids of the end-of-thinking tag, where a grammar starts (--reasoning-parser);
+        a few characters to encode, once per request that has both."""
+        return tuple(self.tokenizer.encode(THINK_END, add_special_tokens=False))
 
     @property
     def name(self) -> str:

@@ -1,6 +1,9 @@
 """A request's tools and its tool choice, as both doors (and the Anthropic one) hand them to
 the pipeline, and what they mean for it. Pure: no I/O.
 
+    strict    under auto, a strict tool's calls still follow its schema: a structural tag
+              (xgrammar) leaves the text free and holds what follows the family's call
+              opening (`<tool_call>`, `{"name": "...`) to the schema.
     none      the model sees the tools (the chat template renders them, as vLLM does by
               default) but its answer is text: nothing is parsed out of it.
     auto      the model decides; its output is parsed by the model family's parser
@@ -114,6 +117,48 @@ def check_tool_request(request: ToolRequest, tools_param: str, choice_param: str
         )
     if request.forced and not request.tools:
         raise InvalidRequestError(choice_param, f"asks for a call but {tools_param} is empty")
+
+
+# A call's opening and closing around its arguments, per parser: (trigger, begin, end); the
+# begin holds the function's name.
+_CALL_SYNTAX = {
+    "hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),
+    "json": ('{"name": "', '{{"name": "{name}", "arguments": ', "}"),
+    "llama3_json": ('{"name": "', '{{"name": "{name}", "parameters": ', "}"),
+    "mistral": ("[TOOL_CALLS]", '[TOOL_CALLS][{{"name": "{name}", "arguments": ', "}]"),
+}
+
+
+def strict_call_grammar(request: ToolRequest, parser: str) -> StructuredOutput | None:
+    """Under auto with a strict tool: a structural tag in the family's call syntax, every
+    tool's arguments held to its schema once a call opens (a tool that is not strict: any
+    object). None when no tool is strict or the choice is not auto."""
+    if request.choice is not ToolChoiceMode.AUTO or not any(t.strict for t in request.tools):
+        return None
+    trigger, begin, end = _CALL_SYNTAX[parser]
+    tags = [
+        {
+            "type": "tag",
+            "begin": begin.format(name=tool.name),
+            "content": {
+                "type": "json_schema",
+                "json_schema": tool.arguments_schema() if tool.strict else {"type": "object"},
+            },
+            "end": end,
+        }
+        for tool in request.tools
+    ]
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": [trigger],
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": not request.parallel_calls,
+        },
+    }
+    return StructuredOutput(StructuredOutputKind.STRUCTURAL_TAG, json.dumps(tag))
 
 
 def forced_call_grammar(request: ToolRequest) -> StructuredOutput | None:

@@ -7,7 +7,11 @@ pieces that join into the same calls as the whole answer."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,8 +21,21 @@ import pytest
 
 from protos.llmserve.v1 import text_pb2
 from services.stack import RunningStack
+from tests.e2e.conftest import e2e_stack
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[RunningStack]:
+    """Exact fp32 (`gguf-exact`): a request served from the prefix cache gives the same greedy
+    answer as the first time, so a stream can be compared with the whole answer (the gguf
+    default's fp16 KV cache rounds cached keys, and the embedded model's tokens can be near
+    ties)."""
+    with e2e_stack(["--quantization", "gguf-exact"]) as running:
+        yield running
+    assert running.returncode == 0
+
 
 # Bounded strings and enums: a sampled answer always fits max_tokens, so a forced call is
 # never cut short (a cut call is a "length" finish, not an invalid one, but would not test).
@@ -61,7 +78,7 @@ MAX_TOKENS = 120
 
 
 def client(stack: RunningStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=300)
 
 
 def model_name(stack: RunningStack) -> str:
@@ -236,3 +253,20 @@ def test_grpc_gets_the_calls_http_gets(stack: RunningStack) -> None:
     arguments = "".join(p.arguments for r in responses for p in r.tool_calls)
     assert [(names, json.loads(arguments))] == expected
     assert responses[-1].finish_reason == "tool_calls"
+
+
+def test_the_chat_command_shows_the_calls(stack: RunningStack, tmp_path: Path) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    command = [
+        sys.executable, "-m", "services.cli", "chat", QUESTION[0]["content"],
+        "--target", stack.public, "--tools", str(tools), "--tool-choice", "get_weather",
+        "--temperature", "0", "--max-new-tokens", str(MAX_TOKENS),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("[tool call]")]
+    name, _, arguments = line.removeprefix("[tool call] ").partition("(")
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments.removesuffix(")")), SCHEMAS["get_weather"])
+    assert "[tool_calls]" in done.stderr

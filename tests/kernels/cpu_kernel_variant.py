@@ -35,6 +35,7 @@ def build(variant: str) -> None:
 
     flags, _ = VARIANTS[variant]
     digest = hashlib.sha1(" ".join(flags).encode())
+    digest.update(str(SOURCE_DIR.resolve()).encode())  # one build per checkout, as the product's
     for path in [*SOURCES, *SOURCE_DIR.glob("*.h"), TESTS_DIR / "avx512_emulation.h"]:
         digest.update(path.read_bytes())
     load_extension(

@@ -96,7 +96,10 @@ def build_variant(variant: str):  # type: ignore[no-untyped-def]
     flags, isa = VARIANTS[variant]
     source = cpu_extension.SOURCE_DIR / "gguf_gemm.cpp"
     namespace = f"llmserve_gguf_{variant.replace('-', '_')}"
-    digest = hashlib.sha1(Path(source).read_bytes() + " ".join(flags).encode()).hexdigest()
+    # The checkout's path too: one build per checkout, as the product's library.
+    digest = hashlib.sha1(
+        Path(source).read_bytes() + " ".join(flags).encode() + str(source.resolve()).encode()
+    ).hexdigest()
     load(
         name=f"{namespace}_{digest[:10]}",
         sources=[str(source)],

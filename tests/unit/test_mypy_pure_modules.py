@@ -45,6 +45,9 @@ PURE_MODULES = (
     "services/tokenizer/output.py",
     "services/tokenizer/reasoning.py",
     "services/tokenizer/partial_tags.py",
+    "services/tokenizer/tool_calls.py",
+    "services/tokenizer/tool_output.py",
+    "services/tokenizer/tool_request.py",
     # the Anthropic door's bodies, responses and errors
     "services/tokenizer/anthropic_http/schemas.py",
     "services/tokenizer/anthropic_http/responses.py",

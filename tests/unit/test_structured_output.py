@@ -273,6 +273,38 @@ def test_a_resumed_sequence_replays_its_output(
     assert not torch.equal(fresh_mask.bitmask[0], resumed_mask.bitmask[0])
 
 
+def test_a_gated_grammar_starts_after_its_tag_live_and_resumed(
+    compiler: GrammarCompiler, tokenizer: ModelTokenizer
+) -> None:
+    """A reasoning model's thinking is free; the grammar applies from the token after
+    `</think>`, whether the tag comes out live or is replayed after a preemption."""
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    spec = StructuredOutput(K.REGEX, "ab", starts_after=end)
+    thinking = tokenizer.encode("<think>I ponder </ think", add_special_tokens=False)
+    live = GrammarMatchers(compiler)
+    live.apply(BatchPlan(0, new_sequences=[_new("r", spec, [9], 1)]))
+    for token in thinking:
+        assert live.fill(["r"]) is None  # free while thinking, a near miss included
+        live.accept({"r": token})
+    for token in end:
+        assert live.fill(["r"]) is None
+        live.accept({"r": token})
+    mask = live.fill(["r"])
+    assert mask is not None
+    vocab = tokenizer.vocab_size
+    assert all(tokenizer.decode([t]).startswith("a") for t in _allowed(mask.bitmask[0], vocab))
+    resumed = GrammarMatchers(compiler)
+    resumed.apply(BatchPlan(0, new_sequences=[_new("r", spec, [9, *thinking, *end], 1)]))
+    resumed_mask = resumed.fill(["r"])
+    assert resumed_mask is not None and torch.equal(resumed_mask.bitmask[0], mask.bitmask[0])
+    halfway = GrammarMatchers(compiler)
+    halfway.apply(BatchPlan(0, new_sequences=[_new("r", spec, [9, *thinking, *end[:-1]], 1)]))
+    assert halfway.fill(["r"]) is None
+    assert sampling_from_proto(sampling_to_proto(SamplingParams(structured_output=spec))) == (
+        SamplingParams(structured_output=spec)
+    )
+
+
 # ---- the sampler -------------------------------------------------------------------------
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
-from protos.llmserve.v1 import text_pb2
+from protos.llmserve.v1 import sampling_pb2, text_pb2
 from services.tokenizer.server import ServedModel
 from tests.unit.tokenizer_tier_harness import (
     FakeEngine,
@@ -93,3 +94,38 @@ def test_an_unknown_reasoning_parser_is_refused_naming_the_known_ones(
         parser.parse_args(["--reasoning-parser", "r2"])
     err = capsys.readouterr().err
     assert "--reasoning-parser" in err and "deepseek_r1" in err and "qwen3" in err
+
+
+@pytest.mark.parametrize("thinking_off", [False, True])
+def test_a_grammar_waits_for_the_end_of_thinking(
+    model: ServedModel, thinking_off: bool, tmp_path: Path
+) -> None:
+    """Under a reasoning parser a chat request's grammar starts after `</think>`, unless the
+    template already closed the thinking in the prompt (Qwen3 with thinking off)."""
+    engine = FakeEngine(script_for(model.tokenizer.encode('{"a": 1}'), finish_reason="stop"))
+    config: dict[str, object] = {"reasoning_parser": "qwen3"}
+    if thinking_off:
+        template = tmp_path / "no_thinking.jinja"
+        template.write_text(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        )
+        config["chat_template"] = str(template)
+
+    async def scenario() -> None:
+        async with running_stack(model, [engine], **config) as stack:
+            request = text_pb2.GenerateRequest(
+                messages=CHAT,
+                sampling=text_pb2.SamplingParams(
+                    structured_output=sampling_pb2.StructuredOutput(json_object=True)
+                ),
+            )
+            await stack.generate(request)
+            await stack.generate(text_pb2.GenerateRequest(prompt="Hi", sampling=request.sampling))
+        chat, plain = (r.sampling.structured_output for r in engine.requests)
+        end = model.tokenizer.encode("</think>", add_special_tokens=False)
+        assert list(chat.starts_after) == ([] if thinking_off else end)
+        assert chat.json_object
+        assert list(plain.starts_after) == []  # a completion has no thinking to wait for
+
+    run(scenario)

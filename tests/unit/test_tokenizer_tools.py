@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -245,5 +246,32 @@ def test_a_template_without_tools_gets_them_in_the_system_message(model: ServedM
             list(engine.requests[0].prompt_token_ids), skip_special_tokens=False
         )
         assert "You can call these functions" in prompt and '"name": "get_weather"' in prompt
+
+    run(scenario)
+
+
+def test_strict_tools_under_auto_send_a_structural_tag(model: ServedModel) -> None:
+    engine = engine_for(model)
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}  # type: ignore[dict-item]
+
+    async def scenario() -> None:
+        async with running_stack(model, [engine], chat_template=HERMES_TEMPLATE) as stack:
+            assert stack.server.http is not None
+            url = f"http://127.0.0.1:{stack.server.http.port}/v1/chat/completions"
+            body = {
+                "model": model.name,
+                "messages": [{"role": "user", "content": "Weather?"}],
+                "tools": [strict, TIME],
+            }
+            answer = await asyncio.to_thread(httpx.post, url, json=body, timeout=10)
+            both = {**body, "response_format": {"type": "json_object"}}
+            refused = await asyncio.to_thread(httpx.post, url, json=both, timeout=10)
+        assert answer.status_code == 200, answer.text
+        tag = json.loads(engine.requests[0].sampling.structured_output.structural_tag)
+        assert tag["format"]["triggers"] == ["<tool_call>"]
+        schemas = [t["content"]["json_schema"] for t in tag["format"]["tags"]]
+        assert schemas == [WEATHER["function"]["parameters"], {"type": "object"}]  # type: ignore[index]
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "tools"
 
     run(scenario)

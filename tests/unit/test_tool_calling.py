@@ -380,3 +380,44 @@ def test_tools_go_into_the_system_message_when_the_template_has_no_place_for_the
     text = template.render([ChatMessage("user", "hi")], tools=tools)
     assert text.startswith("[system] You can call these functions")
     assert tools_template.render([ChatMessage("user", "hi")], tools=tools).startswith('[{"type"')
+
+
+@pytest.mark.parametrize(
+    ("parser", "call"),
+    [
+        ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": ARGS}\n</tool_call>'),
+        ("json", '{"name": "get_weather", "arguments": ARGS}'),
+        ("llama3_json", '{"name": "get_weather", "parameters": ARGS}'),
+        ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": ARGS}]'),
+    ],
+)
+def test_strict_tools_hold_auto_calls_to_their_schemas(
+    tokenizer: ModelTokenizer, parser: str, call: str
+) -> None:
+    """Free text passes; a call in the family's syntax passes with valid arguments only."""
+    import xgrammar as xgr
+
+    from services.common.grammar import GrammarCompiler
+    from services.tokenizer.tool_request import strict_call_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = ToolRequest((FunctionTool("get_weather", parameters=schema, strict=True),))
+    grammar = strict_call_grammar(tools, parser)
+    assert grammar is not None and grammar.kind is StructuredOutputKind.STRUCTURAL_TAG
+    assert strict_call_grammar(replace(tools, tools=(FunctionTool("f"),)), parser) is None
+    assert strict_call_grammar(replace(tools, choice=ToolChoiceMode.REQUIRED), parser) is None
+    compiled = GrammarCompiler(tokenizer.tokenizer.to_str(), tokenizer.vocab_size, (2,)).compile(
+        grammar
+    )
+
+    def accepts(text: str) -> bool:
+        return bool(xgr.GrammarMatcher(compiled).accept_string(text))
+
+    assert accepts("Let me check. " + call.replace("ARGS", '{"city":"Paris"}'))
+    assert not accepts("Let me check. " + call.replace("ARGS", '{"city":5}'))
+    assert not accepts(call.replace("ARGS", '{"town":"Paris"}'))

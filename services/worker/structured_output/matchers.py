@@ -12,6 +12,10 @@ sampled: the scheduler stays pure Python and never waits for a mask, and with ov
 scheduling the worker appends its own sampled token before the scheduler hears of it, so
 only the worker knows a sequence's latest token in time to mask the next step.
 
+A grammar with `starts_after` (a reasoning model's `</think>`) waits behind a gate: the
+sequence samples freely, its tokens go to the gate, and the matcher takes over from the token
+after the gate's ids have all come out, in a row.
+
 A sequence that comes back after a preemption (a NewSequence with output tokens) gets a new
 matcher that replays its output. Once the output is complete the grammar allows only the stop
 tokens (the model's EOS); the matcher terminates on it, and a step the scheduler planned
@@ -41,6 +45,8 @@ class GrammarMatchers:
         self.compiler = compiler
         self.vocab_size = compiler.vocab_size
         self._matchers: dict[str, Any] = {}
+        self._gates: dict[str, GrammarGate] = {}
+        """Sequences whose grammar has not started yet (a subset of the matchers' ids)."""
         self._bitmask: torch.Tensor | None = None
         """[rows, ceil(V / 32)] int32 on the CPU (where xgrammar fills it); grown, never
         shrunk, so a step allocates nothing."""
@@ -54,6 +60,7 @@ class GrammarMatchers:
 
     def clear(self) -> None:
         self._matchers.clear()
+        self._gates.clear()
 
     def apply(self, plan: BatchPlan) -> None:
         """Drop the matchers of dropped sequences, build those of new ones (finished ids first,
@@ -61,6 +68,7 @@ class GrammarMatchers:
         if self._matchers:
             for request_id in plan.finished_request_ids:
                 self._matchers.pop(request_id, None)
+                self._gates.pop(request_id, None)
         for seq in plan.new_sequences:
             spec = seq.sampling.structured_output
             if spec is not None:
@@ -85,6 +93,15 @@ class GrammarMatchers:
             )
             return
         matcher = xgr.GrammarMatcher(compiled)
+        self._matchers[request_id] = matcher
+        self._gates.pop(request_id, None)
+        if spec.starts_after:
+            gate = GrammarGate(spec.starts_after)
+            passed = gate.feed_all(output_token_ids)
+            if passed is None:
+                self._gates[request_id] = gate
+                return
+            output_token_ids = output_token_ids[passed:]
         for position, token_id in enumerate(output_token_ids):
             if matcher.is_terminated():
                 break
@@ -94,7 +111,6 @@ class GrammarMatchers:
                     extra={"request_id": request_id, "position": position, "token": token_id},
                 )
                 break
-        self._matchers[request_id] = matcher
 
     def fill(self, sampled_request_ids: Sequence[str]) -> GrammarMask | None:
         """The bitmask of this step's constrained rows (row i = sampled_request_ids[i]); None
@@ -106,6 +122,8 @@ class GrammarMatchers:
         for row, request_id in enumerate(sampled_request_ids):
             matcher = self._matchers.get(request_id)
             if matcher is not None and not matcher.is_terminated():
+                if request_id in self._gates:
+                    continue
                 rows.append(row)
                 matchers.append(matcher)
         if not rows:
@@ -124,6 +142,11 @@ class GrammarMatchers:
         tokens: list[int] = []
         ids: list[str] = []
         for request_id, token_id in sampled.items():
+            gate = self._gates.get(request_id)
+            if gate is not None:
+                if gate.feed(token_id):
+                    del self._gates[request_id]  # the grammar starts at the next token
+                continue
             matcher = self._matchers.get(request_id)
             if matcher is not None and not matcher.is_terminated():
                 matchers.append(matcher)
@@ -161,3 +184,23 @@ class GrammarMatchers:
 
             self._batch_matcher = xgr.BatchGrammarMatcher()
         return self._batch_matcher
+
+
+class GrammarGate:
+    """Waits for `ids` to come out in a row; `feed` says when they have."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = tuple(ids)
+        self._recent: list[int] = []
+
+    def feed(self, token_id: int) -> bool:
+        self._recent.append(token_id)
+        del self._recent[: -len(self.ids)]
+        return tuple(self._recent) == self.ids
+
+    def feed_all(self, token_ids: Sequence[int]) -> int | None:
+        """How many of `token_ids` it took to open (None: still closed after all of them)."""
+        for count, token_id in enumerate(token_ids, start=1):
+            if self.feed(token_id):
+                return count
+        return None

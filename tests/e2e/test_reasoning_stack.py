@@ -1,0 +1,106 @@
+"""Reasoning output on a real stack (`llmserve up --reasoning-parser deepseek_r1`, the embedded
+model under a chat template that opens the thinking in the prompt, as DeepSeek R1's does),
+driven by the official `openai` client: what the model writes before `</think>` comes back as
+`reasoning_content`, apart from the content, streaming and not; a grammar waits for the
+answer, so the thinking stays free text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from services.stack import RunningStack
+from tests.e2e.conftest import e2e_stack
+
+pytestmark = pytest.mark.slow
+
+# The embedded model never writes `</think>` on its own: everything it writes is thinking.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+QUESTION = [{"role": "user", "content": "Why is the sky blue?"}]
+
+
+@pytest.fixture(scope="module")
+def reasoning_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    template = Path(tmp_path_factory.mktemp("templates")) / "thinking.jinja"
+    template.write_text(TEMPLATE)
+    # Exact fp32 (`gguf-exact`): a prompt served from the prefix cache then gives the same
+    # greedy answer as the first time (the gguf default's fp16 KV cache rounds the cached
+    # keys, and the embedded model's first tokens are near ties).
+    flags = [
+        "--reasoning-parser", "deepseek_r1", "--chat-template", str(template),
+        "--quantization", "gguf-exact",
+    ]  # fmt: skip
+    with e2e_stack(flags) as running:
+        yield running
+    assert running.returncode == 0
+
+
+def client(stack: RunningStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=300)
+
+
+def model_name(stack: RunningStack) -> str:
+    return str(httpx.get(f"{stack.http}/models", timeout=10).json()["data"][0]["id"])
+
+
+def test_the_thinking_comes_apart_streaming_and_not(reasoning_stack: RunningStack) -> None:
+    api, model = client(reasoning_stack), model_name(reasoning_stack)
+    whole = api.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    message = whole.choices[0].message
+    reasoning = (message.model_extra or {}).get("reasoning_content")
+    assert reasoning and not message.content
+    assert whole.usage is not None and whole.usage.completion_tokens == 16  # max_tokens counts it
+    streamed_reasoning, streamed_content = "", ""
+    for chunk in api.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=16,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    ):
+        delta = chunk.choices[0].delta
+        streamed_reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        streamed_content += delta.content or ""
+    assert (streamed_reasoning, streamed_content) == (reasoning, "")
+    # A completion is text, thinking or not.
+    completion = api.completions.create(model=model, prompt="Why", max_tokens=4, temperature=0)
+    assert completion.choices[0].text
+
+
+def test_a_grammar_waits_for_the_answer(reasoning_stack: RunningStack) -> None:
+    """Under a JSON grammar the thinking is still free text: the grammar has not started."""
+    api, model = client(reasoning_stack), model_name(reasoning_stack)
+    answer = api.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+        response_format={"type": "json_object"},
+    )
+    message = answer.choices[0].message
+    free = (
+        api.chat.completions.create(
+            model=model,
+            messages=QUESTION,
+            max_tokens=16,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        .choices[0]
+        .message
+    )
+    assert (message.model_extra or {}).get("reasoning_content") == (
+        (free.model_extra or {}).get("reasoning_content")
+    )
+    assert not (message.model_extra or {})["reasoning_content"].lstrip().startswith("{")
