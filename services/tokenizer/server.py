@@ -1,6 +1,7 @@
-"""The tokenizer tier's process: its two public doors (the gRPC TextGeneration service with
-health, reflection and drain; the OpenAI-compatible HTTP API) over one generation pipeline, the
-scheduler pool, Redis, API keys and TLS, and the command line."""
+"""The tokenizer tier's process: its public doors (the gRPC TextGeneration service with
+health, reflection and drain; the OpenAI-compatible HTTP API with the Anthropic Messages API
+on the same port) over one generation pipeline, the scheduler pool, Redis, API keys and TLS,
+and the command line."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from services.common.prompt_store import PromptStore
 from services.common.redis_store import open_store
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy
+from services.tokenizer.anthropic_http.door import AnthropicDoor, add_anthropic_routes
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.decoding_handlers import add_text_generation_servicer
 from services.tokenizer.generation import Generator
@@ -75,6 +77,7 @@ class TokenizerServer:
         self.http: HttpServer | None = None
         if config.http:
             app = create_app(OpenAIDoor(self.generator, self.access))
+            add_anthropic_routes(app, AnthropicDoor(self.generator, self.access))
             self.http = HttpServer(
                 app,
                 config.host,

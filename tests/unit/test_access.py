@@ -44,6 +44,15 @@ def test_no_key_configured_is_open_and_every_caller_is_an_admin() -> None:
         assert caller.tenant_id is None
 
 
+def test_a_bare_key_is_the_same_caller_as_its_bearer_header() -> None:
+    keys = policy()
+    for key in (USER_KEY, ADMIN_KEY, ACME_KEY):
+        assert keys.authenticate_key(key) == keys.authenticate(bearer(key))
+    with pytest.raises(UnauthenticatedError):
+        keys.authenticate_key("sk-unknown")
+    assert AccessPolicy().authenticate_key("anything").admin
+
+
 def test_a_configured_key_closes_the_policy() -> None:
     closed = AccessPolicy.from_settings(api_keys=[USER_KEY])
     assert not closed.open and closed.num_keys == 1

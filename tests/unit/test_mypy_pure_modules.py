@@ -48,6 +48,10 @@ PURE_MODULES = (
     "services/tokenizer/tool_calls.py",
     "services/tokenizer/tool_output.py",
     "services/tokenizer/tool_request.py",
+    # the Anthropic door's bodies, responses and errors
+    "services/tokenizer/anthropic_http/schemas.py",
+    "services/tokenizer/anthropic_http/responses.py",
+    "services/tokenizer/anthropic_http/errors.py",
     # strict decoding of public requests
     "services/common/request_decoding.py",
     # a GGUF file's tokenizer, as llama.cpp builds it

@@ -18,14 +18,13 @@ call ends, and the scheduler frees the KV blocks at once.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -35,6 +34,7 @@ from services.contracts.errors import DependencyUnavailableError, LLMServeError
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy, tenant_for
 from services.tokenizer.generation import GenerationStream, Generator
+from services.tokenizer.http_common import ClientGone, next_or_none, unless_gone
 from services.tokenizer.openai_http import schemas
 from services.tokenizer.openai_http.errors import HttpError, http_error, not_found_route
 from services.tokenizer.openai_http.responses import (
@@ -49,14 +49,8 @@ from services.tokenizer.validation import MAX_REQUEST_ID_LEN
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 REQUEST_ID_HEADER = "x-request-id"
 JSON = "application/json"
-
-
-class ClientGone(Exception):
-    """The client closed the connection while its request waited."""
 
 
 def json_response(payload: dict[str, Any], status: int = 200, **headers: str) -> Response:
@@ -121,7 +115,7 @@ class OpenAIDoor:
             generate_input = replace(
                 generate_input, tenant_id=tenant_for(caller, generate_input.tenant_id)
             )
-            prepared = await _unless_gone(
+            prepared = await unless_gone(
                 request,
                 self.generator.prepare(
                     generate_input, arrival_unix_s=arrival_unix_s, started=started
@@ -147,11 +141,11 @@ class OpenAIDoor:
         headers = {"X-Request-Id": request_id}
         try:
             if not body.stream:
-                await _unless_gone(request, _collect(deltas, builder, request_metrics))
+                await unless_gone(request, _collect(deltas, builder, request_metrics))
                 request_metrics.done(None)
                 return json_response(builder.response(), **headers)
             # The status waits for the first token (see the module docstring).
-            first = await _unless_gone(request, _next_or_none(deltas))
+            first = await unless_gone(request, next_or_none(deltas))
         except (LLMServeError, ClientGone) as exc:
             stream.cancel()
             await deltas.aclose()
@@ -186,10 +180,6 @@ class OpenAIDoor:
         metrics.on_rejected(exc)
         request_metrics.done(error.grpc_code_name)
         return error_response(error)
-
-
-async def _next_or_none(deltas: AsyncIterator[OutputDelta]) -> OutputDelta | None:
-    return await anext(deltas, None)
 
 
 async def _collect(
@@ -237,29 +227,6 @@ async def _events(
         stream.cancel()
         await deltas.aclose()
         request_metrics.done(code)
-
-
-async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result, or ClientGone (with `work` cancelled) when the client disconnects
-    first: a request waiting in a queue or generating for a client who left must not hold
-    its place or its KV blocks."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
-    raise ClientGone
-
-
-async def _disconnected(request: Request) -> None:
-    # The body is read already: the next message the server has for us is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def create_app(door: OpenAIDoor) -> FastAPI:

@@ -30,6 +30,7 @@ from services.common.chat_template import TextPart as ChatTextPart
 from services.contracts.errors import InvalidRequestError, quoted, shortened
 from services.contracts.sampling_params import logit_bias_from_json
 from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
+from services.tokenizer.http_common import body_error
 from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest
 from services.tokenizer.validation import (
     MAX_MODEL_NAME_LEN,
@@ -198,43 +199,9 @@ def _parse(model: type[BodyT], body: bytes) -> BodyT:
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as exc:
-        raise _invalid(exc) from None
+        raise body_error(exc) from None
     _refuse_unimplemented(parsed)
     return parsed
-
-
-def _invalid(exc: ValidationError) -> InvalidRequestError:
-    """The first of the deepest errors, its parameter as a path (`messages[1].role`). A value
-    that fits no member of a union gets an error per member; the one that got furthest into
-    the value says most (an image part: `messages[0].content[0].type`, not "should be a
-    string")."""
-    error = max(exc.errors(include_url=False), key=lambda error: len(error["loc"]))
-    if error["type"] == "json_invalid":
-        return InvalidRequestError("", f"the body is not valid JSON: {error['msg']}")
-    if error["type"] == "model_type" and not error["loc"]:
-        return InvalidRequestError("", "the body must be a JSON object")
-    # A parameter's name is the client's own text when it is one we do not know.
-    param = shortened(_param(error["loc"]), 64)
-    if error["type"] == "extra_forbidden":
-        return InvalidRequestError(param, f"unsupported parameter {quoted(param)}")
-    if error["type"] == "missing":
-        return InvalidRequestError(param, f"{param!r} is required")
-    return InvalidRequestError(param, shortened(error["msg"], 200))
-
-
-def _param(loc: tuple[int | str, ...]) -> str:
-    """('messages', 1, 'role') → 'messages[1].role'. Union members appear in pydantic's
-    location as type names ('str', 'list[int]'); they are not part of the parameter."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part.isidentifier() and part not in _TYPE_TAGS:
-            path += f".{part}" if path else part
-    return path
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def _refuse_unimplemented(body: _Sampling) -> None:

@@ -1,0 +1,223 @@
+"""The Anthropic Messages API door of the tokenizer tier: the same pipeline as the other doors
+(generation.Generator), the same keys and tenants (access.AccessPolicy), on the OpenAI door's
+app and port.
+
+    POST /v1/messages               a message, whole or as Anthropic's stream of events
+    POST /v1/messages/count_tokens  {"input_tokens": N}: the prompt after the chat template
+
+The key comes as `x-api-key` (Anthropic's clients) or `Authorization: Bearer`; the
+`anthropic-version` and `anthropic-beta` headers are not read. As at the OpenAI door
+(openai_http/app.py), a request is checked, tokenized and routed before any byte of the
+response and a stream's status waits for its first token, so a refusal is a real status; an
+error after that is one `error` event, which ends the stream. A client that disconnects
+cancels its request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from services.contracts.errors import LLMServeError, UnauthenticatedError
+from services.tokenizer import metrics
+from services.tokenizer.access import AccessPolicy, Caller, tenant_for
+from services.tokenizer.anthropic_http import schemas
+from services.tokenizer.anthropic_http.errors import AnthropicError, anthropic_error
+from services.tokenizer.anthropic_http.responses import Event, MessageBuilder, sse
+from services.tokenizer.generation import GenerationStream, Generator
+from services.tokenizer.http_common import ClientGone, next_or_none, unless_gone
+from services.tokenizer.openai_http.app import REQUEST_ID_HEADER, json_response
+from services.tokenizer.output import OutputDelta
+from services.tokenizer.validation import MAX_REQUEST_ID_LEN, check_prompt_size, validate_model
+
+log = logging.getLogger(__name__)
+
+API_KEY_HEADER = "x-api-key"
+MESSAGE_ID_PREFIX = "msg_"
+
+
+def error_response(error: AnthropicError) -> Response:
+    return json_response(error.body(), error.status, **error.headers)
+
+
+class AnthropicDoor:
+    """The routes' logic, over the tier's generator and keys."""
+
+    def __init__(self, generator: Generator, access: AccessPolicy) -> None:
+        self.generator = generator
+        self.access = access
+
+    def authenticate(self, request: Request) -> Caller:
+        key = request.headers.get(API_KEY_HEADER)
+        if key:
+            return self.access.authenticate_key(key)
+        authorization = request.headers.get("authorization")
+        if not authorization and not self.access.open:
+            raise UnauthenticatedError(
+                "missing API key: send it as 'x-api-key: <key>' or 'Authorization: Bearer <key>'"
+            )
+        return self.access.authenticate(authorization)
+
+    async def messages(self, request: Request) -> Response:
+        arrival_unix_s = time.time()
+        started = time.perf_counter()
+        request_metrics = metrics.GenerateMetrics(started)
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        try:
+            caller = self.authenticate(request)
+            model = self.generator.model
+            body = schemas.parse_messages(await request.body())
+            generate_input = schemas.messages_input(body, request_id, model.reasoning_parser)
+            # The Messages API has no tenant parameter: a bound key's tenant, else none.
+            generate_input = replace(generate_input, tenant_id=tenant_for(caller, ""))
+            prepared = await unless_gone(
+                request,
+                self.generator.prepare(
+                    generate_input, arrival_unix_s=arrival_unix_s, started=started
+                ),
+            )
+        except (LLMServeError, ClientGone) as exc:
+            return self._refused(exc, request_id, request_metrics)
+        request_id = prepared.request.request_id
+        if body.metadata is not None and body.metadata.user_id:
+            log.info("end user", extra={"request_id": request_id, "user": body.metadata.user_id})
+        builder = MessageBuilder(
+            MESSAGE_ID_PREFIX + request_id,
+            model.name,
+            body.max_tokens,
+            show_thinking=schemas.thinking_enabled(body, model.reasoning_parser),
+        )
+        stream = self.generator.stream(prepared)
+        deltas = stream.deltas()
+        # Anthropic's clients read `request-id`; ours (and the OpenAI door) `X-Request-Id`.
+        headers = {"X-Request-Id": request_id, "request-id": request_id}
+        try:
+            if not body.stream:
+                await unless_gone(request, _collect(deltas, builder, request_metrics))
+                request_metrics.done(None)
+                return json_response(builder.response(), **headers)
+            # The status waits for the first token (see the module docstring).
+            first = await unless_gone(request, next_or_none(deltas))
+        except (LLMServeError, ClientGone) as exc:
+            stream.cancel()
+            await deltas.aclose()
+            return self._refused(exc, request_id, request_metrics)
+        # The first scheduler output has told how much of the prompt the cache held.
+        start = builder.message_start(
+            len(prepared.request.prompt_token_ids), stream.output.progress.num_cached_tokens
+        )
+        events = _events(stream, deltas, first, start, builder, request_metrics)
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            self.authenticate(request)
+            model, limits = self.generator.model, self.generator.limits
+            body = schemas.parse_count_tokens(await request.body())
+            generate_input = schemas.count_tokens_input(body, model.reasoning_parser)
+            validate_model(generate_input.model, limits.model_name)
+            # Refuses text too long for any context before tokenizing it; a prompt that
+            # merely overflows the context is counted (the client asked how long it is).
+            check_prompt_size(generate_input, limits)
+            tool_request = generate_input.tool_request
+            token_ids = model.tokenizer.apply_chat_template(
+                generate_input.messages,
+                tools=tool_request.template_tools()
+                if tool_request and tool_request.tools
+                else None,
+            )
+        except LLMServeError as exc:
+            error = anthropic_error(exc)
+            log.info("rejected", extra={"status": error.status, "error": error.message})
+            return error_response(error)
+        return json_response({"input_tokens": len(token_ids)})
+
+    def _refused(
+        self, exc: BaseException, request_id: str, request_metrics: metrics.GenerateMetrics
+    ) -> Response:
+        if isinstance(exc, ClientGone):
+            log.info("client went away", extra={"request_id": request_id})
+            request_metrics.done(None)
+            return Response(status_code=499)
+        error = anthropic_error(exc)
+        log.info(
+            "rejected",
+            extra={
+                "request_id": request_id[:MAX_REQUEST_ID_LEN],
+                "status": error.status,
+                "error": error.message,
+            },
+        )
+        metrics.on_rejected(exc)
+        request_metrics.done(error.grpc_code_name)
+        return error_response(error)
+
+
+async def _collect(
+    deltas: AsyncIterator[OutputDelta],
+    builder: MessageBuilder,
+    request_metrics: metrics.GenerateMetrics,
+) -> None:
+    async for delta in deltas:
+        request_metrics.on_tokens(len(delta.token_ids))
+        request_metrics.finish_reason = delta.finish_reason or request_metrics.finish_reason
+        builder.add(delta)
+
+
+async def _events(
+    stream: GenerationStream,
+    deltas: AsyncIterator[OutputDelta],
+    first: OutputDelta | None,
+    start: Event,
+    builder: MessageBuilder,
+    request_metrics: metrics.GenerateMetrics,
+) -> AsyncIterator[bytes]:
+    """The stream's bytes: message_start with the first delta's events, then one write per
+    delta (the last ends with message_stop)."""
+    code: str | None = None
+    try:
+        head = [start]
+        delta = first
+        while delta is not None:
+            request_metrics.on_tokens(len(delta.token_ids))
+            if delta.finish_reason:
+                request_metrics.finish_reason = delta.finish_reason
+            out = b"".join(sse(event) for event in [*head, *builder.events(delta)])
+            head = []
+            if delta.ends_stream:
+                yield out
+                return
+            if out:
+                yield out
+            delta = await anext(deltas, None)
+    except LLMServeError as exc:
+        error = anthropic_error(exc)
+        code = error.grpc_code_name
+        log.info("stream failed", extra={"request_id": builder.message_id, "error": str(exc)})
+        yield sse(("error", error.body()))
+    finally:
+        stream.cancel()
+        await deltas.aclose()
+        request_metrics.done(code)
+
+
+def add_anthropic_routes(app: FastAPI, door: AnthropicDoor) -> None:
+    """The Messages API's routes on the tier's HTTP app (beside the OpenAI door's)."""
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await door.messages(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await door.count_tokens(request)

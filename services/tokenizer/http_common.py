@@ -1,0 +1,93 @@
+"""What the tier's HTTP doors (OpenAI, Anthropic) share: a request body's validation error
+named as the client spells the parameter, and waiting on work while watching the client's
+connection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from services.contracts.errors import InvalidRequestError, quoted, shortened
+
+T = TypeVar("T")
+ItemT = TypeVar("ItemT")
+
+# A tagged union's failure (an image block where only text and tool blocks are taken) is
+# reported on the item; the client reads it best as the item's `type`.
+_UNION_TAG_ERRORS = frozenset({"union_tag_invalid", "union_tag_not_found"})
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its request waited."""
+
+
+def body_error(exc: ValidationError) -> InvalidRequestError:
+    """The first of the deepest errors, its parameter as a path (`messages[1].role`). A value
+    that fits no member of a union gets an error per member; the one that got furthest into
+    the value says most (an image part: `messages[0].content[0].type`, not "should be a
+    string")."""
+    error = max(exc.errors(include_url=False), key=lambda error: len(error["loc"]))
+    if error["type"] == "json_invalid":
+        return InvalidRequestError("", f"the body is not valid JSON: {error['msg']}")
+    if error["type"] == "model_type" and not error["loc"]:
+        return InvalidRequestError("", "the body must be a JSON object")
+    # A parameter's name is the client's own text when it is one we do not know.
+    param = shortened(body_param(error["loc"]), 64)
+    if error["type"] == "extra_forbidden":
+        return InvalidRequestError(param, f"unsupported parameter {quoted(param)}")
+    if error["type"] == "missing":
+        return InvalidRequestError(param, f"{param!r} is required")
+    if error["type"] in _UNION_TAG_ERRORS:
+        item = error["input"]
+        kind = item.get("type") if isinstance(item, dict) else None
+        what = quoted(kind) if isinstance(kind, str) else "a missing or non-string type"
+        return InvalidRequestError(f"{param}.type", f"{what} is not supported here")
+    return InvalidRequestError(param, shortened(error["msg"], 200))
+
+
+def body_param(loc: tuple[int | str, ...]) -> str:
+    """('messages', 1, 'role') → 'messages[1].role'. Union members appear in pydantic's
+    location as type names ('str', 'list[int]') and tagged-union members by their tags
+    (named with a space by our schemas, so never identifiers); they are not part of the
+    parameter."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+async def next_or_none(items: AsyncIterator[ItemT]) -> ItemT | None:
+    return await anext(items, None)
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled) when the client disconnects
+    first: a request waiting in a queue or generating for a client who left must not hold
+    its place or its KV blocks."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
+    raise ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read already: the next message the server has for us is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
