@@ -234,7 +234,12 @@ def test_stop_strings_and_seeded_sampling(stack: RunningStack) -> None:
         ("/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
         ("/chat/completions", {"messages": []}, 400, "messages"),
         ("/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
-        ("/chat/completions", {"messages": MESSAGES, "tools": [{"type": "x"}]}, 400, "tools"),
+        (
+            "/chat/completions",
+            {"messages": MESSAGES, "tools": [{"type": "x"}]},
+            400,
+            "tools[0].type",
+        ),
         ("/chat/completions", {"messages": MESSAGES, "prompt_name": "nope"}, 404, "prompt_name"),
     ],
 )
