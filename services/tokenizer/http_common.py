@@ -1,17 +1,25 @@
 """What the tier's HTTP doors (OpenAI, Anthropic) share: a request body's validation error
-named as the client spells the parameter, and waiting on work while watching the client's
-connection."""
+named as the client spells the parameter, waiting on work while watching the client's
+connection, a refused request's response and log line, and a whole answer's collection."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 from starlette.requests import Request
+from starlette.responses import Response
 
 from services.contracts.errors import InvalidRequestError, quoted, shortened
+from services.tokenizer import metrics
+from services.tokenizer.output import OutputDelta
+from services.tokenizer.validation import MAX_REQUEST_ID_LEN
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ItemT = TypeVar("ItemT")
@@ -23,6 +31,71 @@ _UNION_TAG_ERRORS = frozenset({"union_tag_invalid", "union_tag_not_found"})
 
 class ClientGone(Exception):
     """The client closed the connection while its request waited."""
+
+
+class ErrorAnswer(Protocol):
+    """A door's error, in its own shape."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def headers(self) -> dict[str, str]: ...
+    @property
+    def grpc_code_name(self) -> str: ...
+    def body(self) -> dict[str, Any]: ...
+
+
+class DeltaSink(Protocol):
+    """A whole answer being built."""
+
+    def add(self, delta: OutputDelta) -> None: ...
+
+
+def json_response(payload: dict[str, Any], status: int = 200, **headers: str) -> Response:
+    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(error: ErrorAnswer) -> Response:
+    return json_response(error.body(), error.status, **error.headers)
+
+
+def refused(
+    exc: BaseException,
+    request_id: str,
+    request_metrics: metrics.GenerateMetrics,
+    error_for: Callable[[BaseException], ErrorAnswer],
+) -> Response:
+    """The response to a request refused before its first byte (499 when the client left),
+    logged and counted."""
+    if isinstance(exc, ClientGone):
+        log.info("client went away", extra={"request_id": request_id})
+        request_metrics.done(None)
+        return Response(status_code=499)
+    error = error_for(exc)
+    log.info(
+        "rejected",
+        extra={
+            "request_id": request_id[:MAX_REQUEST_ID_LEN],
+            "status": error.status,
+            "error": error.message,
+        },
+    )
+    metrics.on_rejected(exc)
+    request_metrics.done(error.grpc_code_name)
+    return error_response(error)
+
+
+async def collect(
+    deltas: AsyncIterator[OutputDelta], sink: DeltaSink, request_metrics: metrics.GenerateMetrics
+) -> None:
+    """A whole (non-streamed) answer: every delta into `sink`, counted."""
+    async for delta in deltas:
+        request_metrics.on_tokens(len(delta.token_ids))
+        request_metrics.finish_reason = delta.finish_reason or request_metrics.finish_reason
+        sink.add(delta)
 
 
 def body_error(exc: ValidationError) -> InvalidRequestError:

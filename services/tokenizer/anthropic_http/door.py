@@ -28,22 +28,26 @@ from services.contracts.errors import LLMServeError, UnauthenticatedError
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy, Caller, tenant_for
 from services.tokenizer.anthropic_http import schemas
-from services.tokenizer.anthropic_http.errors import AnthropicError, anthropic_error
+from services.tokenizer.anthropic_http.errors import anthropic_error
 from services.tokenizer.anthropic_http.responses import Event, MessageBuilder, sse
 from services.tokenizer.generation import GenerationStream, Generator
-from services.tokenizer.http_common import ClientGone, next_or_none, unless_gone
-from services.tokenizer.openai_http.app import REQUEST_ID_HEADER, json_response
+from services.tokenizer.http_common import (
+    ClientGone,
+    collect,
+    error_response,
+    json_response,
+    next_or_none,
+    refused,
+    unless_gone,
+)
+from services.tokenizer.openai_http.app import REQUEST_ID_HEADER
 from services.tokenizer.output import OutputDelta
-from services.tokenizer.validation import MAX_REQUEST_ID_LEN, check_prompt_size, validate_model
+from services.tokenizer.validation import check_prompt_size, validate_model
 
 log = logging.getLogger(__name__)
 
 API_KEY_HEADER = "x-api-key"
 MESSAGE_ID_PREFIX = "msg_"
-
-
-def error_response(error: AnthropicError) -> Response:
-    return json_response(error.body(), error.status, **error.headers)
 
 
 class AnthropicDoor:
@@ -83,7 +87,7 @@ class AnthropicDoor:
                 ),
             )
         except (LLMServeError, ClientGone) as exc:
-            return self._refused(exc, request_id, request_metrics)
+            return refused(exc, request_id, request_metrics, anthropic_error)
         request_id = prepared.request.request_id
         if body.metadata is not None and body.metadata.user_id:
             log.info("end user", extra={"request_id": request_id, "user": body.metadata.user_id})
@@ -99,7 +103,7 @@ class AnthropicDoor:
         headers = {"X-Request-Id": request_id, "request-id": request_id}
         try:
             if not body.stream:
-                await unless_gone(request, _collect(deltas, builder, request_metrics))
+                await unless_gone(request, collect(deltas, builder, request_metrics))
                 request_metrics.done(None)
                 return json_response(builder.response(), **headers)
             # The status waits for the first token (see the module docstring).
@@ -107,7 +111,7 @@ class AnthropicDoor:
         except (LLMServeError, ClientGone) as exc:
             stream.cancel()
             await deltas.aclose()
-            return self._refused(exc, request_id, request_metrics)
+            return refused(exc, request_id, request_metrics, anthropic_error)
         # The first scheduler output has told how much of the prompt the cache held.
         start = builder.message_start(
             len(prepared.request.prompt_token_ids), stream.output.progress.num_cached_tokens
@@ -141,37 +145,6 @@ class AnthropicDoor:
             log.info("rejected", extra={"status": error.status, "error": error.message})
             return error_response(error)
         return json_response({"input_tokens": len(token_ids)})
-
-    def _refused(
-        self, exc: BaseException, request_id: str, request_metrics: metrics.GenerateMetrics
-    ) -> Response:
-        if isinstance(exc, ClientGone):
-            log.info("client went away", extra={"request_id": request_id})
-            request_metrics.done(None)
-            return Response(status_code=499)
-        error = anthropic_error(exc)
-        log.info(
-            "rejected",
-            extra={
-                "request_id": request_id[:MAX_REQUEST_ID_LEN],
-                "status": error.status,
-                "error": error.message,
-            },
-        )
-        metrics.on_rejected(exc)
-        request_metrics.done(error.grpc_code_name)
-        return error_response(error)
-
-
-async def _collect(
-    deltas: AsyncIterator[OutputDelta],
-    builder: MessageBuilder,
-    request_metrics: metrics.GenerateMetrics,
-) -> None:
-    async for delta in deltas:
-        request_metrics.on_tokens(len(delta.token_ids))
-        request_metrics.finish_reason = delta.finish_reason or request_metrics.finish_reason
-        builder.add(delta)
 
 
 async def _events(

@@ -24,7 +24,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -34,31 +33,28 @@ from services.contracts.errors import DependencyUnavailableError, LLMServeError
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy, tenant_for
 from services.tokenizer.generation import GenerationStream, Generator
-from services.tokenizer.http_common import ClientGone, next_or_none, unless_gone
+from services.tokenizer.http_common import (
+    ClientGone,
+    collect,
+    error_response,
+    json_response,
+    next_or_none,
+    refused,
+    unless_gone,
+)
 from services.tokenizer.openai_http import schemas
 from services.tokenizer.openai_http.errors import HttpError, http_error, not_found_route
 from services.tokenizer.openai_http.responses import (
     DONE_EVENT,
     ResponseBuilder,
-    json_bytes,
     model_list,
     sse_event,
 )
 from services.tokenizer.output import OutputDelta
-from services.tokenizer.validation import MAX_REQUEST_ID_LEN
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
-JSON = "application/json"
-
-
-def json_response(payload: dict[str, Any], status: int = 200, **headers: str) -> Response:
-    return Response(json_bytes(payload), status_code=status, media_type=JSON, headers=headers)
-
-
-def error_response(error: HttpError) -> Response:
-    return json_response(error.body(), error.status, **error.headers)
 
 
 class OpenAIDoor:
@@ -122,7 +118,9 @@ class OpenAIDoor:
                 ),
             )
         except (LLMServeError, ClientGone) as exc:
-            return self._refused(exc, request_id, request_metrics, chat)
+            return refused(
+                exc, request_id, request_metrics, functools.partial(http_error, chat=chat)
+            )
         request_id = prepared.request.request_id
         if body.user:
             log.info("end user", extra={"request_id": request_id, "user": body.user[:128]})
@@ -141,7 +139,7 @@ class OpenAIDoor:
         headers = {"X-Request-Id": request_id}
         try:
             if not body.stream:
-                await unless_gone(request, _collect(deltas, builder, request_metrics))
+                await unless_gone(request, collect(deltas, builder, request_metrics))
                 request_metrics.done(None)
                 return json_response(builder.response(), **headers)
             # The status waits for the first token (see the module docstring).
@@ -149,7 +147,9 @@ class OpenAIDoor:
         except (LLMServeError, ClientGone) as exc:
             stream.cancel()
             await deltas.aclose()
-            return self._refused(exc, request_id, request_metrics, chat)
+            return refused(
+                exc, request_id, request_metrics, functools.partial(http_error, chat=chat)
+            )
         events = _events(stream, deltas, first, builder, request_metrics, chat)
         return StreamingResponse(
             events,
@@ -157,40 +157,9 @@ class OpenAIDoor:
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    def _refused(
-        self,
-        exc: BaseException,
-        request_id: str,
-        request_metrics: metrics.GenerateMetrics,
-        chat: bool,
-    ) -> Response:
-        if isinstance(exc, ClientGone):
-            log.info("client went away", extra={"request_id": request_id})
-            request_metrics.done(None)
-            return Response(status_code=499)
-        error = http_error(exc, chat)
-        log.info(
-            "rejected",
-            extra={
-                "request_id": request_id[:MAX_REQUEST_ID_LEN],
-                "status": error.status,
-                "error": error.message,
-            },
-        )
-        metrics.on_rejected(exc)
-        request_metrics.done(error.grpc_code_name)
-        return error_response(error)
 
-
-async def _collect(
-    deltas: AsyncIterator[OutputDelta],
-    builder: ResponseBuilder,
-    request_metrics: metrics.GenerateMetrics,
-) -> None:
-    async for delta in deltas:
-        request_metrics.on_tokens(len(delta.token_ids))
-        request_metrics.finish_reason = delta.finish_reason or request_metrics.finish_reason
-        builder.add(delta)
+def _error_for(chat: bool) -> Callable[[BaseException], HttpError]:
+    return functools.partial(http_error, chat=chat)
 
 
 async def _events(
