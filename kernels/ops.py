@@ -6,6 +6,8 @@ never imports triton.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -24,6 +26,7 @@ from kernels.quant_gemm_torch import quantize_int8_rows
 
 __all__ = [
     "apply_rotary",
+    "apply_token_bitmask",
     "dequantize_kv_int8",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
@@ -64,6 +67,20 @@ def write_kv_cache(
         torch.ops.llmserve.write_cache(value, v_cache, slot_mapping, v_scale)
         return
     kv_cache_torch.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def apply_token_bitmask(
+    logits: Tensor, bitmask: Tensor, rows: Sequence[int], vocab_size: int
+) -> bool:
+    """Set to -inf, in place, the logits of the tokens each listed row's bitmask disallows
+    (int32 words, bit j of word w = token 32w + j; tokens >= vocab_size left alone). False:
+    no kernel here for these tensors (not a float32 CPU tensor, or no C++ build), and the
+    caller applies the mask its own way."""
+    if logits.dtype != torch.float32 or not use_cpu_extension(logits):
+        return False
+    indices = torch.tensor(list(rows), dtype=torch.int64)
+    torch.ops.llmserve.apply_token_bitmask(logits, bitmask, indices, vocab_size)
+    return True
 
 
 def paged_decode_attention(

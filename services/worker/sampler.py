@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import ops
 from services.contracts.step import TokenLogprobs
 from services.worker.sampling_metadata import SamplingMetadata
 
@@ -51,13 +52,15 @@ class SamplerOutput:
 
 def apply_grammar_mask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Set the logits of tokens a row's grammar disallows to -inf, in place, on the
-    constrained rows only (xgrammar's kernel: C++ on the CPU, Triton on CUDA)."""
+    constrained rows only (ours in C++ on the CPU, xgrammar's Triton kernel on CUDA)."""
     mask = metadata.grammar_mask
     if mask is None:
         return logits
+    bitmask = mask.bitmask
+    if ops.apply_token_bitmask(logits, bitmask, mask.rows, metadata.vocab_size):
+        return logits  # our C++ kernel on the CPU (kernels/csrc/token_bitmask.cpp)
     import xgrammar as xgr
 
-    bitmask = mask.bitmask
     if bitmask.device != logits.device:
         bitmask = bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(
