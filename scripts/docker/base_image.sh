@@ -26,10 +26,23 @@ debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
   bookworm "$WORK/rootfs" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 \
   || { tail -n 20 "$WORK/debootstrap.log" >&2; exit 1; }
 rm -rf "$WORK"/rootfs/var/cache/apt/archives/*.deb "$WORK"/rootfs/var/lib/apt/lists/*
+# Trust what the host trusts: certificates in the host's bundle but not Debian's (an
+# inspecting proxy's CA) are added, so pip reaches PyPI from the image's builds as from here.
+HOST_BUNDLE=/etc/ssl/certs/ca-certificates.crt
+if [ -f "$HOST_BUNDLE" ]; then
+  ADDED=$(python3 "$(dirname "$0")/extra_ca_certs.py" "$HOST_BUNDLE" \
+    "$WORK/rootfs$HOST_BUNDLE" "$WORK/rootfs/usr/local/share/ca-certificates")
+  if [ "$ADDED" != 0 ]; then
+    echo "base image: trusting $ADDED more CA certificate(s) from the host's bundle" >&2
+    chroot "$WORK/rootfs" update-ca-certificates >/dev/null 2>&1
+  fi
+fi
 echo "base image: docker import as $TAG ..." >&2
 tar -C "$WORK/rootfs" -c . | docker import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
+  --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
+  --change 'ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt' \
   --change 'CMD ["python3"]' \
   - "$TAG" >/dev/null
 docker image ls "$TAG" >&2
