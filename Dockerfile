@@ -45,6 +45,9 @@ RUN pip install --quiet -e . \
 ENV TORCH_EXTENSIONS_DIR=/opt/llmserve/kernels
 RUN llmserve build-kernels --all \
  && rm -f /opt/llmserve/kernels/*/*.o /opt/llmserve/kernels/*/lock
+# xgrammar declares triton for its CUDA bitmask kernel (imported only for CUDA tensors): 1 GB
+# that a CPU image never loads.
+RUN case "$TORCH_REQUIREMENT" in *+cpu) pip uninstall --quiet -y triton ;; esac
 
 FROM ${BASE_IMAGE} AS runtime
 ENV PATH=/opt/llmserve/bin:$PATH TORCH_EXTENSIONS_DIR=/opt/llmserve/kernels \
