@@ -211,24 +211,29 @@ def load() -> bool:
             variant = chosen_variant()
             name = library_name(variant)
             directory = Path(_get_build_directory(name, verbose=False))
-            built = (directory / f"{name}.so").exists()
-            remove_stale_lock(directory)
-            if not built:
+            library = directory / f"{name}.so"
+            if library.exists():
+                # Built before (an earlier start, `build-kernels`, an image's build stage):
+                # its name carries the sources' and flags' hash, so it is current. Loaded as
+                # is: torch's JIT path would want a compiler, ninja and a writable build
+                # directory just to find it up to date, which a slim image has not.
+                torch.ops.load_library(str(library))
+            else:
+                remove_stale_lock(directory)
                 log.info(
                     "building the C++ CPU kernels (once per instruction set)",
                     extra={"library": name},
                 )
-            start = time.perf_counter()
-            load_extension(
-                name=name,
-                sources=[str(p) for p in sources()],
-                extra_include_paths=[str(SOURCE_DIR)],
-                extra_cflags=_compile_flags(variant),
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
-            if not built:
+                start = time.perf_counter()
+                load_extension(
+                    name=name,
+                    sources=[str(p) for p in sources()],
+                    extra_include_paths=[str(SOURCE_DIR)],
+                    extra_cflags=_compile_flags(variant),
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=False,
+                )
                 log.info(
                     "C++ CPU kernels built",
                     extra={"seconds": round(time.perf_counter() - start, 1)},

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from kernels import cpu_extension
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
@@ -286,8 +287,25 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
     loaded = LoadedModel.load(config.model, dtype, config.device, config.quantization)
     runner = ModelRunner.from_settings(loaded, config, config.max_model_len)
     runner.compile_step_graphs()
+    log_kernel_path(runner.device)
     warm_up(runner)
     return loaded, runner
+
+
+def log_kernel_path(device: torch.device) -> None:
+    """Say which CPU kernels serve: an install without a compiler or a prebuilt library (a
+    container image built without its kernels) would otherwise decode several times slower
+    on the torch ops, in silence."""
+    if device.type != "cpu":
+        return
+    variant = cpu_extension.loaded_variant()
+    if variant is None:
+        log.warning(
+            "CPU kernels: torch ops (the C++ kernels are not loaded; decode is several times"
+            " slower; `llmserve build-kernels` says why)"
+        )
+    else:
+        log.info("CPU kernels: C++", extra={"variant": variant})
 
 
 async def serve(config: WorkerConfig) -> None:
