@@ -75,6 +75,30 @@ def interleaved_rows(results: dict[str, list[RoundResult]]) -> list[list[object]
 HEADERS = ["system", "TPOT p50 ms", "TPOT / in-process", "output tok/s", "tok/s / in-process"]
 
 
+def run_rounds(
+    systems: dict[str, Callable[[Prompts], RoundResult]],
+    rounds: int,
+    concurrency: int,
+    input_len: int,
+    vocab: int,
+) -> dict[str, list[RoundResult]]:
+    """One unmeasured warm-up each, then `rounds` rounds in which every system in turn gets
+    the round's prompts; prints a line per round."""
+    for measure in systems.values():
+        measure(prompts_for_round(-1, 2, input_len, vocab))
+    results: dict[str, list[RoundResult]] = {name: [] for name in systems}
+    for index in range(rounds):
+        prompts = prompts_for_round(index, concurrency, input_len, vocab)
+        for name, measure in systems.items():
+            results[name].append(measure(prompts))
+        line = ", ".join(
+            f"{n} {r[-1].tpot_p50_ms:.1f} ms {r[-1].output_tok_s:.1f} tok/s"
+            for n, r in results.items()
+        )
+        print(f"round {index + 1}/{rounds}: {line}", flush=True)
+    return results
+
+
 def prompts_for_round(index: int, concurrency: int, input_len: int, vocab: int) -> Prompts:
     """Distinct token-id prompts (no prefix-cache hits across requests or rounds)."""
     base = 1000 + index * concurrency * 7919
@@ -155,18 +179,7 @@ def run(args: argparse.Namespace) -> int:
         engine = LLMEngine(EngineConfig(seed=0))
         vocab = engine.model.architecture.vocab_size
         systems = {INPROCESS: inprocess_system(engine, args.output_len), **systems}
-        for measure in systems.values():  # warm-up, unmeasured
-            measure(prompts_for_round(-1, 2, args.input_len, vocab))
-        results: dict[str, list[RoundResult]] = {name: [] for name in systems}
-        for index in range(args.rounds):
-            prompts = prompts_for_round(index, args.concurrency, args.input_len, vocab)
-            for name, measure in systems.items():
-                results[name].append(measure(prompts))
-            line = ", ".join(
-                f"{n} {r[-1].tpot_p50_ms:.1f} ms {r[-1].output_tok_s:.1f} tok/s"
-                for n, r in results.items()
-            )
-            print(f"round {index + 1}/{args.rounds}: {line}", flush=True)
+        results = run_rounds(systems, args.rounds, args.concurrency, args.input_len, vocab)
     print(f"\n{format_table(HEADERS, interleaved_rows(results))}")
     print("medians over the rounds; TPOT lower is better, tok/s higher is better")
     return 0

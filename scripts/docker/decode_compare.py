@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 
 from benchmarks.common import machine_header
-from benchmarks.interleaved import Prompts, RoundResult, prompts_for_round, stack_system
+from benchmarks.interleaved import Prompts, RoundResult, run_rounds, stack_system
 from services.common.tables import format_table
 from services.stack import running_stack
 
@@ -66,18 +66,7 @@ def main() -> int:
             "host": stack_system(host.public, args.output_len),
             "compose": stack_system(args.compose, args.output_len),
         }
-        for measure in systems.values():  # warm-up, unmeasured
-            measure(prompts_for_round(-1, 2, args.input_len, VOCAB))
-        results: dict[str, list[RoundResult]] = {name: [] for name in systems}
-        for index in range(args.rounds):
-            prompts = prompts_for_round(index, args.concurrency, args.input_len, VOCAB)
-            for name, measure in systems.items():
-                results[name].append(measure(prompts))
-            line = ", ".join(
-                f"{n} {r[-1].tpot_p50_ms:.1f} ms {r[-1].output_tok_s:.1f} tok/s"
-                for n, r in results.items()
-            )
-            print(f"round {index + 1}/{args.rounds}: {line}", flush=True)
+        results = run_rounds(systems, args.rounds, args.concurrency, args.input_len, VOCAB)
     table = rows(results)
     print(f"\n{format_table(HEADERS, table)}")
     ratio = float(table[1][2])  # type: ignore[arg-type]
