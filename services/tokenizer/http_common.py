@@ -14,8 +14,9 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.contracts.errors import InvalidRequestError, quoted, shortened
+from services.contracts.errors import InvalidRequestError, LLMServeError, quoted, shortened
 from services.tokenizer import metrics
+from services.tokenizer.generation import GenerationStream
 from services.tokenizer.output import OutputDelta
 from services.tokenizer.validation import MAX_REQUEST_ID_LEN
 
@@ -86,6 +87,29 @@ def refused(
     metrics.on_rejected(exc)
     request_metrics.done(error.grpc_code_name)
     return error_response(error)
+
+
+async def answer_start(
+    request: Request,
+    stream: GenerationStream,
+    deltas: AsyncIterator[OutputDelta],
+    sink: DeltaSink,
+    request_metrics: metrics.GenerateMetrics,
+    streaming: bool,
+) -> OutputDelta | None:
+    """What decides a response's status, before its first byte: a whole answer collected into
+    `sink` (None), or a stream's first delta. A client that leaves (ClientGone) or an error
+    (LLMServeError) cancels the scheduler call first, then propagates."""
+    try:
+        if not streaming:
+            await unless_gone(request, collect(deltas, sink, request_metrics))
+            request_metrics.done(None)
+            return None
+        return await unless_gone(request, next_or_none(deltas))
+    except (LLMServeError, ClientGone):
+        stream.cancel()
+        await deltas.aclose()  # type: ignore[attr-defined]
+        raise
 
 
 async def collect(

@@ -33,10 +33,9 @@ from services.tokenizer.anthropic_http.responses import Event, MessageBuilder, s
 from services.tokenizer.generation import GenerationStream, Generator
 from services.tokenizer.http_common import (
     ClientGone,
-    collect,
+    answer_start,
     error_response,
     json_response,
-    next_or_none,
     refused,
     unless_gone,
 )
@@ -102,16 +101,14 @@ class AnthropicDoor:
         # Anthropic's clients read `request-id`; ours (and the OpenAI door) `X-Request-Id`.
         headers = {"X-Request-Id": request_id, "request-id": request_id}
         try:
-            if not body.stream:
-                await unless_gone(request, collect(deltas, builder, request_metrics))
-                request_metrics.done(None)
-                return json_response(builder.response(), **headers)
             # The status waits for the first token (see the module docstring).
-            first = await unless_gone(request, next_or_none(deltas))
+            first = await answer_start(
+                request, stream, deltas, builder, request_metrics, body.stream
+            )
         except (LLMServeError, ClientGone) as exc:
-            stream.cancel()
-            await deltas.aclose()
             return refused(exc, request_id, request_metrics, anthropic_error)
+        if not body.stream:
+            return json_response(builder.response(), **headers)
         # The first scheduler output has told how much of the prompt the cache held.
         start = builder.message_start(
             len(prepared.request.prompt_token_ids), stream.output.progress.num_cached_tokens

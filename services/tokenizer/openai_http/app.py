@@ -35,10 +35,9 @@ from services.tokenizer.access import AccessPolicy, tenant_for
 from services.tokenizer.generation import GenerationStream, Generator
 from services.tokenizer.http_common import (
     ClientGone,
-    collect,
+    answer_start,
     error_response,
     json_response,
-    next_or_none,
     refused,
     unless_gone,
 )
@@ -138,28 +137,22 @@ class OpenAIDoor:
         deltas = stream.deltas()
         headers = {"X-Request-Id": request_id}
         try:
-            if not body.stream:
-                await unless_gone(request, collect(deltas, builder, request_metrics))
-                request_metrics.done(None)
-                return json_response(builder.response(), **headers)
             # The status waits for the first token (see the module docstring).
-            first = await unless_gone(request, next_or_none(deltas))
+            first = await answer_start(
+                request, stream, deltas, builder, request_metrics, body.stream
+            )
         except (LLMServeError, ClientGone) as exc:
-            stream.cancel()
-            await deltas.aclose()
             return refused(
                 exc, request_id, request_metrics, functools.partial(http_error, chat=chat)
             )
+        if not body.stream:
+            return json_response(builder.response(), **headers)
         events = _events(stream, deltas, first, builder, request_metrics, chat)
         return StreamingResponse(
             events,
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-
-
-def _error_for(chat: bool) -> Callable[[BaseException], HttpError]:
-    return functools.partial(http_error, chat=chat)
 
 
 async def _events(
