@@ -208,3 +208,21 @@ def check_write(
     if scales is not None:
         assert expected_scales is not None
         assert torch.equal(scales, expected_scales), "scales differ"
+
+
+def check_token_bitmask(extension, generator: torch.Generator) -> None:  # type: ignore[no-untyped-def]
+    """apply_token_bitmask against a torch reference (bits unpacked, masked_fill): all-zero,
+    all-one and mixed words, padded logits, some rows listed."""
+    rows, width, vocab_size = 6, 1000, 990
+    logits = torch.randn(rows, width, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, 32), dtype=torch.int32, generator=generator)
+    kinds = torch.randint(0, 3, bitmask.shape, generator=generator)
+    bitmask[kinds == 0], bitmask[kinds == 1] = 0, -1
+    listed = [0, 2, 3, 5]
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.bool().view(rows, -1)[:, :width]
+    allowed[:, vocab_size:] = True
+    expected = logits.clone()
+    expected[listed] = expected[listed].masked_fill(~allowed[listed], float("-inf"))
+    extension.apply_token_bitmask(logits, bitmask, torch.tensor(listed), vocab_size)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)

@@ -21,7 +21,11 @@ import torch
 from kernels.cpu_extension import SOURCE_DIR
 
 TESTS_DIR = Path(__file__).resolve().parent
-SOURCES = [SOURCE_DIR / "paged_decode_attention.cpp", SOURCE_DIR / "write_kv_cache.cpp"]
+SOURCES = [
+    SOURCE_DIR / "paged_decode_attention.cpp",
+    SOURCE_DIR / "write_kv_cache.cpp",
+    SOURCE_DIR / "token_bitmask.cpp",
+]
 # variant -> (extra compiler flags, the ISA the kernels must then report)
 VARIANTS: dict[str, tuple[list[str], str]] = {
     "scalar": (["-DLLMSERVE_SCALAR_KERNELS"], "scalar"),
@@ -54,6 +58,7 @@ def check(variant: str) -> int:
     from tests.kernels.cpu_extension_cases import (
         GQA,
         check_decode,
+        check_token_bitmask,
         check_write,
         make_decode_case,
         seeded,
@@ -120,7 +125,8 @@ def check(variant: str) -> int:
                 check_write(ops, g, dtype, torch.int8, quant_group, head_dim=head_dim)
                 cases += 1
     check_write(ops, seeded(variant, "many"), torch.bfloat16, torch.int8, 8, num_tokens=140)
-    return cases + 1
+    check_token_bitmask(ops, seeded(variant, "token bitmask"))
+    return cases + 2
 
 
 def main() -> None:
