@@ -6,6 +6,8 @@ gRPC, no HTTP; each door passes the `Authorization` value it received.
                                 is the request's (a trusted, single-owner client)
     key file "K tenant=acme"    K acts for tenant acme only: a request naming another tenant
                                 is refused, one naming none is acme's
+    key file "K weight=3"       K's requests count 3 times as much as a weight-1 key's in the
+                                schedulers' fair shares (services/scheduler/fair_share.py)
     --admin-api-key A           A may do everything, RegisterPrompt and DeletePrompt included
 
 Keys are compared as SHA-256 digests with hmac.compare_digest against every known key (no
@@ -35,6 +37,8 @@ class Caller:
     tenant_id: str | None = None
     """The tenant the key is bound to; None = the request names its tenant."""
     admin: bool = False
+    weight: int = 1
+    """The caller's share of a busy scheduler against other tenants' (key file `weight=N`)."""
 
 
 OPEN_CALLER = Caller("open", admin=True)
@@ -46,16 +50,27 @@ class _Key:
     caller: Caller
 
 
-def _key(key: str, tenant_id: str | None = None, admin: bool = False) -> _Key:
+MAX_WEIGHT = 1000
+
+
+def _key(key: str, tenant_id: str | None = None, admin: bool = False, weight: int = 1) -> _Key:
     key = key.strip()
     if not key:
         raise ValueError("an API key must not be empty")
     digest = secret_digest(key)
-    return _Key(digest, Caller(digest_id(digest), tenant_id, admin))
+    return _Key(digest, Caller(digest_id(digest), tenant_id, admin, weight))
+
+
+def _positive_int(option: str, source: str, number: int) -> int:
+    name, _, value = option.partition("=")
+    if not value.isdigit() or not 1 <= int(value) <= MAX_WEIGHT:
+        raise ValueError(f"{source} line {number}: {name} must be an integer in 1..{MAX_WEIGHT}")
+    return int(value)
 
 
 def parse_key_file(text: str, source: str = "key file") -> list[_Key]:
-    """One key per line: `KEY`, `KEY tenant=ID` or `KEY admin`; `#` starts a comment."""
+    """One key per line: `KEY`, `KEY tenant=ID` or `KEY admin`, and `weight=N`; `#` starts
+    a comment."""
     keys: list[_Key] = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
@@ -64,20 +79,23 @@ def parse_key_file(text: str, source: str = "key file") -> list[_Key]:
         key, *options = line.split()
         tenant_id: str | None = None
         admin = False
+        weight = 1
         for position, option in enumerate(options, 2):
             if option == "admin":
                 admin = True
+            elif option.startswith("weight="):
+                weight = _positive_int(option, source, number)
             elif option.startswith("tenant=") and len(option) > len("tenant="):
                 tenant_id = option.removeprefix("tenant=")
             else:
                 # Not echoed: a line holding two keys would put the second in the log.
                 raise ValueError(
                     f"{source} line {number}: word {position} is not an option "
-                    "(expected tenant=ID or admin; one key per line)"
+                    "(expected tenant=ID, weight=N or admin; one key per line)"
                 )
         if admin and tenant_id is not None:
             raise ValueError(f"{source} line {number}: an admin key is not bound to a tenant")
-        keys.append(_key(key, tenant_id, admin))
+        keys.append(_key(key, tenant_id, admin, weight))
     return keys
 
 

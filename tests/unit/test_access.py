@@ -245,7 +245,7 @@ def test_an_empty_key_file_gives_no_keys() -> None:
 def test_a_bad_option_names_the_line_and_never_echoes_a_key(line: str, line_number: int) -> None:
     with pytest.raises(ValueError, match=f"keys.txt line {line_number}:") as raised:
         parse_key_file(f"{ACME_KEY} tenant=acme\n{line}\n", "keys.txt")
-    assert "tenant=ID or admin" in str(raised.value)
+    assert "tenant=ID, weight=N or admin" in str(raised.value)
     for key in (USER_KEY, ADMIN_KEY, ACME_KEY):
         assert key not in str(raised.value)
 
@@ -300,3 +300,16 @@ def test_an_authenticated_bound_key_cannot_act_for_another_tenant() -> None:
         tenant_for(caller, "globex")
     with pytest.raises(PermissionDeniedError):
         require_admin(caller, "RegisterPrompt")
+
+
+def test_key_file_weight() -> None:
+    keys = parse_key_file(f"{ACME_KEY} tenant=acme weight=3\n{USER_KEY}\n")
+    policy = AccessPolicy(keys)
+    assert policy.authenticate(f"Bearer {ACME_KEY}").weight == 3
+    assert policy.authenticate(f"Bearer {USER_KEY}").weight == 1
+
+
+@pytest.mark.parametrize("option", ["weight=0", "weight=-1", "weight=x", "weight=", "weight=1001"])
+def test_key_file_bad_weight_names_the_line(option: str) -> None:
+    with pytest.raises(ValueError, match="line 1: weight must be an integer"):
+        parse_key_file(f"{ACME_KEY} {option}\n")
