@@ -60,6 +60,9 @@ class Request:
     cover them too."""
     cache_salt: bytes = b""
     """Mixed into the first block's hash: requests with different salts share no KV."""
+    tenant_id: str = ""
+    """Whose share of the scheduler the request uses (fair_share.py); "" = no tenant named."""
+    tenant_weight: int = 1
     pin_name: str | None = None
     """Set on a pinning request: when it finishes, its prompt's full blocks stay pinned
     under this name instead of becoming evictable."""

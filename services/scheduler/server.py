@@ -75,6 +75,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 arrival_time=now,
                 deadline=None if remaining is None else now + remaining,
                 cache_salt=bytes(request.cache_salt),
+                tenant_id=request.tenant_id,
+                tenant_weight=max(1, request.tenant_weight),
             )
             queue = self.loop.submit(scheduled)
             metrics.on_admitted(scheduled)

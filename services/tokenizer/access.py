@@ -19,11 +19,12 @@ logged: a caller shows in logs as `key_id`, a short digest prefix.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.common.shared_secret import digest_id, find_digest, secret_digest
 from services.contracts.errors import PermissionDeniedError, UnauthenticatedError, quoted
+from services.tokenizer.validation import GenerateInput
 
 BEARER = "bearer "
 
@@ -163,6 +164,13 @@ def tenant_for(caller: Caller, requested: str, field: str = "tenant_id") -> str:
             f"{field}: this API key may not act for tenant {quoted(requested)}"
         )
     return caller.tenant_id
+
+
+def acting_for(generate_input: GenerateInput, caller: Caller) -> GenerateInput:
+    """The request as the caller may send it: its tenant checked (`tenant_for`), and the
+    key's weight, which a request can never set itself."""
+    tenant_id = tenant_for(caller, generate_input.tenant_id)
+    return replace(generate_input, tenant_id=tenant_id, tenant_weight=caller.weight)
 
 
 def require_admin(caller: Caller, what: str) -> None:

@@ -115,6 +115,8 @@ def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> schedule
         sampling=sampling_to_proto(request.sampling),
         arrival_unix_s=arrival_unix_s,
         cache_salt=request.cache_salt,
+        tenant_id=request.tenant_id,
+        tenant_weight=request.tenant_weight,
     )
 
 

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import NoReturn
 
 import grpc
@@ -23,7 +22,14 @@ from services.common.named_prompt import NamedPrompt
 from services.common.prompt_checks import check_token_ids
 from services.contracts.errors import InvalidRequestError, LLMServeError, shortened
 from services.tokenizer import convert, metrics
-from services.tokenizer.access import OPEN_CALLER, AccessPolicy, Caller, require_admin, tenant_for
+from services.tokenizer.access import (
+    OPEN_CALLER,
+    AccessPolicy,
+    Caller,
+    acting_for,
+    require_admin,
+    tenant_for,
+)
 from services.tokenizer.generation import Generator
 from services.tokenizer.scheduler_pool import SchedulerClient
 from services.tokenizer.validation import MAX_REQUEST_ID_LEN
@@ -65,9 +71,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         caller = await self._caller(context)
         try:
             generate_input = convert.generate_input(request)
-            generate_input = replace(
-                generate_input, tenant_id=tenant_for(caller, generate_input.tenant_id)
-            )
+            generate_input = acting_for(generate_input, caller)
             prepared = await self._generator.prepare(
                 generate_input,
                 time_remaining_s=context.time_remaining(),

@@ -93,6 +93,8 @@ class GenerateInput:
     model: str = ""
     prompt_name: str = ""
     tenant_id: str = ""
+    tenant_weight: int = 1
+    """The calling key's weight in the schedulers' fair shares (never from the request)."""
     tool_request: ToolRequest | None = None
     """The functions the model may call and how (chat only): their schemas reach the chat
     template, a forced choice becomes the request's grammar."""
@@ -132,6 +134,8 @@ class ValidatedRequest:
     """The prompt was chat messages (a reasoning parser applies to chat answers only)."""
     tool_request: ToolRequest | None = None
     """The functions the answer may call (its output is read for calls)."""
+    tenant_id: str = ""
+    tenant_weight: int = 1
 
 
 def validate_generate(
@@ -164,6 +168,8 @@ def validate_generate(
         spec_param,
         is_chat=bool(request.messages),
         tool_request=request.tool_request,
+        tenant_id=request.tenant_id,
+        tenant_weight=request.tenant_weight,
     )
 
 

@@ -10,18 +10,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_unix_s", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_unix_s", "cache_salt", "tenant_id", "tenant_weight")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.TokenSamplingParams
     arrival_unix_s: float
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., arrival_unix_s: _Optional[float] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    tenant_id: str
+    tenant_weight: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., arrival_unix_s: _Optional[float] = ..., cache_salt: _Optional[bytes] = ..., tenant_id: _Optional[str] = ..., tenant_weight: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "logprobs", "num_prompt_tokens", "num_cached_tokens", "queue_ms", "index")

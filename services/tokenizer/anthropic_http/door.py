@@ -19,14 +19,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from services.contracts.errors import LLMServeError, UnauthenticatedError
 from services.tokenizer import metrics
-from services.tokenizer.access import AccessPolicy, Caller, tenant_for
+from services.tokenizer.access import AccessPolicy, Caller, acting_for
 from services.tokenizer.anthropic_http import schemas
 from services.tokenizer.anthropic_http.errors import anthropic_error
 from services.tokenizer.anthropic_http.responses import Event, MessageBuilder, sse
@@ -78,7 +77,7 @@ class AnthropicDoor:
             body = schemas.parse_messages(await request.body())
             generate_input = schemas.messages_input(body, request_id, model.reasoning_parser)
             # The Messages API has no tenant parameter: a bound key's tenant, else none.
-            generate_input = replace(generate_input, tenant_id=tenant_for(caller, ""))
+            generate_input = acting_for(generate_input, caller)
             prepared = await unless_gone(
                 request,
                 self.generator.prepare(

@@ -23,7 +23,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -31,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.contracts.errors import DependencyUnavailableError, LLMServeError
 from services.tokenizer import metrics
-from services.tokenizer.access import AccessPolicy, tenant_for
+from services.tokenizer.access import AccessPolicy, acting_for
 from services.tokenizer.generation import GenerationStream, Generator
 from services.tokenizer.http_common import (
     ClientGone,
@@ -107,9 +106,7 @@ class OpenAIDoor:
                 body = completion_body
                 generate_input = schemas.completion_input(completion_body, request_id)
                 top_logprobs = completion_body.logprobs
-            generate_input = replace(
-                generate_input, tenant_id=tenant_for(caller, generate_input.tenant_id)
-            )
+            generate_input = acting_for(generate_input, caller)
             prepared = await unless_gone(
                 request,
                 self.generator.prepare(
