@@ -52,6 +52,8 @@ def new_choice(first: Request, index: int) -> Request:
         arrival_time=first.arrival_time,
         deadline=first.deadline,
         cache_salt=first.cache_salt,
+        tenant_id=first.tenant_id,
+        tenant_weight=first.tenant_weight,
         group=group,
         choice_index=index,
     )

@@ -4,13 +4,15 @@ No prefill phase: every request has num_computed_tokens and num_tokens, and a st
 scheduled request a slice of the token budget (a decode takes 1, a prompt takes a chunk).
 
 Features keep their state in their own modules, composed here: n > 1 choices (choices.py),
-speculative draft slots (draft_slots.py), pinned prefixes (pins.py). Each gets the KV manager and
+speculative draft slots (draft_slots.py), pinned prefixes (pins.py), fair shares between
+tenants (fair_share.py: whom to admit, preempt and queue). Each gets the KV manager and
 the lists it edits, never the scheduler.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 
 from services.contracts.errors import InvalidRequestError, QueueFullError
@@ -26,6 +28,7 @@ from services.scheduler.admission import check_servable, steps_until_a_seat_free
 from services.scheduler.choices import ChoiceForks
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.draft_slots import DraftSlots
+from services.scheduler.fair_share import FairShare
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.pins import PinnedPrefixes
 from services.scheduler.request import Request, RequestStatus
@@ -66,6 +69,7 @@ class Scheduler:
         # Speculative decoding: which decodes of the plan being made may draft, and how many.
         self.drafts = DraftSlots(config, self.kv)
         self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction)
+        self.fair = FairShare(config.fair_share)
 
     # ---- the callers' API ---------------------------------------------------------------
 
@@ -74,7 +78,11 @@ class Scheduler:
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
         check_servable(request, self.config, self.kv)
-        if self.num_unfinished_requests >= self.max_num_unfinished_requests:
+        self.fair.note(request, itertools.chain(self.waiting, self.running))
+        bound = self.max_num_unfinished_requests
+        if self.num_unfinished_requests >= bound and not self.fair.may_exceed_bound(
+            request, [*self.waiting, *self.running], bound
+        ):
             raise QueueFullError(
                 f"{len(self.waiting)} requests waiting and {len(self.running)} running "
                 f"(at most {self.config.max_waiting_requests} waiting beyond "
@@ -147,6 +155,7 @@ class Scheduler:
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
         self.drafts.start_plan()
+        self._free_seats_for_fair_shares()
         budget, preempted = self._schedule_running(plan, budget)
         if not preempted:
             # Admitting while decodes are being evicted would only thrash the cache.
@@ -285,7 +294,7 @@ class Scheduler:
             # Drafts of plans in flight may have been accepted: the worker's sequence can be
             # that much further along than this one, and the step writes there.
             new_blocks = self._allocate_or_preempt(
-                request, num_new + request.num_unconfirmed_drafts
+                request, index, num_new + request.num_unconfirmed_drafts
             )
             if new_blocks is None:
                 break  # the request itself is gone, and so is everyone after it
@@ -294,31 +303,37 @@ class Scheduler:
             index += 1
         return budget, self.num_preemptions > num_preemptions_before
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
-        """Blocks for a running request, preempting the latest arrivals until they fit.
-        None when the request itself was preempted (or finished: it outgrew the cache)."""
+    def _allocate_or_preempt(
+        self, request: Request, position: int, num_new: int
+    ) -> list[int] | None:
+        """Blocks for the running request at `position`, preempting requests after it (not
+        scheduled in this step yet; the fair shares choose whom) until they fit. None when the
+        request itself was preempted (or finished: it outgrew the cache)."""
         while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
             if len(self.running) == 1:
                 # Alone and still short of blocks: it can never grow, so end it like
                 # max_model_len would rather than preempt it into a queue it cannot leave.
                 self._finish_early(request, FinishReason.LENGTH)
                 return None
-            if self._preempt_last() is request:
+            if self._preempt_after(position) is request:
                 return None
         return new_blocks
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int) -> None:
-        """Admit waiting requests first-come first-served until budget, seats or blocks run out.
-        The head blocks the queue: skipping it for smaller requests could starve it. Only a
-        request whose grammar is not compiled yet is passed over (it is not runnable)."""
+        """Admit waiting requests until budget, seats or blocks run out, first come first
+        served (with several tenants, in their fair order: fair_share.py). The next in order
+        blocks the rest: skipping it for smaller requests could starve it. Only a request
+        whose grammar is not compiled yet is passed over (it is not runnable)."""
         max_num_seqs = self.config.max_num_seqs
-        index = 0
-        while index < len(self.waiting) and budget > 0 and self._num_seats_taken < max_num_seqs:
-            request = self.waiting[index]
+        passed_over: set[str] = set()
+        while budget > 0 and self._num_seats_taken < max_num_seqs:
+            request = self.fair.next_to_admit(self.waiting, self.running, passed_over)
+            if request is None:
+                break
             if not request.grammar_ready:
                 # Its grammar still compiles on the worker: the requests behind it go first
                 # (a compile takes up to a second; the queue must not stall on it).
-                index += 1
+                passed_over.add(request.request_id)
                 continue
             if request.num_pending_tokens:
                 # Preempted while a step that samples for it was in flight: its token arrives
@@ -329,7 +344,7 @@ class Scheduler:
                 # No prompt token is left to compute before the last one (a one-token prompt,
                 # or a cache hit up to it): nothing to fork. The choices queue right behind as
                 # sequences of their own, and take the cached blocks by their own hits.
-                self.choices.split(request, self.waiting, 1)
+                self.choices.split(request, self.waiting, self.waiting.index(request) + 1)
             if self._num_seats_taken + 1 + request.num_unforked_choices > max_num_seqs:
                 break
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
@@ -340,7 +355,7 @@ class Scheduler:
             )
             if new_blocks is None:
                 break
-            del self.waiting[index]
+            self.waiting.remove(request)
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -390,7 +405,7 @@ class Scheduler:
                 return False
             if len(self.running) - 1 <= position:
                 return False  # only earlier arrivals hold blocks: wait for them to finish
-            self._preempt_last()
+            self._preempt_after(position)
         return True
 
     @staticmethod
@@ -417,10 +432,25 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return min(num_new, budget)
 
-    def _preempt_last(self) -> Request:
-        """Preempt by recompute the latest arrival running: drop its KV, requeue it at the
-        front, resend it whole later. Returns it."""
-        request = self.running.pop()
+    def _free_seats_for_fair_shares(self) -> None:
+        """Every seat taken while a tenant under its share waits: preempt from the tenants
+        most over theirs (fair_share.py), before this step's plan schedules anyone."""
+        num_free = max(0, self.config.max_num_seqs - self._num_seats_taken)
+        for victim in self.fair.seats_to_free(
+            self.waiting, self.running, self.config.max_num_seqs, num_free
+        ):
+            self._preempt(victim)
+
+    def _preempt_after(self, position: int) -> Request:
+        """Preempt one of the running requests after `position` (the one there when none
+        is): the latest arrival, or with several tenants the fair shares' choice."""
+        candidates = self.running[position + 1 :] or self.running[position : position + 1]
+        return self._preempt(self.fair.victim(self.running, candidates))
+
+    def _preempt(self, request: Request) -> Request:
+        """Preempt a running request by recompute: drop its KV, requeue it at the front,
+        resend it whole later. Returns it."""
+        self.running.remove(request)
         self.choices.num_reserved_seats -= request.num_unforked_choices
         self.kv.free(request)
         request.num_computed_tokens = 0

@@ -29,7 +29,7 @@ from services.common.prompt_store import PromptStore
 from services.common.redis_store import RedisStore, open_store, redact_url
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.errors import InvalidRequestError
-from services.scheduler import metrics
+from services.scheduler import metrics, tenant_metrics
 from services.scheduler.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.prefix_index import PrefixIndexPublisher
@@ -94,6 +94,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:  # typed errors → their status; anything else → INTERNAL
             code, message = status_for(exc)
             metrics.on_rejected(exc)
+            tenant_metrics.on_rejected(request.tenant_id, exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("submit failed", extra={"request_id": request_id})
             else:
@@ -138,6 +139,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     if first:
                         queued = self.loop.queue_seconds(scheduled)
                         metrics.on_first_scheduled(queued)
+                        tenant_metrics.on_first_scheduled(scheduled.tenant_id, queued)
                         response.queue_ms = (queued or 0.0) * 1000
                         first = False
                     yield response

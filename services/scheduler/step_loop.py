@@ -26,7 +26,7 @@ from services.contracts.errors import InvalidRequestError, QueueFullError
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
-from services.scheduler import metrics
+from services.scheduler import metrics, tenant_metrics
 from services.scheduler.pin_keeper import PinKeeper, PromptSource
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
@@ -251,6 +251,7 @@ class StepLoop:
                     # blocks); aborts and expiries still go out now.
                     events = scheduler.update(plan, StepResult(step_id=plan.step_id), self.clock())
                     metrics.on_step(scheduler, plan, events, None)
+                    tenant_metrics.on_step(scheduler)
                     self._dispatch(events)
                     if not in_flight:
                         await asyncio.sleep(0.002)  # requests wait for KV blocks: do not spin
@@ -272,6 +273,7 @@ class StepLoop:
             scheduler.observe_step(plan, result, step_s)
             events = scheduler.update(plan, result, self.clock())
             metrics.on_step(scheduler, plan, events, step_s)
+            tenant_metrics.on_step(scheduler)
             metrics.on_drafts(result)
             self._dispatch(events)
 
