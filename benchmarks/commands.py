@@ -17,6 +17,7 @@ from benchmarks import (
     speculative,
     step_profile,
     structured,
+    tenants,
 )
 
 BENCHMARKS = (
@@ -32,6 +33,7 @@ BENCHMARKS = (
     detokenize,
     interleaved,
     speculative,
+    tenants,
 )
 
 

@@ -23,10 +23,6 @@ class AdmissionConfig:
     """Fraction of KV blocks kept free when admitting, so running decodes can still grow."""
     max_pinned_fraction: float = 0.5
     """Most of the KV blocks that pinned prefixes (named system prompts) may hold."""
-    fair_share: bool = True
-    """Share a busy scheduler between tenants by weight (services/scheduler/fair_share.py):
-    admission in fair order, seats taken back from tenants over their share for tenants under
-    it, queue room kept for them. Off: first come first served whoever sends."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ class SchedulerServerConfig(
             max_model_len=min(self.max_model_len or worker_max_model_len, worker_max_model_len),
             watermark=self.watermark,
             enable_prefix_caching=self.enable_prefix_caching,
+            fair_share=self.fair_share,
             max_waiting_requests=self.max_waiting_requests,
             max_pinned_fraction=self.max_pinned_fraction,
             speculative_ngram=self.speculative_ngram,
