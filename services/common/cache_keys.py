@@ -4,9 +4,13 @@
         "this scheduler holds this full block in its prefix cache"; an entry whose epoch is
         not the scheduler's current worker epoch is stale (the worker restarted) and ignored.
     llmserve:v1:{model}:prompt:{tenant}:{name}              -> named prompt JSON (TTL)
+    llmserve:v1:ratelimit:{key_id}:req:{window}             -> requests of an API key in a
+    llmserve:v1:ratelimit:{key_id}:tok:{window}             -> tokens   one-minute window (TTL)
+    llmserve:v1:ratelimit:{key_id}:leases                   -> sorted set: lease id -> expiry ms
 
-Keys are scoped by model: schedulers serving different models never share entries. Scheduler
-ids and model names are sanitized so they cannot inject separators or glob characters.
+Keys are scoped by model: schedulers serving different models never share entries; an API
+key's limits hold whatever the model. Scheduler ids, model names and key ids are sanitized so
+they cannot inject separators or glob characters.
 """
 
 from __future__ import annotations
@@ -47,3 +51,24 @@ class CacheKeys:
         """SCAN pattern of one tenant's prompts (None: every tenant's)."""
         tenant = "*" if tenant_id is None else tenant_key(tenant_id)
         return f"{self.prefix}:prompt:{tenant}:*"
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitKeys:
+    """The counts of one API key's limits (services/tokenizer/key_limiter.py)."""
+
+    key_id: str
+
+    @property
+    def prefix(self) -> str:
+        return f"llmserve:v1:ratelimit:{_safe(self.key_id)}"
+
+    def requests(self, window: int) -> str:
+        return f"{self.prefix}:req:{window}"
+
+    def tokens(self, window: int) -> str:
+        return f"{self.prefix}:tok:{window}"
+
+    @property
+    def leases(self) -> str:
+        return f"{self.prefix}:leases"

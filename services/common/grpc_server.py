@@ -52,9 +52,10 @@ SERVER_OPTIONS = [
 # Trailing metadata of a refused call: rejection_reason() of the error, for the caller to
 # tell apart refusals that share a status code (queue_full vs prompt_too_long).
 REASON_METADATA_KEY = "llmserve-reason"
-# With queue_full: milliseconds to wait before retrying. gRPC's own key (gRFC A6 "pushback"):
-# a client whose service config retries RESOURCE_EXHAUSTED waits exactly this long before its
-# next attempt instead of its own backoff, and any other client can read it as a hint.
+# With queue_full or rate_limited: milliseconds to wait before retrying. gRPC's own key (gRFC
+# A6 "pushback"): a client whose service config retries RESOURCE_EXHAUSTED waits exactly this
+# long before its next attempt instead of its own backoff, and any other client can read it as
+# a hint.
 RETRY_PUSHBACK_METADATA_KEY = "grpc-retry-pushback-ms"
 
 
@@ -169,6 +170,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         NotFoundError,
         PermissionDeniedError,
         QueueFullError,
+        RateLimitedError,
         UnauthenticatedError,
     )
 
@@ -178,7 +180,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, DependencyUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, (QueueFullError, CapacityError)):
+    if isinstance(exc, (QueueFullError, CapacityError, RateLimitedError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, DeadlineExceededError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
@@ -194,12 +196,12 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def refusal_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata of a call refused with `exc`: its reason, and for a full queue the
-    retry pushback when the scheduler estimated one."""
-    from services.contracts.errors import QueueFullError
+    """Trailing metadata of a call refused with `exc`: its reason, and for a full queue (when
+    the scheduler estimated one) or a key over its limit the retry pushback."""
+    from services.contracts.errors import QueueFullError, RateLimitedError
 
     metadata = ((REASON_METADATA_KEY, rejection_reason(exc)),)
-    if isinstance(exc, QueueFullError) and exc.retry_after_ms is not None:
+    if isinstance(exc, (QueueFullError, RateLimitedError)) and exc.retry_after_ms is not None:
         metadata += ((RETRY_PUSHBACK_METADATA_KEY, str(exc.retry_after_ms)),)
     return metadata
 
@@ -215,10 +217,17 @@ def retry_pushback_ms(metadata: Mapping[str, str | bytes]) -> int | None:
 
 def rejection_reason(exc: BaseException) -> str:
     """A short, bounded metric label for a request refused with `exc` (never the message)."""
-    from services.contracts.errors import CapacityError, PromptTooLongError, QueueFullError
+    from services.contracts.errors import (
+        CapacityError,
+        PromptTooLongError,
+        QueueFullError,
+        RateLimitedError,
+    )
 
     if isinstance(exc, QueueFullError):
         return "queue_full"
+    if isinstance(exc, RateLimitedError):
+        return "rate_limited"
     if isinstance(exc, (CapacityError, PromptTooLongError)):
         return "prompt_too_long"
     return str(status_for(exc)[0].name).lower()  # invalid_argument, not_found, internal, ...

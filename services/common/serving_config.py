@@ -199,7 +199,9 @@ class PublicConfig:
     """A key that may also RegisterPrompt / DeletePrompt and act for any tenant; repeatable."""
     api_key_file: str | None = None
     """A file of keys, one per line: `KEY`, `KEY tenant=ID` (the key acts for that tenant
-    only) or `KEY admin`; `#` comments. Keeps keys off the command line."""
+    only) or `KEY admin`, each optionally with `weight=N` (its fair share) and limits
+    `max_concurrent=N` (requests in flight), `rpm=N` (requests per minute), `tpm=N` (prompt +
+    output tokens per minute); `#` comments. Keeps keys off the command line."""
     tls_cert: str | None = None
     """PEM certificate (chain) of the public gRPC and HTTP ports; with --tls-key, both
     ports speak TLS only."""

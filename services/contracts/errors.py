@@ -48,6 +48,16 @@ class QueueFullError(LLMServeError):
         self.retry_after_ms = retry_after_ms
 
 
+class RateLimitedError(LLMServeError):
+    """The caller's API key is over one of its limits; `limit` names which (max_concurrent,
+    rpm, tpm), and the caller should back off for `retry_after_ms`."""
+
+    def __init__(self, limit: str, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_ms = retry_after_ms
+
+
 class DeadlineExceededError(LLMServeError):
     """The request's deadline passed before it finished."""
 

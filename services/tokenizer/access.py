@@ -8,6 +8,10 @@ gRPC, no HTTP; each door passes the `Authorization` value it received.
                                 is refused, one naming none is acme's
     key file "K weight=3"       K's requests count 3 times as much as a weight-1 key's in the
                                 schedulers' fair shares (services/scheduler/fair_share.py)
+    key file "K max_concurrent=4 rpm=60 tpm=100000"
+                                K's limits: requests in flight at once, requests and tokens
+                                (prompt + output) per minute, counted across the replicas
+                                (key_limits.py); a request over one is refused (429)
     --admin-api-key A           A may do everything, RegisterPrompt and DeletePrompt included
 
 Keys are compared as SHA-256 digests with hmac.compare_digest against every known key (no
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from services.common.shared_secret import digest_id, find_digest, secret_digest
 from services.contracts.errors import PermissionDeniedError, UnauthenticatedError, quoted
+from services.tokenizer.key_limits import UNLIMITED, KeyLimits
 from services.tokenizer.validation import GenerateInput
 
 BEARER = "bearer "
@@ -40,6 +45,9 @@ class Caller:
     admin: bool = False
     weight: int = 1
     """The caller's share of a busy scheduler against other tenants' (key file `weight=N`)."""
+    limits: KeyLimits = UNLIMITED
+    """Requests in flight, requests and tokens per minute (key file `max_concurrent=N`,
+    `rpm=N`, `tpm=N`)."""
 
 
 OPEN_CALLER = Caller("open", admin=True)
@@ -52,26 +60,40 @@ class _Key:
 
 
 MAX_WEIGHT = 1000
+# The largest value of each numeric option (a typo of many digits is refused, not obeyed).
+_MAXIMUMS = {
+    "weight": MAX_WEIGHT,
+    "max_concurrent": 1_000_000,
+    "rpm": 1_000_000_000,
+    "tpm": 1_000_000_000_000,
+}
 
 
-def _key(key: str, tenant_id: str | None = None, admin: bool = False, weight: int = 1) -> _Key:
+def _key(
+    key: str,
+    tenant_id: str | None = None,
+    admin: bool = False,
+    weight: int = 1,
+    limits: KeyLimits = UNLIMITED,
+) -> _Key:
     key = key.strip()
     if not key:
         raise ValueError("an API key must not be empty")
     digest = secret_digest(key)
-    return _Key(digest, Caller(digest_id(digest), tenant_id, admin, weight))
+    return _Key(digest, Caller(digest_id(digest), tenant_id, admin, weight, limits))
 
 
 def _positive_int(option: str, source: str, number: int) -> int:
     name, _, value = option.partition("=")
-    if not value.isdigit() or not 1 <= int(value) <= MAX_WEIGHT:
-        raise ValueError(f"{source} line {number}: {name} must be an integer in 1..{MAX_WEIGHT}")
+    maximum = _MAXIMUMS[name]
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= maximum:
+        raise ValueError(f"{source} line {number}: {name} must be an integer in 1..{maximum}")
     return int(value)
 
 
 def parse_key_file(text: str, source: str = "key file") -> list[_Key]:
-    """One key per line: `KEY`, `KEY tenant=ID` or `KEY admin`, and `weight=N`; `#` starts
-    a comment."""
+    """One key per line: `KEY`, `KEY tenant=ID` or `KEY admin`, and `weight=N`,
+    `max_concurrent=N`, `rpm=N`, `tpm=N`; `#` starts a comment."""
     keys: list[_Key] = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
@@ -80,23 +102,27 @@ def parse_key_file(text: str, source: str = "key file") -> list[_Key]:
         key, *options = line.split()
         tenant_id: str | None = None
         admin = False
-        weight = 1
+        numbers: dict[str, int] = {}
         for position, option in enumerate(options, 2):
+            name = option.partition("=")[0]
             if option == "admin":
                 admin = True
-            elif option.startswith("weight="):
-                weight = _positive_int(option, source, number)
+            elif name in _MAXIMUMS and "=" in option:
+                numbers[name] = _positive_int(option, source, number)
             elif option.startswith("tenant=") and len(option) > len("tenant="):
                 tenant_id = option.removeprefix("tenant=")
             else:
                 # Not echoed: a line holding two keys would put the second in the log.
                 raise ValueError(
                     f"{source} line {number}: word {position} is not an option "
-                    "(expected tenant=ID, weight=N or admin; one key per line)"
+                    "(expected tenant=ID, weight=N, max_concurrent=N, rpm=N, tpm=N or admin; "
+                    "one key per line)"
                 )
         if admin and tenant_id is not None:
             raise ValueError(f"{source} line {number}: an admin key is not bound to a tenant")
-        keys.append(_key(key, tenant_id, admin, weight))
+        weight = numbers.pop("weight", 1)
+        limits = KeyLimits(**numbers)
+        keys.append(_key(key, tenant_id, admin, weight, limits))
     return keys
 
 
@@ -108,6 +134,14 @@ class AccessPolicy:
         digests = [k.digest for k in self._keys]
         if len(set(digests)) != len(digests):
             raise ValueError("the same API key is configured twice")
+        # Limits are counted per key_id (in Redis, across replicas): two limited keys must not
+        # share one (a 32-bit digest prefix: about one chance in a thousand for 3000 keys).
+        limited = [k.caller.key_id for k in self._keys if not k.caller.limits.unlimited]
+        if len(set(limited)) != len(limited):
+            raise ValueError(
+                "two API keys with limits share a key_id (a digest prefix): make a new key "
+                "for one of them"
+            )
 
     @classmethod
     def from_settings(

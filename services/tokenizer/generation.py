@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -31,7 +32,10 @@ from services.contracts.errors import (
     DependencyUnavailableError,
     InvalidRequestError,
 )
+from services.tokenizer.access import Caller
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.key_limiter import Admission, KeyLimiter
+from services.tokenizer.key_limits import Quota
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline
 from services.tokenizer.reasoning import prompt_closes_reasoning
@@ -68,14 +72,24 @@ class Prepared:
     arrival_unix_s: float
     started: float
     """perf_counter() on arrival: the origin of the TTFT and total timings."""
+    admission: Admission | None = None
+    """Its place in its API key's limits (None: the key has none); the stream releases it."""
+
+    @property
+    def quota(self) -> Quota | None:
+        """The key's rpm / tpm use, for the HTTP doors' rate-limit headers."""
+        return None if self.admission is None else self.admission.quota
 
 
 class Generator:
     """The tier's generation pipeline over the scheduler pool, shared by both doors."""
 
-    def __init__(self, config: TokenizerConfig, pool: SchedulerPool) -> None:
+    def __init__(
+        self, config: TokenizerConfig, pool: SchedulerPool, limiter: KeyLimiter | None = None
+    ) -> None:
         self.config = config
         self.pool = pool
+        self.limiter = limiter or KeyLimiter()
         self._model: ServedModel | None = None
         self._limits: Limits | None = None
         self._prompts: PromptRegistry | None = None
@@ -130,9 +144,11 @@ class Generator:
         time_remaining_s: float | None = None,
         arrival_unix_s: float | None = None,
         started: float | None = None,
+        caller: Caller | None = None,
     ) -> Prepared:
-        """Check, tokenize and route a request. Raises InvalidRequestError (the field at
-        fault), NotFoundError (model, prompt_name) or DeadlineExceededError."""
+        """Check, tokenize and route a request, and admit it for its caller's key limits.
+        Raises InvalidRequestError (the field at fault), NotFoundError (model, prompt_name),
+        DeadlineExceededError or KeyOverLimitError."""
         arrival_unix_s = time.time() if arrival_unix_s is None else arrival_unix_s
         started = time.perf_counter() if started is None else started
         model, limits = self.model, self.limits
@@ -149,7 +165,12 @@ class Generator:
         if timeout is not None and timeout <= 0:
             raise DeadlineExceededError("deadline passed on arrival")
         scheduler = await self.pool.pick(validated.prompt_token_ids, validated.cache_salt)
-        return Prepared(validated, scheduler, timeout, arrival_unix_s, started)
+        admission = None
+        if caller is not None:
+            # Last: a request refused for a bad field or a deadline counts against no limit.
+            num_prompt_tokens = len(validated.prompt_token_ids)
+            admission = await self.limiter.admit(caller.key_id, caller.limits, num_prompt_tokens)
+        return Prepared(validated, scheduler, timeout, arrival_unix_s, started, admission)
 
     def _strict_tools(self, request: ValidatedRequest) -> ValidatedRequest:
         """Strict tools under auto: their calls, in the model's own syntax, follow their
@@ -210,6 +231,10 @@ class GenerationStream:
 
     def __init__(self, prepared: Prepared, model: ServedModel) -> None:
         self.prepared = prepared
+        self._admission = prepared.admission
+        if self._admission is not None:
+            # However the stream is left, even never read: its key's place is given back.
+            weakref.finalize(self, self._admission.release).atexit = False
         request = prepared.request
         self.request_id = request.request_id
         self._extra = {"request_id": request.request_id, "scheduler": prepared.scheduler.address}
@@ -238,8 +263,11 @@ class GenerationStream:
         )
 
     def cancel(self) -> None:
-        """The scheduler's signal to free the request's KV blocks."""
+        """The scheduler's signal to free the request's KV blocks; the request no longer
+        counts against its key's max_concurrent."""
         self._stream.cancel()
+        if self._admission is not None:
+            self._admission.release()
 
     def _cancel_choice(self, index: int) -> None:
         """A stop string ended one choice while others go on: the scheduler frees its blocks
@@ -255,6 +283,9 @@ class GenerationStream:
             # None: the stream ended; errors and the deadline finish raise.
             while (outputs := await self._stream.next_outputs()) is not None:
                 for scheduler_output in outputs:
+                    if self._admission is not None:
+                        # Generated tokens count against tpm, sent or not (a stop string).
+                        self._admission.on_tokens(len(scheduler_output.token_ids))
                     delta = self.output.step(scheduler_output, time.perf_counter())
                     if delta is None:
                         continue

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from services.contracts.errors import InvalidRequestError, LLMServeError, quoted, shortened
 from services.tokenizer import metrics
 from services.tokenizer.generation import GenerationStream
+from services.tokenizer.key_limits import Quota
 from services.tokenizer.output import OutputDelta
 from services.tokenizer.validation import MAX_REQUEST_ID_LEN
 
@@ -52,6 +53,11 @@ class DeltaSink(Protocol):
     """A whole answer being built."""
 
     def add(self, delta: OutputDelta) -> None: ...
+
+
+def rate_limit_headers(quota: Quota | None) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers for a key with rpm or tpm limits (none without)."""
+    return {} if quota is None else quota.headers()
 
 
 def json_response(payload: dict[str, Any], status: int = 200, **headers: str) -> Response:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.grpc_server import rejection_reason
 from services.common.metrics import LATENCY_BUCKETS_S
 from services.common.redis_metrics import RedisMetrics
+from services.contracts.errors import RateLimitedError
 
 REGISTRY = CollectorRegistry()
 REDIS = RedisMetrics(REGISTRY)
@@ -76,9 +77,19 @@ REJECTED = Counter(
     registry=REGISTRY,
 )
 
+RATE_LIMITED = Counter(
+    "llmserve_rate_limited_total",
+    "Requests refused for their API key's limit, by limit: max_concurrent, rpm or tpm (the "
+    "key is never a label).",
+    ("limit",),
+    registry=REGISTRY,
+)
+
 
 def on_rejected(exc: BaseException) -> None:
     REJECTED.labels(rejection_reason(exc)).inc()
+    if isinstance(exc, RateLimitedError):
+        RATE_LIMITED.labels(exc.limit).inc()
 
 
 class GenerateMetrics:

@@ -27,6 +27,7 @@ from services.tokenizer.anthropic_http.door import AnthropicDoor, add_anthropic_
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.decoding_handlers import add_text_generation_servicer
 from services.tokenizer.generation import Generator
+from services.tokenizer.key_limiter import KeyLimiter
 from services.tokenizer.openai_http.app import OpenAIDoor, create_app
 from services.tokenizer.openai_http.server import HttpServer
 from services.tokenizer.prefix_locator import PrefixLocator
@@ -69,7 +70,9 @@ class TokenizerServer:
         self.chat_template = (
             read_chat_template_file(config.chat_template) if config.chat_template else None
         )
-        self.generator = Generator(config, self.pool)
+        # Per-key limits: counted in Redis when there is one, so every replica sees them.
+        self.limiter = KeyLimiter(self.redis)
+        self.generator = Generator(config, self.pool, self.limiter)
         self.servicer = TextGenerationServicer(self.generator, self.access)
         self._poller: asyncio.Task[None] | None = None
         self.service = GrpcService("tokenizer", [SERVICE_NAME])
@@ -155,6 +158,7 @@ class TokenizerServer:
         if self._poller is not None:
             self._poller.cancel()
         await self.pool.close()
+        await self.limiter.close()
         if self.redis is not None:
             await self.redis.close()
 

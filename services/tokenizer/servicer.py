@@ -77,12 +77,16 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                 time_remaining_s=context.time_remaining(),
                 arrival_unix_s=arrival_unix_s,
                 started=started,
+                caller=caller,
             )
         except LLMServeError as exc:
             code, message = status_for(exc)
             request_id = shortened(request.request_id, MAX_REQUEST_ID_LEN)
             log.info("rejected", extra={"request_id": request_id, "error": message})
             metrics.on_rejected(exc)
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # A key over its limit: which refusal, and when to retry.
+                context.set_trailing_metadata(refusal_metadata(exc))
             await _abort(context, code, message)
         request_id = prepared.request.request_id
         stream = self._generator.stream(prepared)

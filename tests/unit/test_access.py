@@ -17,6 +17,7 @@ from services.tokenizer.access import (
     require_admin,
     tenant_for,
 )
+from services.tokenizer.key_limits import KeyLimits
 
 USER_KEY = "sk-user-0123456789"
 ADMIN_KEY = "sk-admin-abcdefghij"
@@ -245,7 +246,7 @@ def test_an_empty_key_file_gives_no_keys() -> None:
 def test_a_bad_option_names_the_line_and_never_echoes_a_key(line: str, line_number: int) -> None:
     with pytest.raises(ValueError, match=f"keys.txt line {line_number}:") as raised:
         parse_key_file(f"{ACME_KEY} tenant=acme\n{line}\n", "keys.txt")
-    assert "tenant=ID, weight=N or admin" in str(raised.value)
+    assert "tenant=ID, weight=N, max_concurrent=N, rpm=N, tpm=N or admin" in str(raised.value)
     for key in (USER_KEY, ADMIN_KEY, ACME_KEY):
         assert key not in str(raised.value)
 
@@ -313,3 +314,62 @@ def test_key_file_weight() -> None:
 def test_key_file_bad_weight_names_the_line(option: str) -> None:
     with pytest.raises(ValueError, match="line 1: weight must be an integer"):
         parse_key_file(f"{ACME_KEY} {option}\n")
+
+
+# ---- limits ---------------------------------------------------------------------------------
+
+
+def test_key_file_limits() -> None:
+    keys = parse_key_file(
+        f"{ACME_KEY} tenant=acme max_concurrent=2 rpm=60 tpm=100000 weight=2\n"
+        f"{ADMIN_KEY} admin rpm=1000\n"
+        f"{USER_KEY}\n"
+    )
+    policy = AccessPolicy(keys)
+    acme = policy.authenticate(bearer(ACME_KEY))
+    assert acme.limits == KeyLimits(max_concurrent=2, rpm=60, tpm=100000)
+    assert (acme.tenant_id, acme.weight) == ("acme", 2)
+    assert policy.authenticate(bearer(ADMIN_KEY)).limits == KeyLimits(rpm=1000)
+    user = policy.authenticate(bearer(USER_KEY))
+    assert user.limits == KeyLimits() and user.limits.unlimited
+    assert access.OPEN_CALLER.limits.unlimited
+    assert AccessPolicy.from_settings(api_keys=[USER_KEY]).authenticate_key(USER_KEY).limits == (
+        KeyLimits()
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "maximum"),
+    [
+        ("max_concurrent=0", "1000000"),
+        ("max_concurrent=1000001", "1000000"),
+        ("rpm=-1", "1000000000"),
+        ("rpm=", "1000000000"),
+        ("rpm=1.5", "1000000000"),
+        ("rpm=\u0661", "1000000000"),  # a digit, but not an ASCII one
+        ("tpm=x", "1000000000000"),
+        ("tpm=1e6", "1000000000000"),
+        ("tpm=1000000000001", "1000000000000"),
+    ],
+)
+def test_key_file_bad_limit_names_the_line_and_the_option(option: str, maximum: str) -> None:
+    name = option.partition("=")[0]
+    with pytest.raises(ValueError, match=f"line 2: {name} must be an integer in 1..{maximum}$"):
+        parse_key_file(f"{USER_KEY}\n{ACME_KEY} {option}\n")
+
+
+@pytest.mark.parametrize("option", ["rpm", "tpm:5", "max-concurrent=2", "RPM=5"])
+def test_a_misspelt_limit_is_not_an_option_and_the_key_is_not_echoed(option: str) -> None:
+    with pytest.raises(ValueError, match="line 1: word 2 is not an option") as raised:
+        parse_key_file(f"{ACME_KEY} {option}\n")
+    assert ACME_KEY not in str(raised.value)
+
+
+def test_two_limited_keys_sharing_a_key_id_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(access, "digest_id", lambda digest: "samesame")
+    # Without limits a shared key_id only blurs the logs.
+    AccessPolicy(parse_key_file(f"{USER_KEY}\n{ACME_KEY}\n"))
+    AccessPolicy(parse_key_file(f"{USER_KEY} rpm=5\n{ACME_KEY}\n"))
+    with pytest.raises(ValueError, match="two API keys with limits share a key_id") as raised:
+        AccessPolicy(parse_key_file(f"{USER_KEY} rpm=5\n{ACME_KEY} tpm=9\n"))
+    assert USER_KEY not in str(raised.value) and ACME_KEY not in str(raised.value)

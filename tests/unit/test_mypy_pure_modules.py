@@ -48,6 +48,7 @@ PURE_MODULES = (
     "services/tokenizer/tool_calls.py",
     "services/tokenizer/tool_output.py",
     "services/tokenizer/tool_request.py",
+    "services/tokenizer/key_limits.py",
     # the Anthropic door's bodies, responses and errors
     "services/tokenizer/anthropic_http/schemas.py",
     "services/tokenizer/anthropic_http/responses.py",

@@ -35,6 +35,7 @@ from services.tokenizer.http_common import (
     answer_start,
     error_response,
     json_response,
+    rate_limit_headers,
     refused,
     unless_gone,
 )
@@ -81,7 +82,7 @@ class AnthropicDoor:
             prepared = await unless_gone(
                 request,
                 self.generator.prepare(
-                    generate_input, arrival_unix_s=arrival_unix_s, started=started
+                    generate_input, arrival_unix_s=arrival_unix_s, started=started, caller=caller
                 ),
             )
         except (LLMServeError, ClientGone) as exc:
@@ -98,7 +99,11 @@ class AnthropicDoor:
         stream = self.generator.stream(prepared)
         deltas = stream.deltas()
         # Anthropic's clients read `request-id`; ours (and the OpenAI door) `X-Request-Id`.
-        headers = {"X-Request-Id": request_id, "request-id": request_id}
+        headers = {
+            "X-Request-Id": request_id,
+            "request-id": request_id,
+            **rate_limit_headers(prepared.quota),
+        }
         try:
             # The status waits for the first token (see the module docstring).
             first = await answer_start(

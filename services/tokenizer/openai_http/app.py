@@ -37,6 +37,7 @@ from services.tokenizer.http_common import (
     answer_start,
     error_response,
     json_response,
+    rate_limit_headers,
     refused,
     unless_gone,
 )
@@ -110,7 +111,7 @@ class OpenAIDoor:
             prepared = await unless_gone(
                 request,
                 self.generator.prepare(
-                    generate_input, arrival_unix_s=arrival_unix_s, started=started
+                    generate_input, arrival_unix_s=arrival_unix_s, started=started, caller=caller
                 ),
             )
         except (LLMServeError, ClientGone) as exc:
@@ -132,7 +133,7 @@ class OpenAIDoor:
         )
         stream = self.generator.stream(prepared)
         deltas = stream.deltas()
-        headers = {"X-Request-Id": request_id}
+        headers = {"X-Request-Id": request_id, **rate_limit_headers(prepared.quota)}
         try:
             # The status waits for the first token (see the module docstring).
             first = await answer_start(

@@ -6,7 +6,9 @@
 401 authentication_error   no key, or an unknown one
 403 permission_error       the key may not do this (admin calls, another tenant)
 404 not_found_error        unknown model, unknown prompt_name, unknown route
-429 rate_limit_error       the scheduler's queue is full (Retry-After: its hint, in seconds)
+429 rate_limit_error       the scheduler's queue is full (Retry-After: its hint, in seconds), or
+                           the API key is over a limit (code rate_limit_exceeded; Retry-After
+                           and the x-ratelimit-* headers)
 503 service_unavailable    no scheduler with a worker, or still loading (Retry-After)
 504 timeout                the request's deadline passed
 500 server_error           anything else (the message says which part failed)
@@ -28,8 +30,10 @@ from services.contracts.errors import (
     PermissionDeniedError,
     PromptTooLongError,
     QueueFullError,
+    RateLimitedError,
     UnauthenticatedError,
 )
+from services.tokenizer.key_limits import KeyOverLimitError
 
 RETRY_AFTER_S = 1
 """What a 503, or a 429 without the scheduler's hint, asks the client to wait, in seconds."""
@@ -130,6 +134,15 @@ def http_error(exc: BaseException, chat: bool = False) -> HttpError:
             "rate_limit_error",
             code="queue_full",
             headers={"Retry-After": str(retry_after_s(exc.retry_after_ms))},
+        )
+    if isinstance(exc, RateLimitedError):
+        quota = exc.quota.headers() if isinstance(exc, KeyOverLimitError) else {}
+        return HttpError(
+            429,
+            str(exc),
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after_s(exc.retry_after_ms)), **quota},
         )
     if isinstance(exc, DependencyUnavailableError):
         return HttpError(503, str(exc), "service_unavailable", headers=retry)
