@@ -122,7 +122,12 @@ def run(args: argparse.Namespace) -> int:
         targets = {}
         for label, flag in CONFIGS.items():
             flags = [flag, "--api-key-file", str(key_file), "--tokenizer-replicas", "1"]
-            flags += ["--max-num-seqs", str(args.max_num_seqs), "--worker-threads", str(args.threads)]
+            flags += [
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+                "--worker-threads",
+                str(args.threads),
+            ]
             flags += ["--max-waiting-requests", str(max(256, args.flood + args.late))]
             print(f"$ llmserve up {' '.join(flags)}  # {label}", flush=True)
             targets[label] = up.enter_context(running_stack(flags, startup_timeout_s=900.0)).public
