@@ -71,10 +71,14 @@ def anthropic_error(exc: BaseException) -> AnthropicError:
         renamed = type(exc) if isinstance(exc, PromptTooLongError) else InvalidRequestError
         exc = renamed(anthropic_param(exc.field), exc.message)
     error = http_error(exc, chat=True)
+    message = error.message
+    if isinstance(exc, PromptTooLongError) and error.param:
+        # OpenAI's shape names it in `param`; Anthropic's has only the message.
+        message = f"{error.param}: {message}"
     return AnthropicError(
         error.status,
         ERROR_TYPES.get(error.status, "api_error"),
-        error.message,
+        message,
         error.headers,
         error.grpc_code_name,
     )
