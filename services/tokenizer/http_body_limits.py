@@ -1,7 +1,8 @@
 """An ASGI middleware in front of the HTTP doors: a request body is read here, bounded in size
 (413) and in time (408), before any route sees it, then handed to the app whole.
 
-A Content-Length over the limit is refused before a byte of the body is read; a chunked body
+A body that says it is not JSON (its Content-Type) is refused with 415; none is read as
+JSON. A Content-Length over the limit is refused before a byte of the body is read; a chunked body
 is read until it passes the limit, no further. Either refusal, and a timeout, close the
 connection: what is left of the body is never read. (The headers' own deadline is the HTTP
 protocol's: http_header_deadline.py.)
@@ -35,7 +36,7 @@ class BodyLimits:
             return
         refusal = self._refused_by_headers(scope)
         if refusal is not None:
-            await self._answer(scope, receive, send, 413 if refusal[0] else 400, refusal[1])
+            await self._answer(scope, receive, send, *refusal)
             return
         try:
             body = await asyncio.wait_for(self._read_body(receive), self.timeout_s)
@@ -50,15 +51,20 @@ class BodyLimits:
             return
         await self.app(scope, _replay(bytes(body), receive), send)
 
-    def _refused_by_headers(self, scope: Scope) -> tuple[bool, str] | None:
-        """(too large?, message) for a Content-Length that is bad or over the limit."""
+    def _refused_by_headers(self, scope: Scope) -> tuple[int, str] | None:
+        """(status, message) for a Content-Length that is bad or over the limit, or a body
+        that says it is not JSON (every body the doors take is)."""
         for name, value in scope.get("headers", ()):
-            if name != b"content-length":
-                continue
-            if not value.isdigit():
-                return False, "the Content-Length header is not a number"
-            if int(value) > self.max_body_bytes:
-                return True, self._too_large()
+            if name == b"content-length":
+                if not value.isdigit():
+                    return 400, "the Content-Length header is not a number"
+                if int(value) > self.max_body_bytes:
+                    return 413, self._too_large()
+            elif name == b"content-type" and scope.get("method") == "POST":
+                media_type = value.split(b";")[0].strip().lower()
+                if media_type != b"application/json" and not media_type.endswith(b"+json"):
+                    shown = media_type.decode("latin-1")[:64]
+                    return 415, f"the Content-Type must be application/json, got {shown!r}"
         return None
 
     def _too_large(self) -> str:

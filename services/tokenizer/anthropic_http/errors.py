@@ -6,7 +6,7 @@ the body's shape are Anthropic's:
 
 400 invalid_request_error   401 authentication_error   403 permission_error
 404 not_found_error         408 timeout_error          413 request_too_large
-429 rate_limit_error (Retry-After)
+415 invalid_request_error   429 rate_limit_error (Retry-After)
 503 overloaded_error        504 timeout_error          500 api_error
 
 A stream that fails after its first event carries the same body as an `error` event.
@@ -27,6 +27,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     408: "timeout_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",

@@ -5,6 +5,7 @@
 400 invalid_request_error  a bad field (param names it as the HTTP API spells it)
 408 timeout                the request body was not received in time (--http-timeout-s)
 413 invalid_request_error  the request body is over --http-max-body-bytes
+415 invalid_request_error  the request body is not JSON (its Content-Type)
 401 authentication_error   no key, or an unknown one
 403 permission_error       the key may not do this (admin calls, another tenant)
 404 not_found_error        unknown model, unknown prompt_name, unknown route
@@ -145,6 +146,7 @@ def http_error(exc: BaseException, chat: bool = False) -> HttpError:
 _TRANSPORT_ERRORS = {
     408: ("timeout", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
 }
 
 
