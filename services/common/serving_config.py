@@ -202,6 +202,16 @@ class PublicConfig:
     only) or `KEY admin`, each optionally with `weight=N` (its fair share) and limits
     `max_concurrent=N` (requests in flight), `rpm=N` (requests per minute), `tpm=N` (prompt +
     output tokens per minute); `#` comments. Keeps keys off the command line."""
+    http_max_body_bytes: int = 4 * 1024 * 1024
+    """Largest HTTP request body, in bytes (4 MiB); a larger one is refused with 413 before
+    it is read (by its Content-Length, or as soon as a chunked body passes the limit)."""
+    http_timeout_s: float = 30.0
+    """How long a client may take to send a request's headers, and then its body: a slower
+    one (a trickle, a stalled upload) gets 408 and its connection is closed."""
+    http_max_connections: int = 1024
+    """Most HTTP connections a replica serves at once: a request on any connection beyond
+    them gets 503 (and its connection is closed), so trickling clients cannot take every
+    file descriptor."""
     tls_cert: str | None = None
     """PEM certificate (chain) of the public gRPC and HTTP ports; with --tls-key, both
     ports speak TLS only."""
@@ -211,6 +221,10 @@ class PublicConfig:
     def check_public(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.http_max_body_bytes <= 0 or self.http_max_connections <= 0:
+            raise ValueError("http_max_body_bytes and http_max_connections must be > 0")
+        if self.http_timeout_s <= 0:
+            raise ValueError(f"http_timeout_s must be > 0, got {self.http_timeout_s}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
 

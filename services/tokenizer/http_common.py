@@ -1,5 +1,5 @@
-"""What the tier's HTTP doors (OpenAI, Anthropic) share: a request body's validation error
-named as the client spells the parameter, waiting on work while watching the client's
+"""What the tier's HTTP doors (OpenAI, Anthropic) share: a request body parsed and validated,
+its error named as the client spells the parameter, waiting on work while watching the client's
 connection, a refused request's response and log line, and a whole answer's collection."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
 from services.contracts.errors import InvalidRequestError, LLMServeError, quoted, shortened
 from services.tokenizer import metrics
 from services.tokenizer.generation import GenerationStream
+from services.tokenizer.json_body import parse_json_body
 from services.tokenizer.key_limits import Quota
 from services.tokenizer.output import OutputDelta
 from services.tokenizer.validation import MAX_REQUEST_ID_LEN
@@ -24,6 +25,7 @@ from services.tokenizer.validation import MAX_REQUEST_ID_LEN
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+BodyT = TypeVar("BodyT", bound=BaseModel)
 ItemT = TypeVar("ItemT")
 
 # A tagged union's failure (an image block where only text and tool blocks are taken) is
@@ -126,6 +128,16 @@ async def collect(
         request_metrics.on_tokens(len(delta.token_ids))
         request_metrics.finish_reason = delta.finish_reason or request_metrics.finish_reason
         sink.add(delta)
+
+
+def validated_body(model: type[BodyT], raw: bytes) -> BodyT:
+    """A door's body: checked JSON (json_body), then its schema. Strict: a number is not a
+    string, a boolean is not a number (lax coercion would turn `"max_tokens": true` into 1)."""
+    value = parse_json_body(raw)
+    try:
+        return model.model_validate(value, strict=True)
+    except ValidationError as exc:
+        raise body_error(exc) from None
 
 
 def body_error(exc: ValidationError) -> InvalidRequestError:

@@ -23,11 +23,16 @@ from services.common.prompt_store import PromptStore
 from services.common.redis_store import open_store
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy
+from services.tokenizer.anthropic_http import door as anthropic_door
+from services.tokenizer.anthropic_http import errors as anthropic_errors
 from services.tokenizer.anthropic_http.door import AnthropicDoor, add_anthropic_routes
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.decoding_handlers import add_text_generation_servicer
 from services.tokenizer.generation import Generator
+from services.tokenizer.http_body_limits import BodyLimits
+from services.tokenizer.http_common import ErrorAnswer
 from services.tokenizer.key_limiter import KeyLimiter
+from services.tokenizer.openai_http import errors as openai_errors
 from services.tokenizer.openai_http.app import OpenAIDoor, create_app
 from services.tokenizer.openai_http.server import HttpServer
 from services.tokenizer.prefix_locator import PrefixLocator
@@ -81,13 +86,21 @@ class TokenizerServer:
         if config.http:
             app = create_app(OpenAIDoor(self.generator, self.access))
             add_anthropic_routes(app, AnthropicDoor(self.generator, self.access))
-            self.http = HttpServer(
+            limited = BodyLimits(
                 app,
+                max_body_bytes=config.http_max_body_bytes,
+                timeout_s=config.http_timeout_s,
+                error_for=_door_error,
+            )
+            self.http = HttpServer(
+                limited,
                 config.host,
                 config.http_port,
                 tls_cert=config.tls_cert,
                 tls_key=config.tls_key,
                 drain_s=config.drain_s,
+                timeout_s=config.http_timeout_s,
+                max_connections=config.http_max_connections,
             )
 
     async def start(self) -> int:
@@ -161,6 +174,13 @@ class TokenizerServer:
         await self.limiter.close()
         if self.redis is not None:
             await self.redis.close()
+
+
+def _door_error(path: str, status: int, message: str) -> ErrorAnswer:
+    """An error refused before any route, in the shape of the door the path belongs to."""
+    if anthropic_door.serves(path):
+        return anthropic_errors.transport_error(status, message)
+    return openai_errors.transport_error(status, message)
 
 
 async def serve(config: TokenizerConfig) -> None:

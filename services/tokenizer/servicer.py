@@ -32,7 +32,12 @@ from services.tokenizer.access import (
 )
 from services.tokenizer.generation import Generator
 from services.tokenizer.scheduler_pool import SchedulerClient
-from services.tokenizer.validation import MAX_REQUEST_ID_LEN
+from services.tokenizer.validation import (
+    MAX_REQUEST_ID_LEN,
+    GenerateInput,
+    check_prompt_size,
+    check_text_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +118,18 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         self, request: text_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> text_pb2.TokenizeResponse:
         await self._caller(context)
-        tokenizer = self._generator.model.tokenizer
+        tokenizer, limits = self._generator.model.tokenizer, self._generator.limits
         try:
             if request.text and request.messages:
                 raise InvalidRequestError("text", "set either text or messages, not both")
+            # Text no context could hold is refused before the tokenizer sees it, as at
+            # Generate; text that merely overflows the context is counted.
             if request.messages:
-                token_ids = tokenizer.apply_chat_template(convert.chat_messages(request.messages))
+                messages = convert.chat_messages(request.messages)
+                check_prompt_size(GenerateInput(messages=messages), limits)
+                token_ids = tokenizer.apply_chat_template(messages)
             else:
+                check_text_size("text", len(request.text), limits)
                 token_ids = tokenizer.encode(
                     request.text, add_special_tokens=request.add_special_tokens
                 )
@@ -134,6 +144,12 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         await self._caller(context)
         model = self._generator.model
         try:
+            # No sequence is longer than the context: more ids are no text we produced.
+            if len(request.token_ids) > model.max_model_len:
+                raise InvalidRequestError(
+                    "token_ids",
+                    f"has {len(request.token_ids)} ids; the context holds {model.max_model_len}",
+                )
             check_token_ids("token_ids", request.token_ids, model.vocab_size)
         except LLMServeError as exc:
             await _abort(context, *status_for(exc))

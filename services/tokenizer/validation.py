@@ -4,6 +4,7 @@ it ("prompt", "messages[2].role", "sampling.top_p"). Pure: no gRPC, no clock, no
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -325,8 +326,9 @@ def prompt_to_token_ids(
 
 def check_prompt_size(request: GenerateInput, limits: Limits) -> None:
     """Refuse, before any tokenizer work, a prompt too large for the context whatever its
-    tokens: more ids than the context holds, more text than max_prompt_chars, more chat
-    messages than the context has tokens (every chat template marks where a message starts)."""
+    tokens: more ids than the context holds, more text than max_prompt_chars (a chat's
+    messages, their calls and its tools together), more chat messages than the context has
+    tokens (every chat template marks where a message starts)."""
     if len(request.prompt_token_ids) >= limits.max_model_len:
         check_prompt_length(len(request.prompt_token_ids), limits.max_model_len)
     if len(request.messages) >= limits.max_model_len:
@@ -335,17 +337,37 @@ def check_prompt_size(request: GenerateInput, limits: Limits) -> None:
             f"has {len(request.messages)} messages; the context holds {limits.max_model_len} "
             "tokens",
         )
-    if limits.max_prompt_chars is None:
-        return
-    field_name, num_chars = "prompt", len(request.prompt)
+    if request.tool_request is not None:
+        check_text_size("tools", _tools_chars(request.tool_request), limits)
     if request.messages:
-        field_name, num_chars = "messages", sum(len(m.text) for m in request.messages)
-    if num_chars > limits.max_prompt_chars:
+        check_text_size("messages", chat_chars(request.messages, request.tool_request), limits)
+    else:
+        check_text_size("prompt", len(request.prompt), limits)
+
+
+def check_text_size(field_name: str, num_chars: int, limits: Limits) -> None:
+    """Refuse text too long for any context (max_prompt_chars) before it is tokenized."""
+    if limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
         raise PromptTooLongError(
             field_name,
             f"has {num_chars} characters; a context of {limits.max_model_len} tokens holds at "
             f"most {limits.max_prompt_chars}",
         )
+
+
+def chat_chars(messages: Sequence[ChatMessage], tools: ToolRequest | None = None) -> int:
+    """The text a chat template renders: the messages', their calls' and the tools'."""
+    num_chars = sum(
+        len(m.text) + sum(len(c.name) + len(c.arguments) for c in m.tool_calls) for m in messages
+    )
+    return num_chars + (_tools_chars(tools) if tools is not None else 0)
+
+
+def _tools_chars(tools: ToolRequest) -> int:
+    # The schema's JSON text stands for its rendering (templates print it as JSON).
+    return sum(
+        len(t.name) + len(t.description) + len(json.dumps(t.parameters)) for t in tools.tools
+    )
 
 
 def _ids_after_named_prompt(

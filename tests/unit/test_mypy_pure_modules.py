@@ -42,6 +42,7 @@ PURE_MODULES = (
     "services/tokenizer/detokenizer.py",
     "services/tokenizer/stop_strings.py",
     "services/tokenizer/validation.py",
+    "services/tokenizer/json_body.py",
     "services/tokenizer/output.py",
     "services/tokenizer/reasoning.py",
     "services/tokenizer/partial_tags.py",

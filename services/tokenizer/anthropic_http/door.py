@@ -185,13 +185,21 @@ async def _events(
         request_metrics.done(code)
 
 
+PATH_PREFIX = "/v1/messages"
+
+
+def serves(path: str) -> bool:
+    """Whether a path is this door's (its errors take Anthropic's shape)."""
+    return path == PATH_PREFIX or path.startswith(PATH_PREFIX + "/")
+
+
 def add_anthropic_routes(app: FastAPI, door: AnthropicDoor) -> None:
     """The Messages API's routes on the tier's HTTP app (beside the OpenAI door's)."""
 
-    @app.post("/v1/messages")
+    @app.post(PATH_PREFIX)
     async def messages(request: Request) -> Response:
         return await door.messages(request)
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post(f"{PATH_PREFIX}/count_tokens")
     async def count_tokens(request: Request) -> Response:
         return await door.count_tokens(request)

@@ -5,7 +5,8 @@ the body's shape are Anthropic's:
     {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: ..."}}
 
 400 invalid_request_error   401 authentication_error   403 permission_error
-404 not_found_error         413 request_too_large      429 rate_limit_error (Retry-After)
+404 not_found_error         408 timeout_error          413 request_too_large
+415 invalid_request_error   429 rate_limit_error (Retry-After)
 503 overloaded_error        504 timeout_error          500 api_error
 
 A stream that fails after its first event carries the same body as an `error` event.
@@ -24,7 +25,9 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
@@ -58,16 +61,25 @@ def anthropic_param(field_name: str) -> str:
     return field_name.removeprefix("sampling.")
 
 
+def transport_error(status: int, message: str) -> AnthropicError:
+    """A request refused for how it arrived (its size, its pace), before any route."""
+    return AnthropicError(status, ERROR_TYPES.get(status, "api_error"), message)
+
+
 def anthropic_error(exc: BaseException) -> AnthropicError:
     if isinstance(exc, InvalidRequestError):
         # Renamed before the shared mapping, whose own renames are OpenAI's.
         renamed = type(exc) if isinstance(exc, PromptTooLongError) else InvalidRequestError
         exc = renamed(anthropic_param(exc.field), exc.message)
     error = http_error(exc, chat=True)
+    message = error.message
+    if isinstance(exc, PromptTooLongError) and error.param:
+        # OpenAI's shape names it in `param`; Anthropic's has only the message.
+        message = f"{error.param}: {message}"
     return AnthropicError(
         error.status,
         ERROR_TYPES.get(error.status, "api_error"),
-        error.message,
+        message,
         error.headers,
         error.grpc_code_name,
     )

@@ -32,11 +32,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from services.common.chat_template import ChatMessage, MessageToolCall, TextPart
 from services.contracts.errors import InvalidRequestError
-from services.tokenizer.http_common import body_error
+from services.tokenizer.http_common import validated_body
 from services.tokenizer.tool_request import (
     FunctionTool,
     ToolChoiceMode,
@@ -173,17 +173,11 @@ class CountTokensBody(_Conversation):
 
 
 def parse_messages(body: bytes) -> MessagesBody:
-    try:
-        return MessagesBody.model_validate_json(body)
-    except ValidationError as exc:
-        raise body_error(exc) from None
+    return validated_body(MessagesBody, body)
 
 
 def parse_count_tokens(body: bytes) -> CountTokensBody:
-    try:
-        return CountTokensBody.model_validate_json(body)
-    except ValidationError as exc:
-        raise body_error(exc) from None
+    return validated_body(CountTokensBody, body)
 
 
 # ---- → GenerateInput --------------------------------------------------------------------

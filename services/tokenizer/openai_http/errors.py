@@ -3,6 +3,9 @@
 {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
 400 invalid_request_error  a bad field (param names it as the HTTP API spells it)
+408 timeout                the request body was not received in time (--http-timeout-s)
+413 invalid_request_error  the request body is over --http-max-body-bytes
+415 invalid_request_error  the request body is not JSON (its Content-Type)
 401 authentication_error   no key, or an unknown one
 403 permission_error       the key may not do this (admin calls, another tenant)
 404 not_found_error        unknown model, unknown prompt_name, unknown route
@@ -151,6 +154,19 @@ def http_error(exc: BaseException, chat: bool = False) -> HttpError:
     if isinstance(exc, LLMServeError):
         return HttpError(500, str(exc), "server_error")
     return HttpError(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+_TRANSPORT_ERRORS = {
+    408: ("timeout", "request_timeout"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+}
+
+
+def transport_error(status: int, message: str) -> HttpError:
+    """A request refused for how it arrived (its size, its pace), before any route."""
+    kind, code = _TRANSPORT_ERRORS.get(status, ("invalid_request_error", None))
+    return HttpError(status, message, kind, code=code)
 
 
 def not_found_route(method: str, path: str) -> HttpError:

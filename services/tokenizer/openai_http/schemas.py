@@ -23,14 +23,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from services.common.chat_template import ChatMessage, MessageToolCall
 from services.common.chat_template import TextPart as ChatTextPart
 from services.contracts.errors import InvalidRequestError, quoted, shortened
 from services.contracts.sampling_params import logit_bias_from_json
 from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
-from services.tokenizer.http_common import body_error
+from services.tokenizer.http_common import validated_body
 from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest
 from services.tokenizer.validation import (
     MAX_MODEL_NAME_LEN,
@@ -196,10 +196,7 @@ def parse_completion(body: bytes) -> CompletionBody:
 
 
 def _parse(model: type[BodyT], body: bytes) -> BodyT:
-    try:
-        parsed = model.model_validate_json(body)
-    except ValidationError as exc:
-        raise body_error(exc) from None
+    parsed = validated_body(model, body)
     _refuse_unimplemented(parsed)
     return parsed
 

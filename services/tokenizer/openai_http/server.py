@@ -5,6 +5,10 @@ The listening socket is opened here with SO_REUSEPORT, as grpc opens its own: re
 on one host share the HTTP port as they share the gRPC port, the kernel spreading connections
 across them. Uvicorn's signal handling is left out: the process's drain (GrpcService) owns
 SIGTERM and stops both doors.
+
+Connections are bounded in number (uvicorn's limit_concurrency: 503 beyond it) and in how long
+their headers may take (http_header_deadline.py); bodies by the app's middleware
+(http_body_limits.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Generator
 from typing import Any
 
 import uvicorn
+
+from services.tokenizer.http_header_deadline import header_deadline_protocol
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +62,11 @@ class HttpServer:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         drain_s: float = 30.0,
+        timeout_s: float = 30.0,
+        max_connections: int | None = None,
     ) -> None:
+        """`timeout_s`: how long a request's headers may take; `max_connections`: most open
+        connections served at once (None: no bound)."""
         self.host = host
         self._socket = listening_socket(host, port)
         self.port = int(self._socket.getsockname()[1])
@@ -72,9 +82,18 @@ class HttpServer:
             # Streams of tokens: no reason to hold a small write back (Nagle is off in
             # uvicorn's protocols already); keep-alive long enough for a client between calls.
             timeout_keep_alive=30,
+            http=header_deadline_protocol(timeout_s),
+            # Uvicorn refuses a request when its connection count (this one included) reaches
+            # the limit: one more admits exactly max_connections.
+            limit_concurrency=None if max_connections is None else max_connections + 1,
         )
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def num_connections(self) -> int:
+        """Connections open now (each holds a socket and its buffers)."""
+        return len(self._server.server_state.connections)
 
     async def start(self) -> int:
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
