@@ -264,6 +264,14 @@ def port_open(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path`'s content in one step: a script polling it (the ready file, rewritten on
+    each restart) never reads it empty or half written."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def build_children(
     config: StackConfig, redis: Child | None, redis_url: str | None = None
 ) -> list[Child]:
@@ -386,8 +394,7 @@ class Stack:
                         f"{child.name} not healthy after {self.config.startup_timeout_s}s"
                     )
                 time.sleep(0.25)
-        if self.config.ready_file:
-            Path(self.config.ready_file).write_text(json.dumps(self.describe()))
+        self._write_ready_file()
         http = self.children[-1].http_url
         print(
             f"llmserve ready: {self.public_address}" + (f" (gRPC), {http} (HTTP)" if http else ""),
@@ -414,6 +421,10 @@ class Stack:
             "process_metrics": {c.name: c.metrics_url for c in self.children if c.metrics_url},
         }
 
+    def _write_ready_file(self) -> None:
+        if self.config.ready_file:
+            write_atomically(Path(self.config.ready_file), json.dumps(self.describe()))
+
     def supervise(self) -> None:
         """Restart children that die, until asked to stop."""
         while not self._stopping:
@@ -430,8 +441,7 @@ class Stack:
                 if time.monotonic() - child.started_at < 5:
                     time.sleep(min(5.0, 0.5 * child.restarts))
                 child.start(self.env)
-                if self.config.ready_file:
-                    Path(self.config.ready_file).write_text(json.dumps(self.describe()))
+                self._write_ready_file()
             time.sleep(0.2)
 
     def stop(self, *_: object) -> None:

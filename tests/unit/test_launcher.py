@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -20,6 +21,7 @@ from services.launcher import (
     private_redis,
     stack_redis_url,
     with_internal_secret,
+    write_atomically,
 )
 from services.scheduler.server_config import SchedulerServerConfig
 from services.tokenizer.config import TokenizerConfig
@@ -122,3 +124,14 @@ def test_secrets_are_hidden_in_help() -> None:
 )
 def test_ports_listen_on_loopback_by_default(config: type) -> None:
     assert config().host == "127.0.0.1"
+
+
+def test_the_ready_file_is_replaced_in_one_step(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    ready.write_text('{"pids": {"worker-0": 1}}')
+    inode = ready.stat().st_ino
+    write_atomically(ready, '{"pids": {"worker-0": 2}}')
+    # A new file renamed over the old one: a reader holds either whole, never a truncated one.
+    assert ready.read_text() == '{"pids": {"worker-0": 2}}'
+    assert ready.stat().st_ino != inode
+    assert [p.name for p in tmp_path.iterdir()] == ["ready.json"]
