@@ -261,3 +261,13 @@ def test_bad_shapes_and_dtypes_raise_naming_the_argument(name: str) -> None:
     op, args = _bad_calls(case)[name]
     with pytest.raises(lora_torch.LoraShapeError, match=name):
         op(*args)
+
+
+@needs_extension
+def test_benchmark_runs_at_tiny_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import kernels_lora
+
+    tiny = "--batch 3 --adapters 1 2 --hidden 32 --intermediate 48 --kv 16 --budget-s 0"
+    kernels_lora.main([*tiny.split(), "--repeats", "1"])
+    table = capsys.readouterr().out
+    assert "| gate_up | 2 |" in table and "apply / base" in table
