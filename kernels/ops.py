@@ -340,3 +340,81 @@ def gguf_embedding(token_ids: Tensor, blocks: Tensor, kind: int, dtype: torch.dt
     if use_cpu_extension(blocks):
         return torch.ops.llmserve.gguf_embedding(token_ids, blocks, kind, dtype)  # type: ignore[no-any-return]
     return gguf_blocks_torch.gguf_embedding(token_ids, blocks, kind, dtype)
+
+
+# Batched multi-LoRA (kernels/lora_torch.py has the layout): segments of tokens, each with its
+# adapter's slot (-1: none); Triton on CUDA, the C++ ops on CPU, the torch reference otherwise.
+from kernels import lora_torch  # noqa: E402
+
+__all__ += ["LoraShapeError", "lora_apply", "lora_expand", "lora_shrink"]
+LoraShapeError = lora_torch.LoraShapeError
+
+
+def lora_shrink(
+    x: Tensor, lora_a: Tensor, seg_starts: Tensor, seg_slots: Tensor, out: Tensor
+) -> None:
+    """out[t] = x[t] @ lora_a[slot(t)].T, fp32 (num_tokens, S * R); rows of slot -1 unwritten.
+    Raises LoraShapeError naming the argument whose shape, dtype or layout is wrong."""
+    lora_torch.check_shrink(x, lora_a, seg_starts, seg_slots, out)
+    if use_triton(x):
+        from kernels import triton_lora
+
+        triton_lora.lora_shrink(x, lora_a, seg_starts, seg_slots, out)
+        return
+    if use_cpu_extension(x):
+        torch.ops.llmserve.lora_shrink(x, lora_a, seg_starts, seg_slots, out)
+        return
+    lora_torch.lora_shrink(x, lora_a, seg_starts, seg_slots, out)
+
+
+def lora_expand(
+    v: Tensor,
+    lora_b: Tensor,
+    seg_starts: Tensor,
+    seg_slots: Tensor,
+    scales: Tensor,
+    y: Tensor,
+    out_slices: Sequence[int] | None = None,
+) -> None:
+    """y[t] += scales[slot] * v[t] @ lora_b[slot].T in place (per output slice of a fused
+    projection when out_slices is given); rows of slot -1 untouched."""
+    lora_torch.check_expand(v, lora_b, seg_starts, seg_slots, scales, y, out_slices)
+    if use_triton(y):
+        from kernels import triton_lora
+
+        triton_lora.lora_expand(v, lora_b, seg_starts, seg_slots, scales, y, out_slices)
+        return
+    if use_cpu_extension(y):
+        torch.ops.llmserve.lora_expand(
+            v, lora_b, seg_starts, seg_slots, scales, y, list(out_slices or [])
+        )
+        return
+    lora_torch.lora_expand(v, lora_b, seg_starts, seg_slots, scales, y, out_slices)
+
+
+def lora_apply(
+    x: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    seg_starts: Tensor,
+    seg_slots: Tensor,
+    scales: Tensor,
+    y: Tensor,
+    out_slices: Sequence[int] | None = None,
+) -> None:
+    """Shrink then expand: y[t] += scales[slot] * (x[t] @ lora_a[slot].T) @ lora_b[slot].T in
+    place. One C++ op on CPU (slot groups built once, the intermediate never leaves it)."""
+    lora_torch.check_apply(x, lora_a, lora_b, seg_starts, seg_slots, scales, y, out_slices)
+    if use_triton(x):
+        from kernels import triton_lora
+
+        v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+        triton_lora.lora_shrink(x, lora_a, seg_starts, seg_slots, v)
+        triton_lora.lora_expand(v, lora_b, seg_starts, seg_slots, scales, y, out_slices)
+        return
+    if use_cpu_extension(x):
+        torch.ops.llmserve.lora_apply(
+            x, lora_a, lora_b, seg_starts, seg_slots, scales, y, list(out_slices or [])
+        )
+        return
+    lora_torch.lora_apply(x, lora_a, lora_b, seg_starts, seg_slots, scales, y, out_slices)

@@ -166,6 +166,7 @@ def compile_all(args: argparse.Namespace, torch) -> None:  # type: ignore[no-unt
         "triton_activation",
         "triton_decode_attention",
         "triton_kv_cache",
+        "triton_lora",
         "triton_norm",
         "triton_prefill_attention",
         "triton_quant_gemm",
@@ -207,12 +208,14 @@ def build_cases(  # type: ignore[no-untyped-def]
         activation_torch,
         attention_torch,
         kv_cache_torch,
+        lora_torch,
         norm_torch,
         quant_gemm_torch,
         rotary_torch,
         triton_activation,
         triton_decode_attention,
         triton_kv_cache,
+        triton_lora,
         triton_norm,
         triton_prefill_attention,
         triton_quant_gemm,
@@ -401,6 +404,44 @@ def build_cases(  # type: ignore[no-untyped-def]
                 w_q.numel() + act_bytes,
                 2 * batch * inter * hidden,
                 H100_INT8_OPS,
+            )
+        )
+
+        # --- batched multi-LoRA on q|k|v: a decode batch over 4 adapters, rank 16 ------------
+        rank, num_slots = 16, 8
+        qkv_slices = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        x_lora = randn(batch, hidden)
+        lora_a = randn(num_slots, 3 * rank, hidden)
+        lora_b = randn(num_slots, sum(qkv_slices), rank)
+        y_base = randn(batch, sum(qkv_slices))
+        seg_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        seg_slots = (torch.arange(batch, device=device) % 4).int()
+        lora_scales = torch.full((num_slots,), 0.5, device=device)
+        lora_args = (x_lora, lora_a, lora_b, seg_starts, seg_slots, lora_scales)
+
+        def lora_triton(y_base=y_base, args=lora_args, out_slices=qkv_slices):  # type: ignore[no-untyped-def]
+            x, a, b, starts, slots, scales = args
+            y = y_base.clone()
+            v = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+            triton_lora.lora_shrink(x, a, starts, slots, v, max_segment_len=1)
+            triton_lora.lora_expand(v, b, starts, slots, scales, y, out_slices, max_segment_len=1)
+            return y
+
+        def lora_reference(y_base=y_base, args=lora_args, out_slices=qkv_slices):  # type: ignore[no-untyped-def]
+            y = y_base.clone()
+            lora_torch.lora_apply(*args, y, out_slices)
+            return y
+
+        adapters = min(batch, 4)
+        cases.append(
+            Case(
+                "lora shrink + expand",
+                f"B={batch} adapters={adapters} r={rank} q|k|v",
+                lora_triton,
+                lora_reference,
+                paired(lora_triton, lora_reference),
+                adapters * (lora_a[0].numel() + lora_b[0].numel()) * elt + 2 * y_base.numel() * elt,
+                2 * batch * rank * (3 * hidden + sum(qkv_slices)),
             )
         )
 

@@ -1,5 +1,5 @@
-"""Builds the attention and KV-write kernels of kernels/csrc with other compile flags, as a
-library of their own, and checks it against the torch references.
+"""Builds the attention, KV-write, token-bitmask and LoRA kernels of kernels/csrc with other
+compile flags, as a library of their own, and checks it against the torch references.
 
     python -m tests.kernels.cpu_kernel_variant scalar|avx512-emulated|avx2
 
@@ -25,6 +25,7 @@ SOURCES = [
     SOURCE_DIR / "paged_decode_attention.cpp",
     SOURCE_DIR / "write_kv_cache.cpp",
     SOURCE_DIR / "token_bitmask.cpp",
+    SOURCE_DIR / "lora.cpp",
 ]
 # variant -> (extra compiler flags, the ISA the kernels must then report)
 VARIANTS: dict[str, tuple[list[str], str]] = {
@@ -126,7 +127,33 @@ def check(variant: str) -> int:
                 cases += 1
     check_write(ops, seeded(variant, "many"), torch.bfloat16, torch.int8, 8, num_tokens=140)
     check_token_bitmask(ops, seeded(variant, "token bitmask"))
-    return cases + 2
+    return cases + 2 + check_lora(ops, variant)
+
+
+def check_lora(ops, variant: str) -> int:  # type: ignore[no-untyped-def]
+    """The LoRA shrink / expand / apply ops against kernels/lora_torch.py; returns cases run."""
+    from tests.kernels.cpu_extension_cases import seeded
+    from tests.kernels.lora_cases import LAYOUTS, RANKS, check_against_reference, make_case
+
+    def expand(v, b, starts, slots, scales, y, out_slices):  # type: ignore[no-untyped-def]
+        ops.lora_expand(v, b, starts, slots, scales, y, out_slices or [])
+
+    def apply(x, a, b, starts, slots, scales, y, out_slices):  # type: ignore[no-untyped-def]
+        ops.lora_apply(x, a, b, starts, slots, scales, y, out_slices or [])
+
+    cases = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for ranks in RANKS:
+            for layout in LAYOUTS:
+                for out_slices in (None, [48, 16, 16]):
+                    g = seeded(variant, "lora", dtype, ranks, layout, out_slices is None)
+                    case = make_case(layout, ranks, dtype, g, out_slices=out_slices)
+                    check_against_reference(case, ops.lora_shrink, expand, apply)
+                    cases += 1
+    g = seeded(variant, "lora tails")
+    case = make_case("mixed", "r16", torch.float32, g, in_features=100, out_features=203)
+    check_against_reference(case, ops.lora_shrink, expand, apply)
+    return cases + 1
 
 
 def main() -> None:

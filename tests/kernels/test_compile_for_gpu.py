@@ -45,5 +45,7 @@ def test_all_kernels_compile_for_sm90() -> None:
         "_quantize_rows_kernel",
         "_int8_gemm_kernel",
         "_prefill_kernel",
+        "_lora_shrink_kernel",
+        "_lora_expand_kernel",
     }
     assert set(compiled) == expected

@@ -1,8 +1,8 @@
-"""The C++ attention and KV-write kernels built other ways than this machine's main build: the
-portable scalar build (-DLLMSERVE_SCALAR_KERNELS), the AVX-512 backend on emulated intrinsics
-where the CPU lacks AVX-512, and the AVX2 backend where it has AVX-512. Each variant builds
-its own library in a subprocess (tests/kernels/cpu_kernel_variant.py), about a minute the
-first time; later runs reuse the cached build.
+"""The C++ attention, KV-write and LoRA kernels built other ways than this machine's main
+build: the portable scalar build (-DLLMSERVE_SCALAR_KERNELS), the AVX-512 backend on emulated
+intrinsics where the CPU lacks AVX-512, and the AVX2 backend where it has AVX-512. Each variant
+builds its own library in a subprocess (tests/kernels/cpu_kernel_variant.py), about a minute
+the first time; later runs reuse the cached build.
 """
 
 from __future__ import annotations
