@@ -115,7 +115,9 @@ class LoraAdapters:
         if self.max_loras == 0:
             raise LoraConflictError("this worker has no LoRA slots (max_loras is 0)")
         if name in self._loaded:
-            raise LoraConflictError(f"adapter {name!r} is loaded already; unload it first")
+            raise LoraConflictError(
+                f"adapter {name!r} is loaded already; unload it first", already_loaded=True
+            )
         started = time.perf_counter()
         adapter = read_adapter(name, path, self.arch)
         check_adapter(adapter, self.arch, self.max_lora_rank)

@@ -17,3 +17,7 @@ class LoraNotFoundError(NotFoundError):
 class LoraConflictError(LLMServeError):
     """The adapters' state refuses the call: a name already loaded, an adapter in use by a
     running sequence, no slot free, or a worker without slots."""
+
+    def __init__(self, message: str, *, already_loaded: bool = False) -> None:
+        super().__init__(message)
+        self.already_loaded = already_loaded
