@@ -51,6 +51,7 @@ from services.common.serving_config import (
     DebugConfig,
     DeviceConfig,
     InternalConfig,
+    LoraConfig,
     ModelConfig,
     PublicConfig,
     RuntimeConfig,
@@ -71,6 +72,7 @@ class StackConfig(
     StepLoopConfig,
     RuntimeConfig,
     SpeculationConfig,
+    LoraConfig,
     PublicConfig,
     ChatConfig,
     InternalConfig,
@@ -113,6 +115,7 @@ class StackConfig(
     def __post_init__(self) -> None:
         self.check_public()
         self.check_speculation()
+        self.check_lora()
 
 
 CHILD_GROUPS: dict[str, tuple[type, ...]] = {
@@ -123,6 +126,7 @@ CHILD_GROUPS: dict[str, tuple[type, ...]] = {
         BatchingConfig,
         RuntimeConfig,
         SpeculationConfig,
+        LoraConfig,
         InternalConfig,
     ),
     "scheduler": (BatchingConfig, StepLoopConfig, SpeculationConfig, InternalConfig, DebugConfig),

@@ -13,6 +13,7 @@ children unchanged (services.common.config_flags.config_argv).
     StepLoopConfig  scheduler (server), stack
     RuntimeConfig   worker, engine, stack
     SpeculationConfig scheduler (core and server), worker, engine, stack
+    LoraConfig      worker, engine, stack
     PublicConfig    tokenizer, stack
     InternalConfig  tokenizer, scheduler (server), worker, stack
 
@@ -179,6 +180,37 @@ class SpeculationConfig:
             raise ValueError(
                 "need 1 <= speculative_ngram_min_n <= speculative_ngram_max_n, got "
                 f"{self.speculative_ngram_min_n} and {self.speculative_ngram_max_n}"
+            )
+
+
+MAX_LORA_RANK = 64
+"""The largest max_lora_rank a worker accepts."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters of the one base model (services/worker/lora/): how many a step may mix,
+    how large they may be, and how many stay loaded in host memory."""
+
+    max_loras: int = 4
+    """Adapters held on the device at once (slots): one batch mixes at most this many. The
+    slots' memory is taken when the first adapter is loaded; 0 = no adapters."""
+    max_lora_rank: int = 16
+    """Largest rank an adapter may have (up to 64); the slots are padded to it."""
+    max_cpu_loras: int = 8
+    """Adapters kept in host memory (least recently used forgotten first; read again from
+    their file when a sequence needs them); at least max_loras."""
+
+    def check_lora(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(
+                f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}"
+            )
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
 
 

@@ -53,6 +53,10 @@ class NewSequence:
     num_computed_tokens: int
     """Tokens whose KV is already in the cache (prefix-cache hit)."""
     sampling: SamplingParams
+    lora_name: str = ""
+    """The LoRA adapter the sequence runs with (loaded on the worker); empty = the base
+    model. An adapter the worker cannot serve fails this sequence alone
+    (StepResult.failed_sequences)."""
 
 
 @dataclass(slots=True)
@@ -129,6 +133,10 @@ class StepResult:
     num_proposed_drafts: dict[str, int] = field(default_factory=dict)
     """Draft tokens verified per speculating sequence (0 to its slots: the context may offer
     no guess); only sequences that proposed any."""
+    failed_sequences: dict[str, str] = field(default_factory=dict)
+    """New sequences the worker could not take on (their LoRA adapter is not loaded, or no
+    adapter slot is free), with the reason: they were left out of the step and every later
+    one until the scheduler drops them (finished_request_ids)."""
 
     def token_ids(self, request_id: str) -> list[int]:
         """Every token the step emitted for a sequence, in order ([] if none)."""

@@ -25,3 +25,7 @@ class WorkerDescription:
     sliding_window: int = 0
     """The window every layer attends through (a query at p sees keys p - W < j <= p), 0 when
     some layer sees the whole context: the scheduler frees blocks before it, never read."""
+    max_loras: int = 0
+    """LoRA adapters one step may mix (the worker's device slots); 0 = no adapters."""
+    max_lora_rank: int = 0
+    """Largest rank of an adapter the worker loads."""

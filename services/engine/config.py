@@ -9,6 +9,7 @@ from services.common.serving_config import (
     ChatConfig,
     DebugConfig,
     DeviceConfig,
+    LoraConfig,
     ModelConfig,
     RuntimeConfig,
     SpeculationConfig,
@@ -25,6 +26,7 @@ class EngineConfig(
     BatchingConfig,
     RuntimeConfig,
     SpeculationConfig,
+    LoraConfig,
     DeviceConfig,
     DebugConfig,
 ):
@@ -48,3 +50,4 @@ class EngineConfig(
         check_kv_cache_group_size(self.kv_cache_group_size)
         check_quantization(self.quantization)
         self.check_speculation()
+        self.check_lora()

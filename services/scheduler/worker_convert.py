@@ -23,6 +23,8 @@ def worker_description_from_proto(message: worker_pb2.WorkerDescription) -> Work
         quantization=message.quantization,
         worker_epoch=message.worker_epoch,
         sliding_window=message.sliding_window,
+        max_loras=message.max_loras,
+        max_lora_rank=message.max_lora_rank,
     )
 
 
@@ -42,6 +44,7 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
                 block_ids=seq.block_ids,
                 num_computed_tokens=seq.num_computed_tokens,
                 sampling=sampling_to_proto(seq.sampling),
+                lora_name=seq.lora_name,
             )
             for seq in plan.new_sequences
         ],
@@ -75,4 +78,5 @@ def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
         num_proposed_drafts={
             request_id: outcome.num_proposed for request_id, outcome in message.drafts.items()
         },
+        failed_sequences=dict(message.failed_sequences),
     )

@@ -10,6 +10,7 @@ from services.common.serving_config import (
     BatchingConfig,
     DeviceConfig,
     InternalConfig,
+    LoraConfig,
     ModelConfig,
     RuntimeConfig,
     SpeculationConfig,
@@ -32,6 +33,7 @@ class WorkerConfig(
     BatchingConfig,
     RuntimeConfig,
     SpeculationConfig,
+    LoraConfig,
     InternalConfig,
 ):
     """The shared groups (services.common.serving_config) plus what only the worker has. Of
@@ -54,6 +56,7 @@ class WorkerConfig(
         check_kv_cache_group_size(self.kv_cache_group_size)
         check_quantization(self.quantization)
         self.check_speculation()
+        self.check_lora()
 
 
 def resolve_dtype(name: str, device: str, *, gguf_blocks: bool = False) -> torch.dtype:

@@ -8,6 +8,7 @@ from services.common.model_description_proto import description_to_proto
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.step import BatchPlan, NewSequence, SequenceDelta, StepResult
 from services.contracts.worker_description import WorkerDescription
+from services.worker.lora.adapters import LoraAdapterInfo
 
 
 def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.WorkerDescription:
@@ -22,6 +23,8 @@ def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.Wo
         quantization=description.quantization,
         worker_epoch=description.worker_epoch,
         sliding_window=description.sliding_window,
+        max_loras=description.max_loras,
+        max_lora_rank=description.max_lora_rank,
     )
 
 
@@ -36,6 +39,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
                 block_ids=list(seq.block_ids),
                 num_computed_tokens=seq.num_computed_tokens,
                 sampling=sampling_from_proto(seq.sampling),
+                lora_name=seq.lora_name,
             )
             for seq in message.new_sequences
         ],
@@ -73,4 +77,18 @@ def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOut
         outcome = message.drafts[request_id]
         outcome.num_proposed = num_proposed
         outcome.accepted_token_ids.extend(result.accepted_draft_ids.get(request_id, ()))
+    message.failed_sequences.update(result.failed_sequences)
     return message
+
+
+def lora_adapter_info_to_proto(info: LoraAdapterInfo) -> worker_pb2.LoraAdapterInfo:
+    return worker_pb2.LoraAdapterInfo(
+        name=info.name,
+        path=info.path,
+        rank=info.rank,
+        targets=list(info.targets),
+        scaling=info.scaling,
+        load_ms=info.load_ms,
+        slot=info.slot,
+        num_running=info.num_running,
+    )

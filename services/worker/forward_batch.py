@@ -11,8 +11,12 @@ earlier tokens are in the KV cache; everything else takes the prefill path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.worker.lora.batch import LoraBatch
 
 
 @dataclass(slots=True)
@@ -44,6 +48,9 @@ class ForwardBatch:
     chunked or what it was batched with."""
     token_context_lens: torch.Tensor | None = None
     """[T] int32 keys each token sees (its position + 1; its own K/V is written first)."""
+    lora: LoraBatch | None = None
+    """The rows' LoRA adapters (services/worker/lora/batch.py), set only when some row has
+    one: each projection then adds its rows' deltas. None costs nothing."""
 
     @classmethod
     def for_decode(

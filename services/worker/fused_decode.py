@@ -183,7 +183,8 @@ class FusedDecode:
 
     @staticmethod
     def can_run(batch: ForwardBatch) -> bool:
-        return batch.num_prefill_tokens == 0 and batch.input_ids.shape[0] > 0
+        """Pure-decode batches without LoRA rows (those run eagerly for now)."""
+        return batch.num_prefill_tokens == 0 and batch.input_ids.shape[0] > 0 and batch.lora is None
 
     def run(self, batch: ForwardBatch) -> Tensor:
         """Logits [B, vocab] (fp32) of a pure-decode batch."""

@@ -51,6 +51,11 @@ class StepInputs:
     forward.logits_indices: one row of logits each, then one more per draft."""
     drafts: dict[str, list[int]] = field(default_factory=dict)
     """Draft tokens each speculating sequence verifies this step (its rows follow its first)."""
+    sequences: list[CachedSequence] = field(default_factory=list)
+    """Every scheduled sequence in token order (prefills, then decodes)."""
+    row_counts: list[int] = field(default_factory=list)
+    """Rows of each of `sequences` (tokens, drafts included): with them, a per-sequence
+    table over the rows (LoRA segments) is built."""
 
 
 class InputBatch:
@@ -201,7 +206,13 @@ class InputBatch:
         if self.per_token_attention:
             forward.token_block_tables = self._tensor(np.ascontiguousarray(block_table[token_rows]))
             forward.token_context_lens = self._tensor((all_positions + 1).astype(np.int32))
-        return StepInputs(forward=forward, sampled_request_ids=sampled_request_ids, drafts=drafts)
+        return StepInputs(
+            forward=forward,
+            sampled_request_ids=sampled_request_ids,
+            drafts=drafts,
+            sequences=seqs,
+            row_counts=counts,
+        )
 
     def advance(
         self,

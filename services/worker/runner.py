@@ -18,6 +18,7 @@ from services.worker.host_memory import keep_freed_memory
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.loaded_model import LoadedModel
+from services.worker.lora.adapters import LoraAdapters
 from services.worker.model.causal_lm import CausalLM
 from services.worker.python_gc import freeze_loaded_objects
 from services.worker.quantization.formats import check_kv_cache_group_size
@@ -46,6 +47,9 @@ class RunnerSettings(Protocol):
     deterministic: bool
     speculative_ngram_min_n: int
     speculative_ngram_max_n: int
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
 
 
 class ModelRunner:
@@ -61,6 +65,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         grammar_compiler: GrammarCompiler | None = None,
         ngram_sizes: tuple[int, int] = (2, 4),
+        adapters: LoraAdapters | None = None,
     ) -> None:
         if kv_cache.storage.device.type == "cpu":
             keep_freed_memory()
@@ -84,6 +89,15 @@ class ModelRunner:
         self.grammars = GrammarMatchers(grammar_compiler) if grammar_compiler else None
         """Structured output's matchers (None: a runner without a tokenizer, which refuses
         nothing and constrains nothing)."""
+        self.adapters = adapters or LoraAdapters(
+            model.architecture,
+            model.norm.dtype,
+            self.device,
+            max_loras=0,
+            max_lora_rank=1,
+            max_cpu_loras=0,
+        )
+        """LoRA adapters: loaded by name, resolved per new sequence, applied per row."""
         freeze_loaded_objects()
 
     @classmethod
@@ -102,6 +116,9 @@ class ModelRunner:
         fused_decode: bool = True,
         batch_invariant: bool = False,
         ngram_sizes: tuple[int, int] = (2, 4),
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int = 0,
     ) -> ModelRunner:
         """A runner with a KV cache of as many blocks as `kv_cache_bytes` holds (an int8 cache
         holds more: its blocks are smaller).
@@ -114,7 +131,10 @@ class ModelRunner:
         `batch_invariant`: batch-invariant layers and attention, every step eager (a fused or
         compiled decode rounds differently from the eager ops a mixed step runs, so a token
         would depend on whether its step held a prefill): the --deterministic flag
-        (services/worker/batch_invariance.py)."""
+        (services/worker/batch_invariance.py).
+
+        `max_loras` device slots hold LoRA adapters of up to `max_lora_rank`, `max_cpu_loras`
+        stay in host memory (services/worker/lora/); steps with adapter rows run eagerly."""
         spec = KVCacheSpec.for_model(
             loaded.model.architecture,
             block_size,
@@ -146,6 +166,14 @@ class ModelRunner:
             fused_decode=fused,
             batch_invariant=batch_invariant,
             ngram_sizes=ngram_sizes,
+            adapters=LoraAdapters(
+                loaded.model.architecture,
+                loaded.dtype,
+                loaded.device,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max(max_cpu_loras, max_loras),
+            ),
             grammar_compiler=GrammarCompiler(
                 loaded.tokenizer.tokenizer.to_str(),
                 loaded.model.architecture.vocab_size,
@@ -171,6 +199,9 @@ class ModelRunner:
             fused_decode=settings.fused_decode,
             batch_invariant=settings.deterministic,
             ngram_sizes=(settings.speculative_ngram_min_n, settings.speculative_ngram_max_n),
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
+            max_cpu_loras=settings.max_cpu_loras,
         )
 
     def compile_step_graphs(self, show_progress: bool = True) -> None:
@@ -188,6 +219,7 @@ class ModelRunner:
         self.batch = self._new_batch()
         if self.grammars is not None:
             self.grammars.clear()
+        self.adapters.reset()
 
     def _new_batch(self) -> InputBatch:
         return InputBatch(
@@ -199,17 +231,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
+        # A sequence whose adapter cannot be served fails alone, and is left out of the plan.
+        plan, failed = self.adapters.admit(plan)
         self.batch.apply(plan)
         grammars = self.grammars
         if grammars is not None:
             grammars.apply(plan)
         self.kv_cache.copy_blocks(plan.block_copies)
-        result = StepResult(step_id=plan.step_id)
+        result = StepResult(step_id=plan.step_id, failed_sequences=failed)
         self.last_step_mode = "eager"
         if plan.is_empty:
             return result
         drafts = self.batch.propose_drafts(plan) if plan.draft_slots else {}
         inputs = self.batch.prepare(plan, drafts)
+        if self.adapters.num_running:
+            inputs.forward.lora = self.adapters.batch_for(
+                [seq.request_id for seq in inputs.sequences], inputs.row_counts, self.device
+            )
         sampled: dict[str, int] = {}
         accepted: dict[str, list[int]] = {}
         if drafts:

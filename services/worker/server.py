@@ -20,7 +20,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import torch
@@ -37,8 +38,14 @@ from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.contracts.worker_description import WorkerDescription
 from services.worker import metrics
 from services.worker.config import WorkerConfig, resolve_dtype
-from services.worker.convert import plan_from_proto, result_to_proto, worker_description_to_proto
+from services.worker.convert import (
+    lora_adapter_info_to_proto,
+    plan_from_proto,
+    result_to_proto,
+    worker_description_to_proto,
+)
 from services.worker.loaded_model import LoadedModel
+from services.worker.lora.errors import LoraAdapterError, LoraConflictError, LoraNotFoundError
 from services.worker.quantization.formats import serves_gguf_blocks
 from services.worker.runner import ModelRunner, StepMode
 
@@ -102,8 +109,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             quantization=loaded.quantization,
             worker_epoch=self.epoch,
             sliding_window=loaded.model.architecture.largest_window,
+            max_loras=runner.adapters.max_loras,
+            max_lora_rank=runner.adapters.max_lora_rank,
         )
         return worker_description_to_proto(description)
+
+    async def LoadLoraAdapter(
+        self, request: worker_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoraAdapterInfo:
+        """Read, check and place an adapter on the forward thread: the slots it writes are the
+        ones the steps read (a rank-16 adapter of the embedded model: tens of ms)."""
+        _, runner = await self._ready(context)
+        try:
+            info = await self.on_forward_thread(
+                runner.adapters.load, request.name, Path(request.path)
+            )
+        except (LoraAdapterError, LoraNotFoundError, LoraConflictError) as exc:
+            await _abort_lora(context, exc)
+        return lora_adapter_info_to_proto(info)
+
+    async def UnloadLoraAdapter(
+        self, request: worker_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UnloadLoraAdapterResponse:
+        _, runner = await self._ready(context)
+        try:
+            await self.on_forward_thread(runner.adapters.unload, request.name)
+        except (LoraAdapterError, LoraNotFoundError, LoraConflictError) as exc:
+            await _abort_lora(context, exc)
+        return worker_pb2.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(
+        self, request: worker_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ListLoraAdaptersResponse:
+        _, runner = await self._ready(context)
+        adapters = await self.on_forward_thread(runner.adapters.list)
+        return worker_pb2.ListLoraAdaptersResponse(
+            adapters=[lora_adapter_info_to_proto(info) for info in adapters]
+        )
 
     async def PrepareGrammar(
         self, request: worker_pb2.PrepareGrammarRequest, context: grpc.aio.ServicerContext
@@ -235,6 +277,21 @@ class TimedResult:
     mode: StepMode
     """Read on the forward thread: by the time the event loop sees this result, the runner
     may be running the next step."""
+
+
+async def _abort_lora(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    """An adapter call's error as its gRPC status: INVALID_ARGUMENT for an adapter that does
+    not fit (the field named), NOT_FOUND, ALREADY_EXISTS for a loaded name, and
+    FAILED_PRECONDITION for an adapter in use or a worker without slots."""
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, LoraAdapterError):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(exc, LoraNotFoundError):
+        code = grpc.StatusCode.NOT_FOUND
+    elif isinstance(exc, LoraConflictError) and exc.already_loaded:
+        code = grpc.StatusCode.ALREADY_EXISTS
+    await context.abort(code, str(exc))
+    raise AssertionError("unreachable")  # abort raises
 
 
 def _timed_step(runner: ModelRunner, plan: BatchPlan) -> TimedResult:

@@ -148,9 +148,11 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Pure-decode steps that fit a compiled bucket (prefill and mixed steps run eagerly)."""
+        """Pure-decode steps that fit a compiled bucket (prefill and mixed steps, and steps with
+        LoRA rows, run eagerly)."""
         return (
-            batch.num_prefill_tokens == 0
+            batch.lora is None
+            and batch.num_prefill_tokens == 0
             and batch.input_ids.shape[0] <= self.max_bucket
             and batch.decode_block_tables.shape[1] <= self.max_blocks_per_seq
         )

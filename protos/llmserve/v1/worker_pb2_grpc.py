@@ -49,6 +49,21 @@ class WorkerStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.Worker/LoadLoraAdapter',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.LoraAdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.Worker/UnloadLoraAdapter',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/llmserve.v1.Worker/ListLoraAdapters',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -74,6 +89,28 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters of the served model (services/worker/lora/). Load: a PEFT directory or a
+        GGUF LoRA file on the worker's machine; INVALID_ARGUMENT naming the field when it does
+        not fit the model, ALREADY_EXISTS for a loaded name, FAILED_PRECONDITION without slots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """NOT_FOUND for an unknown name; FAILED_PRECONDITION while a running sequence uses it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +128,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PrepareGrammar,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.LoraAdapterInfo.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +226,87 @@ class Worker:
             '/llmserve.v1.Worker/PrepareGrammar',
             protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_worker__pb2.PrepareGrammarResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Worker/LoadLoraAdapter',
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.LoraAdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Worker/UnloadLoraAdapter',
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Worker/ListLoraAdapters',
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

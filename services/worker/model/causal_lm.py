@@ -4,7 +4,9 @@ A family's differences are switches of `ModelArchitecture` (services/worker/mode
 architecture.py): norms before and/or after each block, QK-norm, GELU or SiLU gating,
 per-layer sliding windows and ropes, soft-capping, multipliers. Projections are fused
 (q|k|v and gate|up) so a layer runs four matmuls. Every non-matmul op goes through
-`kernels.ops`, which picks torch (CPU) or Triton (CUDA) in one place.
+`kernels.ops`, which picks torch (CPU) or Triton (CUDA) in one place. A batch whose rows use
+LoRA adapters (`batch.lora`, services/worker/lora/) adds each row's delta to the output of each
+of the four.
 
 One layer (the residual stream is carried beside the block outputs, so each add fuses with
 the norm that follows it):
@@ -16,7 +18,7 @@ the norm that follows it):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +29,9 @@ from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import LayerKVCache
 from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.rope import cos_sin_cache
+
+if TYPE_CHECKING:
+    from services.worker.lora.batch import LoraBatch
 
 # key, value (+ key_scale, value_scale for an int8 cache), each [num_blocks, block_size, ...]
 KVCache = LayerKVCache
@@ -58,6 +63,7 @@ class Attention(nn.Module):
         self.eps = arch.rms_norm_eps
         self.sliding_window = arch.sliding_window(layer)
         self.logit_softcap = arch.attn_logit_softcap
+        self.layer = layer
         self.uses_rope = arch.uses_rope(layer)
         self.qk_norm = arch.qk_norm
         self.qkv_proj = nn.Linear(
@@ -76,6 +82,8 @@ class Attention(nn.Module):
     ) -> Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if batch.lora is not None:
+            batch.lora.add(self.layer, "qkv", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "across_heads":
             assert self.q_norm is not None and self.k_norm is not None
@@ -117,7 +125,11 @@ class Attention(nn.Module):
                     self._decode(q[num_prefill:], batch, kv_cache),
                 ]
             )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        projected = self.o_proj(out)
+        if batch.lora is not None:
+            batch.lora.add(self.layer, "o", out, projected)
+        return projected
 
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, batch: ForwardBatch, kv: KVCache) -> Tensor:
         return ops.prefill_attention(
@@ -169,16 +181,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArchitecture) -> None:
+    def __init__(self, arch: ModelArchitecture, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.gelu_tanh = arch.hidden_act == "gelu_tanh"
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, lora: LoraBatch | None = None) -> Tensor:
         gate_up = self.gate_up_proj(hidden)
+        if lora is not None:
+            lora.add(self.layer, "gate_up", hidden, gate_up)
         gated = ops.gelu_tanh_and_mul(gate_up) if self.gelu_tanh else ops.silu_and_mul(gate_up)
-        return self.down_proj(gated)
+        out = self.down_proj(gated)
+        if lora is not None:
+            lora.add(self.layer, "down", gated, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -192,7 +210,7 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = _norm_weight(hidden) if arch.post_norms else None
         self.mlp_out_norm = _norm_weight(hidden) if arch.post_norms else None
         self.self_attn = Attention(arch, layer)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, layer)
 
     def forward(
         self,
@@ -208,7 +226,7 @@ class DecoderLayer(nn.Module):
             self.self_attn(hidden, batch, kv_cache, rope), self.attn_out_norm
         )
         hidden, residual = self._add_norm(hidden, residual, self.mlp_norm)
-        return self._block_output(self.mlp(hidden), self.mlp_out_norm), residual
+        return self._block_output(self.mlp(hidden, batch.lora), self.mlp_out_norm), residual
 
     def _add_norm(
         self, hidden: Tensor, residual: Tensor | None, norm: Tensor | None

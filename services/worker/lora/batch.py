@@ -1,0 +1,68 @@
+"""What a forward batch with adapter rows carries: the segment table over its flattened tokens
+and the slots, and the one call each projection makes after its base product.
+
+    tokens     [ p0 p0 p0 | p1 p1 | d0 | d1 | d2 ]      (forward_batch.py's order)
+    adapter      slot 2     none    2    2    0
+    seg_starts [ 0,         3,      5,        7, 8 ]   runs of one slot (neighbours merged)
+    seg_slots  [ 2,         -1,     2,        0 ]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# The batched apply: kernels.ops's lora_apply has the same signature.
+from services.worker.lora import apply_torch as lora_ops
+from services.worker.lora.slots import LoraSlots
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    seg_starts: Tensor
+    """[segments + 1] int32 first token of each segment, then the number of tokens."""
+    seg_slots: Tensor
+    """[segments] int32 slot of each segment's adapter, -1 for the base model."""
+    slots: LoraSlots
+
+    def add(self, layer: int, projection: str, x: Tensor, y: Tensor) -> None:
+        """y += each row's adapter delta of `projection` in `layer` (y = base(x), in place)."""
+        lora_ops.lora_apply(
+            x,
+            self.slots.lora_a[projection][layer],
+            self.slots.lora_b[projection][layer],
+            self.seg_starts,
+            self.seg_slots,
+            self.slots.scales,
+            y,
+        )
+
+
+def segment_table(rows: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(seg_starts, seg_slots) of sequences given in token order as (number of rows, slot);
+    neighbours of one slot form one segment."""
+    starts = [0]
+    slots: list[int] = []
+    for num_rows, slot in rows:
+        if num_rows == 0:
+            continue
+        if slots and slots[-1] == slot:
+            starts[-1] += num_rows
+        else:
+            slots.append(slot)
+            starts.append(starts[-1] + num_rows)
+    return starts, slots
+
+
+def lora_batch(
+    rows: Sequence[tuple[int, int]], slots: LoraSlots, device: torch.device
+) -> LoraBatch:
+    starts, seg_slots = segment_table(rows)
+    return LoraBatch(
+        seg_starts=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+        seg_slots=torch.tensor(seg_slots, dtype=torch.int32).to(device, non_blocking=True),
+        slots=slots,
+    )
