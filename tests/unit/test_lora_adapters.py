@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kernels.lora_torch import lora_apply
 from protos.llmserve.v1 import worker_pb2
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 from services.worker.lora.adapters import LoraAdapters
-from services.worker.lora.apply_torch import lora_apply
 from services.worker.lora.batch import lora_batch, segment_table
 from services.worker.lora.errors import LoraAdapterError, LoraConflictError, LoraNotFoundError
 from services.worker.model.architecture import ModelArchitecture

@@ -7,5 +7,4 @@ against the base, kept in host memory and in device slots, and applied per batch
     slots.py         the device slots: stacked, zero-padded A and B per projection
     adapters.py      names -> host copies (LRU) -> slots; sequences -> slots; the segment table
     batch.py         what a forward batch carries, and the hook the projections call
-    apply_torch.py   the batched apply (torch reference of kernels' lora ops)
 """

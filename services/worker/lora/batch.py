@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# The batched apply: kernels.ops's lora_apply has the same signature.
-from services.worker.lora import apply_torch as lora_ops
+# The batched apply: the C++ op on CPU, Triton on GPU, kernels/lora_torch.py elsewhere.
+from kernels import ops as lora_ops
 from services.worker.lora.slots import LoraSlots
 
 
