@@ -12,7 +12,7 @@ import resource
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # The tables `llmserve estimate` prints too; every benchmark imports them from here.
@@ -227,3 +227,16 @@ def machine_header(torch_threads: int) -> str:
             f"torch threads: {torch_threads}; {load_average()}",
         ]
     )
+
+
+def time_ms(fn: Callable[[], object], budget_s: float) -> float:
+    """The fastest of the calls made in `budget_s` (at least 3, after one warm-up), in ms:
+    on a shared machine the minimum is the figure other processes disturb least."""
+    fn()
+    best, count, start = float("inf"), 0, time.perf_counter()
+    while count < 3 or time.perf_counter() - start < budget_s:
+        begin = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - begin)
+        count += 1
+    return best * 1e3

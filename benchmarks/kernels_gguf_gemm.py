@@ -21,7 +21,6 @@ from memory as a real step does.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks.common import time_ms
 from kernels import cpu_extension, quant_gemm_torch
 from kernels.gguf_blocks_torch import (
     BLOCK_BYTES,
@@ -109,19 +109,6 @@ def calls(shape: Shape, m: int, generator: torch.Generator) -> dict[str, Callabl
         "F.linear fp32": lambda: F.linear(x, weight),
         "w8a8": lambda: quant_gemm_torch.int8_gemm(x16, w_q, w_scale),
     }
-
-
-def time_ms(fn: Callable[[], Tensor], budget_s: float) -> float:
-    """The fastest of the calls made in `budget_s` (at least 3, after one warm-up), in ms:
-    on a shared machine the minimum is the figure other processes disturb least."""
-    fn()
-    best, count, start = float("inf"), 0, time.perf_counter()
-    while count < 3 or time.perf_counter() - start < budget_s:
-        begin = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - begin)
-        count += 1
-    return best * 1e3
 
 
 def measure(

@@ -15,13 +15,13 @@ the methods interleaved (a shared machine skews ratios less than absolute times)
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import time_ms
 from kernels import cpu_extension, lora_torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -45,17 +45,6 @@ def projections(hidden: int, intermediate: int, kv: int) -> tuple[Projection, ..
         Projection("gate_up", hidden, (intermediate, intermediate)),
         Projection("down", intermediate, (hidden,)),
     )
-
-
-def time_ms(fn: Callable[[], object], budget_s: float) -> float:
-    fn()
-    best, count, start = float("inf"), 0, time.perf_counter()
-    while count < 3 or time.perf_counter() - start < budget_s:
-        begin = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - begin)
-        count += 1
-    return best * 1e3
 
 
 def calls(
