@@ -222,3 +222,11 @@ def test_idle_tenants_are_forgotten_past_the_table_size() -> None:
         fair.note(tenant_requests(f"t{index}", 1, weight=2)[0], held)
     assert len(fair._weights) <= MAX_TENANTS
     assert fair.weight("busy") == 5
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_flag_reaches_the_scheduler_core(enabled: bool) -> None:
+    from services.scheduler.server_config import SchedulerServerConfig
+
+    config = SchedulerServerConfig(fair_share=enabled).scheduler_config(16, 2048)
+    assert config.fair_share is enabled
