@@ -67,10 +67,13 @@ class FairShare:
         """The waiting request to try next (None: none left): the first in the queue not
         passed over; with several tenants, the first of the tenant that would hold the fewest
         seats per weight with it (ties: the tenant whose request came first)."""
+        if not self.enabled or len(self._weights) <= 1:
+            # One tenant ever seen: the queue's order, with no list built per admission.
+            return next((r for r in waiting if r.request_id not in passed_over), None)
         candidates = [r for r in waiting if r.request_id not in passed_over]
         if not candidates:
             return None
-        if not self.enabled or self._single_tenant(candidates, running):
+        if self._single_tenant(candidates, running):
             return candidates[0]
         seats = Counter(request.tenant_id for request in running)
         firsts: dict[str, Request] = {}
