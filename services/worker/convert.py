@@ -3,7 +3,7 @@ place the worker touches protos; the scheduler's side is services/scheduler/work
 
 from __future__ import annotations
 
-from protos.llmserve.v1 import logprobs_pb2, worker_pb2
+from protos.llmserve.v1 import logprobs_pb2, lora_pb2, worker_pb2
 from services.common.model_description_proto import description_to_proto
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.step import BatchPlan, NewSequence, SequenceDelta, StepResult
@@ -81,8 +81,8 @@ def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOut
     return message
 
 
-def lora_adapter_info_to_proto(info: LoraAdapterInfo) -> worker_pb2.LoraAdapterInfo:
-    return worker_pb2.LoraAdapterInfo(
+def lora_adapter_info_to_proto(info: LoraAdapterInfo) -> lora_pb2.LoraAdapterInfo:
+    return lora_pb2.LoraAdapterInfo(
         name=info.name,
         path=info.path,
         rank=info.rank,

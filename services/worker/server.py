@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from kernels import cpu_extension
-from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.llmserve.v1 import lora_pb2, worker_pb2, worker_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
@@ -115,8 +115,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_description_to_proto(description)
 
     async def LoadLoraAdapter(
-        self, request: worker_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.LoraAdapterInfo:
+        self, request: lora_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> lora_pb2.LoraAdapterInfo:
         """Read, check and place an adapter on the forward thread: the slots it writes are the
         ones the steps read (a rank-16 adapter of the embedded model: tens of ms)."""
         _, runner = await self._ready(context)
@@ -129,21 +129,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return lora_adapter_info_to_proto(info)
 
     async def UnloadLoraAdapter(
-        self, request: worker_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.UnloadLoraAdapterResponse:
+        self, request: lora_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> lora_pb2.UnloadLoraAdapterResponse:
         _, runner = await self._ready(context)
         try:
             await self.on_forward_thread(runner.adapters.unload, request.name)
         except (LoraAdapterError, LoraNotFoundError, LoraConflictError) as exc:
             await _abort_lora(context, exc)
-        return worker_pb2.UnloadLoraAdapterResponse()
+        return lora_pb2.UnloadLoraAdapterResponse()
 
     async def ListLoraAdapters(
-        self, request: worker_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.ListLoraAdaptersResponse:
+        self, request: lora_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> lora_pb2.ListLoraAdaptersResponse:
         _, runner = await self._ready(context)
         adapters = await self.on_forward_thread(runner.adapters.list)
-        return worker_pb2.ListLoraAdaptersResponse(
+        return lora_pb2.ListLoraAdaptersResponse(
             adapters=[lora_adapter_info_to_proto(info) for info in adapters]
         )
 

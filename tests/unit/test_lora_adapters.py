@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from kernels.lora_torch import lora_apply
-from protos.llmserve.v1 import worker_pb2
+from protos.llmserve.v1 import lora_pb2
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 from services.worker.lora.adapters import LoraAdapters
@@ -334,7 +334,7 @@ async def control_calls(tmp_path: Path) -> None:
     dora = write_peft(tmp_path / "dora", use_dora=True)
     async with worker(runner) as stub:  # type: ignore[arg-type]
         info = await stub.LoadLoraAdapter(
-            worker_pb2.LoadLoraAdapterRequest(name="good", path=str(good))
+            lora_pb2.LoadLoraAdapterRequest(name="good", path=str(good))
         )
         assert (info.name, info.rank, info.slot) == ("good", 4, 0)
         assert list(info.targets)[:3] == ["q_proj", "k_proj", "v_proj"]
@@ -343,7 +343,7 @@ async def control_calls(tmp_path: Path) -> None:
         for name, path in (("good", good), ("dora", dora), ("gone", tmp_path / "missing")):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.LoadLoraAdapter(
-                    worker_pb2.LoadLoraAdapterRequest(name=name, path=str(path))
+                    lora_pb2.LoadLoraAdapterRequest(name=name, path=str(path))
                 )
             codes.append(refused.value.code())
         assert codes == [
@@ -351,17 +351,17 @@ async def control_calls(tmp_path: Path) -> None:
             grpc.StatusCode.INVALID_ARGUMENT,
             grpc.StatusCode.INVALID_ARGUMENT,
         ]
-        listed = await stub.ListLoraAdapters(worker_pb2.ListLoraAdaptersRequest())
+        listed = await stub.ListLoraAdapters(lora_pb2.ListLoraAdaptersRequest())
         assert [a.name for a in listed.adapters] == ["good"]
 
         runner.adapters.admit(BatchPlan(0, new_sequences=[new_sequence("r", "good")]))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.UnloadLoraAdapter(worker_pb2.UnloadLoraAdapterRequest(name="good"))
+            await stub.UnloadLoraAdapter(lora_pb2.UnloadLoraAdapterRequest(name="good"))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         runner.adapters.admit(BatchPlan(1, finished_request_ids=["r"]))
-        await stub.UnloadLoraAdapter(worker_pb2.UnloadLoraAdapterRequest(name="good"))
+        await stub.UnloadLoraAdapter(lora_pb2.UnloadLoraAdapterRequest(name="good"))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.UnloadLoraAdapter(worker_pb2.UnloadLoraAdapterRequest(name="good"))
+            await stub.UnloadLoraAdapter(lora_pb2.UnloadLoraAdapterRequest(name="good"))
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND
 
 

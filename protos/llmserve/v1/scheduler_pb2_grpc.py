@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.llmserve.v1 import lora_pb2 as protos_dot_llmserve_dot_v1_dot_lora__pb2
 from protos.llmserve.v1 import model_pb2 as protos_dot_llmserve_dot_v1_dot_model__pb2
 from protos.llmserve.v1 import scheduler_pb2 as protos_dot_llmserve_dot_v1_dot_scheduler__pb2
 
@@ -65,6 +66,21 @@ class SchedulerStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.Scheduler/LoadLoraAdapter',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoraAdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.Scheduler/UnloadLoraAdapter',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/llmserve.v1.Scheduler/ListLoraAdapters',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -114,6 +130,28 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters on this scheduler's worker (services/scheduler/lora_registry.py). Load:
+        ALREADY_EXISTS for a loaded name, INVALID_ARGUMENT naming what does not fit the model.
+        Unload: new requests naming it get NOT_FOUND at once; the call returns once the requests
+        that hold it have finished and the worker has dropped it. Reloaded onto a restarted worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +184,21 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.CancelChoice,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceRequest.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoraAdapterInfo.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +363,87 @@ class Scheduler:
             '/llmserve.v1.Scheduler/CancelChoice',
             protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/LoadLoraAdapter',
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.LoraAdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/UnloadLoraAdapter',
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/ListLoraAdapters',
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,11 +23,12 @@ _sym_db = _symbol_database.Default()
 
 
 from protos.llmserve.v1 import logprobs_pb2 as protos_dot_llmserve_dot_v1_dot_logprobs__pb2
+from protos.llmserve.v1 import lora_pb2 as protos_dot_llmserve_dot_v1_dot_lora__pb2
 from protos.llmserve.v1 import sampling_pb2 as protos_dot_llmserve_dot_v1_dot_sampling__pb2
 
 from protos.llmserve.v1.logprobs_pb2 import *
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/llmserve/v1/text.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a!protos/llmserve/v1/sampling.proto\"m\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.llmserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"M\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\x87\x01\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.llmserve.v1.ToolChoice.Mode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"6\n\x04Mode\x12\x08\n\x04\x41UTO\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\x0c\n\x08REQUIRED\x10\x02\x12\x0c\n\x08\x46UNCTION\x10\x03\"\x9b\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x05\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\x05\x12\x0e\n\x01n\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\x12#\n\x16num_speculative_tokens\x18\x13 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\x04\n\x02_nB\x19\n\x17_num_speculative_tokens\"\x80\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x13\n\x0bprompt_name\x18\x08 \x01(\t\x12\x11\n\ttenant_id\x18\t \x01(\t\x12 \n\x05tools\x18\n \x03(\x0b\x32\x11.llmserve.v1.Tool\x12,\n\x0btool_choice\x18\x0b \x01(\x0b\x32\x17.llmserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0c \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xc2\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.llmserve.v1.Timings\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\x12\x16\n\x0ereasoning_text\x18\t \x01(\t\x12.\n\ntool_calls\x18\n \x03(\x0b\x32\x1a.llmserve.v1.ToolCallDelta\x12\x14\n\x0cmatched_stop\x18\x0b \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"g\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"\x81\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo\"^\n\x15RegisterPromptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rsystem_prompt\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\r\x12\x11\n\ttenant_id\x18\x04 \x01(\t\"~\n\x10RegisteredPrompt\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x65xpires_unix_s\x18\x03 \x01(\x01\x12\x1d\n\x15num_pinned_schedulers\x18\x04 \x01(\r\x12\x11\n\ttenant_id\x18\x05 \x01(\t\"\'\n\x12ListPromptsRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\"E\n\x13ListPromptsResponse\x12.\n\x07prompts\x18\x01 \x03(\x0b\x32\x1d.llmserve.v1.RegisteredPrompt\"6\n\x13\x44\x65letePromptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\"\'\n\x14\x44\x65letePromptResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xbe\x04\n\x0eTextGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmserve.v1.DetokenizeRequest\x1a\x1f.llmserve.v1.DetokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponse\x12S\n\x0eRegisterPrompt\x12\".llmserve.v1.RegisterPromptRequest\x1a\x1d.llmserve.v1.RegisteredPrompt\x12P\n\x0bListPrompts\x12\x1f.llmserve.v1.ListPromptsRequest\x1a .llmserve.v1.ListPromptsResponse\x12S\n\x0c\x44\x65letePrompt\x12 .llmserve.v1.DeletePromptRequest\x1a!.llmserve.v1.DeletePromptResponseP\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/llmserve/v1/text.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a\x1dprotos/llmserve/v1/lora.proto\x1a!protos/llmserve/v1/sampling.proto\"m\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.llmserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"M\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\x87\x01\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.llmserve.v1.ToolChoice.Mode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"6\n\x04Mode\x12\x08\n\x04\x41UTO\x10\x00\x12\x08\n\x04NONE\x10\x01\x12\x0c\n\x08REQUIRED\x10\x02\x12\x0c\n\x08\x46UNCTION\x10\x03\"\x9b\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x05\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.llmserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\x05\x12\x0e\n\x01n\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\x38\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\x12#\n\x16num_speculative_tokens\x18\x13 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\x04\n\x02_nB\x19\n\x17_num_speculative_tokens\"\x80\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x13\n\x0bprompt_name\x18\x08 \x01(\t\x12\x11\n\ttenant_id\x18\t \x01(\t\x12 \n\x05tools\x18\n \x03(\x0b\x32\x11.llmserve.v1.Tool\x12,\n\x0btool_choice\x18\x0b \x01(\x0b\x32\x17.llmserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0c \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xc2\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmserve.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.llmserve.v1.Timings\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\x12\x16\n\x0ereasoning_text\x18\t \x01(\t\x12.\n\ntool_calls\x18\n \x03(\x0b\x32\x1a.llmserve.v1.ToolCallDelta\x12\x14\n\x0cmatched_stop\x18\x0b \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"g\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"\x91\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\x12\x0e\n\x06parent\x18\x07 \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo\"^\n\x15RegisterPromptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rsystem_prompt\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\r\x12\x11\n\ttenant_id\x18\x04 \x01(\t\"~\n\x10RegisteredPrompt\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x65xpires_unix_s\x18\x03 \x01(\x01\x12\x1d\n\x15num_pinned_schedulers\x18\x04 \x01(\r\x12\x11\n\ttenant_id\x18\x05 \x01(\t\"\'\n\x12ListPromptsRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\"E\n\x13ListPromptsResponse\x12.\n\x07prompts\x18\x01 \x03(\x0b\x32\x1d.llmserve.v1.RegisteredPrompt\"6\n\x13\x44\x65letePromptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\"\'\n\x14\x44\x65letePromptResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xd9\x06\n\x0eTextGeneration\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmserve.v1.DetokenizeRequest\x1a\x1f.llmserve.v1.DetokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponse\x12S\n\x0eRegisterPrompt\x12\".llmserve.v1.RegisterPromptRequest\x1a\x1d.llmserve.v1.RegisteredPrompt\x12P\n\x0bListPrompts\x12\x1f.llmserve.v1.ListPromptsRequest\x1a .llmserve.v1.ListPromptsResponse\x12S\n\x0c\x44\x65letePrompt\x12 .llmserve.v1.DeletePromptRequest\x1a!.llmserve.v1.DeletePromptResponse\x12T\n\x0fLoadLoraAdapter\x12#.llmserve.v1.LoadLoraAdapterRequest\x1a\x1c.llmserve.v1.LoraAdapterInfo\x12\x62\n\x11UnloadLoraAdapter\x12%.llmserve.v1.UnloadLoraAdapterRequest\x1a&.llmserve.v1.UnloadLoraAdapterResponse\x12_\n\x10ListLoraAdapters\x12$.llmserve.v1.ListLoraAdaptersRequest\x1a%.llmserve.v1.ListLoraAdaptersResponseP\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,56 +37,56 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_CHATMESSAGE']._serialized_start=116
-  _globals['_CHATMESSAGE']._serialized_end=225
-  _globals['_TOOLCALL']._serialized_start=227
-  _globals['_TOOLCALL']._serialized_end=282
-  _globals['_TOOL']._serialized_start=284
-  _globals['_TOOL']._serialized_end=361
-  _globals['_TOOLCHOICE']._serialized_start=364
-  _globals['_TOOLCHOICE']._serialized_end=499
-  _globals['_TOOLCHOICE_MODE']._serialized_start=445
-  _globals['_TOOLCHOICE_MODE']._serialized_end=499
-  _globals['_SAMPLINGPARAMS']._serialized_start=502
-  _globals['_SAMPLINGPARAMS']._serialized_end=1297
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1057
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1105
-  _globals['_GENERATEREQUEST']._serialized_start=1300
-  _globals['_GENERATEREQUEST']._serialized_end=1684
-  _globals['_USAGE']._serialized_start=1686
-  _globals['_USAGE']._serialized_end=1773
-  _globals['_TIMINGS']._serialized_start=1775
-  _globals['_TIMINGS']._serialized_end=1837
-  _globals['_GENERATERESPONSE']._serialized_start=1840
-  _globals['_GENERATERESPONSE']._serialized_end=2162
-  _globals['_TOOLCALLDELTA']._serialized_start=2164
-  _globals['_TOOLCALLDELTA']._serialized_end=2239
-  _globals['_TOKENIZEREQUEST']._serialized_start=2241
-  _globals['_TOKENIZEREQUEST']._serialized_end=2344
-  _globals['_TOKENIZERESPONSE']._serialized_start=2346
-  _globals['_TOKENIZERESPONSE']._serialized_end=2399
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2401
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2468
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2470
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2504
-  _globals['_LISTMODELSREQUEST']._serialized_start=2506
-  _globals['_LISTMODELSREQUEST']._serialized_end=2525
-  _globals['_MODELINFO']._serialized_start=2528
-  _globals['_MODELINFO']._serialized_end=2657
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2659
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2719
-  _globals['_REGISTERPROMPTREQUEST']._serialized_start=2721
-  _globals['_REGISTERPROMPTREQUEST']._serialized_end=2815
-  _globals['_REGISTEREDPROMPT']._serialized_start=2817
-  _globals['_REGISTEREDPROMPT']._serialized_end=2943
-  _globals['_LISTPROMPTSREQUEST']._serialized_start=2945
-  _globals['_LISTPROMPTSREQUEST']._serialized_end=2984
-  _globals['_LISTPROMPTSRESPONSE']._serialized_start=2986
-  _globals['_LISTPROMPTSRESPONSE']._serialized_end=3055
-  _globals['_DELETEPROMPTREQUEST']._serialized_start=3057
-  _globals['_DELETEPROMPTREQUEST']._serialized_end=3111
-  _globals['_DELETEPROMPTRESPONSE']._serialized_start=3113
-  _globals['_DELETEPROMPTRESPONSE']._serialized_end=3152
-  _globals['_TEXTGENERATION']._serialized_start=3155
-  _globals['_TEXTGENERATION']._serialized_end=3729
+  _globals['_CHATMESSAGE']._serialized_start=147
+  _globals['_CHATMESSAGE']._serialized_end=256
+  _globals['_TOOLCALL']._serialized_start=258
+  _globals['_TOOLCALL']._serialized_end=313
+  _globals['_TOOL']._serialized_start=315
+  _globals['_TOOL']._serialized_end=392
+  _globals['_TOOLCHOICE']._serialized_start=395
+  _globals['_TOOLCHOICE']._serialized_end=530
+  _globals['_TOOLCHOICE_MODE']._serialized_start=476
+  _globals['_TOOLCHOICE_MODE']._serialized_end=530
+  _globals['_SAMPLINGPARAMS']._serialized_start=533
+  _globals['_SAMPLINGPARAMS']._serialized_end=1328
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1088
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1136
+  _globals['_GENERATEREQUEST']._serialized_start=1331
+  _globals['_GENERATEREQUEST']._serialized_end=1715
+  _globals['_USAGE']._serialized_start=1717
+  _globals['_USAGE']._serialized_end=1804
+  _globals['_TIMINGS']._serialized_start=1806
+  _globals['_TIMINGS']._serialized_end=1868
+  _globals['_GENERATERESPONSE']._serialized_start=1871
+  _globals['_GENERATERESPONSE']._serialized_end=2193
+  _globals['_TOOLCALLDELTA']._serialized_start=2195
+  _globals['_TOOLCALLDELTA']._serialized_end=2270
+  _globals['_TOKENIZEREQUEST']._serialized_start=2272
+  _globals['_TOKENIZEREQUEST']._serialized_end=2375
+  _globals['_TOKENIZERESPONSE']._serialized_start=2377
+  _globals['_TOKENIZERESPONSE']._serialized_end=2430
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2432
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2499
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2501
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2535
+  _globals['_LISTMODELSREQUEST']._serialized_start=2537
+  _globals['_LISTMODELSREQUEST']._serialized_end=2556
+  _globals['_MODELINFO']._serialized_start=2559
+  _globals['_MODELINFO']._serialized_end=2704
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2706
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2766
+  _globals['_REGISTERPROMPTREQUEST']._serialized_start=2768
+  _globals['_REGISTERPROMPTREQUEST']._serialized_end=2862
+  _globals['_REGISTEREDPROMPT']._serialized_start=2864
+  _globals['_REGISTEREDPROMPT']._serialized_end=2990
+  _globals['_LISTPROMPTSREQUEST']._serialized_start=2992
+  _globals['_LISTPROMPTSREQUEST']._serialized_end=3031
+  _globals['_LISTPROMPTSRESPONSE']._serialized_start=3033
+  _globals['_LISTPROMPTSRESPONSE']._serialized_end=3102
+  _globals['_DELETEPROMPTREQUEST']._serialized_start=3104
+  _globals['_DELETEPROMPTREQUEST']._serialized_end=3158
+  _globals['_DELETEPROMPTRESPONSE']._serialized_start=3160
+  _globals['_DELETEPROMPTRESPONSE']._serialized_end=3199
+  _globals['_TEXTGENERATION']._serialized_start=3202
+  _globals['_TEXTGENERATION']._serialized_end=4059
 # @@protoc_insertion_point(module_scope)

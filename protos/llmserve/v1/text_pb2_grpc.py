@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.llmserve.v1 import lora_pb2 as protos_dot_llmserve_dot_v1_dot_lora__pb2
 from protos.llmserve.v1 import text_pb2 as protos_dot_llmserve_dot_v1_dot_text__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -69,6 +70,21 @@ class TextGenerationStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.TextGeneration/LoadLoraAdapter',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoraAdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.TextGeneration/UnloadLoraAdapter',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/llmserve.v1.TextGeneration/ListLoraAdapters',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -120,6 +136,26 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters (admin keys only when keys are configured): loaded on every scheduler's
+        worker, then named by `model` in Generate. ListModels lists them with their parent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +193,21 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.DeletePrompt,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptRequest.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoraAdapterInfo.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +399,87 @@ class TextGeneration:
             '/llmserve.v1.TextGeneration/DeletePrompt',
             protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_text__pb2.DeletePromptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.TextGeneration/LoadLoraAdapter',
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.LoraAdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.TextGeneration/UnloadLoraAdapter',
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.TextGeneration/ListLoraAdapters',
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

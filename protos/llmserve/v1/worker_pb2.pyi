@@ -1,4 +1,5 @@
 from protos.llmserve.v1 import logprobs_pb2 as _logprobs_pb2
+from protos.llmserve.v1 import lora_pb2 as _lora_pb2
 from protos.llmserve.v1 import model_pb2 as _model_pb2
 from protos.llmserve.v1 import sampling_pb2 as _sampling_pb2
 from google.protobuf.internal import containers as _containers
@@ -8,54 +9,6 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class LoadLoraAdapterRequest(_message.Message):
-    __slots__ = ("name", "path")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    PATH_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    path: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
-
-class LoraAdapterInfo(_message.Message):
-    __slots__ = ("name", "path", "rank", "targets", "scaling", "load_ms", "slot", "num_running")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    PATH_FIELD_NUMBER: _ClassVar[int]
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    TARGETS_FIELD_NUMBER: _ClassVar[int]
-    SCALING_FIELD_NUMBER: _ClassVar[int]
-    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
-    SLOT_FIELD_NUMBER: _ClassVar[int]
-    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    path: str
-    rank: int
-    targets: _containers.RepeatedScalarFieldContainer[str]
-    scaling: float
-    load_ms: float
-    slot: int
-    num_running: int
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., targets: _Optional[_Iterable[str]] = ..., scaling: _Optional[float] = ..., load_ms: _Optional[float] = ..., slot: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...
-
-class UnloadLoraAdapterRequest(_message.Message):
-    __slots__ = ("name",)
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
-
-class UnloadLoraAdapterResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class ListLoraAdaptersRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class ListLoraAdaptersResponse(_message.Message):
-    __slots__ = ("adapters",)
-    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
-    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class PrepareGrammarRequest(_message.Message):
     __slots__ = ("structured_output",)

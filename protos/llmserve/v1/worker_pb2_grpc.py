@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.llmserve.v1 import lora_pb2 as protos_dot_llmserve_dot_v1_dot_lora__pb2
 from protos.llmserve.v1 import worker_pb2 as protos_dot_llmserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -51,18 +52,18 @@ class WorkerStub:
                 _registered_method=True)
         self.LoadLoraAdapter = channel.unary_unary(
                 '/llmserve.v1.Worker/LoadLoraAdapter',
-                request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
-                response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.LoraAdapterInfo.FromString,
+                request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoraAdapterInfo.FromString,
                 _registered_method=True)
         self.UnloadLoraAdapter = channel.unary_unary(
                 '/llmserve.v1.Worker/UnloadLoraAdapter',
-                request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
-                response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+                request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
         self.ListLoraAdapters = channel.unary_unary(
                 '/llmserve.v1.Worker/ListLoraAdapters',
-                request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
-                response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersResponse.FromString,
+                request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersResponse.FromString,
                 _registered_method=True)
 
 
@@ -131,18 +132,18 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoraAdapter,
-                    request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
-                    response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.LoraAdapterInfo.SerializeToString,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoraAdapterInfo.SerializeToString,
             ),
             'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoraAdapter,
-                    request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
-                    response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.SerializeToString,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
             'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListLoraAdapters,
-                    request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.FromString,
-                    response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersResponse.SerializeToString,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -251,8 +252,8 @@ class Worker:
             request,
             target,
             '/llmserve.v1.Worker/LoadLoraAdapter',
-            protos_dot_llmserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
-            protos_dot_llmserve_dot_v1_dot_worker__pb2.LoraAdapterInfo.FromString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.LoraAdapterInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -278,8 +279,8 @@ class Worker:
             request,
             target,
             '/llmserve.v1.Worker/UnloadLoraAdapter',
-            protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
-            protos_dot_llmserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -305,8 +306,8 @@ class Worker:
             request,
             target,
             '/llmserve.v1.Worker/ListLoraAdapters',
-            protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
-            protos_dot_llmserve_dot_v1_dot_worker__pb2.ListLoraAdaptersResponse.FromString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_lora__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
