@@ -65,3 +65,16 @@ def tenant_salt(tenant_id: str) -> bytes:
     if not tenant_id:
         return b""
     return hashlib.blake2b(tenant_id.encode(), digest_size=16, person=b"llmserve-tenant").digest()
+
+
+def adapter_salt(cache_salt: bytes, lora_name: str) -> bytes:
+    """The cache salt of a request run with a LoRA adapter: its KV differs from the base
+    model's and every other adapter's, so its blocks are cached apart. Empty name: the salt
+    as it is. A salt of fixed length (not a concatenation), so no tenant salt and adapter
+    name can combine into another pair's."""
+    if not lora_name:
+        return cache_salt
+    hasher = hashlib.blake2b(digest_size=16, person=b"llmserve-lora")
+    hasher.update(len(cache_salt).to_bytes(4, "little") + cache_salt)
+    hasher.update(lora_name.encode())
+    return hasher.digest()
