@@ -161,6 +161,7 @@ def install_uvloop() -> None:
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one mapping from our typed errors to gRPC status codes."""
     from services.contracts.errors import (
+        AlreadyExistsError,
         CapacityError,
         DeadlineExceededError,
         DependencyUnavailableError,
@@ -178,6 +179,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, NotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, AlreadyExistsError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, DependencyUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, (QueueFullError, CapacityError, RateLimitedError)):

@@ -31,6 +31,10 @@ class NotFoundError(LLMServeError):
         self.message = message
 
 
+class AlreadyExistsError(LLMServeError):
+    """A name is taken (e.g. a LoRA adapter loaded under it already): unload it first."""
+
+
 class DependencyUnavailableError(LLMServeError):
     """A service this call needs (e.g. Redis for named prompts) is not answering; retry."""
 

@@ -54,6 +54,7 @@ def new_choice(first: Request, index: int) -> Request:
         cache_salt=first.cache_salt,
         tenant_id=first.tenant_id,
         tenant_weight=first.tenant_weight,
+        lora_name=first.lora_name,
         group=group,
         choice_index=index,
     )

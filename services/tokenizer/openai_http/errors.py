@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.contracts.errors import (
+    AlreadyExistsError,
     CapacityError,
     DeadlineExceededError,
     DependencyUnavailableError,
@@ -129,6 +130,8 @@ def http_error(exc: BaseException, chat: bool = False) -> HttpError:
     if isinstance(exc, NotFoundError):
         code = "model_not_found" if exc.field == "model" else "not_found"
         return HttpError(404, exc.message, "not_found_error", exc.field, code)
+    if isinstance(exc, AlreadyExistsError):
+        return HttpError(409, str(exc), "invalid_request_error", code="already_exists")
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(exc, QueueFullError):
         return HttpError(
