@@ -9,6 +9,7 @@ from benchmarks import (
     detokenize,
     hf_baseline,
     interleaved,
+    lora,
     offline_table,
     peers,
     prefix_cache,
@@ -34,6 +35,7 @@ BENCHMARKS = (
     interleaved,
     speculative,
     tenants,
+    lora,
 )
 
 

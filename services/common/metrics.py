@@ -31,3 +31,21 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
 )
 # Counts of things per step (sequences, tokens): powers of two.
 SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(14))
+
+
+class BoundedLabels:
+    """Label values for names a caller chooses (tenants, LoRA adapters): every value is a time
+    series, so the first `limit` names seen keep their own and later ones share "other"."""
+
+    def __init__(self, limit: int, empty: str = "none") -> None:
+        self.limit = limit
+        self.empty = empty
+        self.labels: dict[str, str] = {}
+
+    def __call__(self, name: str) -> str:
+        label = self.labels.get(name)
+        if label is None:
+            label = (name or self.empty) if len(self.labels) < self.limit else "other"
+            if label != "other":
+                self.labels[name] = label
+        return label

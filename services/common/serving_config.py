@@ -200,6 +200,14 @@ class LoraConfig:
     max_cpu_loras: int = 8
     """Adapters kept in host memory (least recently used forgotten first; read again from
     their file when a sequence needs them); at least max_loras."""
+    lora_modules: tuple[str, ...] = ()
+    """Adapters to load at start, each `NAME=PATH` (a PEFT directory or a GGUF LoRA file;
+    repeat the flag per adapter); requests name one by `model`. One that does not fit the
+    model stops the start, naming why."""
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: path}."""
+        return dict(module.split("=", 1) for module in self.lora_modules)
 
     def check_lora(self) -> None:
         if self.max_loras < 0:
@@ -212,6 +220,16 @@ class LoraConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
+        names: set[str] = set()
+        for module in self.lora_modules:
+            name, _, path = module.partition("=")
+            if not name or not path:
+                raise ValueError(f"lora_modules: {module!r} is not NAME=PATH")
+            if name in names:
+                raise ValueError(f"lora_modules: {name!r} is named twice")
+            names.add(name)
+        if self.lora_modules and self.max_loras == 0:
+            raise ValueError("lora_modules: adapters need LoRA slots (max_loras is 0)")
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,14 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from services.common.chat_template import read_chat_template_file
+from services.common.prefix_hash import adapter_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
-from services.contracts.errors import InvalidRequestError
+from services.contracts.errors import InvalidRequestError, NotFoundError
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
 from services.engine.config import EngineConfig
@@ -84,6 +86,8 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.runner = ModelRunner.from_settings(loaded, config, self.max_model_len)
         self.runner.compile_step_graphs()
+        for name, path in config.lora_module_paths().items():
+            self.runner.adapters.load(name, Path(path))
         self.kv_cache = self.runner.kv_cache
         self.num_kv_blocks = self.kv_cache.num_blocks
         self.scheduler = Scheduler(
@@ -100,6 +104,7 @@ class LLMEngine:
             ),
             self.num_kv_blocks,
             sliding_window=self.architecture.largest_window,
+            max_loras=self.runner.adapters.max_loras,
         )
         self._ids = itertools.count()
         log.info(
@@ -121,9 +126,11 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         deadline_s: float | None = None,
+        lora_name: str = "",
     ) -> str:
-        """Queue a request; returns its id. Raises InvalidRequestError naming the bad field,
-        CapacityError if it can never fit, QueueFullError if the queue is full."""
+        """Queue a request; returns its id. `lora_name`: a loaded LoRA adapter ("" = the base
+        model). Raises InvalidRequestError naming the bad field, NotFoundError for an adapter
+        not loaded, CapacityError if it can never fit, QueueFullError if the queue is full."""
         sampling = sampling or SamplingParams()
         prompt = self.validate_prompt(prompt_token_ids)
         sampling.validate(
@@ -131,6 +138,8 @@ class LLMEngine:
         )
         if deadline_s is not None and not deadline_s > 0:
             raise InvalidRequestError("deadline_ms", f"must be > 0, got {deadline_s * 1000}")
+        if lora_name and lora_name not in self.runner.adapters.names:
+            raise NotFoundError("model", f"no LoRA adapter {lora_name!r} is loaded")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         now = self.clock()
         self.scheduler.add_request(
@@ -141,6 +150,8 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=now,
                 deadline=None if deadline_s is None else now + deadline_s,
+                cache_salt=adapter_salt(b"", lora_name),
+                lora_name=lora_name,
             )
         )
         return request_id

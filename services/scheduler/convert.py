@@ -37,6 +37,8 @@ def stats_to_proto(
     dtype: str = "",
     kv_cache_dtype: str = "",
     quantization: str = "",
+    lora_adapters: list[str] | None = None,
+    max_loras: int = 0,
 ) -> scheduler_pb2.SchedulerStats:
     return scheduler_pb2.SchedulerStats(
         num_waiting=stats.num_waiting,
@@ -59,4 +61,7 @@ def stats_to_proto(
         num_draft_tokens_proposed=stats.num_draft_tokens_proposed,
         num_draft_tokens_accepted=stats.num_draft_tokens_accepted,
         num_speculative_steps=stats.num_speculative_steps,
+        lora_adapters=lora_adapters or [],
+        active_lora_adapters=sorted(stats.active_lora_adapters),
+        max_loras=max_loras,
     )

@@ -5,7 +5,8 @@ scheduled request a slice of the token budget (a decode takes 1, a prompt takes 
 
 Features keep their state in their own modules, composed here: n > 1 choices (choices.py),
 speculative draft slots (draft_slots.py), pinned prefixes (pins.py), fair shares between
-tenants (fair_share.py: whom to admit, preempt and queue). Each gets the KV manager and
+tenants (fair_share.py: whom to admit, preempt and queue), LoRA adapters per step
+(lora_slots.py: whom to admit). Each gets the KV manager and
 the lists it edits, never the scheduler.
 """
 
@@ -30,6 +31,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.draft_slots import DraftSlots
 from services.scheduler.fair_share import FairShare
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.lora_slots import LoraSlots
 from services.scheduler.pins import PinnedPrefixes
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.stats import SchedulerStats
@@ -39,10 +41,16 @@ _COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, num_blocks: int, *, sliding_window: int = 0
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        *,
+        sliding_window: int = 0,
+        max_loras: int = 0,
     ) -> None:
-        """`num_blocks` and `sliding_window` are the worker's: its KV capacity, and the window
-        every layer of its model attends through (0: some layer sees the whole context)."""
+        """`num_blocks`, `sliding_window` and `max_loras` are the worker's: its KV capacity,
+        the window every layer of its model attends through (0: some layer sees the whole
+        context), and the LoRA adapters one of its steps may mix."""
         self.config = config
         self.kv = KVCacheManager(
             num_blocks,
@@ -70,6 +78,10 @@ class Scheduler:
         self.drafts = DraftSlots(config, self.kv)
         self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction)
         self.fair = FairShare(config.fair_share)
+        self.loras = LoraSlots(max_loras)
+        self.failures: dict[str, str] = {}
+        """Requests (submitted ids) the worker could not run, and why: their owners hear an
+        error instead of tokens (the step loop takes them after each update)."""
 
     # ---- the callers' API ---------------------------------------------------------------
 
@@ -78,6 +90,8 @@ class Scheduler:
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
         check_servable(request, self.config, self.kv)
+        if request.lora_name and not self.loras.max_loras:
+            raise InvalidRequestError("lora_name", "the worker serves no LoRA adapters")
         self.fair.note(request, itertools.chain(self.waiting, self.running))
         bound = self.max_num_unfinished_requests
         if self.num_unfinished_requests >= bound and not self.fair.may_exceed_bound(
@@ -174,6 +188,8 @@ class Scheduler:
         """
         del now  # part of the contract for timing metrics; stop conditions do not need it
         events, self._pending_events = self._pending_events, []
+        if result.failed_sequences:
+            self._fail(result.failed_sequences)
         finished: list[Request] = []
         for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
@@ -251,6 +267,7 @@ class Scheduler:
             num_draft_tokens_proposed=self.drafts.num_draft_tokens_proposed,
             num_draft_tokens_accepted=self.drafts.num_draft_tokens_accepted,
             num_speculative_steps=self.drafts.num_speculative_steps,
+            active_lora_adapters=self.loras.in_use(self.running),
         )
 
     def observe_step(self, plan: BatchPlan, result: StepResult, seconds: float) -> None:
@@ -326,13 +343,14 @@ class Scheduler:
         whose grammar is not compiled yet is passed over (it is not runnable)."""
         max_num_seqs = self.config.max_num_seqs
         passed_over: set[str] = set()
+        self.loras.start_admission(self.running)
         while budget > 0 and self._num_seats_taken < max_num_seqs:
             request = self.fair.next_to_admit(self.waiting, self.running, passed_over)
             if request is None:
                 break
-            if not request.grammar_ready:
-                # Its grammar still compiles on the worker: the requests behind it go first
-                # (a compile takes up to a second; the queue must not stall on it).
+            if not request.grammar_ready or not self.loras.admits(request):
+                # Its grammar still compiles on the worker, or every LoRA slot holds another
+                # adapter: the requests behind it go first (the queue must not stall on it).
                 passed_over.add(request.request_id)
                 continue
             if request.num_pending_tokens:
@@ -362,6 +380,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             self.choices.num_reserved_seats += request.num_unforked_choices
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
+            self.loras.note_admitted(request)
             self._add_to_plan(plan, request, num_new, new_blocks)
             budget -= num_new
 
@@ -387,6 +406,7 @@ class Scheduler:
                     block_ids=list(self.kv.get_block_table(request.request_id)),
                     num_computed_tokens=request.num_computed_tokens,
                     sampling=request.sampling,
+                    lora_name=request.lora_name,
                 )
             )
         plan.num_scheduled_tokens[request.request_id] = num_new
@@ -484,6 +504,17 @@ class Scheduler:
         self._pending_events.append(request.event([], reason))
         self._pending_events.extend(self.choices.end_unforked(request, reason, was_running))
         self._release(request)
+
+    def _fail(self, failed: dict[str, str]) -> None:
+        """End the sequences the worker could not take on (their adapter is gone from it),
+        every choice of their request with them. Before their results are read: KV they were
+        to compute is not cached."""
+        for request_id, reason in failed.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self.failures[request.public_id] = reason
+            self.abort_request(request.public_id)
 
     def _release(self, request: Request) -> None:
         if request.pin_name is not None and request.finish_reason in _COMPLETED:

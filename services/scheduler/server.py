@@ -9,10 +9,11 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
 
-from protos.llmserve.v1 import model_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos.llmserve.v1 import lora_pb2, model_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.cache_keys import CacheKeys
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import (
@@ -21,15 +22,17 @@ from services.common.grpc_server import (
     run_service,
     status_for,
 )
+from services.common.lora_proto import lora_adapter_info_to_proto
 from services.common.metrics_http import start_metrics_server
 from services.common.model_description_proto import description_to_proto
 from services.common.named_prompt import NamedPrompt
+from services.common.prefix_hash import adapter_salt
 from services.common.prompt_checks import check_token_ids
 from services.common.prompt_store import PromptStore
 from services.common.redis_store import RedisStore, open_store, redact_url
 from services.common.sampling_proto import sampling_from_proto
-from services.contracts.errors import InvalidRequestError
-from services.scheduler import metrics, tenant_metrics
+from services.contracts.errors import InvalidRequestError, NotFoundError
+from services.scheduler import lora_metrics, metrics, tenant_metrics
 from services.scheduler.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.prefix_index import PrefixIndexPublisher
@@ -74,12 +77,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 else (),
                 arrival_time=now,
                 deadline=None if remaining is None else now + remaining,
-                cache_salt=bytes(request.cache_salt),
+                cache_salt=adapter_salt(bytes(request.cache_salt), request.lora_name),
                 tenant_id=request.tenant_id,
                 tenant_weight=max(1, request.tenant_weight),
+                lora_name=request.lora_name,
             )
             queue = self.loop.submit(scheduled)
             metrics.on_admitted(scheduled)
+            lora_metrics.on_admitted(request.lora_name)
             log.info(
                 "admitted",
                 extra={"request_id": request_id, "prompt_tokens": scheduled.num_prompt_tokens},
@@ -121,11 +126,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         log.warning(
                             "request failed", extra={"request_id": request_id, "error": item}
                         )
-                        # A grammar the worker refused is the client's to fix; anything else
-                        # is the worker going away.
+                        # A grammar the worker refused is the client's to fix, and an adapter
+                        # gone from the worker is not found; anything else is the worker
+                        # going away.
                         code = (
-                            grpc.StatusCode.INVALID_ARGUMENT
-                            if isinstance(item, InvalidRequestError)
+                            status_for(item)[0]
+                            if isinstance(item, (InvalidRequestError, NotFoundError))
                             else grpc.StatusCode.UNAVAILABLE
                         )
                         await context.abort(code, str(item))
@@ -136,6 +142,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         )
                 for event in merge_by_choice(events):
                     response = event_to_proto(event)
+                    if scheduled.lora_name:
+                        lora_metrics.on_tokens(scheduled.lora_name, len(event.new_token_ids))
                     if first:
                         queued = self.loop.queue_seconds(scheduled)
                         metrics.on_first_scheduled(queued)
@@ -167,6 +175,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             dtype=description.dtype,
             kv_cache_dtype=description.kv_cache_dtype,
             quantization=description.quantization,
+            lora_adapters=self.loop.loras.names,
+            max_loras=description.max_loras,
         )
 
     async def Describe(
@@ -215,6 +225,54 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.CancelChoiceResponse:
         self.loop.abort_choice(request.request_id, request.index)
         return scheduler_pb2.CancelChoiceResponse()
+
+    async def LoadLoraAdapter(
+        self, request: lora_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> lora_pb2.LoraAdapterInfo:
+        if not request.name or not request.path:
+            field = "name" if not request.name else "path"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: must not be empty")
+        try:
+            info = await self.loop.load_lora_adapter(request.name, request.path)
+        except Exception as exc:
+            await _abort_lora_call(context, exc, "load", request.name)
+        log.info("LoRA adapter loaded", extra={"lora_name": request.name, "load_ms": info.load_ms})
+        return lora_adapter_info_to_proto(info)
+
+    async def UnloadLoraAdapter(
+        self, request: lora_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> lora_pb2.UnloadLoraAdapterResponse:
+        try:
+            await self.loop.unload_lora_adapter(request.name)
+        except Exception as exc:
+            await _abort_lora_call(context, exc, "unload", request.name)
+        log.info("LoRA adapter unloaded", extra={"lora_name": request.name})
+        return lora_pb2.UnloadLoraAdapterResponse(num_unloaded_schedulers=1)
+
+    async def ListLoraAdapters(
+        self, request: lora_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> lora_pb2.ListLoraAdaptersResponse:
+        try:
+            adapters = await self.loop.list_lora_adapters()
+        except Exception as exc:
+            await _abort_lora_call(context, exc, "list", "")
+        return lora_pb2.ListLoraAdaptersResponse(
+            adapters=[lora_adapter_info_to_proto(info) for info in adapters]
+        )
+
+
+async def _abort_lora_call(
+    context: grpc.aio.ServicerContext, exc: Exception, what: str, lora_name: str
+) -> NoReturn:
+    """A LoRA call's error as its status: UNAVAILABLE without a worker, the typed errors'
+    own (NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT naming the field), INTERNAL else."""
+    if isinstance(exc, WorkerUnavailable):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    code, message = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception(f"LoRA {what} failed", extra={"lora_name": lora_name})
+    await context.abort(code, message)
+    raise AssertionError("unreachable")  # abort raises
 
 
 async def serve(config: SchedulerServerConfig) -> None:

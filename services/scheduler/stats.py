@@ -25,6 +25,8 @@ class SchedulerStats:
     """Of those, the ones the model agreed with, each an output token for free."""
     num_speculative_steps: int = 0
     """Sequence-steps that verified drafts (tokens per such step: 1 + accepted / steps)."""
+    active_lora_adapters: frozenset[str] = frozenset()
+    """LoRA adapters the running requests use (in the worker's slots)."""
 
     @property
     def prefix_hit_rate(self) -> float:

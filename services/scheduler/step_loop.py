@@ -22,11 +22,13 @@ from collections import deque
 from collections.abc import Callable
 
 from services.common.cache_keys import CacheKeys
-from services.contracts.errors import InvalidRequestError, QueueFullError
+from services.contracts.errors import InvalidRequestError, NotFoundError, QueueFullError
+from services.contracts.lora import LoraAdapterInfo
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
-from services.scheduler import metrics, tenant_metrics
+from services.scheduler import lora_metrics, metrics, tenant_metrics
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.pin_keeper import PinKeeper, PromptSource
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
@@ -77,6 +79,7 @@ class StepLoop:
         self.step_time = StepTimeAverage()
         self._worker: WorkerClient | None = None
         self._grammar_tasks: set[asyncio.Task[None]] = set()
+        self.loras = LoraRegistry()
 
     # ---- the server's calls --------------------------------------------------------------
 
@@ -86,6 +89,7 @@ class StepLoop:
         fit)."""
         if self.scheduler is None or not self.connected.is_set():
             raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
+        self.loras.check(request.lora_name)
         spec = request.sampling.structured_output
         if spec is not None:
             request.grammar_ready = False
@@ -143,6 +147,31 @@ class StepLoop:
             self.scheduler.abort_choice(request_id, index)
             self._wakeup.set()
 
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        worker = self._connected_worker()
+        info = await self.loras.load(worker, name, path)
+        lora_metrics.on_loaded(info)
+        return info
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Returns once no request holds the adapter and the worker has dropped it."""
+        await self.loras.unload(self._connected_worker(), name, self._num_holding)
+        lora_metrics.on_unloaded(name)
+
+    def _num_holding(self, lora_name: str) -> int:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return 0
+        return sum(r.lora_name == lora_name for r in scheduler.requests.values())
+
+    async def list_lora_adapters(self) -> list[LoraAdapterInfo]:
+        return await self._connected_worker().list_lora_adapters()
+
+    def _connected_worker(self) -> WorkerClient:
+        if self._worker is None or not self.connected.is_set():
+            raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
+        return self._worker
+
     def queue_seconds(self, request: Request) -> float | None:
         scheduled = self._scheduled_at.get(request.request_id)
         return None if scheduled is None else scheduled - request.arrival_time
@@ -167,7 +196,11 @@ class StepLoop:
                     ),
                     self.description.num_kv_blocks,
                     sliding_window=self.description.sliding_window,
+                    max_loras=self.description.max_loras,
                 )
+                await self.loras.connect(worker, self.description.max_loras)
+                for info in self.loras.adapters.values():
+                    lora_metrics.on_loaded(info)
                 if self.prefix_index is not None:
                     self.scheduler.kv.pool.listener = self.prefix_index
                     self.prefix_index.attach(
@@ -272,6 +305,8 @@ class StepLoop:
                 self.step_time.observe(step_s)
             scheduler.observe_step(plan, result, step_s)
             events = scheduler.update(plan, result, self.clock())
+            if scheduler.failures:
+                self._fail_requests(scheduler)
             metrics.on_step(scheduler, plan, events, step_s)
             tenant_metrics.on_step(scheduler)
             metrics.on_drafts(result)
@@ -294,6 +329,16 @@ class StepLoop:
                 )
             if queue is not None:
                 queue.put_nowait(event)
+
+    def _fail_requests(self, scheduler: Scheduler) -> None:
+        """Requests the worker could not run (their LoRA adapter left it): each owner hears
+        NOT_FOUND; their abort events, out with the next update, find no queue."""
+        failures, scheduler.failures = scheduler.failures, {}
+        for request_id, reason in failures.items():
+            log.warning("request failed", extra={"request_id": request_id, "error": reason})
+            queue = self._queues.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(NotFoundError("model", reason.partition(": ")[2] or reason))
 
     def _fail_all(self, message: str) -> None:
         """Every in-flight request ends (the server maps this to UNAVAILABLE); KV is dropped."""

@@ -11,7 +11,7 @@ from prometheus_client import Counter as CounterMetric
 from prometheus_client import Gauge, Histogram
 
 from services.common.grpc_server import rejection_reason
-from services.common.metrics import LATENCY_BUCKETS_S
+from services.common.metrics import LATENCY_BUCKETS_S, BoundedLabels
 from services.scheduler.metrics import REGISTRY
 from services.scheduler.scheduler import Scheduler
 
@@ -44,16 +44,7 @@ TENANT_REJECTED = CounterMetric(
     registry=REGISTRY,
 )
 
-_labels: dict[str, str] = {}
-
-
-def tenant_label(tenant_id: str) -> str:
-    label = _labels.get(tenant_id)
-    if label is None:
-        label = (tenant_id or "none") if len(_labels) < MAX_TENANT_LABELS else "other"
-        if label != "other":
-            _labels[tenant_id] = label
-    return label
+tenant_label = BoundedLabels(MAX_TENANT_LABELS)
 
 
 def on_step(scheduler: Scheduler) -> None:
@@ -61,7 +52,7 @@ def on_step(scheduler: Scheduler) -> None:
     0 (their series stay, as labels are bounded)."""
     running = Counter(tenant_label(r.tenant_id) for r in scheduler.running)
     waiting = Counter(tenant_label(r.tenant_id) for r in scheduler.waiting)
-    for label in {*_labels.values(), *running, *waiting}:
+    for label in {*tenant_label.labels.values(), *running, *waiting}:
         TENANT_RUNNING.labels(label).set(running[label])
         TENANT_WAITING.labels(label).set(waiting[label])
 

@@ -11,13 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
-from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.llmserve.v1 import lora_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.internal_auth import internal_metadata
-from services.contracts.errors import InvalidRequestError, LLMServeError
+from services.common.lora_proto import lora_adapter_info_from_proto
+from services.contracts.errors import (
+    AlreadyExistsError,
+    InvalidRequestError,
+    LLMServeError,
+    NotFoundError,
+)
+from services.contracts.lora import LoraAdapterInfo
 from services.contracts.step import BatchPlan, StepResult
 from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
@@ -34,6 +42,8 @@ STEP_ACCEPT_TIMEOUT_S = 30.0
 # How long a grammar compile on the worker may take before the request is let in anyway (the
 # worker then compiles it with the sequence, on its step).
 PREPARE_GRAMMAR_TIMEOUT_S = 30.0
+# Reading and placing an adapter: tens of ms for a small one, seconds for a large one on disk.
+LORA_TIMEOUT_S = 120.0
 
 
 class WorkerUnavailable(LLMServeError):
@@ -47,6 +57,11 @@ class WorkerRefused(WorkerUnavailable):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class LoraAdapterBusy(LLMServeError):
+    """The worker will not unload an adapter yet: a sequence it runs still holds it (the
+    plan that drops it has not reached the worker)."""
 
 
 class GrammarNotPrepared(LLMServeError):
@@ -135,6 +150,42 @@ class WorkerClient:
                 field, _, message = (exc.details() or "").partition(": ")
                 raise InvalidRequestError(field, message) from None
             raise GrammarNotPrepared(str(exc)) from exc
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        """Raises InvalidRequestError (the adapter does not fit: the field named),
+        AlreadyExistsError, or WorkerUnavailable."""
+        request = lora_pb2.LoadLoraAdapterRequest(name=name, path=path)
+        message = await self._lora_call(self._stub.LoadLoraAdapter, request)
+        return lora_adapter_info_from_proto(message)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Raises NotFoundError, LoraAdapterBusy (a running sequence holds it), or
+        WorkerUnavailable."""
+        await self._lora_call(
+            self._stub.UnloadLoraAdapter, lora_pb2.UnloadLoraAdapterRequest(name=name)
+        )
+
+    async def list_lora_adapters(self) -> list[LoraAdapterInfo]:
+        message = await self._lora_call(
+            self._stub.ListLoraAdapters, lora_pb2.ListLoraAdaptersRequest()
+        )
+        return [lora_adapter_info_from_proto(info) for info in message.adapters]
+
+    async def _lora_call(self, method: Callable[..., Any], request: Any) -> Any:
+        try:
+            return await method(request, timeout=LORA_TIMEOUT_S, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            details = exc.details() or ""
+            field, _, message = details.partition(": ")
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequestError(field, message) from None
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFoundError("model", message or details) from None
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                raise AlreadyExistsError(details) from None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise LoraAdapterBusy(details) from None
+            raise WorkerUnavailable(str(exc)) from exc
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

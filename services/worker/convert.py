@@ -3,12 +3,11 @@ place the worker touches protos; the scheduler's side is services/scheduler/work
 
 from __future__ import annotations
 
-from protos.llmserve.v1 import logprobs_pb2, lora_pb2, worker_pb2
+from protos.llmserve.v1 import logprobs_pb2, worker_pb2
 from services.common.model_description_proto import description_to_proto
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.step import BatchPlan, NewSequence, SequenceDelta, StepResult
 from services.contracts.worker_description import WorkerDescription
-from services.worker.lora.adapters import LoraAdapterInfo
 
 
 def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.WorkerDescription:
@@ -79,16 +78,3 @@ def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOut
         outcome.accepted_token_ids.extend(result.accepted_draft_ids.get(request_id, ()))
     message.failed_sequences.update(result.failed_sequences)
     return message
-
-
-def lora_adapter_info_to_proto(info: LoraAdapterInfo) -> lora_pb2.LoraAdapterInfo:
-    return lora_pb2.LoraAdapterInfo(
-        name=info.name,
-        path=info.path,
-        rank=info.rank,
-        targets=list(info.targets),
-        scaling=info.scaling,
-        load_ms=info.load_ms,
-        slot=info.slot,
-        num_running=info.num_running,
-    )

@@ -30,6 +30,7 @@ from kernels import cpu_extension
 from protos.llmserve.v1 import lora_pb2, worker_pb2, worker_pb2_grpc
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
+from services.common.lora_proto import lora_adapter_info_to_proto
 from services.common.metrics_http import start_metrics_server
 from services.common.sampling_proto import structured_output_from_proto
 from services.contracts.errors import InvalidRequestError
@@ -39,7 +40,6 @@ from services.contracts.worker_description import WorkerDescription
 from services.worker import metrics
 from services.worker.config import WorkerConfig, resolve_dtype
 from services.worker.convert import (
-    lora_adapter_info_to_proto,
     plan_from_proto,
     result_to_proto,
     worker_description_to_proto,
@@ -346,6 +346,10 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
     runner.compile_step_graphs()
     log_kernel_path(runner.device)
     warm_up(runner)
+    for name, path in config.lora_module_paths().items():
+        # A LoraAdapterError here stops the start, naming the adapter and the field at fault.
+        info = runner.adapters.load(name, Path(path))
+        log.info("LoRA adapter loaded at start", extra={"lora_name": name, "rank": info.rank})
     return loaded, runner
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.contracts.sampling_params import SamplingParams
@@ -20,12 +20,17 @@ BLOCK_SIZE = 16
 
 
 def create_scheduler(
-    num_blocks: int = 1000, *, sliding_window: int = 0, **config_overrides: Any
+    num_blocks: int = 1000, *, sliding_window: int = 0, max_loras: int = 0, **config_overrides: Any
 ) -> Scheduler:
     config_overrides.setdefault("block_size", BLOCK_SIZE)
     config_overrides.setdefault("watermark", 0.0)
     config_overrides.setdefault("debug_checks", True)  # integrity checked after every step
-    return Scheduler(SchedulerConfig(**config_overrides), num_blocks, sliding_window=sliding_window)
+    return Scheduler(
+        SchedulerConfig(**config_overrides),
+        num_blocks,
+        sliding_window=sliding_window,
+        max_loras=max_loras,
+    )
 
 
 def create_requests(
@@ -94,12 +99,31 @@ class FakeWorker:
     num_computed: dict[str, int] = field(default_factory=dict)
     kv: dict[tuple[int, int], int] = field(default_factory=dict)
     """(block, offset) -> the token whose KV the slot holds."""
+    max_loras: int = 0
+    """LoRA slots: the sequences it holds may use at most this many distinct adapters."""
+    missing_loras: set[str] = field(default_factory=set)
+    """Adapters it does not hold: a new sequence naming one fails (left out of every plan
+    until it is dropped), as the worker's lora/adapters.py does."""
+    lora_names: dict[str, str] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
 
     def step(self, plan: BatchPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
+            if request_id in self.failed:
+                self.failed.discard(request_id)
+                continue
             assert request_id in self.token_ids, f"dropping unknown {request_id}"
             del self.token_ids[request_id], self.block_tables[request_id]
             del self.num_computed[request_id]
+            self.lora_names.pop(request_id, None)
+        failed_now = {
+            seq.request_id: f"lora_name: no adapter {seq.lora_name!r} is loaded"
+            for seq in plan.new_sequences
+            if seq.lora_name in self.missing_loras
+        }
+        self.failed |= failed_now.keys()
+        if self.failed:
+            plan = _without(plan, self.failed)
         for request_id, num_kept in plan.block_truncations.items():
             table = self.block_tables[request_id]
             assert num_kept * self.block_size > self.num_computed[request_id], request_id
@@ -109,13 +133,16 @@ class FakeWorker:
             self.token_ids[seq.request_id] = list(seq.token_ids)
             self.block_tables[seq.request_id] = list(seq.block_ids)
             self.num_computed[seq.request_id] = seq.num_computed_tokens
+            if seq.lora_name:
+                self.lora_names[seq.request_id] = seq.lora_name
+        assert len(set(self.lora_names.values())) <= self.max_loras, self.lora_names
         for delta in plan.block_deltas:
             self.block_tables[delta.request_id].extend(delta.new_block_ids)
         for src, dst in plan.block_copies:
             for offset in range(self.block_size):
                 if (src, offset) in self.kv:
                     self.kv[(dst, offset)] = self.kv[(src, offset)]
-        result = StepResult(step_id=plan.step_id)
+        result = StepResult(step_id=plan.step_id, failed_sequences=failed_now)
         steps: dict[str, tuple[int, int, list[int]]] = {}
         for request_id, num_scheduled in plan.num_scheduled_tokens.items():
             start = self.num_computed[request_id]
@@ -165,6 +192,18 @@ class FakeWorker:
         return [self.guess(request_id, end + j) for j in range(num_slots)]
 
 
+def _without(plan: BatchPlan, request_ids: set[str]) -> BatchPlan:
+    return replace(
+        plan,
+        new_sequences=[s for s in plan.new_sequences if s.request_id not in request_ids],
+        block_deltas=[d for d in plan.block_deltas if d.request_id not in request_ids],
+        num_scheduled_tokens={
+            rid: n for rid, n in plan.num_scheduled_tokens.items() if rid not in request_ids
+        },
+        draft_slots={rid: n for rid, n in plan.draft_slots.items() if rid not in request_ids},
+    )
+
+
 def modelled_step_seconds(plan: BatchPlan, result: StepResult) -> float:
     """A memory-bound step: 10 ms, and 0.1 ms per token computed (drafts included)."""
     num_drafts = sum(result.num_proposed_drafts.values())
@@ -179,7 +218,9 @@ def worker_of(scheduler: Scheduler) -> FakeWorker:
     later prefix hits, as on a real worker."""
     if scheduler not in _WORKERS:
         _WORKERS[scheduler] = FakeWorker(
-            block_size=scheduler.config.block_size, sliding_window=scheduler.kv.sliding_window
+            block_size=scheduler.config.block_size,
+            sliding_window=scheduler.kv.sliding_window,
+            max_loras=scheduler.loras.max_loras,
         )
     return _WORKERS[scheduler]
 

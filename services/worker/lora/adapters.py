@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from services.contracts.lora import LoraAdapterInfo
 from services.contracts.step import BatchPlan
 from services.worker.lora.adapter import LoraAdapter, check_adapter
 from services.worker.lora.batch import LoraBatch, lora_batch
@@ -34,22 +35,6 @@ from services.worker.model.families import family_by_name
 log = logging.getLogger(__name__)
 
 NO_SLOT = -1
-
-
-@dataclass(frozen=True, slots=True)
-class LoraAdapterInfo:
-    name: str
-    path: str
-    rank: int
-    targets: tuple[str, ...]
-    """Module names it adapts (q_proj, v_proj, ...)."""
-    scaling: float
-    load_ms: float
-    """Read, check and place, at load."""
-    slot: int
-    """Its device slot, -1 while it waits in host memory."""
-    num_running: int
-    """Running sequences that use it."""
 
 
 @dataclass(slots=True)
@@ -162,6 +147,10 @@ class LoraAdapters:
             slot=slot,
             num_running=self._slot_refs[slot] if slot != NO_SLOT else 0,
         )
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._loaded)
 
     def list(self) -> list[LoraAdapterInfo]:
         return [self.info(name) for name in sorted(self._loaded)]
