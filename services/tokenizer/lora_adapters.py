@@ -101,6 +101,12 @@ class LoraAdapters:
             *(c.stats.lora_adapters for c in self.pool.clients if c.stats is not None)
         )
 
+    def listed(self, base: str) -> list[str]:
+        """The adapters as model listings show them, sorted; one loaded on a scheduler under
+        the base model's name (not through this tier, which refuses that name) is left out:
+        `model` naming it means the base model."""
+        return sorted(self.names() - {base})
+
     async def names_for(self, model: str, base: str) -> frozenset[str]:
         """The adapter names a request's `model` may be checked against: when it is neither
         the base model nor a known adapter, after reading every scheduler's stats once more

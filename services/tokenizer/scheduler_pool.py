@@ -185,7 +185,7 @@ class SchedulerPool:
         adapters = [_adapter_state(client.stats, lora_name) for client in clients]
         if all(state == "missing" for state in adapters):
             raise NotFoundError(
-                "model", f"no active scheduler holds the LoRA adapter {quoted(lora_name)}"
+                "model", f"no scheduler in routing holds the LoRA adapter {quoted(lora_name)}"
             )
         if len(clients) == 1:
             metrics.ROUTED.labels(self.policy, "only").inc()

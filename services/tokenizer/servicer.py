@@ -246,7 +246,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         await self._caller(context)
         model = self._generator.model
         stats = next((c.stats for c in self._generator.pool.clients if c.stats is not None), None)
-        names = [model.name, *sorted(self._generator.adapters.names())]
+        names = [model.name, *self._generator.adapters.listed(model.name)]
         infos = [
             convert.model_info(
                 name,

@@ -85,7 +85,7 @@ class OpenAIDoor:
             model = self.generator.model
         except LLMServeError as exc:
             return error_response(http_error(exc))
-        adapters = sorted(self.generator.adapters.names())
+        adapters = self.generator.adapters.listed(model.name)
         return json_response(model_list(model.name, self.started, adapters))
 
     async def generate(self, request: Request, chat: bool) -> Response:

@@ -78,6 +78,8 @@ class HttpError:
     @property
     def grpc_code_name(self) -> str:
         """The same outcome as a gRPC code name, for the metrics both doors share."""
+        if self.code == "conflict":
+            return "FAILED_PRECONDITION"  # the other 409, ALREADY_EXISTS, is the table's
         return _GRPC_NAMES.get(self.status, "INTERNAL")
 
 
