@@ -163,6 +163,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     from services.contracts.errors import (
         AlreadyExistsError,
         CapacityError,
+        ConflictError,
         DeadlineExceededError,
         DependencyUnavailableError,
         InternalError,
@@ -181,6 +182,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, AlreadyExistsError):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
+    if isinstance(exc, ConflictError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, DependencyUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, (QueueFullError, CapacityError, RateLimitedError)):

@@ -35,6 +35,11 @@ class AlreadyExistsError(LLMServeError):
     """A name is taken (e.g. a LoRA adapter loaded under it already): unload it first."""
 
 
+class ConflictError(LLMServeError):
+    """The target's state refuses the call for now (e.g. no slot for one more LoRA adapter, an
+    adapter in use); the same call may succeed once that changes."""
+
+
 class DependencyUnavailableError(LLMServeError):
     """A service this call needs (e.g. Redis for named prompts) is not answering; retry."""
 

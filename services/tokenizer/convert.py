@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 
-from protos.llmserve.v1 import logprobs_pb2, scheduler_pb2, text_pb2
+from protos.llmserve.v1 import logprobs_pb2, lora_pb2, scheduler_pb2, text_pb2
 from services.common.chat_template import ChatMessage, MessageToolCall
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.common.sampling_proto import sampling_to_proto, structured_output_from_proto
 from services.contracts.errors import InvalidRequestError
+from services.tokenizer.lora_adapter_info import AdapterInfo
 from services.tokenizer.output import OutputDelta, SchedulerOutput, TokenLogprob
 from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest
@@ -117,6 +118,7 @@ def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> schedule
         cache_salt=request.cache_salt,
         tenant_id=request.tenant_id,
         tenant_weight=request.tenant_weight,
+        lora_name=request.lora_name,
     )
 
 
@@ -241,15 +243,25 @@ def scheduler_snapshot(stats: scheduler_pb2.SchedulerStats) -> SchedulerSnapshot
         dtype=stats.dtype,
         kv_cache_dtype=stats.kv_cache_dtype,
         quantization=stats.quantization,
+        lora_adapters=frozenset(stats.lora_adapters),
+        active_lora_adapters=frozenset(stats.active_lora_adapters),
+        max_loras=stats.max_loras,
     )
 
 
 def model_info(
-    name: str, max_model_len: int, vocab_size: int, stats: SchedulerSnapshot | None
+    name: str,
+    max_model_len: int,
+    vocab_size: int,
+    stats: SchedulerSnapshot | None,
+    parent: str = "",
 ) -> text_pb2.ModelInfo:
-    """The served model; dtype, KV cache dtype and quantization are the workers', as a
-    scheduler's stats report them (empty while no scheduler has answered)."""
-    info = text_pb2.ModelInfo(name=name, max_model_len=max_model_len, vocab_size=vocab_size)
+    """The served model, or (with its `parent`, the served model's name) a LoRA adapter of it;
+    dtype, KV cache dtype and quantization are the workers', as a scheduler's stats report
+    them (empty while no scheduler has answered)."""
+    info = text_pb2.ModelInfo(
+        name=name, max_model_len=max_model_len, vocab_size=vocab_size, parent=parent
+    )
     if stats is not None:
         info.dtype = stats.dtype
         info.kv_cache_dtype = stats.kv_cache_dtype
@@ -266,4 +278,34 @@ def registered_prompt(
         expires_unix_s=prompt.expires_unix_s,
         num_pinned_schedulers=num_pinned_schedulers,
         tenant_id=prompt.tenant_id,
+    )
+
+
+def adapter_info(info: lora_pb2.LoraAdapterInfo) -> AdapterInfo:
+    """One scheduler's answer about one of its adapters."""
+    return AdapterInfo(
+        name=info.name,
+        path=info.path,
+        rank=info.rank,
+        targets=tuple(info.targets),
+        scaling=info.scaling,
+        load_ms=info.load_ms,
+        num_running=info.num_running,
+    )
+
+
+def lora_adapter_info(info: AdapterInfo) -> lora_pb2.LoraAdapterInfo:
+    """An adapter as the public API reports it, over the pool: slot -1, since each worker
+    places it in a slot of its own (or none)."""
+    return lora_pb2.LoraAdapterInfo(
+        name=info.name,
+        path=info.path,
+        rank=info.rank,
+        targets=list(info.targets),
+        scaling=info.scaling,
+        load_ms=info.load_ms,
+        slot=-1,
+        num_running=info.num_running,
+        parent=info.parent,
+        num_loaded_schedulers=info.num_loaded_schedulers,
     )

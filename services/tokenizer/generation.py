@@ -1,7 +1,8 @@
 """One Generate call, whichever door it came in by (gRPC TextGeneration or OpenAI HTTP).
 
-    prepare: validate (no scheduler call for a bad request) → token ids (chat template for
-             messages, a named prompt first) → a scheduler
+    prepare: validate (no scheduler call for a bad request; `model` may name a LoRA adapter
+             a scheduler holds: lora_adapters.py) → token ids (chat template for messages, a
+             named prompt first) → a scheduler (one holding the adapter)
     stream:  Scheduler.Submit (submit_stream.py: the call, as EngineOutputs), timeout = the
              remaining budget
              → per SchedulerOutput: output.OutputPipeline (detokenize, stop strings, finish,
@@ -36,6 +37,7 @@ from services.tokenizer.access import Caller
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.key_limiter import Admission, KeyLimiter
 from services.tokenizer.key_limits import Quota
+from services.tokenizer.lora_adapters import LoraAdapters
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline
 from services.tokenizer.reasoning import prompt_closes_reasoning
@@ -90,6 +92,7 @@ class Generator:
         self.config = config
         self.pool = pool
         self.limiter = limiter or KeyLimiter()
+        self.adapters = LoraAdapters(pool)
         self._model: ServedModel | None = None
         self._limits: Limits | None = None
         self._prompts: PromptRegistry | None = None
@@ -147,7 +150,8 @@ class Generator:
         caller: Caller | None = None,
     ) -> Prepared:
         """Check, tokenize and route a request, and admit it for its caller's key limits.
-        Raises InvalidRequestError (the field at fault), NotFoundError (model, prompt_name),
+        Raises InvalidRequestError (the field at fault), NotFoundError (model: neither the
+        served model nor a loaded LoRA adapter; prompt_name),
         DeadlineExceededError or KeyOverLimitError."""
         arrival_unix_s = time.time() if arrival_unix_s is None else arrival_unix_s
         started = time.perf_counter() if started is None else started
@@ -157,14 +161,19 @@ class Generator:
             named_prompt = await self.prompts.get(
                 generate_input.tenant_id, generate_input.prompt_name
             )
-        validated = validate_generate(generate_input, limits, model.tokenizer, named_prompt)
+        lora_adapters = await self.adapters.names_for(generate_input.model, model.name)
+        validated = validate_generate(
+            generate_input, limits, model.tokenizer, named_prompt, lora_adapters
+        )
         validated = self._strict_tools(validated)
         validated = self._grammar_after_reasoning(validated)
         await self.check_structured_output(validated)
         timeout = remaining_budget(time_remaining_s, validated.deadline_s)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceededError("deadline passed on arrival")
-        scheduler = await self.pool.pick(validated.prompt_token_ids, validated.cache_salt)
+        scheduler = await self.pool.pick(
+            validated.prompt_token_ids, validated.cache_salt, validated.lora_name
+        )
         admission = None
         if caller is not None:
             # Last: a request refused for a bad field or a deadline counts against no limit.

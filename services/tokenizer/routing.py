@@ -7,6 +7,11 @@ round_robin   in turn, ignoring load and cache (the baseline the benchmark compa
 
 Ties go round-robin, so equal schedulers share the load. A scheduler whose stats could not be
 read is picked only when no other one answers.
+
+A request run with a LoRA adapter goes only to schedulers whose worker holds the adapter;
+among those the ones where it is active (in a device slot) come first unless overloaded, then
+the policy above. A request for an adapter not in a slot waits for one, and taking a slot may
+push out an adapter other requests were about to use.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ from services.common.prefix_hash import BlockHash
 
 RoutingPolicy = Literal["cache_aware", "least_loaded", "round_robin"]
 ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("cache_aware", "least_loaded", "round_robin")
+
+AdapterState = Literal["missing", "loaded", "active"]
+"""Where a request's LoRA adapter is on a scheduler's worker: missing (it cannot serve the
+request), loaded (copied into a device slot before the request's first step), active (in a
+slot now)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +54,8 @@ class Candidate:
     """Leading full blocks of the prompt this scheduler holds (per the prefix index)."""
     load: SchedulerLoad | None
     """None: the last stats poll failed (down, or its worker is not connected)."""
+    adapter: AdapterState = "loaded"
+    """The request's LoRA adapter on this scheduler (a base-model request: "loaded" on all)."""
 
 
 def choose_scheduler(
@@ -54,13 +66,21 @@ def choose_scheduler(
     overload_queued: int,
 ) -> int:
     """Index of the chosen candidate. `turn` increases per call (rotates ties);
-    `overload_queued`: a scheduler with at least this many queued requests is overloaded."""
-    if not candidates:
-        raise ValueError("no schedulers to choose from")
+    `overload_queued`: a scheduler with at least this many queued requests is overloaded.
+    ValueError when no candidate holds the request's adapter (the caller checks first)."""
+    able = [i for i, c in enumerate(candidates) if c.adapter != "missing"]
+    if not able:
+        raise ValueError("no scheduler to choose from (none, or none holds the adapter)")
     if policy == "round_robin":
-        return turn % len(candidates)
-    answering = [i for i, c in enumerate(candidates) if c.load is not None]
-    pool = answering or list(range(len(candidates)))
+        return able[turn % len(able)]
+    answering = [i for i in able if candidates[i].load is not None]
+    pool = answering or able
+    active = [
+        i
+        for i in pool
+        if candidates[i].adapter == "active" and not _overloaded(candidates[i], overload_queued)
+    ]
+    pool = active or pool
     if policy == "cache_aware":
         best = max(candidates[i].cached_blocks for i in pool)
         if best > 0:

@@ -4,7 +4,9 @@ At start-up the schedulers pass on the model their workers describe (tokenizer, 
 limits: `wait_until_warm`). A background task polls every scheduler's GetStats (`poll_s`): load
 for routing, and the block size and worker epoch the prefix index needs. `pick` asks the prefix
 index (Redis) how much of the prompt each scheduler holds, then applies the routing policy
-(routing.py) to the active schedulers.
+(routing.py) to the active schedulers; a request run with a LoRA adapter goes to one whose
+stats list the adapter, and its prefix hashes carry the adapter in their salt, as the
+scheduler's cache keys do.
 
 dns: entries are resolved again every `resolve_s` by a second task, which applies what
 membership.py decides: a joiner gets a channel and enters routing once its GetStats answers; a
@@ -32,13 +34,14 @@ from protos.llmserve.v1 import model_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.internal_auth import internal_channel
 from services.common.model_description_proto import description_from_proto
-from services.common.prefix_hash import BlockHash, prefix_block_hashes
-from services.contracts.errors import DependencyUnavailableError
+from services.common.prefix_hash import BlockHash, adapter_salt, prefix_block_hashes
+from services.contracts.errors import DependencyUnavailableError, NotFoundError, quoted
 from services.contracts.model_description import ModelDescription
 from services.tokenizer import convert, metrics
 from services.tokenizer.membership import MEMBER_STATES, DnsName, Membership, SchedulerEntry
 from services.tokenizer.prefix_locator import MAX_LOOKUP_BLOCKS, PrefixLocator
 from services.tokenizer.routing import (
+    AdapterState,
     Candidate,
     RecentRoutes,
     RoutingPolicy,
@@ -167,14 +170,22 @@ class SchedulerPool:
             metrics.SCHEDULERS.labels(state).set(self.membership.count(state))
         metrics.SCHEDULERS.labels("draining").set(len(self.draining))
 
-    async def pick(self, prompt_token_ids: Sequence[int], cache_salt: bytes) -> SchedulerClient:
-        """The scheduler for this prompt, among the active ones; DependencyUnavailableError
-        when none is (every DNS member still pending)."""
+    async def pick(
+        self, prompt_token_ids: Sequence[int], cache_salt: bytes, lora_name: str = ""
+    ) -> SchedulerClient:
+        """The scheduler for this prompt (run with the LoRA adapter `lora_name`, if named),
+        among the active ones; DependencyUnavailableError when none is (every DNS member still
+        pending), NotFoundError when none holds the adapter."""
         turn = next(self._turn)
         clients = self.routable
         if not clients:
             raise DependencyUnavailableError(
                 f"no scheduler is ready ({len(self.clients)} known, none answering yet)"
+            )
+        adapters = [_adapter_state(client.stats, lora_name) for client in clients]
+        if all(state == "missing" for state in adapters):
+            raise NotFoundError(
+                "model", f"no scheduler in routing holds the LoRA adapter {quoted(lora_name)}"
             )
         if len(clients) == 1:
             metrics.ROUTED.labels(self.policy, "only").inc()
@@ -182,13 +193,16 @@ class SchedulerPool:
         cached = [0] * len(clients)
         hashes: list[BlockHash] = []
         if self.policy == "cache_aware":
-            hashes = self._block_hashes(clients, prompt_token_ids, cache_salt)
+            # The scheduler caches an adapter's blocks under the adapter's salt.
+            salt = adapter_salt(cache_salt, lora_name)
+            hashes = self._block_hashes(clients, prompt_token_ids, salt)
             cached = self._recent.leading_blocks(hashes, [c.address for c in clients])
             if self.locator is not None and hashes:
                 indexed = await self._indexed_blocks(clients, hashes)
                 cached = [max(a, b) for a, b in zip(cached, indexed, strict=True)]
         candidates = [
-            Candidate(count, client.load()) for count, client in zip(cached, clients, strict=True)
+            Candidate(count, client.load(), adapter)
+            for count, client, adapter in zip(cached, clients, adapters, strict=True)
         ]
         index = choose_scheduler(
             candidates, self.policy, turn=turn, overload_queued=self.overload_queued
@@ -232,8 +246,13 @@ class SchedulerPool:
         """Keep every scheduler's stats fresh (routing reads them; never awaited per request).
         A pending scheduler enters routing on its first answer."""
         while True:
-            await asyncio.gather(*(self._poll(client) for client in self.clients))
+            await self.refresh_stats()
             await asyncio.sleep(self.poll_s)
+
+    async def refresh_stats(self) -> None:
+        """Read every scheduler's stats now (at most a second each, all at once): after a
+        change this replica must see before its next poll (a LoRA adapter loaded)."""
+        await asyncio.gather(*(self._poll(client) for client in self.clients))
 
     async def _poll(self, client: SchedulerClient) -> None:
         if client.closed:
@@ -414,6 +433,16 @@ class SchedulerPool:
         self.routable = []
         for client in clients:
             await self._close_client(client)
+
+
+def _adapter_state(stats: SchedulerSnapshot | None, lora_name: str) -> AdapterState:
+    """Where the request's adapter is on this scheduler, as its last stats said (a scheduler
+    that did not answer holds none we know of)."""
+    if not lora_name:
+        return "loaded"
+    if stats is None or lora_name not in stats.lora_adapters:
+        return "missing"
+    return "active" if lora_name in stats.active_lora_adapters else "loaded"
 
 
 def _reason(policy: RoutingPolicy, candidates: Sequence[Candidate], index: int) -> str:

@@ -20,3 +20,10 @@ class SchedulerSnapshot:
     """The worker's, as its Describe reports them (ListModels shows them)."""
     kv_cache_dtype: str
     quantization: str
+    lora_adapters: frozenset[str] = frozenset()
+    """The LoRA adapters its worker holds: requests naming one may be routed here."""
+    active_lora_adapters: frozenset[str] = frozenset()
+    """Those in a device slot now (running requests use them): routing prefers these, since a
+    request for another one waits for a slot and a copy to the device."""
+    max_loras: int = 0
+    """Device slots for adapters (0: the worker serves the base model only)."""

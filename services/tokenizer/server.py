@@ -34,6 +34,7 @@ from services.tokenizer.http_common import ErrorAnswer
 from services.tokenizer.key_limiter import KeyLimiter
 from services.tokenizer.openai_http import errors as openai_errors
 from services.tokenizer.openai_http.app import OpenAIDoor, create_app
+from services.tokenizer.openai_http.lora_routes import LoraRoutes, add_lora_routes
 from services.tokenizer.openai_http.server import HttpServer
 from services.tokenizer.prefix_locator import PrefixLocator
 from services.tokenizer.scheduler_pool import Resolve, SchedulerPool, resolve_ips
@@ -86,6 +87,7 @@ class TokenizerServer:
         if config.http:
             app = create_app(OpenAIDoor(self.generator, self.access))
             add_anthropic_routes(app, AnthropicDoor(self.generator, self.access))
+            add_lora_routes(app, LoraRoutes(self.generator, self.access))
             limited = BodyLimits(
                 app,
                 max_body_bytes=config.http_max_body_bytes,

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import grpc
 
-from protos.llmserve.v1 import text_pb2, text_pb2_grpc
+from protos.llmserve.v1 import lora_pb2, text_pb2, text_pb2_grpc
 from services.common.grpc_server import refusal_metadata, status_for
 from services.common.named_prompt import NamedPrompt
 from services.common.prompt_checks import check_token_ids
@@ -242,11 +242,84 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
     async def ListModels(
         self, request: text_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> text_pb2.ListModelsResponse:
+        """The served model, then each LoRA adapter a scheduler holds (its parent set)."""
         await self._caller(context)
         model = self._generator.model
         stats = next((c.stats for c in self._generator.pool.clients if c.stats is not None), None)
-        info = convert.model_info(model.name, model.max_model_len, model.vocab_size, stats)
-        return text_pb2.ListModelsResponse(models=[info])
+        names = [model.name, *self._generator.adapters.listed(model.name)]
+        infos = [
+            convert.model_info(
+                name,
+                model.max_model_len,
+                model.vocab_size,
+                stats,
+                parent="" if name == model.name else model.name,
+            )
+            for name in names
+        ]
+        return text_pb2.ListModelsResponse(models=infos)
+
+    # ---- LoRA adapters (lora_adapters.py: the calls to every scheduler, their answers merged)
+
+    async def LoadLoraAdapter(
+        self, request: lora_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> lora_pb2.LoraAdapterInfo:
+        caller = await self._caller(context)
+        try:
+            require_admin(caller, "LoadLoraAdapter")
+            info = await self._generator.adapters.load(
+                request.name,
+                request.path,
+                self._generator.model.name,
+                timeout_s=context.time_remaining(),
+            )
+        except LLMServeError as exc:
+            log.info("lora adapter not loaded", extra={"error": str(exc), "key_id": caller.key_id})
+            await _abort(context, *status_for(exc))
+        log.info(
+            "lora adapter loaded",
+            extra={
+                "lora_name": info.name,
+                "schedulers": info.num_loaded_schedulers,
+                "key_id": caller.key_id,
+            },
+        )
+        return convert.lora_adapter_info(info)
+
+    async def UnloadLoraAdapter(
+        self, request: lora_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> lora_pb2.UnloadLoraAdapterResponse:
+        caller = await self._caller(context)
+        try:
+            require_admin(caller, "UnloadLoraAdapter")
+            num_unloaded = await self._generator.adapters.unload(
+                request.name, timeout_s=context.time_remaining()
+            )
+        except LLMServeError as exc:
+            log.info(
+                "lora adapter not unloaded", extra={"error": str(exc), "key_id": caller.key_id}
+            )
+            await _abort(context, *status_for(exc))
+        log.info(
+            "lora adapter unloaded",
+            extra={"lora_name": request.name, "schedulers": num_unloaded, "key_id": caller.key_id},
+        )
+        return lora_pb2.UnloadLoraAdapterResponse(num_unloaded_schedulers=num_unloaded)
+
+    async def ListLoraAdapters(
+        self, request: lora_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> lora_pb2.ListLoraAdaptersResponse:
+        """Any key may list them, as any key may list models."""
+        await self._caller(context)
+        try:
+            infos = await self._generator.adapters.describe(
+                self._generator.model.name, timeout_s=context.time_remaining()
+            )
+        except LLMServeError as exc:
+            await _abort(context, *status_for(exc))
+        return lora_pb2.ListLoraAdaptersResponse(
+            adapters=[convert.lora_adapter_info(info) for info in infos]
+        )
 
 
 async def _abort(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
@@ -137,6 +137,8 @@ class ValidatedRequest:
     """The functions the answer may call (its output is read for calls)."""
     tenant_id: str = ""
     tenant_weight: int = 1
+    lora_name: str = ""
+    """The LoRA adapter the request's `model` names; empty: the base model."""
 
 
 def validate_generate(
@@ -144,13 +146,15 @@ def validate_generate(
     limits: Limits,
     tokenizer: PromptTokenizer,
     named_prompt: NamedPrompt | None = None,
+    lora_adapters: Collection[str] = (),
 ) -> ValidatedRequest:
     """Raise InvalidRequestError naming the first bad field, else return the validated request.
+    `lora_adapters`: the adapter names `model` may name besides the served model.
 
     Cheap checks first, tokenization last, so a bad sampling field costs no tokenizer work.
     """
     request_id = validate_request_id(request.request_id)
-    validate_model(request.model, limits.model_name)
+    lora_name = validate_model(request.model, limits.model_name, lora_adapters)
     validate_tenant_id(request.tenant_id)
     if request.prompt_name:
         validate_prompt_name(request.prompt_name, "prompt_name")
@@ -171,6 +175,7 @@ def validate_generate(
         tool_request=request.tool_request,
         tenant_id=request.tenant_id,
         tenant_weight=request.tenant_weight,
+        lora_name=lora_name,
     )
 
 
@@ -213,13 +218,17 @@ def validate_request_id(request_id: str) -> str:
     return request_id
 
 
-def validate_model(model: str, served: str) -> None:
-    """An empty model means the served one."""
+def validate_model(model: str, served: str, lora_adapters: Collection[str] = ()) -> str:
+    """The LoRA adapter a request's `model` names: empty for the served model (an empty model
+    means it too), the name itself for one of `lora_adapters`; NotFoundError for any other."""
     if not model or model == served:
-        return
+        return ""
     if len(model) > MAX_MODEL_NAME_LEN:
         raise InvalidRequestError("model", f"must be at most {MAX_MODEL_NAME_LEN} characters")
-    raise NotFoundError("model", f"unknown model {quoted(model)} (served: {served!r})")
+    if model in lora_adapters:
+        return model
+    adapters = f", and {len(lora_adapters)} LoRA adapters ListModels lists" if lora_adapters else ""
+    raise NotFoundError("model", f"unknown model {quoted(model)} (served: {served!r}{adapters})")
 
 
 def validate_tenant_id(tenant_id: str, field_name: str = "tenant_id") -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.contracts.errors import (
+    AlreadyExistsError,
     CapacityError,
+    ConflictError,
     DeadlineExceededError,
     DependencyUnavailableError,
     InternalError,
@@ -40,6 +42,10 @@ from services.tokenizer.openai_http.errors import (
          "NOT_FOUND"),
         (NotFoundError("model", "unknown model 'gpt-4'"), 404, "not_found_error",
          "model_not_found", "NOT_FOUND"),
+        (AlreadyExistsError("LoRA adapter 'sql' is loaded already"), 409,
+         "invalid_request_error", "already_exists", "ALREADY_EXISTS"),
+        (ConflictError("no LoRA slot free"), 409, "invalid_request_error", "conflict",
+         "FAILED_PRECONDITION"),
         (QueueFullError("512 waiting"), 429, "rate_limit_error", "queue_full",
          "RESOURCE_EXHAUSTED"),
         (DependencyUnavailableError("no scheduler"), 503, "service_unavailable", None,

@@ -76,3 +76,57 @@ def test_recent_routes_follow_the_longest_shared_run_of_one_scheduler() -> None:
     assert recent.leading_blocks([b"e"], only_a) == [0]  # a scheduler not listed counts not
     # Places shift when schedulers join or leave: the owner is found by address.
     assert recent.leading_blocks([b"e"], ["c:1", "b:1"]) == [0, 1]
+
+
+# ---- LoRA adapters: only holders, active ones first --------------------------------------
+
+
+def test_an_adapter_request_goes_only_to_schedulers_holding_it() -> None:
+    candidates = [
+        Candidate(9, load(0), "missing"),
+        Candidate(0, load(5), "loaded"),
+        Candidate(0, None, "missing"),
+    ]
+    for policy in ("cache_aware", "least_loaded", "round_robin"):
+        picks = {
+            choose_scheduler(candidates, policy, turn=t, overload_queued=4)  # type: ignore[arg-type]
+            for t in range(4)
+        }
+        assert picks == {1}, policy
+    with pytest.raises(ValueError):
+        choose_scheduler(
+            [Candidate(0, load(0), "missing")], "least_loaded", turn=0, overload_queued=4
+        )
+
+
+def test_where_the_adapter_is_active_wins_over_load_and_cached_prefix() -> None:
+    candidates = [
+        Candidate(8, load(0), "loaded"),
+        Candidate(0, load(3, waiting=1), "active"),
+        Candidate(0, load(1), "loaded"),
+    ]
+    assert choose_scheduler(candidates, "cache_aware", turn=0, overload_queued=4) == 1
+    assert choose_scheduler(candidates, "least_loaded", turn=0, overload_queued=4) == 1
+
+
+def test_among_active_schedulers_the_policy_decides() -> None:
+    candidates = [
+        Candidate(0, load(2), "active"),
+        Candidate(6, load(3), "active"),
+        Candidate(9, load(0), "loaded"),
+    ]
+    assert choose_scheduler(candidates, "cache_aware", turn=0, overload_queued=4) == 1
+    assert choose_scheduler(candidates, "least_loaded", turn=0, overload_queued=4) == 0
+
+
+def test_an_overloaded_active_scheduler_loses_to_one_that_would_load_the_adapter() -> None:
+    candidates = [Candidate(0, load(2, waiting=4), "active"), Candidate(0, load(3), "loaded")]
+    assert choose_scheduler(candidates, "least_loaded", turn=0, overload_queued=4) == 1
+
+
+def test_round_robin_ignores_where_the_adapter_is_active() -> None:
+    candidates = [Candidate(0, load(0), "active"), Candidate(0, load(9), "loaded")]
+    picks = [
+        choose_scheduler(candidates, "round_robin", turn=t, overload_queued=4) for t in range(4)
+    ]
+    assert picks == [0, 1, 0, 1]

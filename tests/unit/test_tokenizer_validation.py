@@ -193,6 +193,22 @@ def test_an_unknown_model_is_not_found_naming_the_served_one() -> None:
     assert "unknown model 'other'" in info.value.message
 
 
+def test_a_model_naming_a_lora_adapter_runs_with_it() -> None:
+    adapters = frozenset({"sql", "chat-fr"})
+    request = GenerateInput(prompt="a", model="sql")
+    assert validate_generate(request, LIMITS, TOKENIZER, lora_adapters=adapters).lora_name == "sql"
+    for base in ("", LIMITS.model_name):
+        request = GenerateInput(prompt="a", model=base)
+        assert validate_generate(request, LIMITS, TOKENIZER, lora_adapters=adapters).lora_name == ""
+    with pytest.raises(NotFoundError) as info:
+        validate_generate(
+            GenerateInput(prompt="a", model="sqlx"), LIMITS, TOKENIZER, lora_adapters=adapters
+        )
+    assert info.value.field == "model"
+    assert info.value.message.startswith("unknown model 'sqlx'")
+    assert "2 LoRA adapters" in info.value.message
+
+
 # ---- bounds: identifiers and the size of the prompt ------------------------------------------
 
 SIZED = replace(LIMITS, max_prompt_chars=64)

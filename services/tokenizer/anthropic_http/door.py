@@ -92,7 +92,7 @@ class AnthropicDoor:
             log.info("end user", extra={"request_id": request_id, "user": body.metadata.user_id})
         builder = MessageBuilder(
             MESSAGE_ID_PREFIX + request_id,
-            model.name,
+            prepared.request.lora_name or model.name,
             body.max_tokens,
             show_thinking=schemas.thinking_enabled(body, model.reasoning_parser),
         )
@@ -130,7 +130,9 @@ class AnthropicDoor:
             model, limits = self.generator.model, self.generator.limits
             body = schemas.parse_count_tokens(await request.body())
             generate_input = schemas.count_tokens_input(body, model.reasoning_parser)
-            validate_model(generate_input.model, limits.model_name)
+            # An adapter shares the served model's tokenizer: its count is the same.
+            adapters = await self.generator.adapters.names_for(generate_input.model, model.name)
+            validate_model(generate_input.model, limits.model_name, adapters)
             # Refuses text too long for any context before tokenizing it; a prompt that
             # merely overflows the context is counted (the client asked how long it is).
             check_prompt_size(generate_input, limits)

@@ -2,6 +2,7 @@
 Generate (generation.Generator), the same keys (access.AccessPolicy).
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   (API key when set)
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter   (admin key: lora_routes.py)
     GET /health                 liveness: the process answers
     GET /ready                  the tier can serve: model loaded, a scheduler with a worker
 
@@ -84,7 +85,8 @@ class OpenAIDoor:
             model = self.generator.model
         except LLMServeError as exc:
             return error_response(http_error(exc))
-        return json_response(model_list(model.name, self.started))
+        adapters = self.generator.adapters.listed(model.name)
+        return json_response(model_list(model.name, self.started, adapters))
 
     async def generate(self, request: Request, chat: bool) -> Response:
         arrival_unix_s = time.time()
@@ -124,7 +126,8 @@ class OpenAIDoor:
         builder = ResponseBuilder(
             chat=chat,
             request_id=request_id,
-            model=model.name,
+            # The name the client sent: an adapter's, else the served model's.
+            model=prepared.request.lora_name or model.name,
             token_text=self._token_text,
             top_logprobs=top_logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),

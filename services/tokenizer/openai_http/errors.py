@@ -8,7 +8,11 @@
 415 invalid_request_error  the request body is not JSON (its Content-Type)
 401 authentication_error   no key, or an unknown one
 403 permission_error       the key may not do this (admin calls, another tenant)
-404 not_found_error        unknown model, unknown prompt_name, unknown route
+404 not_found_error        unknown model, unknown prompt_name, unknown route, unknown LoRA
+                           adapter (code model_not_found when the parameter is the model)
+409 invalid_request_error  a name taken (code already_exists: a LoRA adapter loaded already),
+                           or a state that refuses the call for now (code conflict: no LoRA
+                           slot on a worker)
 429 rate_limit_error       the scheduler's queue is full (Retry-After: its hint, in seconds), or
                            the API key is over a limit (code rate_limit_exceeded; Retry-After
                            and the x-ratelimit-* headers)
@@ -26,6 +30,7 @@ from typing import Any
 from services.contracts.errors import (
     AlreadyExistsError,
     CapacityError,
+    ConflictError,
     DeadlineExceededError,
     DependencyUnavailableError,
     InvalidRequestError,
@@ -73,6 +78,8 @@ class HttpError:
     @property
     def grpc_code_name(self) -> str:
         """The same outcome as a gRPC code name, for the metrics both doors share."""
+        if self.code == "conflict":
+            return "FAILED_PRECONDITION"  # the other 409, ALREADY_EXISTS, is the table's
         return _GRPC_NAMES.get(self.status, "INTERNAL")
 
 
@@ -81,6 +88,7 @@ _GRPC_NAMES = {
     401: "UNAUTHENTICATED",
     403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
+    409: "ALREADY_EXISTS",
     429: "RESOURCE_EXHAUSTED",
     503: "UNAVAILABLE",
     504: "DEADLINE_EXCEEDED",
@@ -132,6 +140,8 @@ def http_error(exc: BaseException, chat: bool = False) -> HttpError:
         return HttpError(404, exc.message, "not_found_error", exc.field, code)
     if isinstance(exc, AlreadyExistsError):
         return HttpError(409, str(exc), "invalid_request_error", code="already_exists")
+    if isinstance(exc, ConflictError):
+        return HttpError(409, str(exc), "invalid_request_error", code="conflict")
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(exc, QueueFullError):
         return HttpError(

@@ -47,10 +47,23 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def model_list(name: str, created: int, owned_by: str = "llmserve") -> dict[str, Any]:
+def model_list(
+    name: str, created: int, lora_adapters: Sequence[str] = (), owned_by: str = "llmserve"
+) -> dict[str, Any]:
+    """The served model, then its LoRA adapters, each with the served model as `parent`
+    (as vLLM lists them)."""
     return {
         "object": "list",
-        "data": [{"id": name, "object": "model", "created": created, "owned_by": owned_by}],
+        "data": [
+            {
+                "id": model_id,
+                "object": "model",
+                "created": created,
+                "owned_by": owned_by,
+                "parent": parent,
+            }
+            for model_id, parent in [(name, None), *((a, name) for a in lora_adapters)]
+        ],
     }
 
 
