@@ -7,6 +7,7 @@ salt, the slots and the load / unload while requests run."""
 from __future__ import annotations
 
 import asyncio
+import re
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -86,6 +87,11 @@ def test_the_adapter_given_at_start_is_listed_and_changes_the_answer(stack: Runn
     for address in stack.schedulers:
         assert "start" in stats(stack, address).lora_adapters
         assert "start" in scheduler_lora_call(stack, address)
+    page = httpx.get(stack.info["metrics"], timeout=10).text
+    assert metric(page, "llmserve_scheduler_lora_requests_total", "start") >= 2
+    assert metric(page, "llmserve_scheduler_lora_generation_tokens_total", "start") >= 24
+    assert metric(page, "llmserve_scheduler_lora_loaded", "start") == 2  # both schedulers
+    assert metric(page, "llmserve_scheduler_lora_load_seconds", "start") > 0
 
 
 def test_grpc_names_the_adapter_by_model_too(stack: RunningStack) -> None:
@@ -228,6 +234,14 @@ def test_adapters_never_exceed_the_slots_in_one_step(
 
 def stats(stack: RunningStack, address: str) -> scheduler_pb2.SchedulerStats:
     return stack.stats(address)
+
+
+def metric(page: str, name: str, lora: str) -> float:
+    """The sum over every process of `name`'s samples labelled lora=`lora`."""
+    pattern = re.compile(rf'^{name}\{{([^}}]*)\}} (\S+)$', re.MULTILINE)
+    return sum(
+        float(value) for labels, value in pattern.findall(page) if f'lora="{lora}"' in labels
+    )
 
 
 def idle(stats: scheduler_pb2.SchedulerStats) -> bool:
