@@ -158,8 +158,9 @@ def test_the_same_prompt_under_two_adapters_shares_no_cached_blocks(
 
 
 def test_load_and_unload_while_requests_run(stack: RunningStack, adapters: Adapters) -> None:
-    """Requests on the base, `start` and `later` stream while `later` is unloaded: every one
-    finishes with its tokens; after the unload `later` is refused; loaded again, it serves."""
+    """Requests on the base, `start` and `later` stream while `during` is loaded and `later`
+    unloaded: every one finishes with its tokens; after the unload `later` is refused; loaded
+    again, it serves."""
     ensure_loaded(stack, "later", adapters.later)
     results: dict[str, list[str]] = {}
     errors: list[BaseException] = []
@@ -180,6 +181,8 @@ def test_load_and_unload_while_requests_run(stack: RunningStack, adapters: Adapt
     wait_until(
         lambda: any("later" in stats(stack, a).active_lora_adapters for a in stack.schedulers)
     )
+    # A load while requests run: placed between two steps, usable at once.
+    ensure_loaded(stack, "during", adapters.start)
     answer = httpx.post(
         f"{stack.http}/unload_lora_adapter", json={"lora_name": "later"}, timeout=300
     )
@@ -193,6 +196,8 @@ def test_load_and_unload_while_requests_run(stack: RunningStack, adapters: Adapt
     assert len(results.get("start", [])) == 3
     with pytest.raises(openai.NotFoundError):
         chat(stack, "later")
+    # `during` holds the same weights as `start`: the same greedy answer.
+    assert chat(stack, "during", tokens=24) == results["start"][0]
     ensure_loaded(stack, "later", adapters.later)
     assert chat(stack, "later")
     for address in stack.schedulers:
@@ -238,7 +243,7 @@ def stats(stack: RunningStack, address: str) -> scheduler_pb2.SchedulerStats:
 
 def metric(page: str, name: str, lora: str) -> float:
     """The sum over every process of `name`'s samples labelled lora=`lora`."""
-    pattern = re.compile(rf'^{name}\{{([^}}]*)\}} (\S+)$', re.MULTILINE)
+    pattern = re.compile(rf"^{name}\{{([^}}]*)\}} (\S+)$", re.MULTILINE)
     return sum(
         float(value) for labels, value in pattern.findall(page) if f'lora="{lora}"' in labels
     )

@@ -217,6 +217,27 @@ def test_slots_are_taken_over_least_recently_used_and_never_from_running_sequenc
     assert manager.info("c").num_running == 1
 
 
+def test_switching_between_adapters_in_their_slots_writes_no_slot(tmp_path: Path) -> None:
+    """Sequences of adapters already in slots, coming and going in any order, cost no copy
+    into the slots (the target: switching adapters costs no step)."""
+    manager = adapters(max_loras=2)
+    for name in ("a", "b"):
+        manager.load(name, write_peft(tmp_path / name, seed=ord(name)))
+    assert manager.slots is not None
+    writes: list[int] = []
+    write = manager.slots.write
+    manager.slots.write = lambda slot, adapter: (writes.append(slot), write(slot, adapter))[1]  # type: ignore[method-assign]
+    finished: tuple[str, ...] = ()
+    for step in range(6):
+        name = "ab"[step % 2]
+        admit(
+            manager, new_sequence(f"r{step}", name), new_sequence(f"base{step}"), finished=finished
+        )
+        finished = (f"r{step}", f"base{step}")
+    assert writes == []
+    assert {manager.info("a").slot, manager.info("b").slot} == {0, 1}
+
+
 def test_unload_refuses_an_adapter_in_use(tmp_path: Path) -> None:
     manager = adapters()
     manager.load("a", write_peft(tmp_path / "a"))
