@@ -17,9 +17,10 @@ always `max_blocks_per_seq` wide, so a growing context never changes a shape.
 
 A worker with LoRA slots compiles each bucket twice: without adapters, and with them, each row
 its own LoRA segment (seg_starts 0, 1, .., bucket) whose slot is the row's adapter, -1 for the
-base model and for padding, so the segment table's shapes are the bucket's too. The LoRA op is
-an opaque C++ op in the graph (its Meta function gives dynamo the shapes), and a layer's tables
-come in as arguments, so one graph still serves every layer.
+base model and for padding, so the segment table's shapes are the bucket's too. On a CPU the
+LoRA apply is the C++ op, opaque in the graph (its Meta function gives dynamo the shapes); a
+layer's tables come in as arguments, as its KV cache does, so one graph still serves every
+layer (a table indexed by the layer's number would make a graph per layer).
 
 Compiled code is cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, which the worker points
 at ~/.cache/llmserve/inductor), so a second start skips code generation and the C++ build.
@@ -101,7 +102,7 @@ class _StaticInputs:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         lora_seg_slots = torch.full((bucket,), -1, dtype=torch.int32, device=device)
-        lora_layers = []
+        lora_layers: list[LoraLayer] = []
         if lora_slots is not None:
             seg_starts = torch.arange(bucket + 1, dtype=torch.int32, device=device)
             lora = LoraBatch(seg_starts, lora_seg_slots, lora_slots)
