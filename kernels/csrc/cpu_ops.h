@@ -30,3 +30,10 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
                     const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                     const std::optional<at::Tensor>& k_scale,
                     const std::optional<at::Tensor>& v_scale);
+
+// lora.cpp
+// y += scales[slot] * (x @ lora_a[slot].T) @ lora_b[slot].T in place for the tokens of each
+// segment with a slot (-1: none); x, lora_a and lora_b, y of one float dtype, the sums fp32.
+void lora_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                const at::Tensor& seg_starts, const at::Tensor& seg_slots,
+                const at::Tensor& scales, const at::Tensor& y, at::IntArrayRef out_slices);

@@ -16,6 +16,10 @@
 //               h = gguf_linear(silu(gate) * up)       gate | up = gguf_linear(h)
 //   returns     (h, r) of the last layer; the final norm and the vocabulary stay in Python.
 //
+// With LoRA tables (services/worker/lora/slots.py) each of the four products then gets its
+// rows' adapter deltas, as the eager layers add them (batch.lora.add after each projection):
+// lora.cpp's batched shrink-then-expand over the step's segment table, one row per sequence.
+//
 // Math is fp32 throughout (a bf16 model's norms come in as fp32 copies and its cache is read
 // with a bf16 query), as the torch references do it (kernels/*_torch.py): the rotary
 // pairs (i, i + R/2) of the NeoX convention over the first R = rope.size(1) dims of each head
@@ -27,6 +31,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "attention_vec.h"
@@ -239,6 +245,77 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// The step's LoRA adapters, or none: per projection (q|k|v, o, gate|up, down) every layer's
+// A [layers, slots, S * R, in] and B [layers, slots, out, S * R] stacked over the slots, the
+// slots' scales, and the segment table of the batch's rows (slot -1: the base model).
+class LoraTables {
+ public:
+  LoraTables(at::TensorList lora_a, at::TensorList lora_b,
+             const std::optional<at::Tensor>& scales,
+             const std::optional<at::Tensor>& seg_starts,
+             const std::optional<at::Tensor>& seg_slots, size_t num_layers, int64_t batch)
+      : lora_a_(lora_a), lora_b_(lora_b) {
+    if (lora_a.empty() && lora_b.empty()) return;
+    TORCH_CHECK(lora_a.size() == 4 && lora_b.size() == 4,
+                "llama_decode_layers: lora_a and lora_b hold one table per projection (4)");
+    TORCH_CHECK(scales.has_value() && seg_starts.has_value() && seg_slots.has_value(),
+                "llama_decode_layers: LoRA tables need lora_scales, lora_seg_starts and "
+                "lora_seg_slots");
+    for (size_t which = 0; which < 4; ++which) {
+      for (const at::Tensor& table : {lora_a[which], lora_b[which]}) {
+        TORCH_CHECK(table.dim() == 4 && table.size(0) == static_cast<int64_t>(num_layers) &&
+                        table.scalar_type() == lora_a[0].scalar_type(),
+                    "llama_decode_layers: a LoRA table must be [", num_layers,
+                    " layers, slots, rows, cols] of one dtype, got ", table.scalar_type(), " ",
+                    table.sizes());
+      }
+    }
+    scales_ = *scales;
+    seg_starts_ = seg_starts->contiguous();
+    seg_slots_ = seg_slots->contiguous();
+    TORCH_CHECK(seg_starts_.scalar_type() == at::kInt && seg_slots_.scalar_type() == at::kInt &&
+                    seg_starts_.dim() == 1 && seg_starts_.size(0) == seg_slots_.size(0) + 1,
+                "llama_decode_layers: lora_seg_starts int32 [segments + 1] and lora_seg_slots "
+                "int32 [segments]");
+    const int32_t* starts = seg_starts_.data_ptr<int32_t>();
+    const int32_t* slots = seg_slots_.data_ptr<int32_t>();
+    for (int64_t s = 0; s < seg_slots_.size(0); ++s) {
+      TORCH_CHECK(0 <= starts[s] && starts[s] <= starts[s + 1] && starts[s + 1] <= batch,
+                  "llama_decode_layers: lora_seg_starts must rise within the batch of ", batch);
+      if (slots[s] >= 0 && starts[s] < starts[s + 1]) {
+        adapter_rows_.emplace_back(starts[s], starts[s + 1] - starts[s]);
+      }
+    }
+  }
+
+  // y += the delta of projection `which` (0 q|k|v, 1 o, 2 gate|up, 3 down) of `layer` for the
+  // rows with an adapter; x [B, in] and y [B, out] fp32.
+  void add(const at::Tensor& x, at::Tensor& y, size_t layer, int which) const {
+    if (adapter_rows_.empty()) return;
+    LLMSERVE_RECORD("llmserve::lora_apply");
+    const at::Tensor lora_a = lora_a_[which].select(0, static_cast<int64_t>(layer));
+    const at::Tensor lora_b = lora_b_[which].select(0, static_cast<int64_t>(layer));
+    const auto dtype = lora_a.scalar_type();
+    if (dtype == at::kFloat) {
+      lora_apply(x, lora_a, lora_b, seg_starts_, seg_slots_, scales_, y, {});
+      return;
+    }
+    // A bf16/fp16 model's tables: x and y in that dtype and each sum rounded once to it, as
+    // its eager layers compute them. Only the adapters' rows come back: a base-model row keeps
+    // its fp32 product, whatever the batch around it holds.
+    at::Tensor rounded = y.to(dtype);
+    lora_apply(x.to(dtype), lora_a, lora_b, seg_starts_, seg_slots_, scales_, rounded, {});
+    for (const auto& [first, count] : adapter_rows_) {
+      y.narrow(0, first, count).copy_(rounded.narrow(0, first, count));
+    }
+  }
+
+ private:
+  at::TensorList lora_a_, lora_b_;
+  at::Tensor scales_, seg_starts_, seg_slots_;
+  std::vector<std::pair<int64_t, int64_t>> adapter_rows_;  // (first row, rows) with a slot
+};
+
 void check_layer_lists(size_t num_layers, at::TensorList list, const char* name) {
   TORCH_CHECK(list.size() == num_layers, "llama_decode_layers: ", name, " has ", list.size(),
               " tensors for ", num_layers, " layers");
@@ -262,7 +339,9 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
     int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations,
     at::IntArrayRef sliding_windows, at::TensorList q_norms, at::TensorList k_norms,
-    bool query_in_cache_dtype) {
+    bool query_in_cache_dtype, at::TensorList lora_a, at::TensorList lora_b,
+    const std::optional<at::Tensor>& lora_scales, const std::optional<at::Tensor>& lora_seg_starts,
+    const std::optional<at::Tensor>& lora_seg_slots) {
   const size_t num_layers = input_norms.size();
   TORCH_CHECK(num_layers > 0, "llama_decode_layers: no layers");
   for (auto [list, name] : {std::pair{post_norms, "post_norms"}, {k_caches, "k_caches"},
@@ -296,6 +375,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
               "llama_decode_layers: positions must be [B]");
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   const float epsilon = static_cast<float>(eps);
+  const LoraTables lora(lora_a, lora_b, lora_scales, lora_seg_starts, lora_seg_slots, num_layers,
+                        batch);
 
   at::Tensor residual = hidden_in.contiguous().clone();
   at::Tensor hidden = at::empty_like(residual);
@@ -309,6 +390,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layers: qkv_proj gives ",
                 qkv.size(1), " features, the heads need ", q_size + 2 * kv_size);
     if (!qkv_bias.empty()) qkv.add_(qkv_bias[l]);
+    lora.add(hidden, qkv, l, 0);
     if (!q_norms.empty()) {
       check_fp32_vector(q_norms[l], head_dim, "q_norms");
       check_fp32_vector(k_norms[l], head_dim, "k_norms");
@@ -343,10 +425,15 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
                                         v_scale, /*batch_invariant=*/false, sliding_windows[l]);
       if (cast_query) attended = attended.to(at::kFloat);
     }
-    delta = projections.apply(attended.view({batch, q_size}), l, 1, int8_activations);
+    const at::Tensor heads = attended.view({batch, q_size});
+    delta = projections.apply(heads, l, 1, int8_activations);
+    lora.add(heads, delta, l, 1);
     add_rms_norm(&delta, residual, post_norms[l], epsilon, hidden);
-    const at::Tensor gate_up = projections.apply(hidden, l, 2, int8_activations);
-    delta = projections.apply(silu_and_mul(gate_up), l, 3, int8_activations);
+    at::Tensor gate_up = projections.apply(hidden, l, 2, int8_activations);
+    lora.add(hidden, gate_up, l, 2);
+    const at::Tensor gated = silu_and_mul(gate_up);
+    delta = projections.apply(gated, l, 3, int8_activations);
+    lora.add(gated, delta, l, 3);
   }
   return {delta, residual};
 }
@@ -360,7 +447,9 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers_meta(
     const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
     int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations,
     at::IntArrayRef sliding_windows, at::TensorList q_norms, at::TensorList k_norms,
-    bool query_in_cache_dtype) {
+    bool query_in_cache_dtype, at::TensorList lora_a, at::TensorList lora_b,
+    const std::optional<at::Tensor>& lora_scales, const std::optional<at::Tensor>& lora_seg_starts,
+    const std::optional<at::Tensor>& lora_seg_slots) {
   return {at::empty_like(hidden), at::empty_like(hidden)};
 }
 
@@ -371,7 +460,9 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
       " Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor positions, Tensor slot_mapping,"
       " Tensor block_tables, Tensor context_lens, Tensor rope, int num_heads, int num_kv_heads,"
       " float eps, float scale, bool int8_activations, int[] sliding_windows,"
-      " Tensor[] q_norms, Tensor[] k_norms, bool query_in_cache_dtype) -> (Tensor, Tensor)");
+      " Tensor[] q_norms, Tensor[] k_norms, bool query_in_cache_dtype,"
+      " Tensor[] lora_a, Tensor[] lora_b, Tensor? lora_scales, Tensor? lora_seg_starts,"
+      " Tensor? lora_seg_slots) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("llama_decode_layers", &llama_decode_layers); }

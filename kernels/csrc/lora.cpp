@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "attention_vec.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -434,8 +435,11 @@ void lora_expand(const at::Tensor& v, const at::Tensor& lora_b, const at::Tensor
   expand_checked(v, lora_b, scales, y, slices, groups);
 }
 
+}  // namespace
+
 // Shrink then expand in one call: the slot groups are built once and the fp32 intermediate
-// (num_tokens x S * R, a few KB) never leaves the op.
+// (num_tokens x S * R, a few KB) never leaves the op. Outside the anonymous namespace: the
+// fused decode step (llama_decode.cpp) calls it per projection, through cpu_ops.h.
 void lora_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
                 const at::Tensor& seg_starts, const at::Tensor& seg_slots,
                 const at::Tensor& scales, const at::Tensor& y, at::IntArrayRef out_slices) {
@@ -453,6 +457,8 @@ void lora_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   shrink_checked(x, lora_a, v, groups);
   expand_checked(v, lora_b, scales, y, slices, groups);
 }
+
+namespace {
 
 void lora_shrink_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const at::Tensor&) {}

@@ -10,7 +10,9 @@ compiled graph's wrapper) was as large as the products. The fused call has no pe
 needs no compilation, so it takes any batch size, and a dense model needs no step graphs
 either (compiling them took 1 min 45 s of a first start on an AVX-512 machine). It computes what
 `CausalLM.forward` computes for one token per sequence (fp32, the same kernels); the
-tests hold its greedy tokens to the eager path's.
+tests hold its greedy tokens to the eager path's. A batch with LoRA rows passes the adapter
+slots' tables and its segment table along, and the op adds each row's delta after each of the
+four projections with the kernel the eager layers call (kernels/csrc/lora.cpp).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from torch import Tensor, nn
 from kernels import cpu_extension
 from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import PagedKVCache
+from services.worker.lora.adapter import PROJECTIONS
+from services.worker.lora.batch import LoraBatch
 from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
@@ -183,8 +187,8 @@ class FusedDecode:
 
     @staticmethod
     def can_run(batch: ForwardBatch) -> bool:
-        """Pure-decode batches without LoRA rows (those run eagerly for now)."""
-        return batch.num_prefill_tokens == 0 and batch.input_ids.shape[0] > 0 and batch.lora is None
+        """Pure-decode batches, with or without LoRA rows."""
+        return batch.num_prefill_tokens == 0 and batch.input_ids.shape[0] > 0
 
     def run(self, batch: ForwardBatch) -> Tensor:
         """Logits [B, vocab] (fp32) of a pure-decode batch."""
@@ -217,6 +221,25 @@ class FusedDecode:
             lists.q_norms,
             lists.k_norms,
             self.query_in_cache_dtype,
+            *_lora_tables(batch.lora),
         )
         self.num_steps += 1
         return model.logits(hidden.to(self.dtype), residual.to(self.dtype))
+
+
+def _lora_tables(
+    lora: LoraBatch | None,
+) -> tuple[list[Tensor], list[Tensor], Tensor | None, Tensor | None, Tensor | None]:
+    """The op's LoRA arguments: every layer's A and B of each projection (the slots' own
+    [layers, slots, ...] tensors, in the op's projection order), the scales and the batch's
+    segment table; empty lists and None without adapter rows."""
+    if lora is None:
+        return [], [], None, None, None
+    slots = lora.slots
+    return (
+        [slots.lora_a[projection] for projection in PROJECTIONS],
+        [slots.lora_b[projection] for projection in PROJECTIONS],
+        slots.scales,
+        lora.seg_starts,
+        lora.seg_slots,
+    )

@@ -134,7 +134,9 @@ class ModelRunner:
         (services/worker/batch_invariance.py).
 
         `max_loras` device slots hold LoRA adapters of up to `max_lora_rank`, `max_cpu_loras`
-        stay in host memory (services/worker/lora/); steps with adapter rows run eagerly."""
+        stay in host memory (services/worker/lora/). Decode steps with adapter rows take the
+        same paths; with compiled graphs the slots are allocated now, for the graphs that add
+        the adapters (one more graph per bucket)."""
         spec = KVCacheSpec.for_model(
             loaded.model.architecture,
             block_size,
@@ -149,6 +151,14 @@ class ModelRunner:
             if fused_decode and not batch_invariant
             else None
         )
+        adapters = LoraAdapters(
+            loaded.model.architecture,
+            loaded.dtype,
+            loaded.device,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max(max_cpu_loras, max_loras),
+        )
         decode_graphs = None
         if fused is None and not enforce_eager and not batch_invariant:
             decode_graphs = DecodeGraphs(
@@ -156,6 +166,7 @@ class ModelRunner:
                 kv_cache,
                 max_model_len=loaded.max_model_len(max_model_len),
                 buckets=buckets_up_to(max_num_seqs),
+                lora_slots=adapters.allocate_slots() if max_loras else None,
             )
         return cls(
             loaded.model,
@@ -166,14 +177,7 @@ class ModelRunner:
             fused_decode=fused,
             batch_invariant=batch_invariant,
             ngram_sizes=ngram_sizes,
-            adapters=LoraAdapters(
-                loaded.model.architecture,
-                loaded.dtype,
-                loaded.device,
-                max_loras=max_loras,
-                max_lora_rank=max_lora_rank,
-                max_cpu_loras=max(max_cpu_loras, max_loras),
-            ),
+            adapters=adapters,
             grammar_compiler=GrammarCompiler(
                 loaded.tokenizer.tokenizer.to_str(),
                 loaded.model.architecture.vocab_size,

@@ -15,6 +15,13 @@ B .. bucket are padding that touches nothing:
 The KV write skips slot -1 and attention writes zeros for a context of 0. The block table is
 always `max_blocks_per_seq` wide, so a growing context never changes a shape.
 
+A worker with LoRA slots compiles each bucket twice: without adapters, and with them, each row
+its own LoRA segment (seg_starts 0, 1, .., bucket) whose slot is the row's adapter, -1 for the
+base model and for padding, so the segment table's shapes are the bucket's too. On a CPU the
+LoRA apply is the C++ op, opaque in the graph (its Meta function gives dynamo the shapes); a
+layer's tables come in as arguments, as its KV cache does, so one graph still serves every
+layer (a table indexed by the layer's number would make a graph per layer).
+
 Compiled code is cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, which the worker points
 at ~/.cache/llmserve/inductor), so a second start skips code generation and the C++ build.
 """
@@ -36,6 +43,8 @@ from tqdm import tqdm
 from kernels import cpu_extension
 from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import LayerKVCache, PagedKVCache
+from services.worker.lora.batch import LoraBatch, LoraLayer
+from services.worker.lora.slots import LoraSlots
 from services.worker.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
@@ -71,6 +80,10 @@ class _StaticInputs:
     slot_mapping: Tensor
     block_tables: Tensor
     context_lens: Tensor
+    lora_seg_slots: Tensor
+    """[bucket] int32 each row's LoRA slot (-1: none, padding too); a segment per row."""
+    lora_layers: list[LoraLayer]
+    """Each layer's LoRA tables over those segments; empty without LoRA slots."""
     batch: ForwardBatch = field(init=False)
     """The tensors above as one decode batch (built once: no allocation per step)."""
 
@@ -78,20 +91,35 @@ class _StaticInputs:
         self.batch = ForwardBatch.for_decode(*self.as_args())
 
     @classmethod
-    def empty(cls, bucket: int, max_blocks_per_seq: int, device: torch.device) -> _StaticInputs:
+    def empty(
+        cls,
+        bucket: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        lora_slots: LoraSlots | None = None,
+    ) -> _StaticInputs:
         def zeros(*shape: int, dtype: torch.dtype) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
+        lora_seg_slots = torch.full((bucket,), -1, dtype=torch.int32, device=device)
+        lora_layers: list[LoraLayer] = []
+        if lora_slots is not None:
+            seg_starts = torch.arange(bucket + 1, dtype=torch.int32, device=device)
+            lora = LoraBatch(seg_starts, lora_seg_slots, lora_slots)
+            lora_layers = [lora.layer(index) for index in range(len(lora_slots.layers))]
         return cls(
             input_ids=zeros(bucket, dtype=torch.int64),
             positions=zeros(bucket, dtype=torch.int64),
             slot_mapping=torch.full((bucket,), -1, dtype=torch.int64, device=device),
             block_tables=zeros(bucket, max_blocks_per_seq, dtype=torch.int32),
             context_lens=zeros(bucket, dtype=torch.int32),
+            lora_seg_slots=lora_seg_slots,
+            lora_layers=lora_layers,
         )
 
     def fill(self, batch: ForwardBatch) -> int:
-        """Copy a decode batch's tensors in; reset the padding rows. Returns its size."""
+        """Copy a decode batch's tensors in (its rows' LoRA slots too, when it has adapter
+        rows); reset the padding rows. Returns its size."""
         num_seqs = batch.input_ids.shape[0]
         width = batch.decode_block_tables.shape[1]
         self.input_ids[:num_seqs].copy_(batch.input_ids)
@@ -104,6 +132,9 @@ class _StaticInputs:
             self.positions[num_seqs:] = 0
             self.slot_mapping[num_seqs:] = -1
             self.context_lens[num_seqs:] = 0
+        if batch.lora is not None:
+            self.lora_seg_slots[:num_seqs].copy_(batch.lora.row_slots(num_seqs))
+            self.lora_seg_slots[num_seqs:] = -1
         return num_seqs
 
     def as_args(self) -> tuple[Tensor, ...]:
@@ -126,13 +157,17 @@ class DecodeGraphs:
         *,
         max_model_len: int,
         buckets: Sequence[int],
+        lora_slots: LoraSlots | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.buckets = sorted(buckets)
         self.max_blocks_per_seq = -(-max_model_len // kv_cache.spec.block_size)
+        self.lora_slots = lora_slots
+        """The adapter slots whose batches the LoRA graphs run (None: no LoRA graphs)."""
+        device = kv_cache.storage.device
         self._inputs = {
-            bucket: _StaticInputs.empty(bucket, self.max_blocks_per_seq, kv_cache.storage.device)
+            bucket: _StaticInputs.empty(bucket, self.max_blocks_per_seq, device, lora_slots)
             for bucket in self.buckets
         }
         self._compiled: set[int] = set()
@@ -148,17 +183,20 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Pure-decode steps that fit a compiled bucket (prefill and mixed steps, and steps with
-        LoRA rows, run eagerly)."""
+        """Pure-decode steps that fit a compiled bucket, their LoRA rows (if any) of the slots
+        the graphs were compiled with (prefill and mixed steps run eagerly)."""
         return (
-            batch.lora is None
+            (batch.lora is None or batch.lora.slots is self.lora_slots)
             and batch.num_prefill_tokens == 0
             and batch.input_ids.shape[0] <= self.max_bucket
             and batch.decode_block_tables.shape[1] <= self.max_blocks_per_seq
         )
 
     def _forward(
-        self, compiled_layer: Callable[..., tuple[Tensor, Tensor]], inputs: _StaticInputs
+        self,
+        compiled_layer: Callable[..., tuple[Tensor, Tensor]],
+        inputs: _StaticInputs,
+        with_lora: bool,
     ) -> Tensor:
         """The model's decode forward with every decoder layer replaced by the compiled one."""
         model = self.model
@@ -168,7 +206,8 @@ class DecodeGraphs:
         layers = zip(model.layers, self.kv_cache.layers, strict=True)
         for index, (layer, kv_cache) in enumerate(layers):
             rope = model.layer_rope(index)
-            hidden, residual = compiled_layer(layer, hidden, residual, batch, kv_cache, rope)
+            lora = inputs.lora_layers[index] if with_lora else None
+            hidden, residual = compiled_layer(layer, hidden, residual, batch, kv_cache, rope, lora)
         assert residual is not None
         return model.logits(hidden, residual)
 
@@ -195,8 +234,11 @@ class DecodeGraphs:
         )
         for bucket in bar:
             bar.set_postfix(batch=bucket)
-            # Every row padding: the warm-up call writes no KV and reads none.
-            self._forward(self._compiled_layer, self._inputs[bucket])
+            # Every row padding: the warm-up call writes no KV and reads none (nor any
+            # adapter: every row's LoRA slot is -1).
+            self._forward(self._compiled_layer, self._inputs[bucket], with_lora=False)
+            if self.lora_slots is not None:
+                self._forward(self._compiled_layer, self._inputs[bucket], with_lora=True)
             self._compiled.add(bucket)
         log.info(
             "decode steps compiled",
@@ -221,13 +263,14 @@ class DecodeGraphs:
         # the bucket's entry; skip re-checking everything else on every step.
         assert self._compiled_layer is not None
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            logits = self._forward(self._compiled_layer, inputs)
+            logits = self._forward(self._compiled_layer, inputs, batch.lora is not None)
         return logits[:num_seqs]
 
 
 # Dynamo keeps one cache of compiled graphs per function: an entry per (bucket, first layer or
-# not, weight format). Engines built on the same model in one process (benchmarks, tests)
-# reuse the entries. Past the limit dynamo would quietly run the layer eagerly; fail instead.
+# not, weight format, LoRA or not). Engines built on the same model in one process (benchmarks,
+# tests) reuse the entries. Past the limit dynamo would quietly run the layer eagerly; fail
+# instead.
 @functools.cache
 def _compiled_layer() -> Callable[..., tuple[Tensor, Tensor]]:
     torch._dynamo.config.recompile_limit = 256
@@ -242,5 +285,6 @@ def _run_layer(
     batch: ForwardBatch,
     kv_cache: LayerKVCache,
     rope: Tensor,
+    lora: LoraLayer | None,
 ) -> tuple[Tensor, Tensor]:
-    return layer(hidden, residual, batch, kv_cache, rope)  # type: ignore[no-any-return]
+    return layer(hidden, residual, batch, kv_cache, rope, lora)  # type: ignore[no-any-return]

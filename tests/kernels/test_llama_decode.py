@@ -1,7 +1,8 @@
 """The fused decode op (kernels/csrc/llama_decode.cpp) against the eager model it replaces:
 a small random Llama with GGUF-block projections of every kind, a paged KV cache of random
-contents (float and int8), ragged contexts, per-layer sliding windows and partial rotary. Its
-reference is `CausalLM.forward`, the same layer code every other path runs.
+contents (float and int8), ragged contexts, per-layer sliding windows, partial rotary and rows
+of LoRA adapters. Its reference is `CausalLM.forward`, the same layer code every other path
+runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from kernels.gguf_blocks_torch import GGUF_KINDS, group_shape
 from services.worker.forward_batch import ForwardBatch
 from services.worker.fused_decode import FusedDecode, unsupported_reason
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
+from services.worker.lora.batch import LoraBatch, lora_batch
+from services.worker.lora.slots import LoraSlots
 from services.worker.model.architecture import ModelArchitecture, QKNorm, RopeConfig
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
@@ -429,4 +432,87 @@ def test_fused_step_checks_the_head_norms() -> None:
         fused.run(case.batch)
     fused._lists = replace(fused._lists, k_norms=[torch.ones(8)] * 3)
     with pytest.raises(RuntimeError, match="k_norms must be fp32 \\[16\\]"):
+        fused.run(case.batch)
+
+
+# --- LoRA rows ---------------------------------------------------------------------------------
+
+# The decode case's four rows: an adapter, the base model, another adapter, the first again.
+LORA_ROW_SLOTS = [2, -1, 0, 2]
+
+
+def random_lora_batch(
+    config: ModelArchitecture, dtype: torch.dtype, seed: int, max_rank: int = 8
+) -> LoraBatch:
+    """Three slots of random A, B and scales (slot 1 unused by the rows) over every layer and
+    projection, and the segment table of LORA_ROW_SLOTS."""
+    slots = LoraSlots(config, num_slots=3, max_rank=max_rank, dtype=dtype, device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    for tables in (slots.lora_a, slots.lora_b):
+        for table in tables.values():
+            table.copy_(torch.randn(table.shape, generator=g) * 0.1)
+    slots.scales.copy_(torch.tensor([0.5, 2.0, 1.5]))
+    return lora_batch([(1, slot) for slot in LORA_ROW_SLOTS], slots, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["gguf", "dense"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_fused_step_adds_each_rows_adapter(dense: bool, kv_dtype: torch.dtype) -> None:
+    """LoRA tables on a fused step: each row gets its own adapter's delta after the four
+    projections as the eager layers add it (the same kernel), the base row none."""
+    config = tiny_config(attention_bias=True)
+    model = random_dense_model(config, seed=23) if dense else random_model(config, seed=23)
+    case = decode_case(config, kv_dtype, seed=25)
+    plain_eager, plain_fused, _, _ = eager_then_fused(model, case)
+    case = decode_case(config, kv_dtype, seed=25)
+    case.batch.lora = random_lora_batch(config, torch.float32, seed=27)
+    eager = assert_fused_matches_eager(model, case, kv_dtype)
+    # The adapters move the logits of their rows; the base row's are those of a step
+    # without adapters, bit for bit on the fused path.
+    moved = (eager - plain_eager).abs().amax(dim=-1)
+    assert all(moved[row] > 1e-2 for row, slot in enumerate(LORA_ROW_SLOTS) if slot >= 0), moved
+    case = decode_case(config, kv_dtype, seed=25)
+    case.batch.lora = random_lora_batch(config, torch.float32, seed=27)
+    _, fused, _, _ = eager_then_fused(model, case)
+    base_row = LORA_ROW_SLOTS.index(-1)
+    assert torch.equal(fused[base_row], plain_fused[base_row])
+
+
+def test_a_bf16_models_adapters_round_as_its_eager_layers() -> None:
+    """bf16 tables (a bf16 model's slots): each projection of an adapter row rounds to bf16
+    with its delta, as the eager bf16 layer does; held to eager bf16 as the plain bf16 step
+    is (the error against the same weights in fp32, on average)."""
+    config = tiny_config(attention_bias=True)
+    bf16_model = random_dense_model(config, seed=29).to(torch.bfloat16)
+    fp32_model = copy.deepcopy(bf16_model).float()
+    lora = random_lora_batch(config, torch.bfloat16, seed=31)
+    fp32_lora = random_lora_batch(config, torch.float32, seed=31)
+    for projection in fp32_lora.slots.lora_a:
+        fp32_lora.slots.lora_a[projection].copy_(lora.slots.lora_a[projection])
+        fp32_lora.slots.lora_b[projection].copy_(lora.slots.lora_b[projection])
+    bf16_case = decode_case(config, torch.bfloat16, seed=33)
+    fp32_case = decode_case(config, torch.float32, seed=33)
+    fp32_case.cache.storage.copy_(bf16_case.cache.storage.float())
+    bf16_case.batch.lora, fp32_case.batch.lora = lora, fp32_lora
+    reference, _, _, _ = eager_then_fused(fp32_model, fp32_case)
+    eager, fused, _, _ = eager_then_fused(bf16_model, bf16_case)
+    eager_error = (eager - reference).abs().amax(dim=-1)
+    fused_error = (fused - reference).abs().amax(dim=-1)
+    assert eager_error.mean() > 0
+    assert fused_error.mean() <= 2 * eager_error.mean(), (fused_error, eager_error)
+
+
+def test_fused_step_checks_the_lora_tables() -> None:
+    config = tiny_config(attention_bias=False)
+    model = random_model(config, seed=2)
+    case = decode_case(config, torch.float32, seed=2)
+    lora = random_lora_batch(config, torch.float32, seed=3)
+    fused = FusedDecode(model, case.cache)
+    case.batch.lora = lora
+    lora.slots.lora_a["o"] = lora.slots.lora_a["o"][:2]  # two layers of three
+    with pytest.raises(RuntimeError, match="a LoRA table must be \\[3 layers"):
+        fused.run(case.batch)
+    case.batch.lora = random_lora_batch(config, torch.float32, seed=3)
+    case.batch.lora.seg_starts[-1] = 9
+    with pytest.raises(RuntimeError, match="within the batch of 4"):
         fused.run(case.batch)

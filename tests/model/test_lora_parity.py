@@ -1,9 +1,11 @@
 """LoRA adapters on the worker against transformers + peft with the adapter merged
 (`merge_and_unload()`), in float32: random adapters made offline with peft on the embedded
-model (SmolLM2, Llama family, loaded from its GGUF) and on a tiny random Qwen2 (q/k/v
-biases); one runner batch mixes four adapters and the base model, and each request's greedy
-tokens equal the merged model's, its logits close. A GGUF LoRA file written by llama.cpp's
-convert_lora_to_gguf.py gives what its PEFT source gives."""
+model (SmolLM2, Llama family, loaded from its GGUF: dequantized, and as its own blocks) and on
+a tiny random Qwen2 (q/k/v biases); one runner batch mixes four adapters and the base model,
+and each request's greedy tokens equal the merged model's, its logits close. The decode steps
+run on each path a worker has (eager torch ops, the fused C++ step, compiled graphs), every
+one of them on the path under test, with the adapter rows in its batches. A GGUF LoRA file
+written by llama.cpp's convert_lora_to_gguf.py gives what its PEFT source gives."""
 
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ import torch
 
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
+from services.worker.forward_batch import ForwardBatch
 from services.worker.loaded_model import LoadedModel
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, StepMode
+from services.worker.step_graphs import DecodeGraphs
 from tests.model.random_hf_models import VOCAB_SIZE, build_random_hf_model, load_hf_reference
 
 pytestmark = pytest.mark.slow
@@ -87,8 +91,16 @@ def hf_last_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-un
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def lora_runner(loaded: LoadedModel, max_lora_rank: int = 16) -> ModelRunner:
-    return ModelRunner.create(
+# A compiled runner's one bucket: every decode batch below (1 to 5 sequences) fits it, the
+# rest of its rows padding; a bucket set's worth of graphs would take minutes to compile.
+COMPILED_BUCKET = 8
+
+
+def lora_runner(
+    loaded: LoadedModel, path: StepMode = "fused", max_lora_rank: int = 16
+) -> ModelRunner:
+    """A runner with four LoRA slots whose decode steps take `path`."""
+    runner = ModelRunner.create(
         loaded,
         kv_cache_bytes=64 << 20,
         block_size=BLOCK_SIZE,
@@ -96,15 +108,52 @@ def lora_runner(loaded: LoadedModel, max_lora_rank: int = 16) -> ModelRunner:
         max_loras=4,
         max_lora_rank=max_lora_rank,
         max_cpu_loras=4,
+        fused_decode=path == "fused",
+        enforce_eager=path != "compiled",
+        max_num_seqs=COMPILED_BUCKET,
     )
+    assert (runner.fused_decode is not None) == (path == "fused")
+    if path == "compiled":
+        graphs = runner.decode_graphs
+        assert graphs is not None and graphs.lora_slots is runner.adapters.slots
+        runner.decode_graphs = DecodeGraphs(
+            runner.model,
+            runner.kv_cache,
+            max_model_len=graphs.max_blocks_per_seq * BLOCK_SIZE,
+            buckets=[COMPILED_BUCKET],
+            lora_slots=graphs.lora_slots,
+        )
+        runner.decode_graphs.compile_all(show_progress=False)
+    return runner
+
+
+def spy_on_decode_path(runner: ModelRunner) -> list[bool]:
+    """For each step the runner's fused step or compiled graphs run from now on: whether its
+    batch had LoRA rows."""
+    seen: list[bool] = []
+    path = runner.fused_decode or runner.decode_graphs
+    if path is None:
+        return seen
+    run = path.run
+
+    def recording(batch: ForwardBatch) -> torch.Tensor:
+        seen.append(batch.lora is not None)
+        return run(batch)
+
+    path.run = recording  # type: ignore[method-assign]
+    return seen
 
 
 def run_greedy(
-    runner: ModelRunner, requests: list[tuple[list[int], str]], late: int = -1
+    runner: ModelRunner,
+    requests: list[tuple[list[int], str]],
+    late: int = -1,
+    decode_modes: list[str] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of every (prompt, adapter) request, all in one batch (request `late`
     joins at the third step: a step of prefill and decodes), through runner.execute; and the
-    first prefill's last-position logits of each request, from the same batch."""
+    first prefill's last-position logits of each request, from the same batch. The path each
+    pure-decode step took goes to `decode_modes`."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     blocks_each = -(-(max(len(p) for p, _ in requests) + NUM_NEW_TOKENS) // BLOCK_SIZE)
     sequences = [
@@ -131,6 +180,9 @@ def run_greedy(
     while any(len(out) < NUM_NEW_TOKENS for out in outputs.values()):
         result = runner.execute(plan)
         assert not result.failed_sequences
+        pure_decode = set(plan.num_scheduled_tokens.values()) == {1} and not plan.new_sequences
+        if pure_decode and decode_modes is not None:
+            decode_modes.append(runner.last_step_mode)
         for request_id, token_id in result.sampled_token_ids.items():
             outputs[request_id].append(token_id)
         step += 1
@@ -163,53 +215,105 @@ def prefill_logits(runner: ModelRunner, sequences: list[NewSequence]) -> list[to
     return list(logits)
 
 
-def check_mixed_batch(
-    loaded: LoadedModel, base, prompts: list[list[int]], tmp_path: Path
-) -> ModelRunner:  # type: ignore[no-untyped-def]
-    runner = lora_runner(loaded)
-    references = []
-    for seed, spec in enumerate(SPECS):
-        directory = tmp_path / spec.name
-        references.append(make_adapter(base, spec, directory, seed))
-        info = runner.adapters.load(spec.name, directory)
-        assert (info.rank, set(info.targets)) == (spec.rank, set(spec.modules))
+@dataclass
+class MixedBatch:
+    """Four adapters (SPECS, saved under their names) and the base model, one prompt each, and
+    what the merged references answer."""
+
+    directory: Path
+    prompts: list[list[int]]
+    names: list[str]
+    """SPECS' names, then "" (the base model)."""
+    tokens: list[list[int]]
+    """Each merged reference's greedy tokens."""
+    logits: list[torch.Tensor]
+    """Each merged reference's last-position logits of its prompt."""
+    base_tokens: list[int]
+    """The base model's greedy tokens of the first prompt."""
+
+
+def mixed_batch(base, prompts: list[list[int]], directory: Path) -> MixedBatch:  # type: ignore[no-untyped-def]
+    references = [
+        make_adapter(base, spec, directory / spec.name, seed) for seed, spec in enumerate(SPECS)
+    ]
     references.append(base)
-    names = [spec.name for spec in SPECS] + [""]
-    requests = list(zip(prompts, names, strict=True))
-    tokens, logits = run_greedy(runner, requests, late=len(requests) - 1)
-    base_tokens = hf_greedy(base, prompts[0])
-    for reference, prompt, name, ours in zip(references, prompts, names, tokens, strict=True):
-        assert ours == hf_greedy(reference, prompt), f"adapter {name or '(base)'}"
-    for reference, prompt, name, ours in zip(references, prompts, names, logits, strict=False):
-        theirs = hf_last_logits(reference, prompt)
+    return MixedBatch(
+        directory,
+        prompts,
+        [spec.name for spec in SPECS] + [""],
+        [hf_greedy(r, p) for r, p in zip(references, prompts, strict=True)],
+        [hf_last_logits(r, p) for r, p in zip(references, prompts, strict=True)],
+        hf_greedy(base, prompts[0]),
+    )
+
+
+def check_mixed_batch(loaded: LoadedModel, case: MixedBatch, path: StepMode) -> ModelRunner:
+    runner = lora_runner(loaded, path)
+    for spec in SPECS:
+        info = runner.adapters.load(spec.name, case.directory / spec.name)
+        assert (info.rank, set(info.targets)) == (spec.rank, set(spec.modules))
+    requests = list(zip(case.prompts, case.names, strict=True))
+    seen = spy_on_decode_path(runner)
+    modes: list[str] = []
+    tokens, logits = run_greedy(runner, requests, late=len(requests) - 1, decode_modes=modes)
+    for name, want, ours in zip(case.names, case.tokens, tokens, strict=True):
+        assert ours == want, f"adapter {name or '(base)'} on the {path} path"
+    # The late request has no logits here (not in the first prefill).
+    for name, theirs, ours in zip(case.names, case.logits, logits, strict=False):
         diff = (ours - theirs).abs().max().item()
         assert diff < LOGITS_ATOL * max(1.0, theirs.abs().max().item()), (name, diff)
     # The adapters matter: the first one's tokens are not the base model's.
-    assert tokens[0] != base_tokens
+    assert tokens[0] != case.base_tokens
+    # Every decode step took the path, most of them with adapter rows (the base request,
+    # joining late, runs the last steps alone).
+    assert modes and set(modes) == {path}, modes
+    if path != "eager":
+        assert len(seen) == len(modes) and seen.count(True) == len(modes) - 2, seen
     return runner
+
+
+PATHS: list[StepMode] = ["eager", "fused"]
 
 
 # --- the embedded model (Llama family) ---------------------------------------------------------
 
+EMBEDDED_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "List three colors:\n1.",
+    "Water boils at a temperature of",
+]
 
+
+@pytest.fixture(scope="module")
+def embedded_batch(
+    loaded_fp32: LoadedModel, hf_model, tmp_path_factory: pytest.TempPathFactory
+) -> MixedBatch:  # type: ignore[no-untyped-def]
+    prompts = [loaded_fp32.tokenizer.encode(text) for text in EMBEDDED_TEXTS]
+    return mixed_batch(hf_model, prompts, tmp_path_factory.mktemp("embedded-adapters"))
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_embedded_model_mixed_adapters_match_merged_peft(
-    loaded_fp32: LoadedModel, hf_model, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
-    encode = loaded_fp32.tokenizer.encode
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):\n    ",
-        "Once upon a time, in a small village,",
-        "List three colors:\n1.",
-        "Water boils at a temperature of",
-    ]
-    runner = check_mixed_batch(loaded_fp32, hf_model, [encode(t) for t in texts], tmp_path)
+    loaded_fp32: LoadedModel, embedded_batch: MixedBatch, path: StepMode
+) -> None:
+    runner = check_mixed_batch(loaded_fp32, embedded_batch, path)
     # A rank-16 adapter of all seven projections, loaded into slots already allocated.
     runner.adapters.unload("kod16")
-    info = runner.adapters.load("all16-again", tmp_path / "all16")
+    info = runner.adapters.load("all16-again", embedded_batch.directory / "all16")
     print(
         f"\nload of a rank-16 adapter (q,k,v,o,gate,up,down) on SmolLM2-135M: {info.load_ms:.1f} ms"
     )
+
+
+def test_embedded_gguf_blocks_mixed_adapters_match_merged_peft_fused(
+    embedded_batch: MixedBatch,
+) -> None:
+    """The model as its file's own blocks (exact fp32 products): the fused step reads them
+    and adds the adapters."""
+    loaded = LoadedModel.load(None, torch.float32, quantization="gguf-exact")
+    check_mixed_batch(loaded, embedded_batch, "fused")
 
 
 # --- a tiny random Qwen2 (biases on q, k, v) ---------------------------------------------------
@@ -225,10 +329,18 @@ def random_prompts(lengths: tuple[int, ...]) -> list[list[int]]:
     return [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_qwen2_mixed_adapters_match_merged_peft(qwen2_dir: Path, tmp_path: Path) -> None:
-    loaded = LoadedModel.load(str(qwen2_dir), torch.float32)
+@pytest.fixture(scope="module")
+def qwen2_batch(qwen2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> MixedBatch:
     base = load_hf_reference(qwen2_dir)
-    check_mixed_batch(loaded, base, random_prompts((37, 20, 45, 9, 28)), tmp_path)
+    prompts = random_prompts((37, 20, 45, 9, 28))
+    return mixed_batch(base, prompts, tmp_path_factory.mktemp("qwen2-adapters"))
+
+
+@pytest.mark.parametrize("path", [*PATHS, "compiled"])
+def test_qwen2_mixed_adapters_match_merged_peft(
+    qwen2_dir: Path, qwen2_batch: MixedBatch, path: StepMode
+) -> None:
+    check_mixed_batch(LoadedModel.load(str(qwen2_dir), torch.float32), qwen2_batch, path)
 
 
 # --- GGUF LoRA files from llama.cpp's converter ------------------------------------------------

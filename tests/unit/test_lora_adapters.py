@@ -162,7 +162,7 @@ def test_fused_projections_add_each_parts_own_delta(tmp_path: Path) -> None:
     assert batch is not None
     x = torch.randn(4, 16)
     y = torch.zeros(4, 32)
-    batch.add(1, "qkv", x, y)
+    batch.layer(1).add("qkv", x, y)
     prefix = "base_model.model.model.layers.1.self_attn"
     scaling = 8.0 / 3
 
@@ -392,3 +392,14 @@ def test_lora_batch_tensors_are_int32(tmp_path: Path) -> None:
     assert manager.slots is not None
     batch = lora_batch([(2, 0), (1, -1)], manager.slots, torch.device("cpu"))
     assert batch.seg_starts.dtype == batch.seg_slots.dtype == torch.int32
+
+
+def test_a_batch_unrolls_its_segments_to_row_slots(tmp_path: Path) -> None:
+    """What a compiled step's bucket takes: one slot per row, neighbours merged or not."""
+    manager = adapters()
+    manager.load("a", write_peft(tmp_path / "a"))
+    assert manager.slots is not None
+    batch = lora_batch([(1, 0), (1, 0), (1, -1), (1, 0)], manager.slots, torch.device("cpu"))
+    assert batch.seg_slots.tolist() == [0, -1, 0]
+    row_slots = batch.row_slots(4)
+    assert row_slots.dtype == torch.int32 and row_slots.tolist() == [0, 0, -1, 0]

@@ -205,6 +205,16 @@ class LoraAdapters:
 
     # --- slots ------------------------------------------------------------------------------
 
+    def allocate_slots(self) -> LoraSlots:
+        """The device slots, allocated now if no load has yet (compiled decode steps need their
+        tables before the first adapter comes)."""
+        if self.slots is None:
+            self.slots = LoraSlots(
+                self.arch, self.max_loras, self.max_lora_rank, self.dtype, self.device
+            )
+            log.info("LoRA slots allocated", extra={"bytes": self.slots.num_bytes})
+        return self.slots
+
     def _acquire(self, name: str) -> int:
         """The slot of a loaded adapter, placing it if it has none; one more reference."""
         if name not in self._loaded:
@@ -240,15 +250,11 @@ class LoraAdapters:
             check_adapter(adapter, self.arch, self.max_lora_rank)
             loaded.adapter = adapter
             self._forget_host_copies(keep=name)
-        if self.slots is None:
-            self.slots = LoraSlots(
-                self.arch, self.max_loras, self.max_lora_rank, self.dtype, self.device
-            )
-            log.info("LoRA slots allocated", extra={"bytes": self.slots.num_bytes})
+        slots = self.allocate_slots()
         evicted = self._slot_names[slot]
         if evicted is not None:
             log.info("LoRA adapter left its slot", extra={"lora_name": evicted, "slot": slot})
-        self.slots.write(slot, adapter)
+        slots.write(slot, adapter)
         self._slot_names[slot] = name
         self._touch(name, slot)
 

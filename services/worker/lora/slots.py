@@ -22,11 +22,22 @@ row. Columns past an adapter's rank stay zero, so padding adds exact zeros.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from services.worker.lora.adapter import PROJECTIONS, LoraAdapter, projection_shapes
 from services.worker.model.architecture import ModelArchitecture
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTables:
+    """One layer's A and B of each projection: [slots, ...] views into the stacked tables,
+    made once, so `write` and `clear` reach them in place."""
+
+    lora_a: dict[str, Tensor]
+    lora_b: dict[str, Tensor]
 
 
 class LoraSlots:
@@ -54,6 +65,13 @@ class LoraSlots:
                 layers, num_slots, shape.out_features, width, dtype=dtype, device=device
             )
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.layers = [
+            LayerTables(
+                {projection: table[layer] for projection, table in self.lora_a.items()},
+                {projection: table[layer] for projection, table in self.lora_b.items()},
+            )
+            for layer in range(layers)
+        ]
 
     @property
     def num_bytes(self) -> int:

@@ -5,8 +5,8 @@ architecture.py): norms before and/or after each block, QK-norm, GELU or SiLU ga
 per-layer sliding windows and ropes, soft-capping, multipliers. Projections are fused
 (q|k|v and gate|up) so a layer runs four matmuls. Every non-matmul op goes through
 `kernels.ops`, which picks torch (CPU) or Triton (CUDA) in one place. A batch whose rows use
-LoRA adapters (`batch.lora`, services/worker/lora/) adds each row's delta to the output of each
-of the four.
+LoRA adapters (`batch.lora`, services/worker/lora/) hands each layer its share (`lora`), which
+adds each row's delta to the output of each of the four.
 
 One layer (the residual stream is carried beside the block outputs, so each add fuses with
 the norm that follows it):
@@ -31,7 +31,7 @@ from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.rope import cos_sin_cache
 
 if TYPE_CHECKING:
-    from services.worker.lora.batch import LoraBatch
+    from services.worker.lora.batch import LoraLayer
 
 # key, value (+ key_scale, value_scale for an int8 cache), each [num_blocks, block_size, ...]
 KVCache = LayerKVCache
@@ -63,7 +63,6 @@ class Attention(nn.Module):
         self.eps = arch.rms_norm_eps
         self.sliding_window = arch.sliding_window(layer)
         self.logit_softcap = arch.attn_logit_softcap
-        self.layer = layer
         self.uses_rope = arch.uses_rope(layer)
         self.qk_norm = arch.qk_norm
         self.qkv_proj = nn.Linear(
@@ -78,12 +77,17 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = _norm_weight(self.q_size), _norm_weight(self.kv_size)
 
     def forward(
-        self, hidden: Tensor, batch: ForwardBatch, kv_cache: KVCache, rope: Tensor
+        self,
+        hidden: Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        rope: Tensor,
+        lora: LoraLayer | None = None,
     ) -> Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if batch.lora is not None:
-            batch.lora.add(self.layer, "qkv", hidden, qkv)
+        if lora is not None:
+            lora.add("qkv", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "across_heads":
             assert self.q_norm is not None and self.k_norm is not None
@@ -127,8 +131,8 @@ class Attention(nn.Module):
             )
         out = out.reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)
-        if batch.lora is not None:
-            batch.lora.add(self.layer, "o", out, projected)
+        if lora is not None:
+            lora.add("o", out, projected)
         return projected
 
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, batch: ForwardBatch, kv: KVCache) -> Tensor:
@@ -181,21 +185,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArchitecture, layer: int = 0) -> None:
+    def __init__(self, arch: ModelArchitecture) -> None:
         super().__init__()
-        self.layer = layer
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.gelu_tanh = arch.hidden_act == "gelu_tanh"
 
-    def forward(self, hidden: Tensor, lora: LoraBatch | None = None) -> Tensor:
+    def forward(self, hidden: Tensor, lora: LoraLayer | None = None) -> Tensor:
         gate_up = self.gate_up_proj(hidden)
         if lora is not None:
-            lora.add(self.layer, "gate_up", hidden, gate_up)
+            lora.add("gate_up", hidden, gate_up)
         gated = ops.gelu_tanh_and_mul(gate_up) if self.gelu_tanh else ops.silu_and_mul(gate_up)
         out = self.down_proj(gated)
         if lora is not None:
-            lora.add(self.layer, "down", gated, out)
+            lora.add("down", gated, out)
         return out
 
 
@@ -210,7 +213,7 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = _norm_weight(hidden) if arch.post_norms else None
         self.mlp_out_norm = _norm_weight(hidden) if arch.post_norms else None
         self.self_attn = Attention(arch, layer)
-        self.mlp = MLP(arch, layer)
+        self.mlp = MLP(arch)
 
     def forward(
         self,
@@ -219,14 +222,15 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         kv_cache: KVCache,
         rope: Tensor,
+        lora: LoraLayer | None = None,
     ) -> tuple[Tensor, Tensor]:
         """(block output, residual stream): the caller's next add is output + residual."""
         hidden, residual = self._add_norm(hidden, residual, self.attn_norm)
         hidden = self._block_output(
-            self.self_attn(hidden, batch, kv_cache, rope), self.attn_out_norm
+            self.self_attn(hidden, batch, kv_cache, rope, lora), self.attn_out_norm
         )
         hidden, residual = self._add_norm(hidden, residual, self.mlp_norm)
-        return self._block_output(self.mlp(hidden, batch.lora), self.mlp_out_norm), residual
+        return self._block_output(self.mlp(hidden, lora), self.mlp_out_norm), residual
 
     def _add_norm(
         self, hidden: Tensor, residual: Tensor | None, norm: Tensor | None
@@ -291,8 +295,11 @@ class CausalLM(nn.Module):
         """Logits (fp32) for the rows in batch.logits_indices: [R, vocab]."""
         hidden = self.embed(batch.input_ids)
         residual: Tensor | None = None
+        lora = batch.lora
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden, residual = layer(hidden, residual, batch, kv_cache, self.layer_rope(index))
+            rope = self.layer_rope(index)
+            layer_lora = lora.layer(index) if lora is not None else None
+            hidden, residual = layer(hidden, residual, batch, kv_cache, rope, layer_lora)
         assert residual is not None
         # Only the sampled rows need the final norm and the (large) vocabulary projection.
         rows = batch.logits_indices
