@@ -50,6 +50,7 @@ class RunnerSettings(Protocol):
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
+    lora_modules: tuple[str, ...]
 
 
 class ModelRunner:
@@ -119,6 +120,7 @@ class ModelRunner:
         max_loras: int = 0,
         max_lora_rank: int = 16,
         max_cpu_loras: int = 0,
+        lora_graphs: bool = False,
     ) -> ModelRunner:
         """A runner with a KV cache of as many blocks as `kv_cache_bytes` holds (an int8 cache
         holds more: its blocks are smaller).
@@ -135,8 +137,10 @@ class ModelRunner:
 
         `max_loras` device slots hold LoRA adapters of up to `max_lora_rank`, `max_cpu_loras`
         stay in host memory (services/worker/lora/). Decode steps with adapter rows take the
-        same paths; with compiled graphs the slots are allocated now, for the graphs that add
-        the adapters (one more graph per bucket)."""
+        fused path too; compiled graphs add adapters only with `lora_graphs` (the slots are
+        then allocated now, and each bucket compiles a second graph: a start that doubles its
+        compile time is paid only by a worker given adapters at start; adapters loaded later
+        into a worker without them decode eagerly)."""
         spec = KVCacheSpec.for_model(
             loaded.model.architecture,
             block_size,
@@ -166,7 +170,7 @@ class ModelRunner:
                 kv_cache,
                 max_model_len=loaded.max_model_len(max_model_len),
                 buckets=buckets_up_to(max_num_seqs),
-                lora_slots=adapters.allocate_slots() if max_loras else None,
+                lora_slots=adapters.allocate_slots() if max_loras and lora_graphs else None,
             )
         return cls(
             loaded.model,
@@ -206,6 +210,7 @@ class ModelRunner:
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
             max_cpu_loras=settings.max_cpu_loras,
+            lora_graphs=bool(settings.lora_modules),
         )
 
     def compile_step_graphs(self, show_progress: bool = True) -> None:

@@ -33,7 +33,7 @@ from services.common.grpc_server import GrpcService, run_service
 from services.common.lora_proto import lora_adapter_info_to_proto
 from services.common.metrics_http import start_metrics_server
 from services.common.sampling_proto import structured_output_from_proto
-from services.contracts.errors import InvalidRequestError
+from services.contracts.errors import InvalidRequestError, LLMServeError, ModelLoadError
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.contracts.worker_description import WorkerDescription
@@ -347,8 +347,10 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
     log_kernel_path(runner.device)
     warm_up(runner)
     for name, path in config.lora_module_paths().items():
-        # A LoraAdapterError here stops the start, naming the adapter and the field at fault.
-        info = runner.adapters.load(name, Path(path))
+        try:
+            info = runner.adapters.load(name, Path(path))
+        except LLMServeError as exc:  # an adapter we cannot serve stops the start, named
+            raise ModelLoadError(f"--lora-modules {name}={path}: {exc}") from exc
         log.info("LoRA adapter loaded at start", extra={"lora_name": name, "rank": info.rank})
     return loaded, runner
 

@@ -111,6 +111,7 @@ def lora_runner(
         fused_decode=path == "fused",
         enforce_eager=path != "compiled",
         max_num_seqs=COMPILED_BUCKET,
+        lora_graphs=True,
     )
     assert (runner.fused_decode is not None) == (path == "fused")
     if path == "compiled":
