@@ -24,7 +24,7 @@ rejected draft wrote sits past the sequence's end and is overwritten by the next
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from services.contracts.sampling_params import SamplingParams
@@ -107,6 +107,22 @@ class BatchPlan:
             or self.new_sequences
             or self.block_copies
             or self.block_truncations
+        )
+
+    def without(self, request_ids: set[str] | frozenset[str]) -> BatchPlan:
+        """A copy that leaves `request_ids` out, as if they were never in the batch (the
+        sequences a worker could not take on)."""
+        return replace(
+            self,
+            new_sequences=[s for s in self.new_sequences if s.request_id not in request_ids],
+            block_deltas=[d for d in self.block_deltas if d.request_id not in request_ids],
+            num_scheduled_tokens={
+                rid: n for rid, n in self.num_scheduled_tokens.items() if rid not in request_ids
+            },
+            draft_slots={rid: n for rid, n in self.draft_slots.items() if rid not in request_ids},
+            block_truncations={
+                rid: n for rid, n in self.block_truncations.items() if rid not in request_ids
+            },
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.contracts.sampling_params import SamplingParams
@@ -123,7 +123,7 @@ class FakeWorker:
         }
         self.failed |= failed_now.keys()
         if self.failed:
-            plan = _without(plan, self.failed)
+            plan = plan.without(self.failed)
         for request_id, num_kept in plan.block_truncations.items():
             table = self.block_tables[request_id]
             assert num_kept * self.block_size > self.num_computed[request_id], request_id
@@ -190,18 +190,6 @@ class FakeWorker:
             return []
         end = len(self.token_ids[request_id])
         return [self.guess(request_id, end + j) for j in range(num_slots)]
-
-
-def _without(plan: BatchPlan, request_ids: set[str]) -> BatchPlan:
-    return replace(
-        plan,
-        new_sequences=[s for s in plan.new_sequences if s.request_id not in request_ids],
-        block_deltas=[d for d in plan.block_deltas if d.request_id not in request_ids],
-        num_scheduled_tokens={
-            rid: n for rid, n in plan.num_scheduled_tokens.items() if rid not in request_ids
-        },
-        draft_slots={rid: n for rid, n in plan.draft_slots.items() if rid not in request_ids},
-    )
 
 
 def modelled_step_seconds(plan: BatchPlan, result: StepResult) -> float:

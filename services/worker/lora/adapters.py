@@ -11,7 +11,6 @@ that sequence alone, and it is left out of every later plan until the scheduler 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -176,7 +175,7 @@ class LoraAdapters:
                     self._failed.add(seq.request_id)
         if not self._failed:
             return plan, failures
-        return _without(plan, self._failed), failures
+        return plan.without(self._failed), failures
 
     @property
     def num_running(self) -> int:
@@ -269,19 +268,3 @@ class LoraAdapters:
         for name in held[: max(0, len(held) - self.max_cpu_loras)]:
             if name != keep:
                 self._loaded[name].adapter = None
-
-
-def _without(plan: BatchPlan, request_ids: set[str]) -> BatchPlan:
-    """A copy of `plan` that leaves `request_ids` out (they were never in the batch)."""
-    return dataclasses.replace(
-        plan,
-        new_sequences=[s for s in plan.new_sequences if s.request_id not in request_ids],
-        block_deltas=[d for d in plan.block_deltas if d.request_id not in request_ids],
-        num_scheduled_tokens={
-            rid: n for rid, n in plan.num_scheduled_tokens.items() if rid not in request_ids
-        },
-        draft_slots={rid: n for rid, n in plan.draft_slots.items() if rid not in request_ids},
-        block_truncations={
-            rid: n for rid, n in plan.block_truncations.items() if rid not in request_ids
-        },
-    )
