@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import time_ms
+from benchmarks.common import machine_header, time_ms
 from kernels import cpu_extension, lora_torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         args.budget_s,
         args.repeats,
     )
+    print(machine_header(torch_threads=torch.get_num_threads()))
     print(
         f"decode batch {args.batch}, rank {args.rank}, {args.dtype}, "
         f"{torch.get_num_threads()} threads, hidden {args.hidden}, intermediate "
