@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import format_table, machine_header
+from benchmarks.lora_adapters import ALL_LINEAR
 
 HEADERS = [
     "load",
@@ -101,7 +102,7 @@ def _tok_s(streams: list[Stream]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from benchmarks.lora_adapters import ALL_LINEAR, write_random_adapter
+    from benchmarks.lora_adapters import write_random_adapter
     from services.common.model_source import embedded_model_path
     from services.stack import running_stack
 
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{args.users} users x {args.requests_per_user} requests, {args.prompt_len} prompt + "
         f"{args.output_len} greedy tokens each; adapters: rank {args.rank} on "
-        f"{', '.join(ALL_LINEAR)}; --max-num-seqs {args.max_num_seqs}\n",
+        f"{args.targets}; --max-num-seqs {args.max_num_seqs}\n",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="llmserve-bench-lora-") as name, ExitStack() as up:
@@ -120,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
         for index in range(num_adapters):
             print(f"writing adapter {index + 1}/{num_adapters}", file=sys.stderr, flush=True)
             path = write_random_adapter(
-                Path(name) / f"adapter-{index}", model, rank=args.rank, seed=index
+                Path(name) / f"adapter-{index}",
+                model,
+                rank=args.rank,
+                seed=index,
+                targets=args.targets.split(","),
             )
             modules += ["--lora-modules", f"adapter-{index}={path}"]
         flags = [
@@ -169,6 +174,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--targets",
+        default=",".join(ALL_LINEAR),
+        help="the projections each adapter adapts (default: every linear one)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="the worker's torch threads")

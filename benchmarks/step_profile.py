@@ -3,6 +3,12 @@ sequences at a given context, N pure-decode steps under torch.profiler, each op'
 summed by kind.
 
     llmserve bench step-profile --batch-sizes 1,32 --context 256 --steps 40
+    llmserve bench step-profile --batch-sizes 16 --lora-adapters 0,1,4,16
+
+With --lora-adapters the engine holds that many random LoRA adapters (rank --lora-rank on
+every linear projection) and sequence i of a batch runs with adapter i mod k (0: the base
+model): one table per k, the same batch sizes, so an adapter's cost per step shows beside the
+base model's.
 
 Rows: matmuls (every linear, whatever the weight format), attention, KV-cache writes, the
 other tensor ops (fused compiled loops or eager elementwise ops), sampling, and the host: the
@@ -15,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections import defaultdict
+from pathlib import Path
 from time import perf_counter
 
 import torch
@@ -83,10 +91,13 @@ def bandwidth_gb_s() -> float:
     return 2 * source.numel() * 4 / best / 1e9
 
 
-def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int) -> list[list[object]]:
+def profile_batch(
+    engine: LLMEngine, batch: int, context: int, steps: int, num_adapters: int = 0
+) -> list[list[object]]:
     sampling = SamplingParams(temperature=0.0, max_new_tokens=steps + 8, ignore_eos=True)
-    for prompt in random_prompts(batch, context, seed=batch):
-        engine.add_request(prompt, sampling)
+    for index, prompt in enumerate(random_prompts(batch, context, seed=batch)):
+        lora_name = f"adapter-{index % num_adapters}" if num_adapters else ""
+        engine.add_request(prompt, sampling, lora_name=lora_name)
     # Until every sequence has its first token (and a couple of warm steps after).
     while engine.get_stats().num_waiting or any(
         seq.num_computed_tokens < context for seq in engine.runner.batch.sequences.values()
@@ -128,6 +139,33 @@ def run(args: argparse.Namespace) -> int:
     torch._inductor.config.cpp.enable_kernel_profile = True
     if args.threads:
         torch.set_num_threads(args.threads)
+    adapter_counts = [int(k) for k in args.lora_adapters.split(",")]
+    with tempfile.TemporaryDirectory(prefix="llmserve-step-profile-") as directory:
+        modules = lora_modules(args, max(adapter_counts), Path(directory))
+        return profile_all(args, batch_sizes, adapter_counts, modules)
+
+
+def lora_modules(args: argparse.Namespace, count: int, directory: Path) -> tuple[str, ...]:
+    """`count` random adapters of the model as --lora-modules values."""
+    if not count:
+        return ()
+    from benchmarks.lora_adapters import write_random_adapter
+    from services.common.model_source import resolve_model_path
+
+    model = resolve_model_path(args.model)
+    return tuple(
+        f"adapter-{i}="
+        f"{write_random_adapter(directory / str(i), model, rank=args.lora_rank, seed=i)}"
+        for i in range(count)
+    )
+
+
+def profile_all(
+    args: argparse.Namespace,
+    batch_sizes: list[int],
+    adapter_counts: list[int],
+    modules: tuple[str, ...],
+) -> int:
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
@@ -140,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
             fused_decode=args.fused_decode,
             threads=args.threads,
             seed=0,
+            lora_modules=modules,
+            max_loras=max(1, len(modules)),
+            max_cpu_loras=max(1, len(modules)),
+            max_lora_rank=args.lora_rank,
         )
     )
     print(machine_header(torch.get_num_threads()))
@@ -148,10 +190,13 @@ def run(args: argparse.Namespace) -> int:
         f"{engine.loaded.quantization}; decode steps: {decode_path(engine, args)}; "
         f"context {args.context}; {args.steps} steps\n"
     )
-    rows: list[list[object]] = []
-    for batch in batch_sizes:
-        rows.extend(profile_batch(engine, batch, args.context, args.steps))
-    print(format_table(HEADERS, rows))
+    for num_adapters in adapter_counts:
+        rows: list[list[object]] = []
+        for batch in batch_sizes:
+            rows.extend(profile_batch(engine, batch, args.context, args.steps, num_adapters))
+        if modules:
+            print(f"LoRA adapters in the batch: {num_adapters}")
+        print(format_table(HEADERS, rows) + "\n")
     gb_s = bandwidth_gb_s()
     weights = weight_bytes(engine)
     print(
@@ -178,6 +223,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--lora-adapters", default="0", help="adapters per batch, one table each (e.g. 0,4)"
+    )
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument(
         "--fused-decode",
         action=argparse.BooleanOptionalAction,

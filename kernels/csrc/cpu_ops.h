@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <vector>
 
 // gguf_gemm.cpp
 // batch_invariant: each output row depends only on its own input row (one arithmetic path
@@ -37,3 +38,24 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
 void lora_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
                 const at::Tensor& seg_starts, const at::Tensor& seg_slots,
                 const at::Tensor& scales, const at::Tensor& y, at::IntArrayRef out_slices);
+
+// The tokens of each slot a step uses, grouped: group g is slot slots[g] and holds
+// tokens[offsets[g] .. offsets[g + 1]) in ascending order. Made once per step by the fused
+// decode step, which applies every layer's projections over the same rows.
+struct LoraSlotGroups {
+  std::vector<int64_t> slots;
+  std::vector<int64_t> offsets{0};
+  std::vector<int64_t> tokens;
+
+  int64_t size() const { return static_cast<int64_t>(slots.size()); }
+  int64_t count(int64_t g) const { return offsets[g + 1] - offsets[g]; }
+};
+LoraSlotGroups lora_group_rows(const at::Tensor& seg_starts, const at::Tensor& seg_slots,
+                               int64_t num_tokens, int64_t num_slots);
+// lora_apply for fp32 rows, with the groups made once and one layer's tables by pointer (no
+// tensor per call): lora_a (num_slots, rank, in_features) and lora_b (num_slots, out_features,
+// rank) contiguous fp32; v is num_tokens x rank fp32 scratch.
+void lora_apply_grouped_fp32(const float* x, int64_t x_stride, int64_t in_features,
+                             const float* lora_a, const float* lora_b, int64_t rank,
+                             int64_t out_features, const float* scales, float* y,
+                             int64_t y_stride, float* v, const LoraSlotGroups& groups);

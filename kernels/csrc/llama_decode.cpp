@@ -30,6 +30,7 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <utility>
@@ -286,6 +287,25 @@ class LoraTables {
         adapter_rows_.emplace_back(starts[s], starts[s + 1] - starts[s]);
       }
     }
+    if (adapter_rows_.empty() || lora_a[0].scalar_type() != at::kFloat) return;
+    // fp32 tables: the rows are grouped by slot once for the step's 4 x layers products, and
+    // each product reads its layer's tables by pointer: no tensor made, nothing checked again.
+    const int64_t num_slots = lora_a[0].size(1);
+    groups_ = lora_group_rows(seg_starts_, seg_slots_, batch, num_slots);
+    int64_t max_rank = 0;
+    for (size_t which = 0; which < 4; ++which) {
+      const at::Tensor& a = lora_a[which];
+      const at::Tensor& b = lora_b[which];
+      TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.size(1) == num_slots &&
+                      b.size(1) == num_slots && b.size(3) == a.size(2),
+                  "llama_decode_layers: LoRA tables must be contiguous [layers, slots, rank, in] "
+                  "and [layers, slots, out, rank], got ", a.sizes(), " and ", b.sizes());
+      fp32_[which] = {a.data_ptr<float>(), b.data_ptr<float>(), a.size(2), a.size(3), b.size(2),
+                      a.stride(0), b.stride(0)};
+      max_rank = std::max(max_rank, a.size(2));
+    }
+    scratch_ = at::empty({batch, max_rank}, lora_a[0].options());
+    scales_ = scales_.contiguous();
   }
 
   // y += the delta of projection `which` (0 q|k|v, 1 o, 2 gate|up, 3 down) of `layer` for the
@@ -293,6 +313,21 @@ class LoraTables {
   void add(const at::Tensor& x, at::Tensor& y, size_t layer, int which) const {
     if (adapter_rows_.empty()) return;
     LLMSERVE_RECORD("llmserve::lora_apply");
+    if (scratch_.defined()) {
+      const Fp32Tables& t = fp32_[which];
+      TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
+                      x.stride(1) == 1 && y.stride(1) == 1 && x.size(1) == t.in_features &&
+                      y.size(1) == t.out_features,
+                  "llama_decode_layers: LoRA projection ", which, " got x ", x.sizes(), " y ",
+                  y.sizes());
+      const int64_t index = static_cast<int64_t>(layer);
+      lora_apply_grouped_fp32(x.data_ptr<float>(), x.stride(0), t.in_features,
+                              t.lora_a + index * t.a_layer_stride,
+                              t.lora_b + index * t.b_layer_stride, t.rank, t.out_features,
+                              scales_.data_ptr<float>(), y.data_ptr<float>(), y.stride(0),
+                              scratch_.data_ptr<float>(), groups_);
+      return;
+    }
     const at::Tensor lora_a = lora_a_[which].select(0, static_cast<int64_t>(layer));
     const at::Tensor lora_b = lora_b_[which].select(0, static_cast<int64_t>(layer));
     const auto dtype = lora_a.scalar_type();
@@ -311,8 +346,18 @@ class LoraTables {
   }
 
  private:
+  // One projection's fp32 tables of every layer: layer l's at l * the layer stride.
+  struct Fp32Tables {
+    const float* lora_a = nullptr;
+    const float* lora_b = nullptr;
+    int64_t rank = 0, in_features = 0, out_features = 0, a_layer_stride = 0, b_layer_stride = 0;
+  };
+
   at::TensorList lora_a_, lora_b_;
   at::Tensor scales_, seg_starts_, seg_slots_;
+  LoraSlotGroups groups_;
+  Fp32Tables fp32_[4];
+  at::Tensor scratch_;  // defined: the fp32 path
   std::vector<std::pair<int64_t, int64_t>> adapter_rows_;  // (first row, rows) with a slot
 };
 

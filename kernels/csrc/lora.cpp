@@ -48,16 +48,7 @@ constexpr int64_t kMinParallelMacs = 1 << 17;
 constexpr int kShrinkTileTokens = 4;
 constexpr int kShrinkTileRows = 2;
 
-// The tokens of each slot used this step, grouped: group g is slot slots[g] and holds
-// tokens[offsets[g] .. offsets[g + 1]) in ascending order.
-struct SlotGroups {
-  std::vector<int64_t> slots;
-  std::vector<int64_t> offsets{0};
-  std::vector<int64_t> tokens;
-
-  int64_t size() const { return static_cast<int64_t>(slots.size()); }
-  int64_t count(int64_t g) const { return offsets[g + 1] - offsets[g]; }
-};
+using SlotGroups = LoraSlotGroups;
 
 void check_segment_tensors(const at::Tensor& seg_starts, const at::Tensor& seg_slots) {
   TORCH_CHECK(seg_slots.dim() == 1 && seg_slots.scalar_type() == at::kInt,
@@ -69,8 +60,10 @@ void check_segment_tensors(const at::Tensor& seg_starts, const at::Tensor& seg_s
               seg_starts.sizes());
 }
 
-SlotGroups group_by_slot(const at::Tensor& seg_starts_in, const at::Tensor& seg_slots_in,
-                         int64_t num_tokens, int64_t num_slots) {
+}  // namespace
+
+SlotGroups lora_group_rows(const at::Tensor& seg_starts_in, const at::Tensor& seg_slots_in,
+                           int64_t num_tokens, int64_t num_slots) {
   check_segment_tensors(seg_starts_in, seg_slots_in);
   const at::Tensor seg_starts = seg_starts_in.contiguous();
   const at::Tensor seg_slots = seg_slots_in.contiguous();
@@ -105,6 +98,13 @@ SlotGroups group_by_slot(const at::Tensor& seg_starts_in, const at::Tensor& seg_
     for (int64_t t = starts[s]; t < starts[s + 1]; ++t) groups.tokens[next++] = t;
   }
   return groups;
+}
+
+namespace {
+
+SlotGroups group_by_slot(const at::Tensor& seg_starts, const at::Tensor& seg_slots,
+                         int64_t num_tokens, int64_t num_slots) {
+  return lora_group_rows(seg_starts, seg_slots, num_tokens, num_slots);
 }
 
 // Runs items [0, n) on the threads, or on this one when the whole call is small.
@@ -456,6 +456,17 @@ void lora_apply(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor&
   const at::Tensor v = at::empty({x.size(0), lora_a.size(1)}, x.options().dtype(at::kFloat));
   shrink_checked(x, lora_a, v, groups);
   expand_checked(v, lora_b, scales, y, slices, groups);
+}
+
+void lora_apply_grouped_fp32(const float* x, int64_t x_stride, int64_t in_features,
+                             const float* lora_a, const float* lora_b, int64_t rank,
+                             int64_t out_features, const float* scales, float* y,
+                             int64_t y_stride, float* v, const LoraSlotGroups& groups) {
+  if (groups.tokens.empty() || rank == 0) return;
+  const ShrinkArgs shrink{x, x_stride, lora_a, v, rank, rank, in_features};
+  run_shrink_isa<float>(shrink, groups);
+  const ExpandArgs expand{v, rank, lora_b, scales, y, y_stride, out_features, rank};
+  run_expand_isa<float>(expand, groups, {out_features});
 }
 
 namespace {
