@@ -30,6 +30,8 @@ PURE_MODULES = (
     "services/scheduler/pin_keeper.py",
     "services/scheduler/admission.py",
     "services/scheduler/stats.py",
+    "services/scheduler/fair_share.py",
+    "services/scheduler/lora_slots.py",
     # the model registry: architectures and what each family reads from its files
     "services/worker/model/architecture.py",
     "services/worker/model/families",
