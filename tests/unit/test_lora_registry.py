@@ -106,3 +106,19 @@ async def test_a_worker_without_slots_takes_no_adapter() -> None:
         await registry.load(worker, "a", "/adapters/a")  # type: ignore[arg-type]
     with pytest.raises(NotFoundError):
         await registry.unload(worker, "a", lambda _: 0)  # type: ignore[arg-type]
+
+
+class FileGoneWorker(FakeWorker):
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        raise InvalidRequestError("path", f"{path} is neither a PEFT directory nor a .gguf file")
+
+
+@run
+async def test_an_adapter_a_restarted_worker_cannot_load_again_is_dropped() -> None:
+    registry, worker = LoraRegistry(), FakeWorker()
+    await registry.connect(worker, max_loras=2)  # type: ignore[arg-type]
+    await registry.load(worker, "gone", "/adapters/gone")  # type: ignore[arg-type]
+    await registry.connect(FileGoneWorker(), max_loras=2)  # type: ignore[arg-type]
+    assert registry.names == []
+    with pytest.raises(NotFoundError, match="'gone'"):
+        registry.check("gone")
