@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from services.common.model_source import resolve_model_path
+from services.common.serving_config import DeviceConfig
 from services.contracts.errors import ModelLoadError
+from services.contracts.memory_budget import MemoryBudget
 from services.model_inspect import ModelReport, UnreadableModelError, describe_model
 
 EXIT_SERVABLE = 0
@@ -47,6 +50,12 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--dtype", choices=LOAD_DTYPES, default="float32", help="model dtype of --load"
     )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=DeviceConfig.kv_cache_gib,
+        help="KV cache of --load's memory budget, GiB (the worker's default)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -60,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     except (ModelLoadError, UnreadableModelError) as exc:
         print(f"llmserve: error: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    load = measure_load(path, args.dtype) if args.load and report.servable else None
+    load = (
+        measure_load(path, args.dtype, args.kv_cache_gib) if args.load and report.servable else None
+    )
     if args.json:
         document = report.to_json()
         if load is not None:
@@ -95,18 +106,29 @@ def resident_memory() -> dict[str, int]:
     return found
 
 
-def measure_load(path: Path, dtype_name: str) -> dict[str, Any]:
+def measure_load(
+    path: Path, dtype_name: str, kv_cache_gib: float = DeviceConfig.kv_cache_gib
+) -> dict[str, Any]:
     """Load the model the worker's way and measure: the process's resident memory before (torch
-    and the loader imported) and after, and the bytes of the model's tensors."""
+    and the loader imported) and after, the bytes of the model's tensors, and the worker's
+    memory budget once a KV cache of `kv_cache_gib` is allocated and one step has run."""
     import torch
 
-    from services.worker.config import resolve_dtype
+    from services.worker import memory_budget
+    from services.worker.config import GiB, resolve_dtype
     from services.worker.loaded_model import LoadedModel
+    from services.worker.runner import ModelRunner
+    from services.worker.server import warm_up
 
     dtype = resolve_dtype(dtype_name, "cpu")
     before = resident_memory()
     loaded = LoadedModel.load(str(path), dtype, "cpu", "auto")
     after = resident_memory()
+    runner = ModelRunner.create(
+        loaded, kv_cache_bytes=int(kv_cache_gib * GiB), block_size=16, seed=0
+    )
+    warm_up(runner)
+    budget = memory_budget.measure(loaded.model, runner.kv_cache, loaded.path)
     storages: dict[int, int] = {}
     network = loaded.model
     tensors = [*network.parameters(), *network.buffers(), network.rope]
@@ -122,6 +144,7 @@ def measure_load(path: Path, dtype_name: str) -> dict[str, Any]:
         "before": before,
         "after": after,
         "model_tensor_bytes": sum(storages.values()),
+        "memory_budget": asdict(budget),
     }
 
 
@@ -188,6 +211,7 @@ def format_load(report: ModelReport, load: dict[str, Any] | None, dtype: str) ->
     if load is None:
         return "  load           skipped: the model is refused"
     before, after = load["before"], load["after"]
+    budget = MemoryBudget(**load["memory_budget"])
     memory = report.weight_memory_bytes or {}
     estimate = memory.get("float32" if dtype == "float32" else "bfloat16")
     estimated = f" (estimate {_bytes(estimate)})" if estimate is not None else ""
@@ -201,6 +225,8 @@ def format_load(report: ModelReport, load: dict[str, Any] | None, dtype: str) ->
             f" +{_bytes(after['rss_anon_bytes'] - before['rss_anon_bytes'])}, file-backed"
             f" +{_bytes(after['rss_file_bytes'] - before['rss_file_bytes'])}),"
             f" peak {_bytes(after['peak_rss_bytes'])}",
+            "    memory budget (after a warm-up step, as the worker logs it at start)",
+            *(f"      {what:<12} {amount}" for what, amount in budget.lines()),
         ]
     )
 

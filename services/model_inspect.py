@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.gguf_index import open_gguf_index
 from services.common.gguf_metadata import field_value, open_gguf
 from services.common.model_source import model_display_name
 from services.common.model_tokenizer import ModelTokenizer
@@ -194,7 +195,9 @@ def _describe_gguf(path: Path) -> ModelReport:
         )
         for t in reader.tensors
     ]
-    family, architecture = _registry(lambda: gguf_model_architecture(reader), refusals)
+    family, architecture = _registry(
+        lambda: gguf_model_architecture(open_gguf_index(path)), refusals
+    )
     at_load: dict[str, str] = {}
     memory = None
     if family is not None and architecture is not None:

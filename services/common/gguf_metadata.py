@@ -7,6 +7,7 @@ import functools
 import mmap
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,24 +46,37 @@ def read_metadata(path: Path) -> Mapping[str, Any]:
     `gguf.GGUFReader` (a numpy view per string) takes tens of seconds."""
     try:
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            if data[:4] != b"GGUF":
-                raise ModelLoadError(f"{path} is not a GGUF file")
-            (version,) = struct.unpack_from("<I", data, 4)
-            if version not in (2, 3):
-                raise ModelLoadError(f"GGUF version {version} of {path} is not supported")
-            (num_values,) = struct.unpack_from("<Q", data, 16)
-            metadata: dict[str, Any] = {}
-            offset = 24
-            for _ in range(num_values):
-                key, offset = _read_string(data, offset)
-                (kind,) = struct.unpack_from("<I", data, offset)
-                metadata[key], offset = _read_value(data, offset + 4, kind)
-            return metadata
+            return read_header(data, path).metadata
     except (OSError, ValueError, struct.error) as exc:  # truncated, or not UTF-8
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
 
 
-def _read_string(data: mmap.mmap, offset: int) -> tuple[str, int]:
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    metadata: Mapping[str, Any]
+    num_tensors: int
+    end: int
+    """Offset of the first byte after the key-value pairs: the tensor index starts there."""
+
+
+def read_header(data: mmap.mmap, path: Path) -> GGUFHeader:
+    """Magic, version and key-value pairs of a mapped GGUF file."""
+    if data[:4] != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file")
+    (version,) = struct.unpack_from("<I", data, 4)
+    if version not in (2, 3):
+        raise ModelLoadError(f"GGUF version {version} of {path} is not supported")
+    num_tensors, num_values = struct.unpack_from("<QQ", data, 8)
+    metadata: dict[str, Any] = {}
+    offset = 24
+    for _ in range(num_values):
+        key, offset = read_string(data, offset)
+        (kind,) = struct.unpack_from("<I", data, offset)
+        metadata[key], offset = _read_value(data, offset + 4, kind)
+    return GGUFHeader(metadata, num_tensors, offset)
+
+
+def read_string(data: mmap.mmap, offset: int) -> tuple[str, int]:
     (length,) = struct.unpack_from("<Q", data, offset)
     start = offset + 8
     return data[start : start + length].decode("utf-8"), start + length
@@ -70,7 +84,7 @@ def _read_string(data: mmap.mmap, offset: int) -> tuple[str, int]:
 
 def _read_value(data: mmap.mmap, offset: int, kind: int) -> tuple[Any, int]:
     if kind == _STRING:
-        return _read_string(data, offset)
+        return read_string(data, offset)
     if kind == _ARRAY:
         item_kind, count = struct.unpack_from("<IQ", data, offset)
         offset += 12

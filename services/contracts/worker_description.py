@@ -3,8 +3,9 @@ it, keys the prefix index by its epoch, and passes the model part on to the toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.contracts.memory_budget import MemoryBudget
 from services.contracts.model_description import ModelDescription
 
 
@@ -29,3 +30,5 @@ class WorkerDescription:
     """LoRA adapters one step may mix (the worker's device slots); 0 = no adapters."""
     max_lora_rank: int = 0
     """Largest rank of an adapter the worker loads."""
+    memory: MemoryBudget = field(default_factory=MemoryBudget)
+    """Weights, KV cache and runtime bytes, measured after the worker's warm-up."""

@@ -72,7 +72,9 @@ class LLMEngine:
         if loaded is None:
             gguf_blocks = serves_gguf_blocks(config.quantization, config.model)
             dtype = resolve_dtype(config.dtype, config.device, gguf_blocks=gguf_blocks)
-            loaded = LoadedModel.load(config.model, dtype, config.device, config.quantization)
+            loaded = LoadedModel.load(
+                config.model, dtype, config.device, config.quantization, config.max_model_len
+            )
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer

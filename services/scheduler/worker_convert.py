@@ -6,6 +6,7 @@ from __future__ import annotations
 from protos.llmserve.v1 import worker_pb2
 from services.common.model_description_proto import description_from_proto
 from services.common.sampling_proto import sampling_to_proto, structured_output_to_proto
+from services.contracts.memory_budget import MemoryBudget
 from services.contracts.step import BatchPlan, StepResult, TokenLogprobs
 from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
@@ -25,6 +26,15 @@ def worker_description_from_proto(message: worker_pb2.WorkerDescription) -> Work
         sliding_window=message.sliding_window,
         max_loras=message.max_loras,
         max_lora_rank=message.max_lora_rank,
+        memory=MemoryBudget(
+            weight_bytes_by_kind=dict(message.memory.weight_bytes_by_kind),
+            weight_mapped_bytes=message.memory.weight_mapped_bytes,
+            kv_cache_bytes=message.memory.kv_cache_bytes,
+            kv_cache_blocks=message.memory.kv_cache_blocks,
+            kv_cache_tokens=message.memory.kv_cache_tokens,
+            runtime_bytes=message.memory.runtime_bytes,
+            machine_bytes=message.memory.machine_bytes,
+        ),
     )
 
 

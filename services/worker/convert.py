@@ -6,6 +6,7 @@ from __future__ import annotations
 from protos.llmserve.v1 import logprobs_pb2, worker_pb2
 from services.common.model_description_proto import description_to_proto
 from services.common.sampling_proto import sampling_from_proto
+from services.contracts.memory_budget import MemoryBudget
 from services.contracts.step import BatchPlan, NewSequence, SequenceDelta, StepResult
 from services.contracts.worker_description import WorkerDescription
 
@@ -24,6 +25,19 @@ def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.Wo
         sliding_window=description.sliding_window,
         max_loras=description.max_loras,
         max_lora_rank=description.max_lora_rank,
+        memory=memory_budget_to_proto(description.memory),
+    )
+
+
+def memory_budget_to_proto(budget: MemoryBudget) -> worker_pb2.MemoryBudget:
+    return worker_pb2.MemoryBudget(
+        weight_bytes_by_kind=budget.weight_bytes_by_kind,
+        weight_mapped_bytes=budget.weight_mapped_bytes,
+        kv_cache_bytes=budget.kv_cache_bytes,
+        kv_cache_blocks=budget.kv_cache_blocks,
+        kv_cache_tokens=budget.kv_cache_tokens,
+        runtime_bytes=budget.runtime_bytes,
+        machine_bytes=budget.machine_bytes,
     )
 
 

@@ -13,7 +13,6 @@ from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.model_description import ModelDescription
 from services.worker.loader.model_loader import load_model
 from services.worker.model.causal_lm import CausalLM
-from services.worker.quantization import apply_quantization
 from services.worker.quantization.formats import kv_cache_torch_dtype, resolve_quantization
 
 
@@ -32,11 +31,19 @@ class LoadedModel:
         dtype: torch.dtype,
         device: str = "cpu",
         quantization: str = "none",
+        max_model_len: int | None = None,
     ) -> LoadedModel:
+        """`max_model_len`: the longest sequence served (unset: the model's context); the rope
+        tables are sized by it."""
         path = resolve_model_path(model)
         tokenizer = ModelTokenizer.from_path(path)
-        network = load_model(path, dtype=dtype, device=device)
-        apply_quantization(network, quantization, path)
+        network = load_model(
+            path,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            max_positions=max_model_len,
+        )
         return cls(path, network, tokenizer, resolve_quantization(quantization, path))
 
     @property

@@ -32,13 +32,15 @@ from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
 from services.common.lora_proto import lora_adapter_info_to_proto
 from services.common.metrics_http import start_metrics_server
+from services.common.model_source import resolve_model_path
 from services.common.sampling_proto import structured_output_from_proto
 from services.contracts.errors import InvalidRequestError, LLMServeError, ModelLoadError
+from services.contracts.memory_budget import MemoryBudget
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.contracts.worker_description import WorkerDescription
-from services.worker import metrics
-from services.worker.config import WorkerConfig, resolve_dtype
+from services.worker import memory_budget, metrics
+from services.worker.config import GiB, WorkerConfig, resolve_dtype
 from services.worker.convert import (
     plan_from_proto,
     result_to_proto,
@@ -46,7 +48,7 @@ from services.worker.convert import (
 )
 from services.worker.loaded_model import LoadedModel
 from services.worker.lora.errors import LoraAdapterError, LoraConflictError, LoraNotFoundError
-from services.worker.quantization.formats import serves_gguf_blocks
+from services.worker.quantization.formats import resolve_quantization, serves_gguf_blocks
 from services.worker.runner import ModelRunner, StepMode
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sliding_window=loaded.model.architecture.largest_window,
             max_loras=runner.adapters.max_loras,
             max_lora_rank=runner.adapters.max_lora_rank,
+            memory=memory_budget.measure(loaded.model, runner.kv_cache, loaded.path)
+            if runner.device.type == "cpu"
+            else MemoryBudget(),
         )
         return worker_description_to_proto(description)
 
@@ -341,11 +346,18 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
         torch.set_num_threads(config.threads)
     gguf_blocks = serves_gguf_blocks(config.quantization, config.model)
     dtype = resolve_dtype(config.dtype, config.device, gguf_blocks=gguf_blocks)
-    loaded = LoadedModel.load(config.model, dtype, config.device, config.quantization)
+    if config.device == "cpu":
+        check_memory(config, dtype)
+    loaded = LoadedModel.load(
+        config.model, dtype, config.device, config.quantization, config.max_model_len
+    )
     runner = ModelRunner.from_settings(loaded, config, config.max_model_len)
     runner.compile_step_graphs()
     log_kernel_path(runner.device)
     warm_up(runner)
+    if config.device == "cpu":
+        budget = memory_budget.measure(loaded.model, runner.kv_cache, loaded.path)
+        log.info("memory budget", extra=budget.log_fields())
     for name, path in config.lora_module_paths().items():
         try:
             info = runner.adapters.load(name, Path(path))
@@ -353,6 +365,19 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
             raise ModelLoadError(f"--lora-modules {name}={path}: {exc}") from exc
         log.info("LoRA adapter loaded at start", extra={"lora_name": name, "rank": info.rank})
     return loaded, runner
+
+
+def check_memory(config: WorkerConfig, dtype: torch.dtype) -> None:
+    """Refuse, before loading anything, a start whose weights + KV cache + runtime exceed the
+    memory this process may still take (what it holds already counts as available to it)."""
+    path = resolve_model_path(config.model)
+    quantization = resolve_quantization(config.quantization, path)
+    memory_budget.check_fits(
+        weight_bytes=memory_budget.estimated_weight_bytes(path, quantization, dtype),
+        kv_cache_bytes=int(config.kv_cache_gib * GiB),
+        runtime_bytes=memory_budget.RUNTIME_ESTIMATE_BYTES,
+        available=memory_budget.available_bytes() + memory_budget.resident_bytes(),
+    )
 
 
 def log_kernel_path(device: torch.device) -> None:

@@ -24,7 +24,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker.config import WorkerConfig
 from services.worker.loaded_model import LoadedModel
-from services.worker.quantization.gguf_direct import load_gguf_quantized
+from services.worker.loader.model_loader import load_model
 from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear
 from services.worker.quantization.linear import Int8Embedding
 from services.worker.quantization.swap import quantize_model
@@ -140,11 +140,10 @@ def test_describe_reports_the_formats(loaded_fp32: LoadedModel) -> None:
 
 
 def test_gguf_blocks_load_as_the_float_loader_reads_them(loaded_fp32: LoadedModel) -> None:
-    """Every decoder linear keeps the file's Q4_1 block rows (q|k|v and gate|up stacked), the
-    Q8_0 embedding is shared with the tied head, and each decodes to exactly the float
-    model's weight (which the gguf package dequantized from the same blocks)."""
-    model = copy.deepcopy(loaded_fp32.model)
-    load_gguf_quantized(model, loaded_fp32.path, int8_activations=False)
+    """Every decoder linear keeps the file's Q4_1 block rows (q|k|v and gate|up side by
+    side), the Q8_0 embedding is shared with the tied head, and each decodes to exactly the
+    float model's weight (which the gguf package dequantized from the same blocks)."""
+    model = load_model(loaded_fp32.path, quantization="gguf-exact")
     for index in (0, 29):
         ours, theirs = model.layers[index], loaded_fp32.model.layers[index]
         pairs = [
@@ -154,8 +153,13 @@ def test_gguf_blocks_load_as_the_float_loader_reads_them(loaded_fp32: LoadedMode
             (ours.mlp.down_proj, theirs.mlp.down_proj),
         ]
         for quantized, float_linear in pairs:
-            assert isinstance(quantized, GGUFLinear) and quantized.kinds == [3]  # Q4_1
-            weight = dequantize_blocks(quantized.blocks_0, quantized.kinds[0])
+            assert isinstance(quantized, GGUFLinear) and set(quantized.kinds) == {3}  # Q4_1
+            weight = torch.cat(
+                [
+                    dequantize_blocks(part, kind)
+                    for part, kind in zip(quantized.parts, quantized.kinds, strict=True)
+                ]
+            )
             assert torch.equal(weight, float_linear.weight)
             eye = torch.eye(quantized.in_features)
             # I @ W^T through the layer's own kernel: one nonzero product per output.
@@ -175,8 +179,7 @@ def test_gguf_blocks_in_fp32_give_the_float_greedy_tokens(
     the summation order differs, so greedy decoding on the held-out prompts of the accuracy
     benchmark matches the dense fp32 load on all of them (the int4 conversion this replaced
     rounded Q4_1's zero m + 8d to the activation dtype and re-quantized Q8_0 per row)."""
-    model = copy.deepcopy(loaded_fp32.model)
-    load_gguf_quantized(model, loaded_fp32.path, int8_activations=False)
+    model = load_model(loaded_fp32.path, quantization="gguf-exact")
     loaded = LoadedModel(loaded_fp32.path, model, loaded_fp32.tokenizer, "gguf-exact")
     gguf_engine = LLMEngine(replace(FP32, kv_cache_gib=64 / 1024), loaded=loaded)
     prompts = [engine.tokenizer.encode(text) for text in EVAL_PROMPTS]

@@ -171,6 +171,19 @@ def test_load_reports_resident_memory_and_the_tensors_match_the_estimate(
     assert load["after"]["peak_rss_bytes"] >= load["after"]["rss_bytes"]
     assert (load["dtype"], load["quantization"]) == ("float32", "gguf")
     assert load["model_tensor_bytes"] == document["weight_memory_bytes"]["float32"]
+    # The worker's budget: the file's blocks by kind, the default 1 GiB KV cache in whole
+    # blocks, and a runtime share that is what the process holds beyond both.
+    budget = load["memory_budget"]
+    assert set(budget["weight_bytes_by_kind"]) == {"Q4_1", "Q8_0", "float32"}
+    assert sum(budget["weight_bytes_by_kind"].values()) <= load["model_tensor_bytes"]
+    assert (
+        0
+        < (1 << 30) - budget["kv_cache_bytes"]
+        < budget["kv_cache_bytes"] / budget["kv_cache_blocks"]
+    )
+    assert budget["kv_cache_tokens"] == 16 * budget["kv_cache_blocks"]
+    assert 0 < budget["runtime_bytes"] < load["after"]["peak_rss_bytes"]
+    assert budget["machine_bytes"] > budget["kv_cache_bytes"]
 
 
 # --- GGUF files written here -----------------------------------------------------------------

@@ -28,13 +28,15 @@ from protos.llmserve.v1 import model_pb2 as protos_dot_llmserve_dot_v1_dot_model
 from protos.llmserve.v1 import sampling_pb2 as protos_dot_llmserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/worker.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a\x1dprotos/llmserve/v1/lora.proto\x1a\x1eprotos/llmserve/v1/model.proto\x1a!protos/llmserve/v1/sampling.proto\"Q\n\x15PrepareGrammarRequest\x12\x38\n\x11structured_output\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\",\n\x16PrepareGrammarResponse\x12\x12\n\ncompile_ms\x18\x01 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xbf\x02\n\x11WorkerDescription\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cworker_epoch\x18\x0c \x01(\t\x12,\n\x05model\x18\r \x01(\x0b\x32\x1d.llmserve.v1.ModelDescription\x12\x16\n\x0esliding_window\x18\x0e \x01(\r\x12\x11\n\tmax_loras\x18\x0f \x01(\r\x12\x15\n\rmax_lora_rank\x18\x10 \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\t\x10\n\"\xc6\x01\n\x0bNewSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\x12\x11\n\tlora_name\x18\x07 \x01(\t\":\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xf7\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12/\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x30\n\x0c\x62lock_deltas\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x1d\n\x15scheduled_request_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12,\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockCopy\x12:\n\x0b\x64raft_slots\x18\x08 \x03(\x0b\x32%.llmserve.v1.StepPlan.DraftSlotsEntry\x12\x46\n\x11\x62lock_truncations\x18\t \x03(\x0b\x32+.llmserve.v1.StepPlan.BlockTruncationsEntry\x1a\x31\n\x0f\x44raftSlotsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15\x42lockTruncationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xed\x03\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1b\n\x13sampled_request_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.llmserve.v1.StepOutput.LogprobsEntry\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x33\n\x06\x64rafts\x18\x06 \x03(\x0b\x32#.llmserve.v1.StepOutput.DraftsEntry\x12\x46\n\x10\x66\x61iled_sequences\x18\x07 \x03(\x0b\x32,.llmserve.v1.StepOutput.FailedSequencesEntry\x1aJ\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.TokenLogprob:\x02\x38\x01\x1aH\n\x0b\x44raftsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.DraftOutcome:\x02\x38\x01\x1a\x36\n\x14\x46\x61iledSequencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"@\n\x0c\x44raftOutcome\x12\x14\n\x0cnum_proposed\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\x05\x32\x84\x04\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12:\n\x04Step\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepOutput(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".llmserve.v1.PrepareGrammarRequest\x1a#.llmserve.v1.PrepareGrammarResponse\x12T\n\x0fLoadLoraAdapter\x12#.llmserve.v1.LoadLoraAdapterRequest\x1a\x1c.llmserve.v1.LoraAdapterInfo\x12\x62\n\x11UnloadLoraAdapter\x12%.llmserve.v1.UnloadLoraAdapterRequest\x1a&.llmserve.v1.UnloadLoraAdapterResponse\x12_\n\x10ListLoraAdapters\x12$.llmserve.v1.ListLoraAdaptersRequest\x1a%.llmserve.v1.ListLoraAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/worker.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a\x1dprotos/llmserve/v1/lora.proto\x1a\x1eprotos/llmserve/v1/model.proto\x1a!protos/llmserve/v1/sampling.proto\"Q\n\x15PrepareGrammarRequest\x12\x38\n\x11structured_output\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\",\n\x16PrepareGrammarResponse\x12\x12\n\ncompile_ms\x18\x01 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xea\x02\n\x11WorkerDescription\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cworker_epoch\x18\x0c \x01(\t\x12,\n\x05model\x18\r \x01(\x0b\x32\x1d.llmserve.v1.ModelDescription\x12\x16\n\x0esliding_window\x18\x0e \x01(\r\x12\x11\n\tmax_loras\x18\x0f \x01(\r\x12\x15\n\rmax_lora_rank\x18\x10 \x01(\r\x12)\n\x06memory\x18\x11 \x01(\x0b\x32\x19.llmserve.v1.MemoryBudgetJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\t\x10\n\"\xad\x02\n\x0cMemoryBudget\x12N\n\x14weight_bytes_by_kind\x18\x01 \x03(\x0b\x32\x30.llmserve.v1.MemoryBudget.WeightBytesByKindEntry\x12\x1b\n\x13weight_mapped_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fkv_cache_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fkv_cache_tokens\x18\x05 \x01(\x04\x12\x15\n\rruntime_bytes\x18\x06 \x01(\x04\x12\x15\n\rmachine_bytes\x18\x07 \x01(\x04\x1a\x38\n\x16WeightBytesByKindEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xc6\x01\n\x0bNewSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\x12\x11\n\tlora_name\x18\x07 \x01(\t\":\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xf7\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12/\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x30\n\x0c\x62lock_deltas\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x1d\n\x15scheduled_request_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12,\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockCopy\x12:\n\x0b\x64raft_slots\x18\x08 \x03(\x0b\x32%.llmserve.v1.StepPlan.DraftSlotsEntry\x12\x46\n\x11\x62lock_truncations\x18\t \x03(\x0b\x32+.llmserve.v1.StepPlan.BlockTruncationsEntry\x1a\x31\n\x0f\x44raftSlotsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15\x42lockTruncationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xed\x03\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1b\n\x13sampled_request_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.llmserve.v1.StepOutput.LogprobsEntry\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x33\n\x06\x64rafts\x18\x06 \x03(\x0b\x32#.llmserve.v1.StepOutput.DraftsEntry\x12\x46\n\x10\x66\x61iled_sequences\x18\x07 \x03(\x0b\x32,.llmserve.v1.StepOutput.FailedSequencesEntry\x1aJ\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.TokenLogprob:\x02\x38\x01\x1aH\n\x0b\x44raftsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.DraftOutcome:\x02\x38\x01\x1a\x36\n\x14\x46\x61iledSequencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"@\n\x0c\x44raftOutcome\x12\x14\n\x0cnum_proposed\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\x05\x32\x84\x04\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12:\n\x04Step\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepOutput(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".llmserve.v1.PrepareGrammarRequest\x1a#.llmserve.v1.PrepareGrammarResponse\x12T\n\x0fLoadLoraAdapter\x12#.llmserve.v1.LoadLoraAdapterRequest\x1a\x1c.llmserve.v1.LoraAdapterInfo\x12\x62\n\x11UnloadLoraAdapter\x12%.llmserve.v1.UnloadLoraAdapterRequest\x1a&.llmserve.v1.UnloadLoraAdapterResponse\x12_\n\x10ListLoraAdapters\x12$.llmserve.v1.ListLoraAdaptersRequest\x1a%.llmserve.v1.ListLoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.llmserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MEMORYBUDGET_WEIGHTBYTESBYKINDENTRY']._loaded_options = None
+  _globals['_MEMORYBUDGET_WEIGHTBYTESBYKINDENTRY']._serialized_options = b'8\001'
   _globals['_STEPPLAN_DRAFTSLOTSENTRY']._loaded_options = None
   _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_options = b'8\001'
   _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._loaded_options = None
@@ -52,29 +54,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=310
   _globals['_DESCRIBEREQUEST']._serialized_end=327
   _globals['_WORKERDESCRIPTION']._serialized_start=330
-  _globals['_WORKERDESCRIPTION']._serialized_end=649
-  _globals['_NEWSEQUENCE']._serialized_start=652
-  _globals['_NEWSEQUENCE']._serialized_end=850
-  _globals['_SEQUENCEDELTA']._serialized_start=852
-  _globals['_SEQUENCEDELTA']._serialized_end=910
-  _globals['_BLOCKCOPY']._serialized_start=912
-  _globals['_BLOCKCOPY']._serialized_end=949
-  _globals['_STEPPLAN']._serialized_start=952
-  _globals['_STEPPLAN']._serialized_end=1455
-  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_start=1349
-  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_end=1398
-  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_start=1400
-  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_end=1455
-  _globals['_STEPOUTPUT']._serialized_start=1458
-  _globals['_STEPOUTPUT']._serialized_end=1951
-  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_start=1747
-  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_end=1821
-  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_start=1823
-  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_end=1895
-  _globals['_STEPOUTPUT_FAILEDSEQUENCESENTRY']._serialized_start=1897
-  _globals['_STEPOUTPUT_FAILEDSEQUENCESENTRY']._serialized_end=1951
-  _globals['_DRAFTOUTCOME']._serialized_start=1953
-  _globals['_DRAFTOUTCOME']._serialized_end=2017
-  _globals['_WORKER']._serialized_start=2020
-  _globals['_WORKER']._serialized_end=2536
+  _globals['_WORKERDESCRIPTION']._serialized_end=692
+  _globals['_MEMORYBUDGET']._serialized_start=695
+  _globals['_MEMORYBUDGET']._serialized_end=996
+  _globals['_MEMORYBUDGET_WEIGHTBYTESBYKINDENTRY']._serialized_start=940
+  _globals['_MEMORYBUDGET_WEIGHTBYTESBYKINDENTRY']._serialized_end=996
+  _globals['_NEWSEQUENCE']._serialized_start=999
+  _globals['_NEWSEQUENCE']._serialized_end=1197
+  _globals['_SEQUENCEDELTA']._serialized_start=1199
+  _globals['_SEQUENCEDELTA']._serialized_end=1257
+  _globals['_BLOCKCOPY']._serialized_start=1259
+  _globals['_BLOCKCOPY']._serialized_end=1296
+  _globals['_STEPPLAN']._serialized_start=1299
+  _globals['_STEPPLAN']._serialized_end=1802
+  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_start=1696
+  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_end=1745
+  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_start=1747
+  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_end=1802
+  _globals['_STEPOUTPUT']._serialized_start=1805
+  _globals['_STEPOUTPUT']._serialized_end=2298
+  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_start=2094
+  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_end=2168
+  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_start=2170
+  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_end=2242
+  _globals['_STEPOUTPUT_FAILEDSEQUENCESENTRY']._serialized_start=2244
+  _globals['_STEPOUTPUT_FAILEDSEQUENCESENTRY']._serialized_end=2298
+  _globals['_DRAFTOUTCOME']._serialized_start=2300
+  _globals['_DRAFTOUTCOME']._serialized_end=2364
+  _globals['_WORKER']._serialized_start=2367
+  _globals['_WORKER']._serialized_end=2883
 # @@protoc_insertion_point(module_scope)

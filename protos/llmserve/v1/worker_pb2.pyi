@@ -27,7 +27,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank")
+    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank", "memory")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class WorkerDescription(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     dtype: str
     device: str
@@ -52,7 +53,33 @@ class WorkerDescription(_message.Message):
     sliding_window: int
     max_loras: int
     max_lora_rank: int
-    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    memory: MemoryBudget
+    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., memory: _Optional[_Union[MemoryBudget, _Mapping]] = ...) -> None: ...
+
+class MemoryBudget(_message.Message):
+    __slots__ = ("weight_bytes_by_kind", "weight_mapped_bytes", "kv_cache_bytes", "kv_cache_blocks", "kv_cache_tokens", "runtime_bytes", "machine_bytes")
+    class WeightBytesByKindEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    WEIGHT_BYTES_BY_KIND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    weight_bytes_by_kind: _containers.ScalarMap[str, int]
+    weight_mapped_bytes: int
+    kv_cache_bytes: int
+    kv_cache_blocks: int
+    kv_cache_tokens: int
+    runtime_bytes: int
+    machine_bytes: int
+    def __init__(self, weight_bytes_by_kind: _Optional[_Mapping[str, int]] = ..., weight_mapped_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., machine_bytes: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "lora_name")

@@ -1,17 +1,19 @@
-"""Read a GGUF file's weights (llama.cpp's format; the metadata readers are torch-free, in
-services/common/gguf_metadata.py and services/worker/model/families/), dequantized to float
-with gguf-py (every tensor type it knows: the same values as `gguf.quants.dequantize`) and
-addressed to our parameters, with llama.cpp's Q/K row permutation undone where the family's
-converter applied it."""
+"""Read a GGUF file's weights (llama.cpp's format) for our parameters: which tensors make each
+parameter (`placed_tensors`), and a tensor as float (`float_part`: dequantized with gguf-py,
+every type it knows, the same values as `gguf.quants.dequantize`) with llama.cpp's Q/K row
+permutation undone where the family's converter applied it. The metadata readers are
+torch-free (services/common/gguf_index.py, services/worker/model/families/); the layers that
+keep a file's blocks as stored are built in services/worker/quantization/gguf_direct.py."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from services.common.gguf_index import GGUFIndex, GGUFTensor
 from services.contracts.errors import ModelLoadError
 from services.worker.loader.weight_names import gguf_part
 from services.worker.model.architecture import ModelArchitecture
@@ -44,35 +46,65 @@ def qk_heads(family: ModelFamily, arch: ModelArchitecture, parameter: str, part:
     return {0: arch.num_heads, 1: arch.num_kv_heads}.get(part, 0)
 
 
-def dequantized(tensor: Any) -> np.ndarray:
-    """A GGUF tensor as float32, slowest dim first."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+@dataclass(frozen=True, slots=True)
+class PlacedPart:
+    """One file tensor as part `part` of a parameter, and the heads whose rows llama.cpp
+    permuted in it (0: none)."""
 
-    if tensor.tensor_type == GGMLQuantizationType.F32:
-        array = np.array(tensor.data, dtype=np.float32)  # copy: the file is mapped read-only
-    else:
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        except NotImplementedError as exc:
-            raise ModelLoadError(
-                f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name},"
-                " which gguf-py cannot dequantize"
-            ) from exc
-    # GGUF lists dims fastest-first; numpy wants them slowest-first.
-    return array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+    tensor: GGUFTensor
+    part: int
+    permuted_heads: int
 
 
-def iter_gguf_weights(
-    reader: Any, family: ModelFamily, arch: ModelArchitecture
-) -> Iterator[WeightPart]:
-    """Every weight tensor of the file, as float32, addressed to our parameters."""
-    for tensor in reader.tensors:
+def placed_tensors(
+    index: GGUFIndex, family: ModelFamily, arch: ModelArchitecture
+) -> dict[str, list[PlacedPart]]:
+    """Our parameter name -> the file tensors that make it, in part order. A parameter with a
+    part missing from the file is refused here, naming it."""
+    parts: dict[str, dict[int, PlacedPart]] = {}
+    counts: dict[str, int] = {}
+    for tensor in index.tensors:
         where = gguf_part(family, tensor.name)
         if where is None:
             continue
-        array = dequantized(tensor)
+        counts[where.parameter] = where.num_parts
         heads = qk_heads(family, arch, where.parameter, where.part)
-        if heads:
-            array = unpermute_rows(array, heads)
-        yield WeightPart(*where, torch.from_numpy(np.ascontiguousarray(array)))
+        parts.setdefault(where.parameter, {})[where.part] = PlacedPart(tensor, where.part, heads)
+    placed = {}
+    for name, found in parts.items():
+        missing = [i for i in range(counts[name]) if i not in found]
+        if missing:
+            raise ModelLoadError(f"incomplete fused weights: {name} lacks parts {missing}")
+        placed[name] = [found[i] for i in range(counts[name])]
+    return placed
+
+
+def part_bytes(index: GGUFIndex, placed: PlacedPart) -> np.ndarray:
+    """A part's bytes [rows, bytes per row] as a copy, its rows in our order (llama.cpp's
+    permutation moves whole rows of blocks)."""
+    rows = index.read(placed.tensor)
+    if placed.permuted_heads:
+        rows = np.ascontiguousarray(unpermute_rows(rows, placed.permuted_heads))
+    return rows
+
+
+def float_part(index: GGUFIndex, placed: PlacedPart) -> torch.Tensor:
+    """A part as float32 values in our row order (a copy)."""
+    values = index.values(placed.tensor)
+    if placed.permuted_heads:
+        values = unpermute_rows(values, placed.permuted_heads)
+    return torch.from_numpy(np.ascontiguousarray(values))
+
+
+def iter_gguf_weights(
+    index: GGUFIndex, placed: dict[str, list[PlacedPart]], names: set[str] | None = None
+) -> Iterator[WeightPart]:
+    """The parts of every parameter (or of those in `names`) as float32, one tensor at a
+    time, addressed to our parameters."""
+    for parameter, parts in placed.items():
+        if names is not None and parameter not in names:
+            continue
+        for placed_part in parts:
+            yield WeightPart(
+                parameter, placed_part.part, len(parts), float_part(index, placed_part)
+            )

@@ -13,14 +13,13 @@ alpha): the file keeps no rsLoRA flag."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from services.common.gguf_metadata import field_value
+from services.common.gguf_index import GGUFIndex
 from services.contracts.errors import ModelLoadError
-from services.worker.loader.gguf_loader import dequantized, qk_heads, unpermute_rows
+from services.worker.loader.gguf_loader import qk_heads, unpermute_rows
 from services.worker.loader.weight_names import gguf_part
 from services.worker.lora.adapter import SUPPORTED_MODULES, LoraAdapter, Target, target_of
 from services.worker.lora.errors import LoraAdapterError
@@ -40,18 +39,16 @@ def read_gguf_adapter(
     name: str, path: Path, family: ModelFamily, arch: ModelArchitecture
 ) -> LoraAdapter:
     """The adapter of a GGUF LoRA file, its tensors as float32 on the host."""
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises bare ValueErrors on bad magic/versions
-        raise LoraAdapterError("path", f"cannot read GGUF file {path}: {exc}") from exc
-    _check_header(reader, family)
-    alpha = float(field_value(reader, "adapter.lora.alpha", 0.0) or 0.0)
+        index = GGUFIndex(path)
+    except ModelLoadError as exc:
+        raise LoraAdapterError("path", str(exc)) from exc
+    _check_header(index, family)
+    alpha = float(index.get("adapter.lora.alpha", 0.0) or 0.0)
     pairs: dict[Target, dict[str, np.ndarray]] = {}
-    for tensor in reader.tensors:
+    for tensor in index.tensors:
         target, which, base_name = _target(tensor.name, family)
-        array = dequantized(tensor)
+        array = index.values(tensor)
         heads = qk_heads(family, arch, base_name, target.part) if which == "B" else 0
         if heads:
             array = unpermute_rows(array, heads)
@@ -70,14 +67,14 @@ def read_gguf_adapter(
     return adapter
 
 
-def _check_header(reader: Any, family: ModelFamily) -> None:
-    kind = field_value(reader, "general.type")
+def _check_header(index: GGUFIndex, family: ModelFamily) -> None:
+    kind = index.get("general.type")
     if kind != "adapter":
         raise LoraAdapterError("general.type", f"is {kind!r}: not an adapter file")
-    adapter_type = field_value(reader, "adapter.type")
+    adapter_type = index.get("adapter.type")
     if adapter_type != "lora":
         raise LoraAdapterError("adapter.type", f"{adapter_type!r} adapters are not supported")
-    architecture = field_value(reader, "general.architecture")
+    architecture = index.get("general.architecture")
     known = (*family.gguf_architectures, *_ARCHITECTURE_ALIASES.get(family.name, ()))
     if architecture not in known:
         raise LoraAdapterError(

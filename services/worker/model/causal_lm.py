@@ -255,12 +255,21 @@ class CausalLM(nn.Module):
     def __init__(self, arch: ModelArchitecture, *, max_positions: int | None = None) -> None:
         super().__init__()
         self.architecture = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Uninitialized: every weight is loaded. (Its random init, normal_, would also import
+        # torch._dynamo on the meta device the loader builds on: 150 MB of the worker's RSS.)
+        self.embed_tokens = nn.Embedding(
+            arch.vocab_size,
+            arch.hidden_size,
+            _weight=torch.empty(arch.vocab_size, arch.hidden_size),
+            _freeze=True,
+        )
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size), requires_grad=False)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.tie_weights()
-        self.max_positions = max_positions or arch.max_position_embeddings
+        self.max_positions = min(
+            max_positions or arch.max_position_embeddings, arch.max_position_embeddings
+        )
         self.register_buffer("rope", self.rope_table(local=False), persistent=False)
         # Sliding-window layers of some families (Gemma 3) have a rope of their own.
         self.register_buffer("local_rope", self.rope_table(local=True), persistent=False)
@@ -276,7 +285,10 @@ class CausalLM(nn.Module):
         if local and arch.local_rope is None:
             return None
         rope = arch.local_rope if local and arch.local_rope is not None else arch.rope
-        return cos_sin_cache(rope, arch.head_dim, self.max_positions)
+        # Computed on the host even while the model is built on `meta` (ops on meta tensors go
+        # through torch's Python references, which import torch._dynamo: 150 MB of RSS).
+        with torch.device("cpu"):
+            return cos_sin_cache(rope, arch.head_dim, self.max_positions)
 
     def layer_rope(self, index: int) -> Tensor:
         if self.local_rope is not None and self.architecture.sliding_window(index):

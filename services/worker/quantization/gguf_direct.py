@@ -3,146 +3,166 @@
 IQ4_XS) is kept byte for byte and read by the GGUF kernels (kernels/csrc/gguf_gemm.cpp), so
 the weights in memory are the file's and nothing is rounded a second time.
 
-    tensors of a layer                       becomes
-    parts of one kind                        GGUFLinear over the parts' block rows, stacked
-    parts of different kinds (Q4_K_M's       GGUFLinear over one tensor per part: their
-      q|k|v, say)                            outputs side by side, activations rounded once
-    any part of another kind (F16, F32,      stays as the float loader made it
-      BF16, IQ2/IQ3 ...)
+The layers are built straight from the file, on a model constructed on the `meta` device, so
+no moment of the load holds a float copy of the model:
 
-A fused layer (q|k|v, gate|up) stacks its parts' block rows: rows are independent, and the
-q/k row order fix of the float loader (`unpermute_rows`) moves whole block rows. A quantized
-token_embd becomes a GGUFEmbedding and, in a tied model, the output layer is a GGUFLinear over
-the same buffer (one copy). Otherwise the embedding and output layer become int8 per row, as
-for the other formats.
+    tensors of a layer                       becomes
+    parts the kernels read as stored         GGUFLinear over views of the file's mapping (no
+      (no row fix, no repacking)               copy: its pages are the page cache's)
+    parts that are repacked (the int8        GGUFLinear over one new buffer per run of parts
+      kernels' 8-row layout) or whose rows     of one kind, filled part by part from reads of
+      llama.cpp permuted                       the file (never through the mapping)
+    any part of another kind (F16, F32,      a float layer, dequantized tensor by tensor by
+      BF16, IQ2/IQ3 ...)                       the float pass of services/worker/loader/
+
+A fused layer (q|k|v, gate|up) keeps its parts side by side (one activation rounding for all
+of them): rows are independent, and the q/k row order fix (`unpermute_rows`) moves whole block
+rows. A quantized token_embd becomes a GGUFEmbedding (a lookup dequantizes only its rows) and,
+in a tied model, the output layer is a GGUFLinear over the same buffer (one copy). Otherwise
+the embedding and output layer become int8 per row, as for the other formats.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from kernels import ops
-from kernels.gguf_blocks_torch import GGUF_KINDS
-from services.common.gguf_metadata import open_gguf
-from services.worker.loader.gguf_loader import qk_heads, unpermute_rows
-from services.worker.loader.weight_names import gguf_part
+from kernels.gguf_blocks_torch import GGUF_KINDS, REPACKABLE_KINDS
+from services.common.gguf_index import GGUFIndex
+from services.worker.loader.gguf_loader import PlacedPart, float_part, part_bytes
 from services.worker.model.causal_lm import CausalLM
-from services.worker.model.families import gguf_model_architecture
-from services.worker.quantization.formats import InvalidFormatError
 from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear
-from services.worker.quantization.linear import Int8WeightOnlyLinear
-from services.worker.quantization.swap import quantize_output_and_embedding
+
+_KIND_BY_ID = {kind: name for name, kind in GGUF_KINDS.items()}
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+EMBEDDING = "embed_tokens.weight"
+HEAD = "lm_head.weight"
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRows:
-    """One tensor as the file stores it: `rows` uint8 [N, K / 32 * block bytes]."""
-
-    kind: str
-    rows: np.ndarray
+def is_native(parts: list[PlacedPart] | None) -> bool:
+    """Whether every part is of a kind the GGUF kernels read."""
+    return bool(parts) and all(p.tensor.type_id in _KIND_BY_ID for p in parts or [])
 
 
-def read_block_rows(reader: Any) -> dict[str, list[BlockRows]]:
-    """Our parameter name -> its parts' rows of blocks (in part order), for every parameter
-    whose parts are all of kinds the kernels read."""
-    family, arch = gguf_model_architecture(reader)
-    parts: dict[str, dict[int, BlockRows]] = {}
-    counts: dict[str, int] = {}
-    for tensor in reader.tensors:
-        where = gguf_part(family, tensor.name)
-        if where is None:
-            continue
-        counts[where.parameter] = where.num_parts
-        kind = tensor.tensor_type.name
-        if kind not in GGUF_KINDS:
-            continue
-        rows = np.asarray(tensor.data)  # [N, row bytes], mapped read-only from the file
-        # The same row order fix as the float loader (llama.cpp interleaves rotary halves).
-        heads = qk_heads(family, arch, where.parameter, where.part)
-        if heads:
-            rows = unpermute_rows(rows, heads)
-        parts.setdefault(where.parameter, {})[where.part] = BlockRows(kind, rows)
-    return {
-        name: [found[i] for i in range(counts[name])]
-        for name, found in parts.items()
-        if len(found) == counts[name]
-    }
+def _mapped(array: np.ndarray) -> Tensor:
+    """A tensor over a read-only view of the file's mapping. The kernels only read weights;
+    torch warns that writes would be undefined, which no path does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
-def _buffer(rows: list[np.ndarray]) -> Tensor:
-    """The parts' rows stacked into one writable, contiguous uint8 tensor (a copy)."""
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate(rows, axis=0)))
+class BlockLayerBuilder:
+    """Builds the layers over one file's blocks (`int8_activations`: llama.cpp's arithmetic,
+    whose kernels read Q4_0..Q8_0 in their own 8-row layout; otherwise the exact product on the
+    file's layout)."""
+
+    def __init__(self, index: GGUFIndex, *, int8_activations: bool) -> None:
+        self.index = index
+        self.int8_activations = int8_activations
+
+    def _repacked(self, part: PlacedPart) -> bool:
+        rows = part.tensor.row_shape[0]
+        return self.int8_activations and part.tensor.type_id in REPACKABLE_KINDS and rows % 8 == 0
+
+    def _copied(self, part: PlacedPart) -> bool:
+        return bool(part.permuted_heads) or self._repacked(part)
+
+    def blocks(self, parts: list[PlacedPart]) -> tuple[list[Tensor], list[int]]:
+        """The block tensors of a layer's parts and their kinds, in output order: a part that
+        needs no change is a view of the file; consecutive parts of one kind of which any needs
+        a change (a row fix, a repack) share one new buffer."""
+        tensors: list[Tensor] = []
+        kinds: list[int] = []
+        for run in _runs_of_one_kind(parts):
+            kind = run[0].tensor.type_id
+            if not any(self._copied(part) for part in run):
+                for part in run:
+                    tensors.append(_mapped(self.index.view(part.tensor)))
+                    kinds.append(kind)
+                continue
+            rows = [part_bytes(self.index, part) for part in run]
+            stacked = torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
+            del rows
+            laid_out, laid_kind = (
+                ops.gguf_kernel_layout(stacked, kind) if self.int8_activations else (stacked, kind)
+            )
+            tensors.append(laid_out)
+            kinds.append(laid_kind)
+        return tensors, kinds
+
+    def linear(self, parts: list[PlacedPart], bias: Tensor | None) -> GGUFLinear:
+        tensors, kinds = self.blocks(parts)
+        return GGUFLinear(tensors, kinds, bias, int8_activations=self.int8_activations)
+
+    def embedding(self, part: PlacedPart, dtype: torch.dtype) -> GGUFEmbedding:
+        (blocks,), (kind,) = self.blocks([part])
+        return GGUFEmbedding(blocks, kind, dtype)
 
 
-def _runs_of_one_kind(parts: list[BlockRows]) -> list[list[BlockRows]]:
-    """Consecutive parts of the same kind, grouped (each group becomes one block tensor)."""
-    runs: list[list[BlockRows]] = []
+def _runs_of_one_kind(parts: list[PlacedPart]) -> list[list[PlacedPart]]:
+    runs: list[list[PlacedPart]] = []
     for part in parts:
-        if runs and runs[-1][0].kind == part.kind:
+        if runs and runs[-1][0].tensor.type_id == part.tensor.type_id:
             runs[-1].append(part)
         else:
             runs.append([part])
     return runs
 
 
-def load_gguf_quantized(model: CausalLM, path: Path, *, int8_activations: bool = True) -> None:
-    """Swap `model`'s (float, already loaded) layers for the file's own quantized tensors;
-    `int8_activations`: their products round activations to int8 blocks at every dtype
-    (llama.cpp's arithmetic); otherwise fp32 activations get the exact product."""
-    if path.suffix != ".gguf":
-        raise InvalidFormatError(f"--quantization gguf needs a .gguf model, got {path}")
-    found = read_block_rows(open_gguf(path))
-    dtype = model.norm.dtype
+def attach_block_layers(
+    model: CausalLM,
+    index: GGUFIndex,
+    placed: dict[str, list[PlacedPart]],
+    *,
+    int8_activations: bool,
+    dtype: torch.dtype,
+    on_tensor: Callable[[int], None] = lambda count: None,
+) -> set[str]:
+    """Swap `model`'s (meta) projections, embedding and head for layers over the file's
+    blocks wherever every part is of a kind the kernels read; returns the parameters now
+    served (the float pass loads the rest). `on_tensor(n)`: n more file tensors placed."""
+    builder = BlockLayerBuilder(index, int8_activations=int8_activations)
+    served: set[str] = set()
+    for number, layer in enumerate(model.layers):
+        for projection in PROJECTIONS:
+            name = f"layers.{number}.{projection}"
+            parts = placed.get(f"{name}.weight")
+            if not is_native(parts):
+                continue
+            assert parts is not None
+            bias_parts = placed.get(f"{name}.bias")
+            bias = None
+            if bias_parts is not None:
+                bias = torch.cat([float_part(index, part) for part in bias_parts]).to(dtype)
+                served.add(f"{name}.bias")
+                on_tensor(len(bias_parts))
+            owner_name, attribute = projection.split(".")
+            setattr(getattr(layer, owner_name), attribute, builder.linear(parts, bias))
+            served.add(f"{name}.weight")
+            on_tensor(len(parts))
 
-    def _layout(blocks: Tensor, kind: int) -> tuple[Tensor, int]:
-        # The int8 kernels' own layout where they have one (the same bytes, regrouped); the
-        # exact path reads the file's.
-        return ops.gguf_kernel_layout(blocks, kind) if int8_activations else (blocks, kind)
-
-    def from_file_type(linear: torch.nn.Module, name: str) -> torch.nn.Module:
-        assert isinstance(linear, torch.nn.Linear)
-        bias = None if linear.bias is None else linear.bias.data
-        present = found.get(name)
-        if present is None:
-            return linear
-        stored = [
-            _layout(_buffer([p.rows for p in run]), GGUF_KINDS[run[0].kind])
-            for run in _runs_of_one_kind(present)
-        ]
-        return GGUFLinear(
-            [blocks for blocks, _ in stored],
-            [kind for _, kind in stored],
-            bias,
-            int8_activations=int8_activations,
-        )
-
-    for index, layer in enumerate(model.layers):
-        prefix = f"layers.{index}"
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = from_file_type(attn.qkv_proj, f"{prefix}.self_attn.qkv_proj.weight")
-        attn.o_proj = from_file_type(attn.o_proj, f"{prefix}.self_attn.o_proj.weight")
-        mlp.gate_up_proj = from_file_type(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj.weight")
-        mlp.down_proj = from_file_type(mlp.down_proj, f"{prefix}.mlp.down_proj.weight")
-
-    embedding_parts = found.get("embed_tokens.weight")
-    if embedding_parts is None:
-        quantize_output_and_embedding(model, Int8WeightOnlyLinear.from_float)
-        return
-    embedding = embedding_parts[0]
-    table = GGUFEmbedding(*_layout(_buffer([embedding.rows]), GGUF_KINDS[embedding.kind]), dtype)
+    embedding = placed.get(EMBEDDING)
+    if not is_native(embedding):
+        return served  # the float pass loads it; the caller rounds it (and the head) to int8
+    assert embedding is not None
+    table = builder.embedding(embedding[0], dtype)
+    model.embed_tokens = table
+    served.add(EMBEDDING)
+    on_tensor(1)
     if model.architecture.tie_word_embeddings:
         model.lm_head = GGUFLinear(
             table.blocks, table.kind, None, int8_activations=int8_activations
         )
-    else:
-        model.lm_head = from_file_type(model.lm_head, "lm_head.weight")
-        if isinstance(model.lm_head, torch.nn.Linear):
-            weight = model.lm_head.weight.data
-            model.lm_head = Int8WeightOnlyLinear.from_float(weight, None)
-    model.embed_tokens = table
+        served.add(HEAD)
+    elif is_native(placed.get(HEAD)):
+        head = placed[HEAD]
+        model.lm_head = builder.linear(head, None)
+        served.add(HEAD)
+        on_tensor(len(head))
+    return served

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.common.gguf_metadata import open_gguf
+from services.common.gguf_index import GGUFIndex, open_gguf_index
 from services.contracts.errors import ModelLoadError
 from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.families.base import GGUFMetadata, ModelFamily
@@ -95,8 +95,8 @@ def hf_model_architecture(directory: Path) -> tuple[ModelFamily, ModelArchitectu
     return family, architecture
 
 
-def gguf_model_architecture(reader: Any) -> tuple[ModelFamily, ModelArchitecture]:
-    meta = GGUFMetadata(reader)
+def gguf_model_architecture(index: GGUFIndex) -> tuple[ModelFamily, ModelArchitecture]:
+    meta = GGUFMetadata(index)
     family = gguf_family(meta)
     return family, family.read_gguf(meta)
 
@@ -104,5 +104,5 @@ def gguf_model_architecture(reader: Any) -> tuple[ModelFamily, ModelArchitecture
 def model_architecture(path: Path) -> tuple[ModelFamily, ModelArchitecture]:
     """The family and architecture of a .gguf file or a Hugging Face directory."""
     if path.suffix == ".gguf":
-        return gguf_model_architecture(open_gguf(path))
+        return gguf_model_architecture(open_gguf_index(path))
     return hf_model_architecture(path)

@@ -10,9 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
-from services.common.gguf_metadata import field_value
+from services.common.gguf_index import GGUFIndex
 from services.contracts.errors import ModelLoadError
 from services.worker.model.architecture import ModelArchitecture, RopeConfig
 
@@ -50,16 +48,16 @@ class ModelFamily:
 class GGUFMetadata:
     """`{architecture}.*` keys of a GGUF file, and its tensors, torch-free."""
 
-    def __init__(self, reader: Any) -> None:
-        self.reader = reader
-        self.architecture = str(field_value(reader, "general.architecture"))
-        self.tensor_names = {t.name for t in reader.tensors}
+    def __init__(self, index: GGUFIndex) -> None:
+        self.index = index
+        self.architecture = str(index.get("general.architecture"))
+        self.tensor_names = set(index.by_name)
 
     def get(self, key: str, default: Any = None) -> Any:
-        return field_value(self.reader, f"{self.architecture}.{key}", default)
+        return self.index.get(f"{self.architecture}.{key}", default)
 
     def general(self, key: str, default: Any = None) -> Any:
-        return field_value(self.reader, key, default)
+        return self.index.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -69,10 +67,10 @@ class GGUFMetadata:
 
     def tensor_values(self, name: str) -> list[float] | None:
         """A small float tensor's values (rope factors), or None when absent."""
-        for tensor in self.reader.tensors:
-            if tensor.name == name:
-                return [float(v) for v in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
-        return None
+        tensor = self.index.by_name.get(name)
+        if tensor is None:
+            return None
+        return [float(v) for v in self.index.values(tensor).reshape(-1)]
 
 
 # --- Hugging Face config.json ----------------------------------------------------------------
@@ -238,8 +236,8 @@ def gguf_architecture(family: str, meta: GGUFMetadata, **switches: Any) -> Model
     num_kv = meta.get("attention.head_count_kv", num_heads)
     if isinstance(num_kv, Sequence):
         raise ModelLoadError("GGUF per-layer head_count_kv is not supported")
-    tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = int(meta.get("vocab_size", len(tokens.data) if tokens is not None else 0))
+    tokens = meta.general("tokenizer.ggml.tokens")
+    vocab_size = int(meta.get("vocab_size", len(tokens) if tokens is not None else 0))
     eos = meta.general("tokenizer.ggml.eos_token_id")
     eot = meta.general("tokenizer.ggml.eot_token_id")
     bos = meta.general("tokenizer.ggml.bos_token_id")
