@@ -229,6 +229,18 @@ def memory_table(files: Sequence[FileMemory]) -> str:
     return format_table(TABLE_HEADERS, rows)
 
 
+def tree_notes(files: Sequence[FileMemory]) -> list[str]:
+    """A line for each engine whose process had children: its peak is a sum, an upper bound."""
+    return [
+        f"{entry.label} {name}: {result.num_processes} processes in the tree (a first start"
+        " builds the C++ kernels with compiler processes); its peak is the sum of theirs, and"
+        " its ready time includes the build: run again for a start from the cache"
+        for entry in files
+        for name, result in entry.engines.items()
+        if result.num_processes > 1
+    ]
+
+
 # ---- processes ---------------------------------------------------------------------------
 
 
@@ -624,14 +636,7 @@ def run(args: argparse.Namespace) -> int:
         for name, result in entry.engines.items()
         if result.error
     ]
-    notes = [
-        f"{entry.label} {name}: {result.num_processes} processes in the tree (a first start"
-        " builds the C++ kernels with compiler processes); its peak is the sum of theirs, and"
-        " its ready time includes the build: run again for a start from the cache"
-        for entry in files
-        for name, result in entry.engines.items()
-        if result.num_processes > 1
-    ]
+    notes = tree_notes(files)
     listed = "".join(f"\n- {line}" for line in notes) + "".join(
         f"\n- problem: {line}" for line in problems
     )

@@ -24,6 +24,7 @@ from benchmarks.memory import (
     kv_geometry,
     llama_server_kv_mib,
     memory_table,
+    tree_notes,
     worker_command,
 )
 from benchmarks.model_shapes import SHAPES, check_types, parse_shape_ref
@@ -205,6 +206,15 @@ def test_table_has_a_row_per_file_with_ratios_and_dashes_for_what_failed() -> No
     assert cells[9:] == ["1.25", "1.50", "1.12"]  # 1000/800, 1500/1000, 900/800
     failed_cells = [cell.strip() for cell in table[3].strip("|").split("|")]
     assert failed_cells[3:] == ["-"] * 9
+
+
+def test_a_tree_with_children_gets_a_note_and_a_single_process_none() -> None:
+    single = FileMemory("a.gguf", "/a.gguf", 1.0, MiB)
+    single.engines = {"llmserve": EngineMemory("llmserve", num_processes=1)}
+    compiled = FileMemory("b.gguf", "/b.gguf", 1.0, MiB)
+    compiled.engines = {"llmserve": EngineMemory("llmserve", num_processes=28)}
+    notes = tree_notes([single, compiled])
+    assert len(notes) == 1 and notes[0].startswith("b.gguf llmserve: 28 processes")
 
 
 # ---- shapes --------------------------------------------------------------------------------
