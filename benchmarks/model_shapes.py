@@ -254,6 +254,19 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f"{path.name}.partial-{os.getpid()}")
 
 
+@contextlib.contextmanager
+def written_whole(path: Path) -> Iterator[Path]:
+    """Yields the temporary name to write; renamed to `path` when the block ends, deleted when
+    it fails (a half-written file is never left behind nor ever taken for a built one)."""
+    partial = partial_path(path)
+    try:
+        yield partial
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(path)
+
+
 def write_record(path: Path, record: dict[str, Any]) -> None:
     path.with_name(path.name + ".json").write_text(json.dumps(record, indent=1) + "\n")
 
@@ -457,17 +470,17 @@ def build_hf_shape(shape: ModelShape, types: Sequence[str], root: Path) -> dict[
         for quant_type in missing:
             started = time.monotonic()
             out = paths[quant_type]
-            if quant_type == "BF16":
-                shutil.copyfile(bf16, partial_path(out))
-            else:
-                assert quantize is not None
-                run_with_progress(
-                    quantize_command(quantize, bf16, partial_path(out), quant_type),
-                    log_path,
-                    f"llama-quantize {quant_type}",
-                    QUANTIZE_TIMEOUT_S,
-                )
-            partial_path(out).replace(out)
+            with written_whole(out) as partial:
+                if quant_type == "BF16":
+                    shutil.copyfile(bf16, partial)
+                else:
+                    assert quantize is not None
+                    run_with_progress(
+                        quantize_command(quantize, bf16, partial, quant_type),
+                        log_path,
+                        f"llama-quantize {quant_type}",
+                        QUANTIZE_TIMEOUT_S,
+                    )
             stage_s = time.monotonic() - started
             write_record(out, record(shape, quant_type, {**times, "quantize_s": stage_s}))
     return paths
@@ -499,8 +512,8 @@ def build(shape: ModelShape, types: Sequence[str], root: Path | None = None) -> 
             out = shape_file(shape, DIRECT_TYPE, root)
             if not out.is_file():
                 started = time.monotonic()
-                write_q4_k_m(shape, partial_path(out))
-                partial_path(out).replace(out)
+                with written_whole(out) as partial:
+                    write_q4_k_m(shape, partial)
                 seconds = {"write_s": time.monotonic() - started}
                 write_record(out, record(shape, DIRECT_TYPE, seconds))
             return {DIRECT_TYPE: out}
