@@ -10,6 +10,7 @@ from benchmarks import (
     hf_baseline,
     interleaved,
     lora,
+    memory,
     offline_table,
     peers,
     prefix_cache,
@@ -36,6 +37,7 @@ BENCHMARKS = (
     speculative,
     tenants,
     lora,
+    memory,
 )
 
 
