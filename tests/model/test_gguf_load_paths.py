@@ -6,6 +6,7 @@ on a file of real size)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.model_shapes import SHAPES
+from benchmarks.synthetic_gguf import write_q4_k_m
 from kernels.gguf_blocks_torch import GGUF_REPACKED_X8
 from services.common.gguf_index import GGUFIndex
 from services.common.model_source import embedded_model_path
@@ -23,7 +26,6 @@ from services.worker.loader.model_loader import load_model
 from services.worker.memory_budget import file_mappings, weight_bytes
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear
-from tests.model.synthetic_gguf import write_llama_q4_k_m
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +152,7 @@ LOAD_SCRIPT = textwrap.dedent(
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                            layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 linear(torch.ones(1, linear.in_features))
+        model.lm_head(torch.ones(1, model.lm_head.in_features))
     print(json.dumps({"before": before, "loaded_peak": loaded_peak, "peak": peak(),
                       "after_reads": resident_bytes()}))
     """
@@ -157,12 +160,15 @@ LOAD_SCRIPT = textwrap.dedent(
 
 
 def test_a_load_never_holds_a_float_copy(tmp_path: Path) -> None:
-    """A ~500 MB Q4_K_M-typed file (14 layers of Llama 3.2 1B's shape): the load's peak is
-    within 1.3x the file over the process's start, and after every weight has been read the
-    process holds about the file once. A float copy would be ~3.4 GB (4 bytes per weight)."""
-    path = write_llama_q4_k_m(tmp_path / "synthetic-q4_k_m.gguf", num_layers=14)
+    """A ~530 MB Q4_K_M file (2 layers of Llama 3.1 8B's shape, written by the benchmarks'
+    builder): the load's peak is within 1.3x the file over the process's start, and after
+    every weight has been read the process holds about the file once. A float copy would be
+    ~3.6 GB (4 bytes per weight)."""
+    shape = dataclasses.replace(SHAPES["llama-3.1-8b"], name="llama-8b-2-layers", num_layers=2)
+    path = tmp_path / "llama-8b-2-layers.Q4_K_M.gguf"
+    write_q4_k_m(shape, path)
     size = path.stat().st_size
-    assert 450 << 20 < size < 560 << 20
+    assert 400 << 20 < size < 700 << 20
     run = subprocess.run(
         [sys.executable, "-c", LOAD_SCRIPT, str(path)],
         capture_output=True,
@@ -175,5 +181,7 @@ def test_a_load_never_holds_a_float_copy(tmp_path: Path) -> None:
     memory = json.loads(run.stdout.strip().splitlines()[-1])
     assert memory["loaded_peak"] - memory["before"] < 1.3 * size, memory
     assert memory["peak"] - memory["before"] < 1.3 * size, memory
-    # Everything read once: the file's bytes are resident (mapped or, for q|k, copied).
-    assert memory["after_reads"] - memory["before"] > 0.9 * size, memory
+    # Everything but the embedding read once (a lookup reads only its rows): those bytes are
+    # resident, mapped or (q, k: rows llama.cpp permuted) copied.
+    embedding = GGUFIndex(path).by_name["token_embd.weight"].num_bytes
+    assert memory["after_reads"] - memory["before"] > 0.9 * (size - embedding), memory
