@@ -122,17 +122,10 @@ def kv_cache_gib(cache_bytes: int) -> float:
 
 
 def read_gguf_metadata(path: Path) -> dict[str, Any]:
-    """The scalar and short-array keys of a GGUF file's header (tensor data is not read)."""
-    from gguf import GGUFReader, GGUFValueType
+    """The key-value header of a GGUF file (tensor data is not read)."""
+    from services.common.gguf_metadata import read_metadata
 
-    reader = GGUFReader(str(path))
-    metadata: dict[str, Any] = {}
-    for name, entry in reader.fields.items():
-        if entry.types and entry.types[0] == GGUFValueType.ARRAY and len(entry.data) > 1024:
-            continue  # the vocabulary: not needed here
-        with contextlib.suppress(Exception):
-            metadata[name] = entry.contents()
-    return metadata
+    return dict(read_metadata(path))
 
 
 # ---- results -----------------------------------------------------------------------------
