@@ -41,7 +41,8 @@ WORKDIR /app
 COPY kernels/__init__.py kernels/cpu_extension.py ./kernels/
 COPY kernels/csrc ./kernels/csrc
 COPY services/__init__.py services/cli.py services/build_kernels_command.py ./services/
-COPY services/common/__init__.py services/common/logging.py ./services/common/
+COPY services/common/__init__.py services/common/logging.py services/common/cache_files.py \
+     ./services/common/
 ENV TORCH_EXTENSIONS_DIR=/opt/llmserve/kernels
 RUN python -m services.cli build-kernels --all \
  && rm -f /opt/llmserve/kernels/*/*.o /opt/llmserve/kernels/*/lock

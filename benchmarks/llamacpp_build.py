@@ -5,9 +5,9 @@ llama-cpp-python sdist vendors (PyPI is reachable where GitHub may not be).
     python -m benchmarks.llamacpp_build            # build once (~10 min on 2 cores)
     python -m benchmarks.llamacpp_build --force    # rebuild
 
-Everything lives in the cache, never in the repository:
+Everything lives in the cache (LLMSERVE_CACHE_DIR), never in the repository:
 
-    ${XDG_CACHE_HOME:-~/.cache}/llmserve/peers/llama.cpp-0.3.36/
+    ${LLMSERVE_CACHE_DIR:-~/.cache/llmserve}/peers/llama.cpp-0.3.36/
       src/llama_cpp_python-0.3.36/vendor/llama.cpp/   unpacked sources
       build/                                           cmake + ninja tree (kept: a rebuild is
                                                        incremental)
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm  # type: ignore[import-untyped]
+
+from services.common import cache_files
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 TOOLS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-quantize")
@@ -73,8 +75,7 @@ class PeerBinaries:
 
 
 def cache_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmserve" / "peers" / f"llama.cpp-{version}"
+    return cache_files.cache_root() / "peers" / f"llama.cpp-{version}"
 
 
 def find_tool(*names: str) -> str | None:

@@ -13,8 +13,9 @@ diagnosis).
 
 A variant is built with the machine's compiler the first time a process asks for it (the worker
 does so at start-up, before it reports SERVING; `llmserve build-kernels` does it ahead of time,
-`--all` for every variant) and cached per variant and source hash. When the build is
-impossible (no compiler, no headers) the torch reference takes over, with one warning.
+`--all` for every variant) and cached per variant and source hash, in TORCH_EXTENSIONS_DIR
+when set (the image's), else in llmserve's cache (services/common/cache_files.py). When the
+build is impossible (no compiler, no headers) the torch reference takes over, with one warning.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -30,10 +32,13 @@ from pathlib import Path
 
 import torch
 
+from services.common.cache_files import cache_root
+
 log = logging.getLogger(__name__)
 
 DISABLE_ENV_VAR = "LLMSERVE_CPU_EXTENSION"  # "0" turns the C++ kernels off
 VARIANT_ENV_VAR = "LLMSERVE_CPU_VARIANT"  # a VARIANTS name instead of the CPU's best
+EXTENSIONS_DIR_ENV_VAR = "TORCH_EXTENSIONS_DIR"  # torch's; where the image keeps its builds
 SOURCE_DIR = Path(__file__).parent / "csrc"
 _lock = threading.Lock()
 _loaded = False
@@ -134,6 +139,24 @@ def library_name(variant: Variant | None = None) -> str:
     return f"llmserve_cpu_{variant.name.replace('-', '_')}_{digest.hexdigest()[:10]}"
 
 
+def extensions_root() -> Path:
+    """TORCH_EXTENSIONS_DIR when set, else torch_extensions/ in llmserve's cache, one folder
+    per Python and torch build (a library is linked against both)."""
+    explicit = os.environ.get(EXTENSIONS_DIR_ENV_VAR)
+    if explicit:
+        return Path(explicit)
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_root() / "torch_extensions" / f"{python}-torch{torch.__version__}"
+
+
+def build_directory(name: str) -> Path:
+    """The library `name`'s build directory (created): its objects, ninja file, `lock` and
+    the .so itself."""
+    directory = extensions_root() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
 def _compile_flags(variant: Variant) -> list[str]:
     return ["-O3", *variant.flags, "-fopenmp", "-fno-strict-aliasing"]
 
@@ -168,14 +191,11 @@ def loaded_variant() -> str | None:
 def build_only(variant: Variant) -> Path:
     """Compile a variant without loading it (one this CPU may not run: an image's other
     variants); returns the library's path. Uses torch's own ninja build step."""
-    from torch.utils.cpp_extension import (
-        _get_build_directory,
-        _write_ninja_file_and_build_library,
-    )
+    from torch.utils.cpp_extension import _write_ninja_file_and_build_library
 
     name = library_name(variant)
-    directory = _get_build_directory(name, verbose=False)
-    remove_stale_lock(Path(directory))
+    directory = build_directory(name)
+    remove_stale_lock(directory)
     _write_ninja_file_and_build_library(
         name,
         [str(p) for p in sources()],
@@ -184,13 +204,13 @@ def build_only(variant: Variant) -> Path:
         None,
         ["-fopenmp"],
         [str(SOURCE_DIR)],
-        directory,
+        str(directory),
         False,
         False,
         False,
         is_standalone=False,
     )
-    return Path(directory) / f"{name}.so"
+    return directory / f"{name}.so"
 
 
 def load() -> bool:
@@ -205,12 +225,11 @@ def load() -> bool:
         if _loaded or _failed:
             return _loaded
         try:
-            from torch.utils.cpp_extension import _get_build_directory
             from torch.utils.cpp_extension import load as load_extension
 
             variant = chosen_variant()
             name = library_name(variant)
-            directory = Path(_get_build_directory(name, verbose=False))
+            directory = build_directory(name)
             library = directory / f"{name}.so"
             if library.exists():
                 # Built before (an earlier start, `build-kernels`, an image's build stage):
@@ -231,6 +250,7 @@ def load() -> bool:
                     extra_include_paths=[str(SOURCE_DIR)],
                     extra_cflags=_compile_flags(variant),
                     extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
                     is_python_module=False,
                     verbose=False,
                 )

