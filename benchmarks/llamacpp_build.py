@@ -15,6 +15,10 @@ Everything lives in the cache (LLMSERVE_CACHE_DIR), never in the repository:
       build-info.json                                  version, llama.cpp commit, cmake flags
       build.log                                        the whole build output
       SmolLM2-135M-Instruct.Q4_0.gguf                  the Q4_0 requant of the embedded file
+
+Each part is made once by one process while the others wait (test workers, a bench and a
+test run at the same time), and appears whole (services/common/cache_files.py): the sources
+are unpacked beside src/ and renamed in, a tool is installed as a new file.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,14 +226,16 @@ def run_logged(
         raise PeerBuildError(f"{description} failed (exit {code}); full log: {log_path}\n{shown}")
 
 
-def unpack_sdist(archive: Path, dest: Path) -> Path:
-    """Unpack the sdist; returns its vendored llama.cpp directory."""
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="data")
-    source = dest / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
-    if not (source / "CMakeLists.txt").is_file():
-        raise PeerBuildError(f"no vendor/llama.cpp/CMakeLists.txt in {archive}")
-    return source
+def unpack_sdist(archive: Path, into: Path, version: str = LLAMA_CPP_PYTHON_VERSION) -> None:
+    """Unpack the sdist's top directory as the directory `into` (which must not exist): into a
+    temporary directory beside it, then renamed, so it appears whole."""
+    with tempfile.TemporaryDirectory(dir=into.parent, prefix=".unpack-") as staging:
+        with tarfile.open(archive) as tar:
+            tar.extractall(staging, filter="data")
+        unpacked = Path(staging) / f"llama_cpp_python-{version}"
+        if not (unpacked / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+            raise PeerBuildError(f"no vendor/llama.cpp/CMakeLists.txt in {archive}")
+        unpacked.rename(into)
 
 
 def source_commit(source: Path) -> str | None:
@@ -247,18 +254,33 @@ def source_commit(source: Path) -> str | None:
     return result.stdout.strip() or None
 
 
-def ensure_source(root: Path, log_path: Path, version: str) -> Path:
-    source = root / "src" / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    if (source / "CMakeLists.txt").is_file():
-        return source
+def download_sdist(version: str, archive: Path, log_path: Path) -> None:
+    """pip's download of the sdist, written to `archive` (pip names its file itself, so it
+    downloads into a temporary directory beside it)."""
+    print(f"downloading llama-cpp-python {version} sdist from PyPI", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=archive.parent, prefix=".download-") as staging:
+        run_logged(download_command(version, Path(staging)), log_path, "pip download")
+        (Path(staging) / f"llama_cpp_python-{version}.tar.gz").rename(archive)
+
+
+def ensure_source(
+    root: Path | None = None, log_path: Path | None = None, version: str = LLAMA_CPP_PYTHON_VERSION
+) -> Path:
+    """llama.cpp's sources, vendored by the llama-cpp-python sdist: downloaded from PyPI and
+    unpacked into `root` (default: the cache) once; returns their directory."""
+    root = root or cache_dir(version)
+    log_path = log_path or root / "download.log"
+    package = root / "src" / f"llama_cpp_python-{version}"
     downloads = root / "download"
-    downloads.mkdir(parents=True, exist_ok=True)
     archive = downloads / f"llama_cpp_python-{version}.tar.gz"
-    if not archive.is_file():
-        print(f"downloading llama-cpp-python {version} sdist from PyPI", file=sys.stderr)
-        run_logged(download_command(version, downloads), log_path, "pip download")
-    print(f"unpacking {archive.name}", file=sys.stderr)
-    return unpack_sdist(archive, root / "src")
+
+    def unpack(temporary: Path) -> None:
+        cache_files.make_once(archive, lambda into: download_sdist(version, into, log_path))
+        print(f"unpacking {archive.name}", file=sys.stderr)
+        unpack_sdist(archive, temporary, version)
+
+    cache_files.make_once(package, unpack)
+    return package / "vendor" / "llama.cpp"
 
 
 def ensure_built(
@@ -282,29 +304,35 @@ def ensure_tools(
     if not force and not [name for name in names if name in binaries.missing()]:
         return binaries
     toolchain = find_toolchain()
-    root.mkdir(parents=True, exist_ok=True)
-    log_path = root / "build.log"
-    log_path.write_text("")
-    source = ensure_source(root, log_path, LLAMA_CPP_PYTHON_VERSION)
     build = root / "build"
-    jobs = jobs or os.cpu_count() or 1
-    print(f"building {', '.join(names)} in {build} ({jobs} jobs; log {log_path})", file=sys.stderr)
-    run_logged(configure_command(toolchain, source, build), log_path, "cmake configure")
-    run_logged(build_command(toolchain, build, jobs, names), log_path, "llama.cpp build")
-    binaries.bin_dir.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        built = build / "bin" / name
-        if not built.is_file():
-            raise PeerBuildError(f"the build finished without {built}; see {log_path}")
-        shutil.copy2(built, binaries.tool(name))
-    info = {
-        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
-        "llama_cpp_commit": source_commit(source),
-        "cmake_flags": cmake_flags(),
-        "c_compiler": toolchain.c_compiler,
-        "cxx_compiler": toolchain.cxx_compiler,
-    }
-    (root / "build-info.json").write_text(json.dumps(info, indent=1) + "\n")
+    # One build at a time in the shared tree; who waited finds the tools built.
+    with cache_files.locked(build):
+        if not force and not [name for name in names if name in binaries.missing()]:
+            return binaries
+        log_path = root / "build.log"
+        log_path.write_text("")
+        source = ensure_source(root, log_path, LLAMA_CPP_PYTHON_VERSION)
+        jobs = jobs or os.cpu_count() or 1
+        print(
+            f"building {', '.join(names)} in {build} ({jobs} jobs; log {log_path})",
+            file=sys.stderr,
+        )
+        run_logged(configure_command(toolchain, source, build), log_path, "cmake configure")
+        run_logged(build_command(toolchain, build, jobs, names), log_path, "llama.cpp build")
+        for name in names:
+            built = build / "bin" / name
+            if not built.is_file():
+                raise PeerBuildError(f"the build finished without {built}; see {log_path}")
+            # A new file renamed in: a process running the old one keeps it.
+            cache_files.install_file(built, binaries.tool(name))
+        info = {
+            "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+            "llama_cpp_commit": source_commit(source),
+            "cmake_flags": cmake_flags(),
+            "c_compiler": toolchain.c_compiler,
+            "cxx_compiler": toolchain.cxx_compiler,
+        }
+        cache_files.write_text(root / "build-info.json", json.dumps(info, indent=1) + "\n")
     print(f"built into {binaries.bin_dir}", file=sys.stderr)
     return binaries
 
@@ -337,18 +365,17 @@ def ensure_requant(
     """`source` requantized to `quant` in the cache, made once."""
     root = root or cache_dir()
     out = root / requant_name(source, quant)
-    if out.is_file():
-        return out
-    partial = out.with_suffix(".partial")
-    print(f"requantizing {source.name} -> {out.name}", file=sys.stderr)
-    run_logged(
-        quantize_command(binaries, source, partial, quant),
-        root / "quantize.log",
-        "llama-quantize",
-        show_progress=False,
-    )
-    partial.replace(out)  # a file only ever appears whole
-    return out
+
+    def requantize(partial: Path) -> None:
+        print(f"requantizing {source.name} -> {out.name}", file=sys.stderr)
+        run_logged(
+            quantize_command(binaries, source, partial, quant),
+            root / "quantize.log",
+            "llama-quantize",
+            show_progress=False,
+        )
+
+    return cache_files.make_once(out, requantize)
 
 
 def main(argv: Iterable[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common import cache_files
 from tests.model.gguf_header import TensorInfo, read_gguf_header
 from tests.model.tiny_models import tiny_model_dir
 
@@ -45,11 +46,9 @@ class QuantizeResult:
 
 def llama_cpp_source() -> Path:
     """The vendored llama.cpp of the bench's llama-cpp-python sdist (fetched on first use)."""
-    from benchmarks.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, cache_dir, ensure_source
+    from benchmarks.llamacpp_build import ensure_source
 
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    return ensure_source(root, root / "download.log", LLAMA_CPP_PYTHON_VERSION)
+    return ensure_source()
 
 
 def converter_env(source: Path) -> dict[str, str]:
@@ -83,30 +82,28 @@ def convert_to_gguf(hf_dir: Path, out_path: Path, outtype: str) -> Path:
     if outtype not in CONVERTER_OUTTYPES:
         raise ValueError(f"outtype: one of {CONVERTER_OUTTYPES}, got {outtype!r}")
     source = llama_cpp_source()
-    partial = out_path.with_name(out_path.name + ".partial")
-    command = [
-        sys.executable,
-        str(source / "convert_hf_to_gguf.py"),
-        str(hf_dir),
-        "--outfile",
-        str(partial),
-        "--outtype",
-        outtype,
-    ]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        env=converter_env(source),
-        timeout=CONVERT_TIMEOUT_S,
-        check=False,
-    )
-    log = result.stdout + result.stderr
-    if result.returncode != 0 or not partial.is_file():
-        partial.unlink(missing_ok=True)
-        raise ConversionRefused(hf_dir, refusal_reason(log), log)
-    partial.replace(out_path)  # a file only ever appears whole
+    with cache_files.staged(out_path) as partial:  # a file only ever appears whole
+        command = [
+            sys.executable,
+            str(source / "convert_hf_to_gguf.py"),
+            str(hf_dir),
+            "--outfile",
+            str(partial),
+            "--outtype",
+            outtype,
+        ]
+        result = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            env=converter_env(source),
+            timeout=CONVERT_TIMEOUT_S,
+            check=False,
+        )
+        log = result.stdout + result.stderr
+        if result.returncode != 0 or not partial.is_file():
+            raise ConversionRefused(hf_dir, refusal_reason(log), log)
     return out_path
 
 
@@ -123,21 +120,20 @@ def quantize_gguf(src: Path, dst: Path, kind: str) -> QuantizeResult:
     multiple of the kind's block keep another type: the log names them."""
     if kind not in QUANT_KINDS:
         raise ValueError(f"kind: one of {QUANT_KINDS}, got {kind!r}")
-    partial = dst.with_name(dst.name + ".partial")
-    result = subprocess.run(
-        [str(quantize_binary()), str(src), str(partial), kind],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=QUANTIZE_TIMEOUT_S,
-        check=False,
-    )
-    log = result.stdout + result.stderr
-    if result.returncode != 0 or not partial.is_file():
-        partial.unlink(missing_ok=True)
-        tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
-        raise RuntimeError(f"llama-quantize {kind} failed (exit {result.returncode}):\n{tail}")
-    partial.replace(dst)
+    binary = quantize_binary()
+    with cache_files.staged(dst) as partial:
+        result = subprocess.run(
+            [str(binary), str(src), str(partial), kind],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=QUANTIZE_TIMEOUT_S,
+            check=False,
+        )
+        log = result.stdout + result.stderr
+        if result.returncode != 0 or not partial.is_file():
+            tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
+            raise RuntimeError(f"llama-quantize {kind} failed (exit {result.returncode}):\n{tail}")
     return QuantizeResult(dst, log)
 
 
@@ -162,11 +158,10 @@ def tiny_gguf(family: str, kind: str, cache_root: Path | None = None) -> Path:
     out = hf_dir.parent / "gguf" / f"{family}.{kind}.gguf"
     if out.is_file():
         return out
-    out.parent.mkdir(exist_ok=True)
     if kind in CONVERTER_OUTTYPES:
-        return convert_to_gguf(hf_dir, out, kind)
+        return cache_files.make_once(out, lambda partial: convert_to_gguf(hf_dir, partial, kind))
     f32 = tiny_gguf(family, "f32", cache_root)
-    return quantize_gguf(f32, out, kind).path
+    return cache_files.make_once(out, lambda partial: quantize_gguf(f32, partial, kind))
 
 
 def timed_quantize_binary() -> tuple[Path, float | None]:

@@ -376,16 +376,9 @@ FAMILIES: dict[str, FamilySpec] = {
 def llama_cpp_vocab_dir() -> Path:
     """llama.cpp's models/ directory (ggml-vocab-*.gguf), from the sdist the bench tools build
     from; fetched from PyPI on first use."""
-    from benchmarks.llamacpp_build import (
-        LLAMA_CPP_PYTHON_VERSION,
-        cache_dir,
-        ensure_source,
-    )
+    from benchmarks.llamacpp_build import ensure_source
 
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    source = ensure_source(root, root / "download.log", LLAMA_CPP_PYTHON_VERSION)
-    return source / "models"
+    return ensure_source() / "models"
 
 
 def build_tiny_model(family: str, directory: Path) -> Path:
@@ -461,14 +454,15 @@ def tiny_model_dir(family: str, cache_root: Path | None = None) -> Path:
     digest of the spec and library versions) and reused after."""
     root = cache_root or tiny_models_cache_dir()
     directory = root / f"{family}-{spec_digest(family)}" / "hf"
-    if (directory / "config.json").is_file():
+    if directory.is_dir():
         return directory
-    # Builds of an older spec of this family are stale: drop them (hundreds of MB each).
-    for stale in root.glob(f"{family}-*"):
-        if stale.name.rsplit("-", 1)[0] == family and stale != directory.parent:
-            shutil.rmtree(stale, ignore_errors=True)
-    partial = directory.with_name("hf.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    build_tiny_model(family, partial)
-    partial.replace(directory)  # a directory only ever appears whole
-    return directory
+
+    def build(partial: Path) -> None:
+        # Builds of an older spec of this family are stale: drop them (hundreds of MB each).
+        for stale in root.glob(f"{family}-*"):
+            if stale.name.rsplit("-", 1)[0] == family and stale != directory.parent:
+                shutil.rmtree(stale, ignore_errors=True)
+        build_tiny_model(family, partial)
+
+    # One process builds it while the others wait; it appears whole.
+    return cache_files.make_once(directory, build)

@@ -2,9 +2,8 @@
 asking for the same entry of an empty cache at once both get it whole and it is made once; a
 reader never sees a file half-written; a running program is replaced, not rewritten.
 
-Processes are spawned (not forked: the test worker may hold torch's threads) and start
-together at a barrier; the makers are slowed so that, without the lock, both would be making
-at the same time."""
+The makers are slowed so that, without the lock, both processes would be making at the same
+time."""
 
 from __future__ import annotations
 
@@ -18,36 +17,15 @@ import time
 from collections.abc import Callable
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from services.common import cache_files
+from tests.unit.spawned import PROCESS_TIMEOUT_S, record_call, run_together
 
-PROCESS_TIMEOUT_S = 120
 MAKER_DELAY_S = 0.5
 CHUNKS = 64
 CHUNK = b"x" * 65536
-
-
-def run_together(target: Callable[..., None], *args: Any) -> None:
-    """`target(barrier, index, *args)` in two spawned processes at once; both must succeed."""
-    context = multiprocessing.get_context("spawn")
-    barrier = context.Barrier(2)
-    processes = [context.Process(target=target, args=(barrier, i, *args)) for i in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(PROCESS_TIMEOUT_S)
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    assert [p.exitcode for p in processes] == [0, 0]
-
-
-def record_call(calls: Path, index: int) -> None:
-    with calls.open("a") as log:  # O_APPEND: one short line per write, never interleaved
-        log.write(f"{index}\n")
 
 
 def slow_file(calls: Path, index: int) -> Callable[[Path], None]:

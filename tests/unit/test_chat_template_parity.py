@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, cache_dir, ensure_source
+from benchmarks.llamacpp_build import ensure_source
 from services.common.chat_template import ChatMessage, ChatTemplate, TextPart
 from services.contracts.errors import InvalidRequestError
 
@@ -175,9 +175,7 @@ class Outcome:
 
 @pytest.fixture(scope="session")
 def template_files() -> list[Path]:
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    source = ensure_source(root, root / "download.log", LLAMA_CPP_PYTHON_VERSION)
+    source = ensure_source()
     files = sorted((source / "models" / "templates").glob("*.jinja"))
     assert files, f"no templates in {source / 'models' / 'templates'}"
     return files

@@ -22,12 +22,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.llamacpp_build import (
-    LLAMA_CPP_PYTHON_VERSION,
-    PeerBuildError,
-    cache_dir,
-    ensure_source,
-)
+from benchmarks.llamacpp_build import PeerBuildError, ensure_source
 from services.common.gguf_metadata import read_metadata
 from services.common.gguf_pretokenizers import PRE_TOKENIZERS_BY_NAME
 from services.common.gguf_tokenizer import (
@@ -76,10 +71,8 @@ SEPARATOR = "\n__ggml_vocab_test__\n"
 
 @pytest.fixture(scope="session")
 def llama_cpp_source() -> Path:
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
     try:
-        return ensure_source(root, root / "download.log", LLAMA_CPP_PYTHON_VERSION)
+        return ensure_source()
     except PeerBuildError as exc:
         pytest.skip(f"llama.cpp's sources are not available (offline?): {exc}")
 
