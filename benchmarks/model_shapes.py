@@ -13,19 +13,18 @@ convert_hf_to_gguf.py turns it into a BF16 GGUF, and llama-quantize makes each r
 the directory and the BF16 file are deleted. Shapes too large to build that way in memory
 (llama-3.1-8b) are written directly as Q4_K_M by benchmarks/synthetic_gguf.py.
 
-    ${XDG_CACHE_HOME:-~/.cache}/llmserve/shapes/
+    ${LLMSERVE_CACHE_DIR:-~/.cache/llmserve}/shapes/
       llama-3.2-1b/llama-3.2-1b.Q4_K_M.gguf        the file
       llama-3.2-1b/llama-3.2-1b.Q4_K_M.gguf.json   how it was made: params, seconds per stage
-      llama-3.2-1b/.lock                           held while building (fcntl)
+      llama-3.2-1b.lock                            held while building (fcntl)
 
-A file only ever appears whole: it is written under a temporary name and renamed.
+A file only ever appears whole: it is written under a temporary name and renamed
+(services/common/cache_files.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import re
@@ -34,10 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from services.common import cache_files
 
 EMBEDDED_VOCAB_SIZE = 49152
 """SmolLM2-135M-Instruct's vocabulary: the tokenizer every shape carries."""
@@ -192,8 +193,7 @@ SHAPES: dict[str, ModelShape] = {
 
 
 def shapes_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmserve" / "shapes"
+    return cache_files.cache_root() / "shapes"
 
 
 def shape_file(shape: ModelShape, quant_type: str, root: Path | None = None) -> Path:
@@ -234,41 +234,8 @@ def built_file(text: str, root: Path | None = None) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def build_lock(directory: Path) -> Iterator[None]:
-    """One builder per shape at a time (another process waits, then finds the files made)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with (directory / ".lock").open("w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another build of {directory.name}", file=sys.stderr, flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def partial_path(path: Path) -> Path:
-    return path.with_name(f"{path.name}.partial-{os.getpid()}")
-
-
-@contextlib.contextmanager
-def written_whole(path: Path) -> Iterator[Path]:
-    """Yields the temporary name to write; renamed to `path` when the block ends, deleted when
-    it fails (a half-written file is never left behind nor ever taken for a built one)."""
-    partial = partial_path(path)
-    try:
-        yield partial
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    partial.replace(path)
-
-
 def write_record(path: Path, record: dict[str, Any]) -> None:
-    path.with_name(path.name + ".json").write_text(json.dumps(record, indent=1) + "\n")
+    cache_files.write_text(path.with_name(path.name + ".json"), json.dumps(record, indent=1) + "\n")
 
 
 def read_record(path: Path) -> dict[str, Any]:
@@ -336,15 +303,6 @@ def save_random_hf_model(shape: ModelShape, directory: Path, seed: int = 0) -> N
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(str(directory), max_shard_size="1GB")
     del model
-
-
-def llama_cpp_source() -> Path:
-    """The vendored llama.cpp of the bench's llama-cpp-python sdist (fetched on first use)."""
-    from benchmarks.llamacpp_build import LLAMA_CPP_PYTHON_VERSION, cache_dir, ensure_source
-
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    return ensure_source(root, root / "download.log", LLAMA_CPP_PYTHON_VERSION)
 
 
 def converter_env(source: Path) -> dict[str, str]:
@@ -435,7 +393,7 @@ def quantize_command(quantize: Path, source: Path, out: Path, quant_type: str) -
 def build_hf_shape(shape: ModelShape, types: Sequence[str], root: Path) -> dict[str, Path]:
     """Build the missing `types` of an HF-route shape (one HF directory and BF16 file for all
     of them); returns every requested type's path."""
-    from benchmarks.llamacpp_build import ensure_tools
+    from benchmarks.llamacpp_build import ensure_source, ensure_tools
 
     directory = root / shape.name
     paths = {t: shape_file(shape, t, root) for t in types}
@@ -445,7 +403,7 @@ def build_hf_shape(shape: ModelShape, types: Sequence[str], root: Path) -> dict[
     quantize = None
     if [t for t in missing if t != "BF16"]:
         quantize = ensure_tools(["llama-quantize"]).quantize
-    source = llama_cpp_source()
+    source = ensure_source()
     log_path = directory / "build.log"
     times: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="build-", dir=directory) as scratch:
@@ -470,7 +428,7 @@ def build_hf_shape(shape: ModelShape, types: Sequence[str], root: Path) -> dict[
         for quant_type in missing:
             started = time.monotonic()
             out = paths[quant_type]
-            with written_whole(out) as partial:
+            with cache_files.staged(out) as partial:
                 if quant_type == "BF16":
                     shutil.copyfile(bf16, partial)
                 else:
@@ -505,14 +463,17 @@ def build(shape: ModelShape, types: Sequence[str], root: Path | None = None) -> 
     """Every requested type of `shape`, built once into the cache and reused after."""
     root = root or shapes_dir()
     wanted = check_types(shape, types)
-    with build_lock(root / shape.name):
+    # One builder per shape at a time; another process waits, then finds the files made.
+    waiting = f"waiting for another build of {shape.name}"
+    with cache_files.locked(root / shape.name, lambda: print(waiting, file=sys.stderr, flush=True)):
+        (root / shape.name).mkdir(parents=True, exist_ok=True)
         if shape.direct:
             from benchmarks.synthetic_gguf import write_q4_k_m
 
             out = shape_file(shape, DIRECT_TYPE, root)
             if not out.is_file():
                 started = time.monotonic()
-                with written_whole(out) as partial:
+                with cache_files.staged(out) as partial:
                     write_q4_k_m(shape, partial)
                 seconds = {"write_s": time.monotonic() - started}
                 write_record(out, record(shape, DIRECT_TYPE, seconds))

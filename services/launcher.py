@@ -35,6 +35,7 @@ from pathlib import Path
 import redis
 
 from services import cpu_placement
+from services.common import cache_files
 from services.common.config_flags import (
     add_config_flags,
     config_argv,
@@ -268,14 +269,6 @@ def port_open(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace `path`'s content in one step: a script polling it (the ready file, rewritten on
-    each restart) never reads it empty or half written."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    partial.replace(path)
-
-
 def build_children(
     config: StackConfig, redis: Child | None, redis_url: str | None = None
 ) -> list[Child]:
@@ -427,7 +420,8 @@ class Stack:
 
     def _write_ready_file(self) -> None:
         if self.config.ready_file:
-            write_atomically(Path(self.config.ready_file), json.dumps(self.describe()))
+            # Replaced in one step: a script polling it never reads it empty or half written.
+            cache_files.write_text(Path(self.config.ready_file), json.dumps(self.describe()))
 
     def supervise(self) -> None:
         """Restart children that die, until asked to stop."""

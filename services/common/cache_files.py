@@ -4,6 +4,7 @@ by many processes at a time (test workers, a worker and a benchmark, two checkou
     LLMSERVE_CACHE_DIR  (default ${XDG_CACHE_HOME:-~/.cache}/llmserve)
       peers/llama.cpp-<version>/   llama.cpp's sources and tools (benchmarks/llamacpp_build.py)
       tiny-models/v<n>/            the tests' tiny random models and their GGUF files
+      shapes/                      real-size random models (benchmarks/model_shapes.py)
       torch_extensions/            the C++ CPU kernels (kernels/cpu_extension.py)
       inductor/                    compiled step graphs (services/worker/step_graphs.py)
       cpu-dtype.json               `--dtype auto`'s timings (services/worker/dtype_choice.py)
@@ -44,14 +45,19 @@ def lock_path(path: Path) -> Path:
 
 
 @contextmanager
-def locked(path: Path) -> Iterator[None]:
+def locked(path: Path, on_wait: Callable[[], object] | None = None) -> Iterator[None]:
     """Hold the exclusive lock of `path` (a `<path>.lock` file, created with its directory)
-    until the block ends. The kernel drops it when the process dies, so a killed build leaves
-    no lock to wait on."""
+    until the block ends; `on_wait` is called first when another process holds it. The kernel
+    drops a lock when its process dies, so a killed build leaves none to wait on."""
     lock = lock_path(path)
     lock.parent.mkdir(parents=True, exist_ok=True)
     with lock.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -27,7 +27,7 @@ from benchmarks.memory import (
     tree_notes,
     worker_command,
 )
-from benchmarks.model_shapes import SHAPES, check_types, parse_shape_ref, written_whole
+from benchmarks.model_shapes import SHAPES, check_types, parse_shape_ref
 from benchmarks.process_memory import (
     MemoryStatus,
     TreeMemory,
@@ -249,18 +249,6 @@ def test_shape_references_and_types_are_checked() -> None:
     with pytest.raises(ValueError, match="Q4_K_M"):
         check_types(SHAPES["llama-3.1-8b"], ["Q4_0"])  # the direct writer makes Q4_K_M only
     assert check_types(SHAPES["gemma-3-1b"], ["Q4_K_M", "q8_0", "Q4_K_M"]) == ["Q4_K_M", "Q8_0"]
-
-
-def test_a_file_appears_only_whole(tmp_path: Path) -> None:
-    out = tmp_path / "m.Q4_K_M.gguf"
-    with pytest.raises(RuntimeError), written_whole(out) as partial:
-        partial.write_bytes(b"half")
-        raise RuntimeError("the quantizer died")
-    assert list(tmp_path.iterdir()) == []
-    with written_whole(out) as partial:
-        assert not out.exists()
-        partial.write_bytes(b"whole")
-    assert out.read_bytes() == b"whole" and list(tmp_path.iterdir()) == [out]
 
 
 # ---- the 8B file's Q4_K_M layout (llama-quant.cpp's rule) ---------------------------------

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.synchronize import Barrier
@@ -101,6 +102,37 @@ def test_a_reader_never_sees_a_partial_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["timings.json"]
 
 
+def test_a_waiter_is_told_and_then_holds_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "shape"
+    told, held = threading.Event(), threading.Event()
+
+    def wait_for_it() -> None:
+        with cache_files.locked(path, on_wait=told.set):
+            held.set()
+
+    with cache_files.locked(path):
+        waiter = threading.Thread(target=wait_for_it)
+        waiter.start()
+        assert told.wait(PROCESS_TIMEOUT_S)
+        assert not held.wait(0.2)  # flock: a second open of the lock file waits, even here
+    waiter.join(PROCESS_TIMEOUT_S)
+    assert held.is_set()
+    with cache_files.locked(path, on_wait=lambda: pytest.fail("nobody holds it")):
+        pass
+
+
+def test_a_file_appears_only_whole(tmp_path: Path) -> None:
+    out = tmp_path / "m.Q4_K_M.gguf"
+    with pytest.raises(RuntimeError), cache_files.staged(out) as partial:
+        partial.write_bytes(b"half")
+        raise RuntimeError("the quantizer died")
+    assert list(tmp_path.iterdir()) == []
+    with cache_files.staged(out) as partial:
+        assert not out.exists()
+        partial.write_bytes(b"whole")
+    assert out.read_bytes() == b"whole" and list(tmp_path.iterdir()) == [out]
+
+
 def test_a_failed_make_leaves_nothing_and_the_next_call_makes_it(tmp_path: Path) -> None:
     path = tmp_path / "tool"
 
@@ -159,6 +191,7 @@ def test_the_cache_root_is_one_variable(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert cache_files.cache_root() == tmp_path / "mine"
 
     from benchmarks.llamacpp_build import cache_dir
+    from benchmarks.model_shapes import shapes_dir
     from kernels.cpu_extension import extensions_root
     from services.worker.dtype_choice import cache_path
     from services.worker.step_graphs import default_inductor_cache_dir
@@ -172,5 +205,6 @@ def test_the_cache_root_is_one_variable(monkeypatch: pytest.MonkeyPatch, tmp_pat
         cache_path(),
         default_inductor_cache_dir(),
         tiny_models_cache_dir(),
+        shapes_dir(),
     ):
         assert path.is_relative_to(tmp_path / "mine"), path

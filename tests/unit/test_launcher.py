@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from services.common import cache_files
 from services.common.config_flags import add_config_flags
 from services.launcher import (
     Child,
@@ -21,7 +22,6 @@ from services.launcher import (
     private_redis,
     stack_redis_url,
     with_internal_secret,
-    write_atomically,
 )
 from services.scheduler.server_config import SchedulerServerConfig
 from services.tokenizer.config import TokenizerConfig
@@ -130,7 +130,7 @@ def test_the_ready_file_is_replaced_in_one_step(tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     ready.write_text('{"pids": {"worker-0": 1}}')
     inode = ready.stat().st_ino
-    write_atomically(ready, '{"pids": {"worker-0": 2}}')
+    cache_files.write_text(ready, '{"pids": {"worker-0": 2}}')
     # A new file renamed over the old one: a reader holds either whole, never a truncated one.
     assert ready.read_text() == '{"pids": {"worker-0": 2}}'
     assert ready.stat().st_ino != inode
