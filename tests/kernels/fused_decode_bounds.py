@@ -30,11 +30,17 @@ closer. Then:
 - logits are the vocabulary product of the final norm's row: eps ||W_i|| ||x||, divided by
   the logits divisor; the final soft-cap c tanh(l / c) has slope <= 1.
 
-ROW_EPSILON, the eps above, is the one number not derived: each layer rounds its rows
-differently in ~10 places by ~u relative to the row, and attention over random caches keeps
-that size (softmax weights move by the score error, which is itself a product of q and k).
-Measured: <= 1.1e-6 (~18 u) after the last layer of the tests' models, 3-6 layers; the bound
-takes 2^-16 ~ 1.5e-5 (256 u), room for ~14 layers' worth of that growth.
+ROW_EPSILON, the eps above, is the one number not derived, and it is checked rather than
+assumed: every comparison asserts it on the last row the two paths share, the final norm's
+output (the vocabulary's input), where the difference has grown through every layer. Each
+layer rounds ~10 ops differently by ~u, and passes the difference it receives on amplified
+by its conditioning: the softmax of the tests' random models over random caches turns a
+one-u perturbation of the embedding into 1e-6 to 1e-5 of the last layer's row, eager against
+itself. Measured between the paths: up to 1.2e-5 (Phi-3, dense, 4 layers); eps = 2^-14
+(6.1e-5, 1024 u) leaves 5x. Models far from a trained one's scale need more: random K-quant
+blocks with row norms of 200 give attention scores of 1e4, 300-fold amplification in one
+layer (tests/kernels/test_llama_decode_families.py scales them down). A float16 or int8
+cache adds a step of its format to the values it stores (below), which attention spreads.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from services.worker.forward_batch import ForwardBatch
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
 
-ROW_EPSILON = 2.0**-16
+ROW_EPSILON = 2.0**-14
 
 
 @dataclass
@@ -210,15 +216,25 @@ def assert_kv_within_bounds(
     _assert_within("K/V", (fused - eager).abs(), allowed)
 
 
-def assert_logits_within_bounds(
-    model: CausalLM, rows: EagerRows, eager: Tensor, fused: Tensor
-) -> None:
-    """Logits within eps ||W_i|| ||x|| / divisor of eager's, x the final norm's row."""
+def logits_bound(model: CausalLM, rows: EagerRows, eager: Tensor) -> Tensor:
+    """[B, vocab]: eps ||W_i|| ||x|| / divisor, x the final norm's row, and eps of the value
+    itself for the ops after the product."""
     x = rows.head_inputs[0]
     weight = model.lm_head.weight.detach().float()
     bound = ROW_EPSILON * x.norm(dim=-1, keepdim=True) * weight.norm(dim=-1)
-    bound = bound / model.architecture.logits_divisor + ROW_EPSILON * eager.abs()
-    _assert_within("logits", (fused - eager).abs(), bound)
+    return bound / model.architecture.logits_divisor + ROW_EPSILON * eager.abs()
+
+
+def assert_logits_within_bounds(
+    model: CausalLM, rows: EagerRows, eager: Tensor, fused: Tensor
+) -> None:
+    """The final norm's rows within ROW_EPSILON of eager's (the bounds' premise), and the
+    logits within their bound."""
+    assert len(rows.head_inputs) == 2, "record the eager forward, then the fused step"
+    eager_row, fused_row = rows.head_inputs
+    relative = (fused_row - eager_row).norm(dim=-1) / eager_row.norm(dim=-1)
+    assert relative.max() <= ROW_EPSILON, f"final rows {relative.max():.3g} apart (relative)"
+    _assert_within("logits", (fused - eager).abs(), logits_bound(model, rows, eager))
 
 
 def _assert_within(what: str, gap: Tensor, bound: Tensor) -> None:
