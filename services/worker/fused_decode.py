@@ -210,9 +210,15 @@ class FusedDecode:
     def run(self, batch: ForwardBatch) -> Tensor:
         """Logits [B, vocab] (fp32) of a pure-decode batch."""
         model = self.model
-        lists = self._lists
         hidden = model.embed(batch.input_ids).float()
-        hidden, residual = torch.ops.llmserve.llama_decode_layers(
+        hidden, residual = torch.ops.llmserve.llama_decode_layers(*self.op_arguments(hidden, batch))
+        self.num_steps += 1
+        return model.logits(hidden.to(self.dtype), residual.to(self.dtype))
+
+    def op_arguments(self, hidden: Tensor, batch: ForwardBatch) -> tuple[object, ...]:
+        """`llmserve::llama_decode_layers`'s arguments for this batch, in schema order."""
+        lists = self._lists
+        return (
             hidden,
             lists.attn_norms,
             lists.mlp_norms,
@@ -246,8 +252,6 @@ class FusedDecode:
             self.query_in_cache_dtype,
             *_lora_tables(batch.lora),
         )
-        self.num_steps += 1
-        return model.logits(hidden.to(self.dtype), residual.to(self.dtype))
 
 
 def _lora_tables(

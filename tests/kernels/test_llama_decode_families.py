@@ -202,3 +202,37 @@ def test_a_bf16_family_runs_fused_no_worse_than_eager_bf16(family: str) -> None:
     fused_error = (fused - reference).abs().amax(dim=-1)
     assert eager_error.mean() > 0  # bf16 really rounds
     assert fused_error.mean() <= 2 * eager_error.mean(), (fused_error, eager_error)
+
+
+def test_the_ops_schema_and_shape_function() -> None:
+    """The op's schema (the caches written in place) and its Meta kernel (what torch.compile
+    traces with) agree with the CPU kernel, on a model with post-norms, QK-norm and two rope
+    tables."""
+    arch = family_architecture("gemma3")
+    model = family_model(arch, "dense", seed=51)
+    case = decode_case(arch, torch.float32, seed=53)
+    fused = FusedDecode(model, case.cache)
+    hidden = model.embed(case.batch.input_ids).float()
+    torch.library.opcheck(
+        torch.ops.llmserve.llama_decode_layers.default,
+        fused.op_arguments(hidden, case.batch),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_bad_switches_raise_clear_errors() -> None:
+    arch = family_architecture("gemma3")
+    model = family_model(arch, "dense", seed=55)
+    case = decode_case(arch, torch.float32, seed=57)
+    fused = FusedDecode(model, case.cache)
+    fused.hidden_act = "relu"
+    with pytest.raises(RuntimeError, match="hidden_act must be silu or gelu_tanh"):
+        fused.run(case.batch)
+    fused = FusedDecode(model, case.cache)
+    fused._lists = replace(fused._lists, layer_ropes=[2] * arch.num_layers)
+    with pytest.raises(RuntimeError, match="layer_ropes names table 2 of 2"):
+        fused.run(case.batch)
+    fused = FusedDecode(model, case.cache)
+    fused._lists = replace(fused._lists, mlp_out_norms=fused._lists.mlp_out_norms[:2])
+    with pytest.raises(RuntimeError, match="mlp_out_norms has 2 tensors for 6 layers"):
+        fused.run(case.batch)
