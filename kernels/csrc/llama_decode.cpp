@@ -1,5 +1,6 @@
-// A pure-decode step of a Llama-family model whose projections are GGUF blocks, all decoder
-// layers in one call: what services/worker/model/llama.py computes for one query token per
+// A pure-decode step of any decoder family the worker serves (services/worker/model/
+// causal_lm.py's switches), whose projections are GGUF blocks or dense float weights, all
+// decoder layers in one call: what `CausalLM.forward` computes for one query token per
 // sequence, without going back to Python between ops.
 //
 // Why: at batch 1 a layer is ten small ops around four matrix-vector products; dispatched from
@@ -7,14 +8,21 @@
 // the products themselves (~150 us a layer, measured). Here they are plain loops over [B, H]
 // rows, and the heavy parts are this library's own kernels called directly:
 //
-//   per layer   h, r = rms_norm(h + r)                 (layer 0: r = h, h = rms_norm(h))
-//               qkv = gguf_linear(h) (+ bias)          [B, (Hq + 2 Hkv) D], any GGUF kinds
-//               q, k = rms_norm of each head (Qwen3; only with q_norms / k_norms)
-//               rotary(q, k) at positions; write k, v at slot_mapping
-//               a = paged_decode_attention(q)          [B, Hq D], the layer's sliding window
-//               h, r = rms_norm(gguf_linear(a) + r)
-//               h = gguf_linear(silu(gate) * up)       gate | up = gguf_linear(h)
-//   returns     (h, r) of the last layer; the final norm and the vocabulary stay in Python.
+//   per layer   x += d; h = attn_norm(x)               (layer 0: x = the embedding, no add)
+//               qkv = linear(h) (+ bias)               [B, (Hq + 2 Hkv) D], any GGUF kinds
+//               q, k = rms_norm per head or across heads (only with q_norms / k_norms)
+//               rotary(q, k) with the layer's table, at positions (none: layer_ropes -1)
+//               write k, v at slot_mapping
+//               a = paged_decode_attention(q)          [B, Hq D], the layer's window, soft-cap
+//               d = attn_out_norm(linear(a)) * residual_multiplier
+//               x += d; h = mlp_norm(x)
+//               d = mlp_out_norm(linear(act(gate) * up)) * residual_multiplier,
+//                                                      gate | up = linear(h), act SiLU or GELU
+//   returns     (d, x) of the last layer; the final norm and the vocabulary stay in Python.
+//
+// Each norm is there when its list holds one weight per layer, and absent when the list is
+// empty: Llama has attn_norm and mlp_norm, Gemma 2/3 all four, OLMo 2 only the two after the
+// blocks (*_out_norm: Gemma's post_attention / post_feedforward norms); without a norm, h is x.
 //
 // With LoRA tables (services/worker/lora/slots.py) each of the four products then gets its
 // rows' adapter deltas, as the eager layers add them (batch.lora.add after each projection):
@@ -24,7 +32,11 @@
 // with a bf16 query), as the torch references do it (kernels/*_torch.py): the rotary
 // pairs (i, i + R/2) of the NeoX convention over the first R = rope.size(1) dims of each head
 // (R < D: partial rotary, the rest pass through), rms_norm as x * (1 / sqrt(mean(x^2) + eps))
-// * w. The head dim D is the KV caches'.
+// * w, GELU's tanh form 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))). The head dim D is the
+// KV caches'. Against the eager layers (torch ops around the same products, attention and KV
+// write) only the rounding differs: the order of the norms' sums, the rotary's fused
+// multiply-adds, exp / tanh (~1-2 ulp); tests/kernels/fused_decode_bounds.py derives how far
+// that may move a step's keys, values and logits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -126,13 +138,14 @@ inline void rms_norm_row(const float* x, const float* weight, float eps, int64_t
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inverse * weight[i];
 }
 
-// residual += delta (when there is one); hidden = rms_norm(residual): the fused add + norm
-// between sublayers.
-void add_rms_norm(const at::Tensor* delta, at::Tensor& residual, const at::Tensor& weight,
+// residual += delta (when there is one); hidden = rms_norm(residual), or residual itself
+// when the layer has no norm there (weight null: OLMo 2): the fused add + norm between
+// sublayers.
+void add_rms_norm(const at::Tensor* delta, at::Tensor& residual, const at::Tensor* weight,
                   float eps, at::Tensor& hidden) {
   const int64_t rows = residual.size(0), n = residual.size(1);
   const float* d = delta != nullptr ? delta->data_ptr<float>() : nullptr;
-  const float* w = weight.data_ptr<float>();
+  const float* w = weight != nullptr ? weight->data_ptr<float>() : nullptr;
   float* r = residual.data_ptr<float>();
   float* h = hidden.data_ptr<float>();
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
@@ -143,7 +156,32 @@ void add_rms_norm(const at::Tensor* delta, at::Tensor& residual, const at::Tenso
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) rr[i] += dr[i];
       }
-      rms_norm_row(rr, w, eps, n, h + m * n);
+      if (w != nullptr) {
+        rms_norm_row(rr, w, eps, n, h + m * n);
+      } else {
+        std::copy(rr, rr + n, h + m * n);
+      }
+    }
+  });
+}
+
+// A block's output before it joins the residual stream, in place: rms_norm with the block's
+// own weight (weight null: none), then times the residual multiplier (Granite), two roundings
+// as the eager layer's two ops.
+void finish_block_output(at::Tensor& out, const at::Tensor* weight, float eps,
+                         float residual_multiplier) {
+  if (weight == nullptr && residual_multiplier == 1.f) return;
+  const int64_t rows = out.size(0), n = out.size(1);
+  const float* w = weight != nullptr ? weight->data_ptr<float>() : nullptr;
+  float* base = out.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* row = base + m * n;
+      if (w != nullptr) rms_norm_row(row, w, eps, n, row);
+      if (residual_multiplier != 1.f) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) row[i] *= residual_multiplier;
+      }
     }
   });
 }
@@ -180,18 +218,20 @@ void rotate_qkv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
   });
 }
 
-// RMS-normalizes `num_heads` heads of D values from `first_head` on, in every qkv row, in place
-// with one weight [D] for all of them (Qwen3's q_norm / k_norm, before the rotary).
-void norm_heads(at::Tensor& qkv, int64_t first_head, int64_t num_heads, int64_t head_dim,
-                const at::Tensor& weight, float eps) {
+// RMS-normalizes `num_groups` runs of `group_size` values from value `first` on, in every qkv
+// row, in place, with one weight [group_size] for all of them: q_norm / k_norm before the
+// rotary, per head (Qwen3, Gemma 3: a group is a head) or across heads (OLMo 2: one group,
+// the whole q or k).
+void norm_groups(at::Tensor& qkv, int64_t first, int64_t num_groups, int64_t group_size,
+                 const at::Tensor& weight, float eps) {
   const int64_t rows = qkv.size(0), row_stride = qkv.size(1);
   const float* w = weight.data_ptr<float>();
-  float* base = qkv.data_ptr<float>() + first_head * head_dim;
-  at::parallel_for(0, rows, row_grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+  float* base = qkv.data_ptr<float>() + first;
+  at::parallel_for(0, rows, row_grain(num_groups * group_size), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* x = base + m * row_stride + h * head_dim;
-        rms_norm_row(x, w, eps, head_dim, x);
+      for (int64_t g = 0; g < num_groups; ++g) {
+        float* x = base + m * row_stride + g * group_size;
+        rms_norm_row(x, w, eps, group_size, x);
       }
     }
   });
@@ -214,29 +254,72 @@ void silu_and_mul_row(const float* gate, const float* up, float* dst, int64_t n)
   for (; i < n; ++i) dst[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
-using SiluRow = void (*)(const float*, const float*, float*, int64_t);
+// GELU's tanh form (torch's approximate="tanh", Gemma's gelu_pytorch_tanh), in torch's order:
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
 
-SiluRow silu_row_kernel() {
+// dst = gelu_tanh(gate) * up over n values (GeGLU), with the attention kernels' vector tanh.
+template <class V>
+void gelu_tanh_and_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (V::kWidth > 1) {
+    const typename V::Reg one = V::set1(1.f), half = V::set1(0.5f);
+    const typename V::Reg beta = V::set1(kGeluBeta), kappa = V::set1(kGeluKappa);
+    for (; i + V::kWidth <= n; i += V::kWidth) {
+      const typename V::Reg g = V::load(gate + i);
+      const typename V::Reg cube = V::mul(V::mul(g, g), g);
+      const typename V::Reg inner = V::mul(beta, V::add(g, V::mul(kappa, cube)));
+      const typename V::Reg gelu = V::mul(V::mul(half, g), V::add(one, V::tanh(inner)));
+      V::store(dst + i, V::mul(gelu, V::load(up + i)));
+    }
+  }
+  for (; i < n; ++i) {
+    const float g = gate[i];
+    const float inner = kGeluBeta * (g + kGeluKappa * (g * g * g));
+    dst[i] = 0.5f * g * (1.f + std::tanh(inner)) * up[i];
+  }
+}
+
+// The gating of the MLP: SwiGLU (silu, most families) or GeGLU (gelu_tanh, Gemma); the names
+// are ModelArchitecture.hidden_act's.
+enum class Activation { kSilu, kGeluTanh };
+
+Activation parse_activation(c10::string_view name) {
+  if (name == "silu") return Activation::kSilu;
+  TORCH_CHECK(name == "gelu_tanh", "llama_decode_layers: hidden_act must be silu or gelu_tanh, ",
+              "got ", name);
+  return Activation::kGeluTanh;
+}
+
+using GatedRow = void (*)(const float*, const float*, float*, int64_t);
+
+template <class V>
+GatedRow gated_row_of(Activation activation) {
+  return activation == Activation::kSilu ? &silu_and_mul_row<V> : &gelu_tanh_and_mul_row<V>;
+}
+
+GatedRow gated_row_kernel(Activation activation) {
   using namespace llmserve_cpu;
   if (scalar_kernels_forced().load(std::memory_order_relaxed)) {
-    return &silu_and_mul_row<ScalarVec>;
+    return gated_row_of<ScalarVec>(activation);
   }
 #if defined(LLMSERVE_HAVE_AVX512)
-  return &silu_and_mul_row<Avx512Vec>;
+  return gated_row_of<Avx512Vec>(activation);
 #elif defined(LLMSERVE_HAVE_AVX2)
-  return &silu_and_mul_row<Avx2Vec>;
+  return gated_row_of<Avx2Vec>(activation);
 #else
-  return &silu_and_mul_row<ScalarVec>;
+  return gated_row_of<ScalarVec>(activation);
 #endif
 }
 
-// [B, 2I] = [gate | up] -> silu(gate) * up [B, I].
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+// [B, 2I] = [gate | up] -> act(gate) * up [B, I].
+at::Tensor gated_activation(const at::Tensor& gate_up, Activation activation) {
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, inner}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const SiluRow row_kernel = silu_row_kernel();
+  const GatedRow row_kernel = gated_row_kernel(activation);
   at::parallel_for(0, rows, row_grain(inner), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* gate = in + m * 2 * inner;
@@ -373,26 +456,44 @@ void check_fp32_vector(const at::Tensor& t, int64_t size, const char* name) {
               t.scalar_type(), " ", t.sizes());
 }
 
+// One kind of norm of every layer: empty (the model has none there) or one fp32 [size] weight
+// per layer, checked once.
+class LayerNorms {
+ public:
+  LayerNorms(at::TensorList weights, size_t num_layers, int64_t size, const char* name)
+      : weights_(weights) {
+    if (weights.empty()) return;
+    check_layer_lists(num_layers, weights, name);
+    for (const at::Tensor& weight : weights) check_fp32_vector(weight, size, name);
+  }
+  // Layer l's weight, or null when there is no such norm.
+  const at::Tensor* at(size_t layer) const {
+    return weights_.empty() ? nullptr : &weights_[layer];
+  }
+
+ private:
+  at::TensorList weights_;
+};
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
-    const at::Tensor& hidden_in, at::TensorList input_norms, at::TensorList post_norms,
-    at::TensorList projection_parts, at::IntArrayRef kinds, at::IntArrayRef part_counts,
-    at::TensorList qkv_bias,
-    at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales,
-    at::TensorList v_scales, const at::Tensor& positions_in, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
-    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations,
-    at::IntArrayRef sliding_windows, at::TensorList q_norms, at::TensorList k_norms,
-    bool query_in_cache_dtype, at::TensorList lora_a, at::TensorList lora_b,
-    const std::optional<at::Tensor>& lora_scales, const std::optional<at::Tensor>& lora_seg_starts,
+    const at::Tensor& hidden_in, at::TensorList attn_norms, at::TensorList mlp_norms,
+    at::TensorList attn_out_norms, at::TensorList mlp_out_norms, at::TensorList projection_parts,
+    at::IntArrayRef kinds, at::IntArrayRef part_counts, at::TensorList qkv_bias,
+    at::TensorList q_norms, at::TensorList k_norms, at::TensorList k_caches,
+    at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
+    const at::Tensor& positions_in, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, at::TensorList ropes, at::IntArrayRef layer_ropes,
+    at::IntArrayRef sliding_windows, int64_t num_heads, int64_t num_kv_heads, double eps,
+    double scale, double attn_logit_softcap, double residual_multiplier,
+    c10::string_view hidden_act, bool int8_activations, bool query_in_cache_dtype,
+    at::TensorList lora_a, at::TensorList lora_b, const std::optional<at::Tensor>& lora_scales,
+    const std::optional<at::Tensor>& lora_seg_starts,
     const std::optional<at::Tensor>& lora_seg_slots) {
-  const size_t num_layers = input_norms.size();
+  const size_t num_layers = k_caches.size();
   TORCH_CHECK(num_layers > 0, "llama_decode_layers: no layers");
-  for (auto [list, name] : {std::pair{post_norms, "post_norms"}, {k_caches, "k_caches"},
-                            {v_caches, "v_caches"}}) {
-    check_layer_lists(num_layers, list, name);
-  }
+  check_layer_lists(num_layers, v_caches, "v_caches");
   const Projections projections(projection_parts, kinds, part_counts, num_layers);
   TORCH_CHECK(sliding_windows.size() == num_layers,
               "llama_decode_layers: sliding_windows must hold one window per layer (0: none)");
@@ -400,6 +501,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
               "llama_decode_layers: qkv_bias is empty or one per layer");
   TORCH_CHECK(q_norms.size() == k_norms.size() && (q_norms.empty() || q_norms.size() == num_layers),
               "llama_decode_layers: q_norms and k_norms are both empty or one per layer each");
+  TORCH_CHECK(layer_ropes.size() == num_layers,
+              "llama_decode_layers: layer_ropes must hold one table index per layer (-1: none)");
   const bool quantized_cache = !k_scales.empty();
   if (quantized_cache) {
     check_layer_lists(num_layers, k_scales, "k_scales");
@@ -407,42 +510,62 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
   }
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kFloat,
               "llama_decode_layers: hidden must be fp32 [B, H]");
-  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.dim() == 2 && rope.is_contiguous(),
-              "llama_decode_layers: rope must be a contiguous fp32 [max_positions, R] table");
   TORCH_CHECK(k_caches[0].dim() == 4,
               "llama_decode_layers: caches must be [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(attn_logit_softcap >= 0,
+              "llama_decode_layers: attn_logit_softcap must be >= 0 (0: none)");
   const int64_t batch = hidden_in.size(0), hidden_size = hidden_in.size(1);
   const int64_t head_dim = k_caches[0].size(3);
-  TORCH_CHECK(rope.size(1) % 2 == 0 && rope.size(1) <= head_dim, "llama_decode_layers: rope ",
-              "has ", rope.size(1), " values a row, an even number up to the head dim ", head_dim);
+  for (const at::Tensor& rope : ropes) {
+    TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.dim() == 2 && rope.is_contiguous(),
+                "llama_decode_layers: a rope must be a contiguous fp32 [max_positions, R] table");
+    TORCH_CHECK(rope.size(1) % 2 == 0 && rope.size(1) <= head_dim, "llama_decode_layers: rope ",
+                "has ", rope.size(1), " values a row, an even number up to the head dim ",
+                head_dim);
+  }
+  for (const int64_t index : layer_ropes) {
+    TORCH_CHECK(index >= -1 && index < static_cast<int64_t>(ropes.size()),
+                "llama_decode_layers: layer_ropes names table ", index, " of ", ropes.size());
+  }
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(positions_in.dim() == 1 && positions_in.size(0) == batch,
               "llama_decode_layers: positions must be [B]");
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   const float epsilon = static_cast<float>(eps);
+  const float multiplier = static_cast<float>(residual_multiplier);
+  const Activation activation = parse_activation(hidden_act);
+  const LayerNorms attn_norm(attn_norms, num_layers, hidden_size, "attn_norms");
+  const LayerNorms mlp_norm(mlp_norms, num_layers, hidden_size, "mlp_norms");
+  const LayerNorms attn_out_norm(attn_out_norms, num_layers, hidden_size, "attn_out_norms");
+  const LayerNorms mlp_out_norm(mlp_out_norms, num_layers, hidden_size, "mlp_out_norms");
+  // q_norms / k_norms of [D] normalize each head; of [Hq D] and [Hkv D], all heads together
+  // (OLMo 2). With one query head the two are the same computation.
+  const bool qk_norm_across_heads = !q_norms.empty() && q_norms[0].size(0) != head_dim;
+  const int64_t q_group = qk_norm_across_heads ? q_size : head_dim;
+  const int64_t k_group = qk_norm_across_heads ? kv_size : head_dim;
+  const LayerNorms q_norm(q_norms, num_layers, q_group, "q_norms");
+  const LayerNorms k_norm(k_norms, num_layers, k_group, "k_norms");
   const LoraTables lora(lora_a, lora_b, lora_scales, lora_seg_starts, lora_seg_slots, num_layers,
                         batch);
 
   at::Tensor residual = hidden_in.contiguous().clone();
   at::Tensor hidden = at::empty_like(residual);
-  at::Tensor delta;  // the last sublayer's output, added to the residual by the next norm
+  at::Tensor delta;  // the last block's output, added to the residual by the next norm
   for (size_t l = 0; l < num_layers; ++l) {
-    check_fp32_vector(input_norms[l], hidden_size, "input_norms");
-    check_fp32_vector(post_norms[l], hidden_size, "post_norms");
     // Layer 0 norms the embedding itself; later layers first add the MLP's output.
-    add_rms_norm(l == 0 ? nullptr : &delta, residual, input_norms[l], epsilon, hidden);
+    add_rms_norm(l == 0 ? nullptr : &delta, residual, attn_norm.at(l), epsilon, hidden);
     at::Tensor qkv = projections.apply(hidden, l, 0, int8_activations);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "llama_decode_layers: qkv_proj gives ",
                 qkv.size(1), " features, the heads need ", q_size + 2 * kv_size);
     if (!qkv_bias.empty()) qkv.add_(qkv_bias[l]);
     lora.add(hidden, qkv, l, 0);
-    if (!q_norms.empty()) {
-      check_fp32_vector(q_norms[l], head_dim, "q_norms");
-      check_fp32_vector(k_norms[l], head_dim, "k_norms");
-      norm_heads(qkv, 0, num_heads, head_dim, q_norms[l], epsilon);
-      norm_heads(qkv, num_heads, num_kv_heads, head_dim, k_norms[l], epsilon);
+    if (q_norm.at(l) != nullptr) {
+      norm_groups(qkv, 0, q_size / q_group, q_group, *q_norm.at(l), epsilon);
+      norm_groups(qkv, q_size, kv_size / k_group, k_group, *k_norm.at(l), epsilon);
     }
-    rotate_qkv(qkv, positions, rope, num_heads + num_kv_heads, head_dim);
+    if (layer_ropes[l] >= 0) {
+      rotate_qkv(qkv, positions, ropes[layer_ropes[l]], num_heads + num_kv_heads, head_dim);
+    }
     const at::Tensor query = qkv.narrow(1, 0, q_size).view({batch, num_heads, head_dim});
     const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({batch, num_kv_heads, head_dim});
     const at::Tensor value =
@@ -467,45 +590,57 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
           query_in_cache_dtype && !quantized_cache && cache_type != at::kFloat;
       attended = paged_decode_attention(cast_query ? query.to(cache_type) : query, k_caches[l],
                                         v_caches[l], block_tables, context_lens, scale, k_scale,
-                                        v_scale, /*batch_invariant=*/false, sliding_windows[l]);
+                                        v_scale, /*batch_invariant=*/false, sliding_windows[l],
+                                        attn_logit_softcap);
       if (cast_query) attended = attended.to(at::kFloat);
     }
     const at::Tensor heads = attended.view({batch, q_size});
     delta = projections.apply(heads, l, 1, int8_activations);
     lora.add(heads, delta, l, 1);
-    add_rms_norm(&delta, residual, post_norms[l], epsilon, hidden);
+    finish_block_output(delta, attn_out_norm.at(l), epsilon, multiplier);
+    add_rms_norm(&delta, residual, mlp_norm.at(l), epsilon, hidden);
     at::Tensor gate_up = projections.apply(hidden, l, 2, int8_activations);
     lora.add(hidden, gate_up, l, 2);
-    const at::Tensor gated = silu_and_mul(gate_up);
+    const at::Tensor gated = gated_activation(gate_up, activation);
     delta = projections.apply(gated, l, 3, int8_activations);
     lora.add(gated, delta, l, 3);
+    finish_block_output(delta, mlp_out_norm.at(l), epsilon, multiplier);
   }
   return {delta, residual};
 }
 
 std::tuple<at::Tensor, at::Tensor> llama_decode_layers_meta(
-    const at::Tensor& hidden, at::TensorList input_norms, at::TensorList post_norms,
-    at::TensorList projection_parts, at::IntArrayRef kinds, at::IntArrayRef part_counts,
-    at::TensorList qkv_bias,
-    at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales,
-    at::TensorList v_scales, const at::Tensor& positions, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& rope,
-    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8_activations,
-    at::IntArrayRef sliding_windows, at::TensorList q_norms, at::TensorList k_norms,
-    bool query_in_cache_dtype, at::TensorList lora_a, at::TensorList lora_b,
-    const std::optional<at::Tensor>& lora_scales, const std::optional<at::Tensor>& lora_seg_starts,
+    const at::Tensor& hidden, at::TensorList attn_norms, at::TensorList mlp_norms,
+    at::TensorList attn_out_norms, at::TensorList mlp_out_norms, at::TensorList projection_parts,
+    at::IntArrayRef kinds, at::IntArrayRef part_counts, at::TensorList qkv_bias,
+    at::TensorList q_norms, at::TensorList k_norms, at::TensorList k_caches,
+    at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
+    const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, at::TensorList ropes, at::IntArrayRef layer_ropes,
+    at::IntArrayRef sliding_windows, int64_t num_heads, int64_t num_kv_heads, double eps,
+    double scale, double attn_logit_softcap, double residual_multiplier,
+    c10::string_view hidden_act, bool int8_activations, bool query_in_cache_dtype,
+    at::TensorList lora_a, at::TensorList lora_b, const std::optional<at::Tensor>& lora_scales,
+    const std::optional<at::Tensor>& lora_seg_starts,
     const std::optional<at::Tensor>& lora_seg_slots) {
   return {at::empty_like(hidden), at::empty_like(hidden)};
 }
 
+// Per-layer data comes as lists (one entry per layer; a norm's list may be empty: no such
+// norm), the model's switches as scalars.
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def(
-      "llama_decode_layers(Tensor hidden, Tensor[] input_norms, Tensor[] post_norms,"
-      " Tensor[] projection_parts, int[] kinds, int[] part_counts, Tensor[] qkv_bias, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches,"
-      " Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor positions, Tensor slot_mapping,"
-      " Tensor block_tables, Tensor context_lens, Tensor rope, int num_heads, int num_kv_heads,"
-      " float eps, float scale, bool int8_activations, int[] sliding_windows,"
-      " Tensor[] q_norms, Tensor[] k_norms, bool query_in_cache_dtype,"
+      "llama_decode_layers(Tensor hidden,"
+      " Tensor[] attn_norms, Tensor[] mlp_norms, Tensor[] attn_out_norms, Tensor[] mlp_out_norms,"
+      " Tensor[] projection_parts, int[] kinds, int[] part_counts, Tensor[] qkv_bias,"
+      " Tensor[] q_norms, Tensor[] k_norms,"
+      " Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor(c!)[] k_scales,"
+      " Tensor(d!)[] v_scales,"
+      " Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor context_lens,"
+      " Tensor[] ropes, int[] layer_ropes, int[] sliding_windows,"
+      " int num_heads, int num_kv_heads, float eps, float scale, float attn_logit_softcap,"
+      " float residual_multiplier, str hidden_act, bool int8_activations,"
+      " bool query_in_cache_dtype,"
       " Tensor[] lora_a, Tensor[] lora_b, Tensor? lora_scales, Tensor? lora_seg_starts,"
       " Tensor? lora_seg_slots) -> (Tensor, Tensor)");
 }

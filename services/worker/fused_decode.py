@@ -1,9 +1,11 @@
-"""Fused decode steps: a pure-decode batch of a model whose projections are all GGUF blocks
-(any kind the kernels read, kinds mixed within a fused layer too) or dense float weights (a
-safetensors model in float32, bf16 or fp16) runs every decoder layer in
-one C++ call (kernels/csrc/llama_decode.cpp, the op
-`llmserve::llama_decode_layers`); the embedding, the final norm and the vocabulary projection
-stay in the model's own code.
+"""Fused decode steps: a pure-decode batch of a model of any family (every switch of
+`ModelArchitecture`: pre- and post-norms, QK-norm per head or across heads, SiLU or GELU
+gating, soft-capped attention, per-layer windows and rope tables, layers without rope, a
+residual multiplier) whose projections are all GGUF blocks (any kind the kernels read, kinds
+mixed within a fused layer too) or dense float weights (a safetensors model in float32, bf16
+or fp16) runs every decoder layer in one C++ call (kernels/csrc/llama_decode.cpp, the op
+`llmserve::llama_decode_layers`); the embedding (with its multiplier), the final norm and the
+vocabulary projection (with its divisor and soft-cap) stay in the model's own code.
 
 Why: on a CPU at small batches the time between the matrix products (Python, dispatch, a
 compiled graph's wrapper) was as large as the products. The fused call has no per-op cost and
@@ -28,7 +30,6 @@ from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora.adapter import PROJECTIONS
 from services.worker.lora.batch import LoraBatch
-from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFLinear
 
@@ -41,9 +42,6 @@ def unsupported_reason(model: CausalLM, kv_cache: PagedKVCache) -> str | None:
         return "the KV cache is not on the CPU"
     if model.norm.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"the model computes in {model.norm.dtype}"
-    missing = missing_features(model.architecture)
-    if missing:
-        return f"the fused step lacks {', '.join(missing)}"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -77,20 +75,6 @@ def projection_parts(linear: nn.Module) -> tuple[list[Tensor], list[int]]:
     return [linear.weight], [DENSE_KINDS[linear.weight.dtype]]
 
 
-def missing_features(arch: ModelArchitecture) -> list[str]:
-    """The architecture's switches the fused layer loop does not implement."""
-    checks = [
-        (arch.qk_norm == "across_heads", "QK-norm across heads"),
-        (arch.hidden_act != "silu", f"{arch.hidden_act} gating"),
-        (not arch.pre_norms or arch.post_norms, "post-norms"),
-        (arch.residual_multiplier != 1.0, "a residual multiplier"),
-        (arch.attn_logit_softcap != 0.0, "attention soft-capping"),
-        (arch.local_rope is not None, "a rope of its own for windowed layers"),
-        (not all(arch.layer_uses_rope or [True]), "layers without rope"),
-    ]
-    return [name for failed, name in checks if failed]
-
-
 def _fp32(tensor: Tensor) -> Tensor:
     """The tensor itself when it is fp32 already (no copy), else an fp32 copy."""
     return tensor.float().contiguous()
@@ -100,8 +84,12 @@ def _fp32(tensor: Tensor) -> Tensor:
 class _LayerLists:
     """The op's per-layer arguments, gathered once (the tensors are the model's own)."""
 
-    input_norms: list[Tensor]
-    post_norms: list[Tensor]
+    attn_norms: list[Tensor]
+    """One fp32 weight per layer of each norm the model has; empty: no such norm (OLMo 2 has
+    no attn_norm / mlp_norm, Llama no *_out_norm)."""
+    mlp_norms: list[Tensor]
+    attn_out_norms: list[Tensor]
+    mlp_out_norms: list[Tensor]
     projection_parts: list[Tensor]
     """Every layer's q|k|v, o, gate|up and down block tensors, in that order."""
     kinds: list[int]
@@ -109,13 +97,38 @@ class _LayerLists:
     part_counts: list[int]
     """Parts per projection, 4 per layer."""
     qkv_bias: list[Tensor]
+    q_norms: list[Tensor]
+    """RMSNorm weights of q and k, one per layer: [head_dim] per head (Qwen3, Gemma 3) or
+    [heads * head_dim] across heads (OLMo 2); empty: none."""
+    k_norms: list[Tensor]
     k_caches: list[Tensor]
     v_caches: list[Tensor]
     k_scales: list[Tensor]
     v_scales: list[Tensor]
-    q_norms: list[Tensor]
-    """Per-head RMSNorm weights [head_dim] of q and k (Qwen3), one per layer; empty: none."""
-    k_norms: list[Tensor]
+    ropes: list[Tensor]
+    """The model's rotary tables in fp32: the global one, then the windowed layers' own
+    (Gemma 3) when it has one."""
+    layer_ropes: list[int]
+    """Per layer, its table's index in `ropes`, as `CausalLM.layer_rope` picks it; -1: the
+    layer has no rotary (SmolLM3's NoPE layers)."""
+
+
+def _layer_norms(norms: list[Tensor | None]) -> list[Tensor]:
+    """fp32 copies of one norm of every layer; empty when the model has no such norm."""
+    return [_fp32(norm) for norm in norms if norm is not None]
+
+
+def _rope_lists(model: CausalLM) -> tuple[list[Tensor], list[int]]:
+    """(ropes, layer_ropes): the model's tables and each layer's choice among them."""
+    tables = [model.rope] if model.local_rope is None else [model.rope, model.local_rope]
+    arch = model.architecture
+    layer_ropes = [
+        next(index for index, table in enumerate(tables) if table is model.layer_rope(layer))
+        if arch.uses_rope(layer)
+        else -1
+        for layer in range(arch.num_layers)
+    ]
+    return [table.float().contiguous() for table in tables], layer_ropes
 
 
 class FusedDecode:
@@ -147,31 +160,35 @@ class FusedDecode:
         caches = kv_cache.layers
         linears = [linear for layer in projections for linear in layer]
         self.dtype = model.norm.dtype
+        """The model's dtype: the step computes in fp32 between its embedding and its head
+        (fp32 copies of a bf16 model's norms, bias and rope tables, a few KB)."""
         self.query_in_cache_dtype = kv_cache.spec.dtype == self.dtype != torch.float32
         """Whether attention reads the cache with a query rounded to the cache's dtype, as a
         bf16/fp16 model's eager layers do; a float32 model's query stays float32 over a float16
         cache."""
-        """The model's dtype: the step computes in fp32 between its embedding and its head
-        (fp32 copies of a bf16 model's norms, bias and rope table, a few KB)."""
-        self.rope = model.rope.float()
+        self.attn_logit_softcap = arch.attn_logit_softcap
+        self.residual_multiplier = arch.residual_multiplier
+        self.hidden_act = arch.hidden_act
         projection_lists = [projection_parts(linear) for linear in linears]
+        layers = list(model.layers)
+        ropes, layer_ropes = _rope_lists(model)
         self._lists = _LayerLists(
-            input_norms=[_fp32(layer.attn_norm) for layer in model.layers],
-            post_norms=[_fp32(layer.mlp_norm) for layer in model.layers],
+            attn_norms=_layer_norms([layer.attn_norm for layer in layers]),
+            mlp_norms=_layer_norms([layer.mlp_norm for layer in layers]),
+            attn_out_norms=_layer_norms([layer.attn_out_norm for layer in layers]),
+            mlp_out_norms=_layer_norms([layer.mlp_out_norm for layer in layers]),
             projection_parts=[part for parts, _ in projection_lists for part in parts],
             kinds=[kind for _, kinds in projection_lists for kind in kinds],
             part_counts=[len(kinds) for _, kinds in projection_lists],
             qkv_bias=[_fp32(p[0].bias) for p in projections if p[0].bias is not None],
+            q_norms=_layer_norms([layer.self_attn.q_norm for layer in layers]),
+            k_norms=_layer_norms([layer.self_attn.k_norm for layer in layers]),
             k_caches=[c.key for c in caches],
             v_caches=[c.value for c in caches],
             k_scales=[c.key_scale for c in caches if c.key_scale is not None],
             v_scales=[c.value_scale for c in caches if c.value_scale is not None],
-            q_norms=[
-                _fp32(n) for layer in model.layers if (n := layer.self_attn.q_norm) is not None
-            ],
-            k_norms=[
-                _fp32(n) for layer in model.layers if (n := layer.self_attn.k_norm) is not None
-            ],
+            ropes=ropes,
+            layer_ropes=layer_ropes,
         )
         self.num_steps = 0
         """Steps run fused (for tests and the step profile)."""
@@ -193,16 +210,26 @@ class FusedDecode:
     def run(self, batch: ForwardBatch) -> Tensor:
         """Logits [B, vocab] (fp32) of a pure-decode batch."""
         model = self.model
-        lists = self._lists
         hidden = model.embed(batch.input_ids).float()
-        hidden, residual = torch.ops.llmserve.llama_decode_layers(
+        hidden, residual = torch.ops.llmserve.llama_decode_layers(*self.op_arguments(hidden, batch))
+        self.num_steps += 1
+        return model.logits(hidden.to(self.dtype), residual.to(self.dtype))
+
+    def op_arguments(self, hidden: Tensor, batch: ForwardBatch) -> tuple[object, ...]:
+        """`llmserve::llama_decode_layers`'s arguments for this batch, in schema order."""
+        lists = self._lists
+        return (
             hidden,
-            lists.input_norms,
-            lists.post_norms,
+            lists.attn_norms,
+            lists.mlp_norms,
+            lists.attn_out_norms,
+            lists.mlp_out_norms,
             lists.projection_parts,
             lists.kinds,
             lists.part_counts,
             lists.qkv_bias,
+            lists.q_norms,
+            lists.k_norms,
             lists.k_caches,
             lists.v_caches,
             lists.k_scales,
@@ -211,20 +238,20 @@ class FusedDecode:
             batch.slot_mapping,
             batch.decode_block_tables,
             batch.decode_context_lens,
-            self.rope,
+            lists.ropes,
+            lists.layer_ropes,
+            self.sliding_windows,
             self.num_heads,
             self.num_kv_heads,
             self.eps,
             self.scale,
+            self.attn_logit_softcap,
+            self.residual_multiplier,
+            self.hidden_act,
             self.int8_activations,
-            self.sliding_windows,
-            lists.q_norms,
-            lists.k_norms,
             self.query_in_cache_dtype,
             *_lora_tables(batch.lora),
         )
-        self.num_steps += 1
-        return model.logits(hidden.to(self.dtype), residual.to(self.dtype))
 
 
 def _lora_tables(

@@ -22,8 +22,13 @@ from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.lora.batch import LoraBatch, lora_batch
 from services.worker.lora.slots import LoraSlots
 from services.worker.model.architecture import ModelArchitecture, QKNorm, RopeConfig
-from services.worker.model.causal_lm import CausalLM
+from services.worker.model.causal_lm import CausalLM, DecoderLayer
 from services.worker.quantization.gguf_linear import GGUFLinear
+from tests.kernels.fused_decode_bounds import (
+    assert_kv_within_bounds,
+    assert_logits_within_bounds,
+    recorded_rows,
+)
 from tests.kernels.test_gguf_gemm import random_blocks
 
 BLOCK_SIZE = 4
@@ -88,6 +93,13 @@ def random_projection(
     return GGUFLinear(parts, kinds, bias, int8_activations=int8_activations)
 
 
+def randomize_pre_norms(layer: DecoderLayer) -> None:
+    """The norms before attention and the MLP, where the model has them (not OLMo 2)."""
+    for norm in (layer.attn_norm, layer.mlp_norm):
+        if norm is not None:
+            norm.uniform_(0.5, 1.5)
+
+
 def random_model(config: ModelArchitecture, seed: int, int8_activations: bool = False) -> CausalLM:
     """Random norms and embedding; every projection GGUF blocks, every kind somewhere."""
     torch.manual_seed(seed)
@@ -95,8 +107,7 @@ def random_model(config: ModelArchitecture, seed: int, int8_activations: bool = 
     model.embed_tokens.weight.normal_()
     model.lm_head.weight.normal_(std=0.1)
     for index, layer in enumerate(model.layers):
-        layer.attn_norm.uniform_(0.5, 1.5)
-        layer.mlp_norm.uniform_(0.5, 1.5)
+        randomize_pre_norms(layer)
         attn, mlp = layer.self_attn, layer.mlp
         for offset, (owner, name) in enumerate(
             [(attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
@@ -177,25 +188,18 @@ def with_switches(
 
 
 def assert_fused_matches_eager(
-    model: CausalLM, case: DecodeCase, kv_dtype: torch.dtype
+    model: CausalLM, case: DecodeCase, fused_decode: FusedDecode | None = None
 ) -> torch.Tensor:
-    """Fused logits within 1e-4 of eager ones, the caches they write within
-    cache_tolerance; returns the eager logits."""
-    eager, fused, after_eager, after_fused = eager_then_fused(model, case)
-    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
-    tolerance = cache_tolerance(kv_dtype)
-    torch.testing.assert_close(
-        after_fused.float(), after_eager.float(), rtol=tolerance, atol=tolerance
+    """Fused logits and the keys and values the step writes within the bounds
+    tests/kernels/fused_decode_bounds.py derives from eager's; returns the eager logits."""
+    before = case.cache.storage.clone()
+    with recorded_rows(model) as rows:
+        eager, fused, after_eager, after_fused = eager_then_fused(model, case, fused_decode)
+    assert_logits_within_bounds(model, rows, eager, fused)
+    assert_kv_within_bounds(
+        model, case.batch, rows, before, after_eager, after_fused, case.cache.scales
     )
     return eager
-
-
-def cache_tolerance(kv_dtype: torch.dtype) -> float:
-    """rtol = atol between the caches the eager and the fused step write: 1e-4 (the C++ and
-    torch ops round in different orders), or one fp16 step (2^-10 relative) for a float16
-    cache, where a key that fp32 rounding moves across a rounding boundary is stored one
-    fp16 value away."""
-    return 1e-3 if kv_dtype == torch.float16 else 1e-4
 
 
 # Layer 0 windowed inside a block of 4, layer 1 full, layer 2 across block boundaries; the
@@ -214,9 +218,7 @@ def test_fused_step_windows_and_partial_rotary(
     config = with_switches(tiny_config(attention_bias=True), windows, rotary_dim)
     model = random_model(config, seed=7)
     case = decode_case(config, kv_dtype, seed=9)
-    # Keys and values are fp32 sums over K = 256 of values near 10; the C++ and torch norms
-    # round in different orders, which moves them by up to ~3e-5 relative.
-    eager = assert_fused_matches_eager(model, case, kv_dtype)
+    eager = assert_fused_matches_eager(model, case)
     if windows or rotary_dim != 16:
         # The features change the logits: a fused step ignoring them would fail above.
         plain = random_model(tiny_config(attention_bias=True), seed=7)
@@ -242,15 +244,18 @@ def test_fused_step_matches_the_eager_model(attention_bias: bool, kv_dtype: torc
     config = tiny_config(attention_bias)
     model = random_model(config, seed=3)
     case = decode_case(config, kv_dtype, seed=5)
-    eager, fused, after_eager, after_fused = eager_then_fused(model, case)
+    before = case.cache.storage.clone()
+    with recorded_rows(model) as rows:
+        eager, fused, after_eager, after_fused = eager_then_fused(model, case)
     assert fused.shape == eager.shape == (len(CONTEXT_LENS), config.vocab_size)
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
-    # The step's keys and values land in the same slots, with the same values.
-    tolerance = cache_tolerance(kv_dtype)
-    torch.testing.assert_close(
-        after_fused.float(), after_eager.float(), rtol=tolerance, atol=tolerance
+    # The step's keys and values land in the same slots, with the same values up to the
+    # bound of the two paths' roundings (on AVX-512 a key that cancels to -1.12 in a row
+    # reaching 990 was 2.5e-4 apart: no bound relative to the value itself holds there).
+    assert_kv_within_bounds(
+        model, case.batch, rows, before, after_eager, after_fused, case.cache.scales
     )
-    assert not torch.equal(after_eager, decode_case(config, kv_dtype, seed=5).cache.storage)
+    assert not torch.equal(after_eager, before)
 
 
 def test_int8_activations_follow_the_layers_setting() -> None:
@@ -293,8 +298,7 @@ def random_dense_model(config: ModelArchitecture, seed: int) -> CausalLM:
     model.embed_tokens.weight.normal_()
     model.lm_head.weight.normal_(std=0.1)
     for layer in model.layers:
-        layer.attn_norm.uniform_(0.5, 1.5)
-        layer.mlp_norm.uniform_(0.5, 1.5)
+        randomize_pre_norms(layer)
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
             linear.weight.normal_(std=0.2)
         for linear in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -310,7 +314,7 @@ def test_a_dense_float32_model_runs_fused(kv_dtype: torch.dtype) -> None:
     dense part of ggml kind F32), so only the C++ elementwise ops' summation order differs."""
     config = tiny_config(attention_bias=True)
     model = random_dense_model(config, seed=8)
-    assert_fused_matches_eager(model, decode_case(config, kv_dtype, seed=9), kv_dtype)
+    assert_fused_matches_eager(model, decode_case(config, kv_dtype, seed=9))
 
 
 def test_a_dense_bf16_model_runs_fused_no_worse_than_eager_bf16() -> None:
@@ -411,9 +415,13 @@ def test_fused_step_normalizes_q_and_k_heads(kv_dtype: torch.dtype) -> None:
     case = decode_case(config, kv_dtype, seed=21)
     fused = FusedDecode(model, case.cache)
     assert len(fused._lists.q_norms) == len(model.layers)
-    eager, fused_logits, after_eager, after_fused = eager_then_fused(model, case, fused)
+    before = case.cache.storage.clone()
+    with recorded_rows(model) as rows:
+        eager, fused_logits, after_eager, after_fused = eager_then_fused(model, case, fused)
     torch.testing.assert_close(fused_logits, eager, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(after_fused.float(), after_eager.float(), rtol=1e-4, atol=1e-4)
+    assert_kv_within_bounds(
+        model, case.batch, rows, before, after_eager, after_fused, case.cache.scales
+    )
     without = FusedDecode(model, case.cache)
     without._lists = replace(without._lists, q_norms=[], k_norms=[])
     _, without_norms, _, _ = eager_then_fused(
@@ -466,7 +474,7 @@ def test_fused_step_adds_each_rows_adapter(dense: bool, kv_dtype: torch.dtype) -
     plain_eager, plain_fused, _, _ = eager_then_fused(model, case)
     case = decode_case(config, kv_dtype, seed=25)
     case.batch.lora = random_lora_batch(config, torch.float32, seed=27)
-    eager = assert_fused_matches_eager(model, case, kv_dtype)
+    eager = assert_fused_matches_eager(model, case)
     # The adapters move the logits of their rows; the base row's are those of a step
     # without adapters, bit for bit on the fused path.
     moved = (eager - plain_eager).abs().amax(dim=-1)

@@ -1,6 +1,7 @@
 """Every registered family against transformers on the same weights, in float32: the last
 position's logits and 32 greedy tokens, with prompts longer than any sliding window, chunked
-prefill (a step budget smaller than the prompts) and a prefix-cache hit."""
+prefill (a step budget smaller than the prompts), a prefix-cache hit, and decode steps on the
+fused C++ step."""
 
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ def test_logits_and_greedy_tokens_match_transformers(family_dir: Path) -> None:
     results = engine.generate(batch, greedy)  # batched, chunked prefill
     for ids, result in zip(batch, results, strict=True):
         assert result.token_ids == hf_greedy(hf_model, ids)
+    # Every family's decode steps run the fused C++ step (services/worker/fused_decode.py).
+    fused = engine.runner.fused_decode
+    assert fused is not None and fused.num_steps > 0
 
     # The first prompt's blocks are cached now: this one starts from a prefix-cache hit.
     probe = [*batch[0][:SHARED_PREFIX], *batch[1][:30]]

@@ -187,3 +187,6 @@ def test_quantized_gguf_greedy_ids_match_transformers(family: str, kind: str) ->
                 torch.tensor([ids]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False, pad_token_id=0
             )
         assert result.token_ids == out[0, len(ids) :].tolist()
+    # The decode steps ran on the fused C++ step, whatever the family's switches.
+    fused = engine.runner.fused_decode
+    assert fused is not None and fused.num_steps > 0
