@@ -185,3 +185,14 @@ def test_a_load_never_holds_a_float_copy(tmp_path: Path) -> None:
     # resident, mapped or (q, k: rows llama.cpp permuted) copied.
     embedding = GGUFIndex(path).by_name["token_embd.weight"].num_bytes
     assert memory["after_reads"] - memory["before"] > 0.9 * (size - embedding), memory
+
+
+def test_max_model_len_sizes_the_rope_tables_and_never_exceeds_the_context() -> None:
+    """--max-model-len reaches the loader: the rope tables hold that many positions (a Llama
+    3.1 8B's 131072 would be 64 MB of them), and a larger value is capped at the context."""
+    path = embedded_model_path()
+    short = load_model(path, quantization="gguf", max_positions=512)
+    assert short.rope.shape[0] == 512
+    context = short.architecture.max_position_embeddings
+    long = load_model(path, quantization="gguf", max_positions=10 * context)
+    assert long.rope.shape[0] == context
