@@ -16,16 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.memory import (
+from benchmarks.memory import llama_server_kv_mib, worker_command
+from benchmarks.memory_table import (
     EngineMemory,
     FileMemory,
     GiB,
     kv_cache_gib,
     kv_geometry,
-    llama_server_kv_mib,
     memory_table,
     tree_notes,
-    worker_command,
 )
 from benchmarks.model_shapes import SHAPES, check_types, parse_shape_ref
 from benchmarks.process_memory import (
