@@ -83,6 +83,18 @@ def cache_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     return cache_files.cache_root() / "peers" / f"llama.cpp-{version}"
 
 
+def converter_env(source: Path) -> dict[str, str]:
+    """The sources' gguf-py first (the converter may write keys newer than the installed
+    package); nothing may reach a model hub."""
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(source / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    return env
+
+
 def find_tool(*names: str) -> str | None:
     """The first of `names` on PATH or beside this interpreter (ninja from pip lives in the
     virtualenv's bin, which is not on PATH when the venv is not activated)."""

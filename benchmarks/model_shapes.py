@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.llamacpp_build import converter_env
 from services.common import cache_files
 
 EMBEDDED_VOCAB_SIZE = 49152
@@ -303,18 +304,6 @@ def save_random_hf_model(shape: ModelShape, directory: Path, seed: int = 0) -> N
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(str(directory), max_shard_size="1GB")
     del model
-
-
-def converter_env(source: Path) -> dict[str, str]:
-    """The sources' gguf-py first (the converter may write keys newer than the installed
-    package); nothing may reach a model hub."""
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(source / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    return env
 
 
 QUANTIZE_PROGRESS = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.llamacpp_build import converter_env
 from services.common import cache_files
 from tests.model.gguf_header import TensorInfo, read_gguf_header
 from tests.model.tiny_models import tiny_model_dir
@@ -49,19 +50,6 @@ def llama_cpp_source() -> Path:
     from benchmarks.llamacpp_build import ensure_source
 
     return ensure_source()
-
-
-def converter_env(source: Path) -> dict[str, str]:
-    # The sources' gguf-py first: the converter may need writer keys newer than the installed
-    # gguf package. (The script also puts it on sys.path itself unless NO_LOCAL_GGUF is set.)
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(source / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
-    # Nothing may reach a model hub: the tokenizer and config are read from the directory.
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    return env
 
 
 def refusal_reason(log: str) -> str:
