@@ -93,3 +93,18 @@ def test_a_worker_whose_kv_cache_cannot_fit_refuses_to_start_naming_the_numbers(
     assert run.returncode != 0
     assert "not enough memory" in run.stderr, run.stderr[-2000:]
     assert "(--kv-cache-gib)" in run.stderr and "is available" in run.stderr
+
+
+def test_a_truncated_gguf_file_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """The index checks every tensor against the file's length before any weight is mapped."""
+    from services.common.gguf_index import GGUFIndex
+    from services.contracts.errors import ModelLoadError
+
+    source = embedded_model_path()
+    cut = tmp_path / "cut.gguf"
+    with source.open("rb") as whole, cut.open("wb") as part:
+        part.write(whole.read(source.stat().st_size // 2))
+    with pytest.raises(
+        ModelLoadError, match=r"ends past the end of .*cut\.gguf \(a truncated file"
+    ):
+        GGUFIndex(cut)
