@@ -239,6 +239,12 @@ def test_a_tensor_type_gguf_py_cannot_dequantize_is_refused(tmp_path: Path) -> N
     report = describe_model(path)
     assert not report.servable
     assert "'blk.0.ffn_down.weight' has type Q8_K" in report.verdict
+    # The worker's loader refuses the same file at start, naming the same tensor.
+    from services.contracts.errors import ModelLoadError
+    from services.worker.loader.model_loader import load_model
+
+    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_down\.weight' has type Q8_K"):
+        load_model(path, quantization="gguf")
 
 
 def test_inspect_never_imports_torch(tmp_path: Path) -> None:
