@@ -4,7 +4,6 @@ public API (the tokenizer tier merges what piles up) and on the scheduler's own 
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
@@ -19,27 +18,23 @@ from services.stack import RunningStack
 
 pytestmark = pytest.mark.slow
 
-# A reader whose HTTP/2 window holds a few small messages: while it sleeps the sender's
-# writes wait, and what the engine produces meanwhile piles up (deterministic back-pressure).
+# A reader whose HTTP/2 window holds a few small messages: while it does not read, the
+# sender's writes wait, and what the engine produces meanwhile piles up (back-pressure).
 SLOW_READER_OPTIONS = [("grpc.http2.lookahead_bytes", 64), ("grpc.http2.bdp_probe", 0)]
-# Longer than a decode step of the embedded model, so every pause lets tokens pile up.
-PAUSE_S = 0.5
 PROMPT = "Once upon a time,"
 NUM_TOKENS = 40
 
 Message = TypeVar("Message")
 
 
-def read_slowly(call: Iterable[Message], pause_s: float = PAUSE_S) -> list[Message]:
-    """Every message of a stream, pausing before each read."""
-    messages = []
+def read_after_generation(call: Iterable[Message], stack: RunningStack) -> list[Message]:
+    """Every message of a stream, reading the first, then nothing until the engine has
+    generated every token (however slow the machine is), then the rest."""
     iterator = iter(call)
-    while True:
-        time.sleep(pause_s)
-        message = next(iterator, None)
-        if message is None:
-            return messages
-        messages.append(message)
+    first = next(iterator)
+    stats = stack.wait_all_blocks_free(timeout_s=120)
+    assert stats.num_running == 0, "the request did not finish while its reader waited"
+    return [first, *iterator]
 
 
 def ids_of(
@@ -57,7 +52,9 @@ def test_slow_client_gets_fewer_messages_with_the_same_ids_and_text(stack: Runni
     )
     fast = list(stack.text_stub().Generate(request, timeout=120))
     with grpc.insecure_channel(stack.public, options=SLOW_READER_OPTIONS) as channel:
-        slow = read_slowly(text_pb2_grpc.TextGenerationStub(channel).Generate(request, timeout=120))
+        slow = read_after_generation(
+            text_pb2_grpc.TextGenerationStub(channel).Generate(request, timeout=120), stack
+        )
     assert len(ids_of(fast)) == NUM_TOKENS
     assert ids_of(slow) == ids_of(fast)
     assert "".join(m.text for m in slow) == "".join(m.text for m in fast)
@@ -86,7 +83,7 @@ def test_scheduler_merges_what_a_slow_reader_let_pile_up(stack: RunningStack) ->
     with grpc.insecure_channel(stack.scheduler) as channel:
         fast = list(submit(channel))
     with grpc.insecure_channel(stack.scheduler, options=SLOW_READER_OPTIONS) as channel:
-        slow = read_slowly(submit(channel))
+        slow = read_after_generation(submit(channel), stack)
     assert len(ids_of(fast)) == NUM_TOKENS
     assert ids_of(slow) == ids_of(fast)
     # At most one message per step, and the backlog went out merged.
