@@ -64,10 +64,10 @@ GGUF_KINDS = {
 """The tensor kinds the kernels compute on as stored, by their GGUF (ggml) names."""
 KIND_NAMES = {kind: name for name, kind in GGUF_KINDS.items()}
 GGUF_REPACKED_X8 = 256
-"""Kind flag: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks regrouped by 8 rows at load
-(kernels/csrc/gguf_gemm.cpp, "repacked by 8 rows"), the layout the int8-activation kernels
-stream best. Same bytes, so the same memory; only the C++ kernels read it."""
-REPACKABLE_KINDS = (GGUF_Q4_0, GGUF_Q4_1, 6, 7, GGUF_Q8_0)
+"""Kind flag: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks regrouped by 8
+rows at load (kernels/csrc/gguf_x8_layout.h), the layout the int8-activation kernels stream
+best. Same bytes, so the same memory; only the C++ kernels read it."""
+REPACKABLE_KINDS = (GGUF_Q4_0, GGUF_Q4_1, 6, 7, GGUF_Q8_0, 12, 13, 14)
 
 
 def kind_name(kind: int) -> str:

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "gguf_formats.h"
+#include "gguf_x8_layout.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(LLMSERVE_GGUF_SCALAR)
 #define GGUF_AVX2 1
@@ -75,6 +76,8 @@ inline __m256i emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
 #define GGUF_DPBUSD _mm256_dpbusd_avx_epi32
 #endif
 #endif
+
+#include "gguf_super_x8.h"  // after the instruction-set macros it reads
 
 #ifndef LLMSERVE_GGUF_NAMESPACE
 #define LLMSERVE_GGUF_NAMESPACE llmserve
@@ -704,97 +707,35 @@ void chunk_rows(const Activations& a, int64_t m0, const uint8_t* w, int64_t row_
 
 
 // ---- Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 repacked by 8 rows (the int8 path's layout) -------
-// At load, each group of 8 weight rows is rewritten block by block so that one 32-byte load
-// holds 4 code bytes of each of the 8 rows:
-//
-//   per group of 8 rows, per block b (the 8 rows' blocks, the same bytes reordered):
+// gguf_x8_layout.h regroups 8 rows so that one 32-byte load holds 4 code bytes of each row:
 //     Q4_0  d[8] fp16 | 4 x [row 0 bytes 4i..4i+3 | row 1 ... | row 7]        16 + 128 bytes
-//     Q4_1  d[8] | m[8] | the same 4 x 32 bytes                                32 + 128
-//     Q5_0  d[8] | qh[8] (32 bits each) | the same 4 x 32 bytes               48 + 128
-//     Q5_1  d[8] | m[8] | qh[8] | the same 4 x 32 bytes                        64 + 128
-//     Q8_0  d[8] | 8 x [row 0 codes 4i..4i+3 | ... | row 7]                    16 + 256
-//
+//     Q5_1  d[8] | m[8] | qh[8] (32 bits each) | the same 4 x 32 bytes         64 + 128
 // A 4-bit 32-byte vector's low nibbles are values 4i..4i+3 of each row and its high nibbles
 // values 16 + 4i..; against the broadcast 4 activation codes of those values, one byte dot
-// gives the 8 rows' partial sums in the 8 int32 lanes. So the 8 rows' block scales load as
-// one vector (8 fp16), no horizontal sum remains, and a tile of MR activation rows reuses
-// each unpacked vector MR times. Pair products are at most 2 x 15 x 127 (Q4) or 2 x 31 x 127
-// (Q5), so 8 (Q4) or 4 (Q5) of them add up in int16 before one widening.
-constexpr int kGroupRows = 8;
+// gives the 8 rows' partial sums in the 8 int32 lanes. Pair products are at most 2 x 15 x 127
+// (Q4) or 2 x 31 x 127 (Q5), so 8 (Q4) or 4 (Q5) of them add up in int16 before one widening.
+using gguf_x8::kGroupRows;
 constexpr int64_t kRepackedX8 = 256;  // kind flag: the blocks are in the layout above
 
-constexpr bool is_x8_kind(int64_t kind) {
-  return is_block_kind(kind) || kind == gguf::kQ5_0 || kind == gguf::kQ5_1;
-}
+constexpr bool is_x8_kind(int64_t kind) { return gguf_x8::has_layout(kind); }
 
 template <int64_t KIND>
 constexpr int64_t x8_block_bytes() {
-  if constexpr (is_block_kind(KIND)) {
-    return Layout<KIND>::bytes;
-  } else {
-    return gguf::Format<KIND>::kBytes;
-  }
+  return gguf_x8::fields<KIND>().bytes;
 }
 
 constexpr bool has_min(int64_t kind) { return kind == kQ4_1 || kind == gguf::kQ5_1; }
 constexpr bool has_high_bits(int64_t kind) { return kind == gguf::kQ5_0 || kind == gguf::kQ5_1; }
 
-// Bytes before the codes in one block of the group: d[8], then m[8], then qh[8].
+// Where the codes start in one block of the group (after the qh word of Q5).
 template <int64_t KIND>
 constexpr int64_t x8_header() {
-  return 16 + (has_min(KIND) ? 16 : 0) + (has_high_bits(KIND) ? 32 : 0);
+  return gguf_x8::word_at<KIND>(has_high_bits(KIND) ? 1 : 0);
 }
 
 template <int64_t KIND>
 constexpr int64_t x8_high_bits_at() {
-  return has_min(KIND) ? 32 : 16;
-}
-
-// rows [N, row_bytes] (N a multiple of 8) -> the same bytes, regrouped.
-template <int64_t KIND>
-void repack_x8(const uint8_t* src, int64_t rows, int64_t row_bytes, uint8_t* dst) {
-  constexpr int64_t bytes = x8_block_bytes<KIND>(), header = x8_header<KIND>();
-  constexpr int64_t code_bytes = bytes - header / kGroupRows;  // per row and block
-  const int64_t nb = row_bytes / bytes;
-  at::parallel_for(0, rows / kGroupRows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* out = dst + g * kGroupRows * row_bytes + b * kGroupRows * bytes;
-        for (int r = 0; r < kGroupRows; ++r) {
-          const uint8_t* block = src + (g * kGroupRows + r) * row_bytes + b * bytes;
-          std::memcpy(out + 2 * r, block, 2);  // d
-          if constexpr (has_min(KIND)) std::memcpy(out + 16 + 2 * r, block + 2, 2);
-          if constexpr (has_high_bits(KIND)) {
-            std::memcpy(out + x8_high_bits_at<KIND>() + 4 * r, block + (has_min(KIND) ? 4 : 2), 4);
-          }
-          const uint8_t* codes = block + (bytes - code_bytes);
-          for (int64_t i = 0; i < code_bytes / 4; ++i) {
-            std::memcpy(out + header + (i * kGroupRows + r) * 4, codes + 4 * i, 4);
-          }
-        }
-      }
-    }
-  });
-}
-
-// Row `row` of an x8 tensor back to the file's block layout (for lookups and the scalar path).
-template <int64_t KIND>
-void unpack_x8_row(const uint8_t* repacked, int64_t row, int64_t row_bytes, uint8_t* block_row) {
-  constexpr int64_t bytes = x8_block_bytes<KIND>(), header = x8_header<KIND>();
-  constexpr int64_t code_bytes = bytes - header / kGroupRows;
-  const int64_t nb = row_bytes / bytes, g = row / kGroupRows, r = row % kGroupRows;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* in = repacked + g * kGroupRows * row_bytes + b * kGroupRows * bytes;
-    uint8_t* block = block_row + b * bytes;
-    std::memcpy(block, in + 2 * r, 2);
-    if constexpr (has_min(KIND)) std::memcpy(block + 2, in + 16 + 2 * r, 2);
-    if constexpr (has_high_bits(KIND)) {
-      std::memcpy(block + (has_min(KIND) ? 4 : 2), in + x8_high_bits_at<KIND>() + 4 * r, 4);
-    }
-    for (int64_t i = 0; i < code_bytes / 4; ++i) {
-      std::memcpy(block + (bytes - code_bytes) + 4 * i, in + header + (i * kGroupRows + r) * 4, 4);
-    }
-  }
+  return gguf_x8::word_at<KIND>(0);
 }
 
 // The result of one 8-row group against activation rows [m0, m0 + MR): out[m * ldo + r].
@@ -804,7 +745,7 @@ void x8_tile_scalar(const Activations& a, int64_t m0, const uint8_t* group, int6
   std::vector<uint8_t> row(row_bytes);
   for (int r = 0; r < kGroupRows; ++r) {
     // The unpacked row through the scalar kernel of its kind: the same arithmetic.
-    unpack_x8_row<KIND>(group, r, row_bytes, row.data());
+    gguf_x8::unpack_row<KIND>(group, r, row_bytes, row.data());
     if constexpr (is_block_kind(KIND)) {
       fast_row_scalar<KIND>(a, m0, MR, row.data(), out + r, ldo);
     } else {
@@ -1001,6 +942,7 @@ struct SuperActivations {
   std::vector<int8_t> codes;   // [rows, K]
   std::vector<float> scale;    // [rows, K / 256]
   std::vector<int16_t> bsum;   // [rows, K / 16]: sum of each 16 codes
+  std::vector<int16_t> bsum32; // [rows, K / 32]: sum of each 32 codes
 };
 
 template <typename scalar_t>
@@ -1013,6 +955,7 @@ SuperActivations quantize_super_activations(const scalar_t* x, int64_t rows, int
   a.codes.resize(rows * k);
   a.scale.resize(rows * a.num_supers);
   a.bsum.resize(rows * k / 16);
+  a.bsum32.resize(rows * k / 32);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(k);
     for (int64_t m = begin; m < end; ++m) {
@@ -1030,6 +973,10 @@ SuperActivations quantize_super_activations(const scalar_t* x, int64_t rows, int
             total += code;
           }
           a.bsum[(m * k + g * kSuper) / 16 + h] = static_cast<int16_t>(total);
+        }
+        for (int h = 0; h < 8; ++h) {
+          const int16_t* pair = a.bsum.data() + (m * k + g * kSuper) / 16 + 2 * h;
+          a.bsum32[(m * k + g * kSuper) / 32 + h] = static_cast<int16_t>(pair[0] + pair[1]);
         }
         a.scale[m * a.num_supers + g] = s;
       }
@@ -1176,6 +1123,39 @@ void super_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes
       case 2: super_rows<KIND, 2>(a, m0, w, row_bytes, n0, n1, out, ldo); break;
       case 3: super_rows<KIND, 3>(a, m0, w, row_bytes, n0, n1, out, ldo); break;
       default: super_rows<KIND, 4>(a, m0, w, row_bytes, n0, n1, out, ldo); break;
+    }
+  });
+}
+
+// K-quants regrouped by 8 rows (gguf_super_x8.h): one path at every M.
+template <int64_t KIND>
+void super_x8_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes,
+                     int64_t n_total, float* out, int64_t ldo) {
+  const int64_t groups = n_total / kGroupRows;
+  at::parallel_for(0, groups, kChunkN / kGroupRows, [&](int64_t begin, int64_t end) {
+#ifndef GGUF_AVX2
+    std::vector<uint8_t> row(row_bytes);
+#endif
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* group = w + g * kGroupRows * row_bytes;
+      for (int64_t m0 = 0; m0 < a.rows; m0 += kX8TileM) {
+        float* o = out + m0 * ldo + g * kGroupRows;
+        const int mr = static_cast<int>(std::min<int64_t>(kX8TileM, a.rows - m0));
+#ifdef GGUF_AVX2
+        switch (mr) {
+          case 1: gguf_x8::super_x8_tile<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
+          case 2: gguf_x8::super_x8_tile<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
+          case 3: gguf_x8::super_x8_tile<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
+          default: gguf_x8::super_x8_tile<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
+        }
+#else
+        // The unpacked row through the scalar kernel of its kind: the same arithmetic.
+        for (int r = 0; r < kGroupRows; ++r) {
+          gguf_x8::unpack_row<KIND>(group, r, row_bytes, row.data());
+          super_row_scalar<KIND>(a, m0, mr, row.data(), o + r, ldo);
+        }
+#endif
+      }
     }
   });
 }
@@ -1328,8 +1308,8 @@ void check_blocks(const at::Tensor& blocks, int64_t kind) {
               " bytes is not a whole number of ", bytes, "-byte blocks");
   if (kind & kRepackedX8) {
     TORCH_CHECK(is_x8_kind(kind & ~kRepackedX8) && blocks.size(0) % kGroupRows == 0,
-                "gguf blocks repacked by 8 rows: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 with a multiple "
-                "of 8 rows");
+                "gguf blocks repacked by 8 rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or "
+                "Q6_K with a multiple of 8 rows");
   }
 }
 
@@ -1380,6 +1360,15 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList parts, at::IntA
             : quantize_activations(xc.data_ptr<c10::Half>(), m_total, k, factor));
     return quantized.back().second;
   };
+  auto supers_of = [&]() -> const SuperActivations& {
+    if (!supers.has_value()) {
+      supers = dtype == at::kFloat ? quantize_super_activations(xc.data_ptr<float>(), m_total, k)
+               : dtype == at::kBFloat16
+                   ? quantize_super_activations(xc.data_ptr<c10::BFloat16>(), m_total, k)
+                   : quantize_super_activations(xc.data_ptr<c10::Half>(), m_total, k);
+    }
+    return *supers;
+  };
   int64_t column = 0;
   for (size_t p = 0; p < parts.size(); ++p) {
     const int64_t kind = kinds[p], n = parts[p].size(0);
@@ -1396,22 +1385,18 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, at::TensorList parts, at::IntA
       // One path for every M (each output row's arithmetic is its own: batch-invariant).
       TORCH_CHECK(!exact, "gguf_linear: blocks repacked by 8 rows are computed with int8 "
                   "activations; fp32 without int8_activations needs the file's layout");
-      const Activations& a = activations_for(0.f);
       dispatch_kind(kind & ~kRepackedX8, [&](auto kind_constant) {
         constexpr int64_t K = decltype(kind_constant)::value;
-        if constexpr (is_x8_kind(K)) x8_linear<K>(a, w, row_bytes, n, o, n_total);
+        if constexpr (is_x8_kind(K) && gguf::is_super_kind(K)) {
+          super_x8_linear<K>(supers_of(), w, row_bytes, n, o, n_total);
+        } else if constexpr (is_x8_kind(K)) {
+          x8_linear<K>(activations_for(0.f), w, row_bytes, n, o, n_total);
+        }
       });
     } else if (gguf::is_super_kind(kind) && !exact) {
-      if (!supers.has_value()) {
-        supers = dtype == at::kFloat
-                     ? quantize_super_activations(xc.data_ptr<float>(), m_total, k)
-                 : dtype == at::kBFloat16
-                     ? quantize_super_activations(xc.data_ptr<c10::BFloat16>(), m_total, k)
-                     : quantize_super_activations(xc.data_ptr<c10::Half>(), m_total, k);
-      }
       dispatch_kind(kind, [&](auto kind_constant) {
         constexpr int64_t K = decltype(kind_constant)::value;
-        if constexpr (gguf::is_super_kind(K)) super_linear<K>(*supers, w, row_bytes, n, o, n_total);
+        if constexpr (gguf::is_super_kind(K)) super_linear<K>(supers_of(), w, row_bytes, n, o, n_total);
       });
     } else if (exact || panel) {
       if (!x32.defined()) x32 = xc.to(at::kFloat);
@@ -1468,7 +1453,7 @@ at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks,
           const uint8_t* source = w + id[t] * row_bytes;
           if constexpr (is_x8_kind(K)) {
             if (kind & kRepackedX8) {
-              unpack_x8_row<K>(w, id[t], row_bytes, unpacked.data());
+              gguf_x8::unpack_row<K>(w, id[t], row_bytes, unpacked.data());
               source = unpacked.data();
             }
           }
@@ -1485,16 +1470,34 @@ at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks,
 at::Tensor gguf_repack(const at::Tensor& blocks, int64_t kind) {
   check_blocks(blocks, kind);
   TORCH_CHECK(is_x8_kind(kind) && blocks.size(0) % kGroupRows == 0,
-              "gguf_repack: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks with a multiple of 8 rows");
+              "gguf_repack: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks with a "
+              "multiple of 8 rows");
   auto src = blocks.contiguous();
   auto out = at::empty_like(src);
   dispatch_kind(kind, [&](auto kind_constant) {
     constexpr int64_t K = decltype(kind_constant)::value;
     if constexpr (is_x8_kind(K)) {
-      repack_x8<K>(src.data_ptr<uint8_t>(), src.size(0), src.size(1), out.data_ptr<uint8_t>());
+      gguf_x8::repack<K>(src.data_ptr<uint8_t>(), src.size(0), src.size(1),
+                         out.data_ptr<uint8_t>());
     }
   });
   return out;
+}
+
+// gguf_repack into the blocks' own storage (what the loader uses: its buffer is its own).
+at::Tensor gguf_repack_(at::Tensor blocks, int64_t kind) {
+  check_blocks(blocks, kind);
+  TORCH_CHECK(is_x8_kind(kind) && blocks.size(0) % kGroupRows == 0,
+              "gguf_repack_: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks with a "
+              "multiple of 8 rows");
+  TORCH_CHECK(blocks.is_contiguous(), "gguf_repack_: the blocks must be contiguous");
+  dispatch_kind(kind, [&](auto kind_constant) {
+    constexpr int64_t K = decltype(kind_constant)::value;
+    if constexpr (is_x8_kind(K)) {
+      gguf_x8::repack_in_place<K>(blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1));
+    }
+  });
+  return blocks;
 }
 
 // Shape functions for torch.compile (symbolic M and token counts).
@@ -1546,6 +1549,7 @@ TORCH_LIBRARY_FRAGMENT(LLMSERVE_GGUF_NAMESPACE, m) {
       "gguf_linear_parts(Tensor x, Tensor[] parts, int[] kinds, bool int8_activations=False,"
       " bool batch_invariant=False) -> Tensor");
   m.def("gguf_repack(Tensor blocks, int kind) -> Tensor");
+  m.def("gguf_repack_(Tensor(a!) blocks, int kind) -> Tensor(a!)");
   m.def("gguf_embedding(Tensor token_ids, Tensor blocks, int kind, ScalarType dtype) -> Tensor");
   m.def("gguf_kernel_isa() -> str", &gguf_kernel_isa);
 }
@@ -1554,6 +1558,7 @@ TORCH_LIBRARY_IMPL(LLMSERVE_GGUF_NAMESPACE, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_linear_parts", &gguf_linear_parts);
   m.impl("gguf_repack", &gguf_repack);
+  m.impl("gguf_repack_", &gguf_repack_);
   m.impl("gguf_embedding", &gguf_embedding);
 }
 

@@ -20,6 +20,7 @@ from tests.kernels.paged_kv_factory import make_paged_kv
 from tests.kernels.test_gguf_gemm import (  # noqa: F401  (fixtures)
     BUILDS,
     activations,
+    avx2_extension,
     extension,
     random_blocks,
     scalar_extension,

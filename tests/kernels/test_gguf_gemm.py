@@ -31,6 +31,7 @@ from kernels.gguf_blocks_torch import (
     GGUF_Q8_0,
     GGUF_REPACKED_X8,
     HALF_PANEL_MIN_ROWS,
+    KIND_NAMES,
     REPACKABLE_KINDS,
     activation_block,
     dequantize_blocks,
@@ -85,6 +86,8 @@ def extension():  # type: ignore[no-untyped-def]
 VARIANTS = {
     "scalar": (["-DLLMSERVE_GGUF_SCALAR"], "scalar"),
     "vnni-emulated": (["-march=native", "-DLLMSERVE_GGUF_EMULATE_VNNI"], "avx2+vnni-emulated"),
+    # The vpmaddubsw path of AVX2 CPUs without VNNI, which a VNNI machine's own build skips.
+    "avx2-no-vnni": (["-march=x86-64-v3", "-mno-avxvnni"], "avx2"),
 }
 
 
@@ -124,16 +127,24 @@ def scalar_extension():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def vnni_emulated_extension():  # type: ignore[no-untyped-def]
-    if "avx2" not in cpu_extension.ops().gguf_kernel_isa():
+def vnni_emulated_extension(extension):  # type: ignore[no-untyped-def]
+    if "avx2" not in extension.gguf_kernel_isa():
         pytest.skip("the VNNI path is AVX2 code")
     return build_variant("vnni-emulated")
+
+
+@pytest.fixture(scope="module")
+def avx2_extension(extension):  # type: ignore[no-untyped-def]
+    if "avx2" not in extension.gguf_kernel_isa():
+        pytest.skip("the CPU has no AVX2")
+    return build_variant("avx2-no-vnni")
 
 
 BUILDS = {
     "simd": "extension",
     "scalar": "scalar_extension",
     "vnni-emulated": "vnni_emulated_extension",
+    "avx2": "avx2_extension",
 }
 
 
@@ -324,9 +335,19 @@ def test_parts_of_different_kinds_equal_their_own_products(  # type: ignore[no-u
         parts_op(x, parts, kinds[:2], int8_activations)
 
 
-@pytest.mark.parametrize("kind", REPACKABLE_KINDS, ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+REPACKED_CASES = [
+    pytest.param(kind, k, n, id=f"{KIND_NAMES[kind]}-{k}x{n}")
+    for kind in REPACKABLE_KINDS
+    for k, n in (
+        [(256, 8), (1536, 64), (2048, 40)]
+        if group_shape(kind)[0] == 256
+        else [(32, 8), (576, 64), (1536, 40)]
+    )
+]
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 40])
-@pytest.mark.parametrize(("k", "n"), [(32, 8), (576, 64), (1536, 40)])
+@pytest.mark.parametrize(("kind", "k", "n"), REPACKED_CASES)
 def test_blocks_repacked_by_8_rows_give_the_file_layouts_int8_products(  # type: ignore[no-untyped-def]
     linear_op, kind: int, m: int, k: int, n: int
 ) -> None:
@@ -343,7 +364,7 @@ def test_blocks_repacked_by_8_rows_give_the_file_layouts_int8_products(  # type:
     x = activations(m, k, seed=m)
     got = linear_op(x, repacked, kind | GGUF_REPACKED_X8, True).double()
     weight = dequantize_blocks(blocks, kind).double()
-    rounded = quantize_activation_blocks(x).double()
+    rounded = quantize_activation_blocks(x, activation_block(kind)).double()
     same_input = rounded @ weight.t()
     bound = 1e-5 * (rounded.abs() @ weight.abs().t()) + 1e-6
     assert ((got - same_input).abs() - bound).max() <= 0
@@ -372,4 +393,17 @@ def test_kernel_layout_repacks_what_it_can(extension) -> None:  # type: ignore[n
     odd = random_blocks(12, 64, GGUF_Q4_1, seed=0)
     assert ops.gguf_kernel_layout(odd, GGUF_Q4_1) == (odd, GGUF_Q4_1)
     k_quant = random_blocks(16, 256, GGUF_KINDS["Q4_K"], seed=0)
-    assert ops.gguf_kernel_layout(k_quant, GGUF_KINDS["Q4_K"])[1] == GGUF_KINDS["Q4_K"]
+    assert ops.gguf_kernel_layout(k_quant, GGUF_KINDS["Q4_K"])[1] == (
+        GGUF_KINDS["Q4_K"] | GGUF_REPACKED_X8
+    )
+    iq4 = random_blocks(16, 256, GGUF_KINDS["IQ4_XS"], seed=0)
+    assert ops.gguf_kernel_layout(iq4, GGUF_KINDS["IQ4_XS"]) == (iq4, GGUF_KINDS["IQ4_XS"])
+
+
+@pytest.mark.parametrize("kind", REPACKABLE_KINDS, ids=[KIND_NAMES[k] for k in REPACKABLE_KINDS])
+def test_repacking_in_place_gives_the_copys_bytes(extension, kind: int) -> None:  # type: ignore[no-untyped-def]
+    blocks = random_blocks(24, 512, kind, seed=kind)
+    copied = extension.gguf_repack(blocks, kind)
+    in_place, laid_kind = ops.gguf_kernel_layout(blocks.clone(), kind, in_place=True)
+    assert laid_kind == kind | GGUF_REPACKED_X8 and torch.equal(in_place, copied)
+    assert not torch.equal(copied, blocks)

@@ -90,7 +90,9 @@ class BlockLayerBuilder:
             stacked = torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
             del rows
             laid_out, laid_kind = (
-                ops.gguf_kernel_layout(stacked, kind) if self.int8_activations else (stacked, kind)
+                ops.gguf_kernel_layout(stacked, kind, in_place=True)
+                if self.int8_activations
+                else (stacked, kind)
             )
             tensors.append(laid_out)
             kinds.append(laid_kind)

@@ -1,0 +1,291 @@
+// Q4_K, Q5_K and Q6_K regrouped by 8 rows (gguf_x8_layout.h) against activations quantized
+// per 256 values (codes c, one scale s per super-block and row; llama.cpp's Q8_K).
+//
+// A super-block of 8 rows is one pass over its words: each 32-byte vector of codes (4 values
+// of each row) meets the 4 broadcast activation codes of those values in one byte dot, so
+// the 8 int32 lanes are the 8 rows' partial sums and no horizontal sum remains. Per row and
+// super-block, all in integers except the last line:
+//     Q4_K / Q5_K  sum_s scale_s (sum_{j in s} q_j c_j) - dmin/d-free: sum_s min_s (sum c_j)
+//     Q6_K         sum_s scale_s (sum_{j in s} q_j c_j) - 32 sum_s scale_s (sum_{j in s} c_j)
+//     out += s d (first term) - s dmin (second term)       (Q6_K: s d (first - second))
+// With VNNI each 32-value (Q6_K: 16-value) sub-block's dot is one vpdpbusd chain, then one
+// vpmulld by the rows' sub-block scales; without it, vpmaddubsw pair sums add up in int16
+// (at most 2 x 15 x 127 x 8 for Q4_K, 2 x 31 x 127 x 4 for Q5_K, 2 x 63 x 127 for Q6_K) and
+// vpmaddwd multiplies them by the scales. The min and zero-point terms need only the
+// activations' code sums per sub-block (SuperActivations::bsum, bsum32) and vpmaddwd.
+//
+// Each output row's arithmetic is the same whatever the tile and the batch: a row is a lane,
+// and the order of its sums never depends on its neighbours (batch-invariant by construction).
+//
+// Included by gguf_gemm.cpp after its instruction-set macros (GGUF_AVX2, GGUF_VNNI,
+// GGUF_DPBUSD); `Acts` is its SuperActivations.
+#pragma once
+
+#include "gguf_x8_layout.h"
+
+#ifdef GGUF_AVX2
+namespace gguf_x8 {
+
+inline __m256i load_words(const uint8_t* block, int64_t at) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + at));
+}
+
+inline __m256i broadcast_codes(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm256_set1_epi32(word);
+}
+
+// int16 pair (a, b) as one int32 for vpmaddwd.
+inline __m256i broadcast_pair(int16_t a, int16_t b) {
+  return _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint16_t>(a)) |
+                           (static_cast<int32_t>(static_cast<uint16_t>(b)) << 16));
+}
+
+// The 8 rows' s * d as a vector: d from the group's fp16 field at `at`.
+inline __m256 row_factors(const uint8_t* block, int64_t at, float s) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + at)));
+  return _mm256_mul_ps(d, _mm256_set1_ps(s));
+}
+
+// Bit `bit` of every code byte of `high`, moved to bit 4 (Q5_K's fifth bit).
+inline __m256i fifth_bit(__m256i high, int bit) {
+  const __m256i mask = _mm256_set1_epi8(0x10);
+  if (bit < 4) return _mm256_and_si256(_mm256_slli_epi16(high, 4 - bit), mask);
+  if (bit == 4) return _mm256_and_si256(high, mask);
+  return _mm256_and_si256(_mm256_srli_epi16(high, bit - 4), mask);
+}
+
+// Q4_K / Q5_K: the packed 12 bytes of 6-bit scales and mins, as three words per row, to
+// scales and mins 0-3 and 4-7 (one byte each per int32 lane).
+struct ScalesMins {
+  __m256i scales_lo, scales_hi, mins_lo, mins_hi;
+};
+
+inline ScalesMins unpack_scales_mins(const uint8_t* block, int64_t at) {
+  const __m256i w0 = load_words(block, at), w1 = load_words(block, at + 32),
+                w2 = load_words(block, at + 64);
+  const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f),
+                low2 = _mm256_set1_epi32(0x03030303);
+  auto top2 = [&](__m256i w) { return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w, 6), low2), 4); };
+  return {_mm256_and_si256(w0, low6), _mm256_or_si256(_mm256_and_si256(w2, low4), top2(w0)),
+          _mm256_and_si256(w1, low6),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low4), top2(w1))};
+}
+
+// Byte `byte` of each int32 lane, zero-extended.
+inline __m256i lane_byte(__m256i v, int byte) {
+  return _mm256_and_si256(_mm256_srli_epi32(v, 8 * byte), _mm256_set1_epi32(0xFF));
+}
+
+// Bytes 2p and 2p + 1 of each int32 lane as its two int16 halves (sub-blocks 2p and 2p + 1).
+inline __m256i lane_byte_pair(__m256i v, int p) {
+  const char a = static_cast<char>(2 * p), b = static_cast<char>(2 * p + 1);
+  const __m256i control = _mm256_setr_epi8(
+      a, -1, b, -1, a + 4, -1, b + 4, -1, a + 8, -1, b + 8, -1, a + 12, -1, b + 12, -1, a, -1,
+      b, -1, a + 4, -1, b + 4, -1, a + 8, -1, b + 8, -1, a + 12, -1, b + 12, -1);
+  return _mm256_shuffle_epi8(v, control);
+}
+
+// The scale in both int16 halves of each lane (vpmaddwd against pair sums).
+inline __m256i twice16(__m256i scale32) {
+  const __m256i low = _mm256_and_si256(scale32, _mm256_set1_epi32(0xFFFF));
+  return _mm256_or_si256(low, _mm256_slli_epi32(low, 16));
+}
+
+// Q4_K (FIFTH = false) and Q5_K (true): one group of 8 rows against activation rows
+// [m0, m0 + MR): out[m * ldo + r].
+template <int MR, bool FIFTH, typename Acts>
+void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_bytes, float* out,
+                int64_t ldo) {
+  constexpr int64_t kind = FIFTH ? gguf::kQ5_K : gguf::kQ4_K;
+  constexpr int64_t bytes = fields<kind>().bytes;
+  constexpr int64_t nibbles_word = FIFTH ? 11 : 3, high_word = 3;
+  const int64_t k = a.in_features, num_supers = a.num_supers;
+  const __m256i low_nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < num_supers; ++g) {
+    const uint8_t* block = group + g * kGroupRows * bytes;
+    // The next group's super-block, one group ahead of use: rows of a few super-blocks end
+    // the hardware prefetcher's streams before they pay off.
+    const char* next = reinterpret_cast<const char*>(block + kGroupRows * row_bytes);
+    for (int64_t line = 0; line < kGroupRows * bytes; line += 64) {
+      _mm_prefetch(next + line, _MM_HINT_T0);
+    }
+    const ScalesMins sm = unpack_scales_mins(block, word_at<kind>(0));
+    const int8_t* codes = a.codes.data() + m0 * k + g * 256;
+    __m256i sumi[MR];
+    for (int m = 0; m < MR; ++m) sumi[m] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i scales = p < 2 ? sm.scales_lo : sm.scales_hi;
+      const __m256i scale_lo = lane_byte(scales, 2 * (p % 2)),
+                    scale_hi = lane_byte(scales, 2 * (p % 2) + 1);
+#ifdef GGUF_VNNI
+      __m256i dot_lo[MR], dot_hi[MR];
+      for (int m = 0; m < MR; ++m) dot_lo[m] = dot_hi[m] = _mm256_setzero_si256();
+#else
+      constexpr int kPerWidening = FIFTH ? 4 : 8;
+      const __m256i scale16_lo = twice16(scale_lo), scale16_hi = twice16(scale_hi);
+      __m256i pairs_lo[MR], pairs_hi[MR];
+      for (int m = 0; m < MR; ++m) pairs_lo[m] = pairs_hi[m] = _mm256_setzero_si256();
+#endif
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const __m256i v = load_words(block, word_at<kind>(nibbles_word + 8 * p + i));
+        __m256i lo = _mm256_and_si256(v, low_nibble);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+        if constexpr (FIFTH) {
+          const __m256i high = load_words(block, word_at<kind>(high_word + i));
+          lo = _mm256_or_si256(lo, fifth_bit(high, 2 * p));
+          hi = _mm256_or_si256(hi, fifth_bit(high, 2 * p + 1));
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m256i c_lo = broadcast_codes(codes + m * k + 64 * p + 4 * i);
+          const __m256i c_hi = broadcast_codes(codes + m * k + 64 * p + 32 + 4 * i);
+#ifdef GGUF_VNNI
+          dot_lo[m] = GGUF_DPBUSD(dot_lo[m], lo, c_lo);
+          dot_hi[m] = GGUF_DPBUSD(dot_hi[m], hi, c_hi);
+#else
+          pairs_lo[m] = _mm256_add_epi16(pairs_lo[m], _mm256_maddubs_epi16(lo, c_lo));
+          pairs_hi[m] = _mm256_add_epi16(pairs_hi[m], _mm256_maddubs_epi16(hi, c_hi));
+          if ((i + 1) % kPerWidening == 0) {
+            sumi[m] = _mm256_add_epi32(
+                sumi[m], _mm256_add_epi32(_mm256_madd_epi16(pairs_lo[m], scale16_lo),
+                                          _mm256_madd_epi16(pairs_hi[m], scale16_hi)));
+            pairs_lo[m] = pairs_hi[m] = _mm256_setzero_si256();
+          }
+#endif
+        }
+      }
+#ifdef GGUF_VNNI
+      for (int m = 0; m < MR; ++m) {
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(_mm256_mullo_epi32(dot_lo[m], scale_lo),
+                                                              _mm256_mullo_epi32(dot_hi[m], scale_hi)));
+      }
+#endif
+    }
+    // sum_s min_s (sum of the sub-block's codes): mins in int16 pairs against code-sum pairs.
+    __m256i min_pairs[4];
+    for (int t = 0; t < 4; ++t) min_pairs[t] = lane_byte_pair(t < 2 ? sm.mins_lo : sm.mins_hi, t % 2);
+    for (int m = 0; m < MR; ++m) {
+      const int16_t* sums = a.bsum32.data() + ((m0 + m) * k + g * 256) / 32;
+      __m256i corr = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        corr = _mm256_add_epi32(
+            corr, _mm256_madd_epi16(min_pairs[t], broadcast_pair(sums[2 * t], sums[2 * t + 1])));
+      }
+      const float s = a.scale[(m0 + m) * num_supers + g];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), row_factors(block, half_at<kind>(0), s),
+                               acc[m]);
+      acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), row_factors(block, half_at<kind>(1), s),
+                                acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+}
+
+// Q6_K: chunk c = 4 h + j (32 values) takes the nibbles of word 16 h + 8 (j % 2) + i (low for
+// j < 2) and bits 2j, 2j + 1 of word 32 + 8 h + i; its 16-value sub-blocks are 2c and 2c + 1.
+template <int MR, typename Acts>
+void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_bytes, float* out,
+               int64_t ldo) {
+  constexpr int64_t kind = gguf::kQ6_K;
+  constexpr int64_t bytes = fields<kind>().bytes;
+  const int64_t k = a.in_features, num_supers = a.num_supers;
+  const __m256i low_nibble = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(0x30);
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < num_supers; ++g) {
+    const uint8_t* block = group + g * kGroupRows * bytes;
+    const char* next = reinterpret_cast<const char*>(block + kGroupRows * row_bytes);
+    for (int64_t line = 0; line < kGroupRows * bytes; line += 64) {
+      _mm_prefetch(next + line, _MM_HINT_T0);
+    }
+    __m256i scale_words[4];
+    for (int t = 0; t < 4; ++t) scale_words[t] = load_words(block, word_at<kind>(48 + t));
+    const int8_t* codes = a.codes.data() + m0 * k + g * 256;
+    __m256i sumi[MR];
+    for (int m = 0; m < MR; ++m) sumi[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const int h = c / 4, j = c % 4;
+      const int64_t nibbles_word = 16 * h + 8 * (j % 2), high_word = 32 + 8 * h;
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const int sub = 2 * c + half;
+        // The sub-block's int8 scale, sign-extended, in every lane.
+        const __m256i scale =
+            _mm256_srai_epi32(_mm256_slli_epi32(scale_words[sub / 4], 24 - 8 * (sub % 4)), 24);
+#ifdef GGUF_VNNI
+        __m256i dot[MR];
+        for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
+#else
+        const __m256i scale16 = twice16(scale);
+#endif
+#pragma GCC unroll 4
+        for (int i = 4 * half; i < 4 * half + 4; ++i) {
+          const __m256i v = load_words(block, word_at<kind>(nibbles_word + i));
+          const __m256i high = load_words(block, word_at<kind>(high_word + i));
+          const __m256i low = j < 2 ? _mm256_and_si256(v, low_nibble)
+                                    : _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+          // Bits 2j, 2j + 1 of each byte to bits 4, 5.
+          const __m256i top = j == 0   ? _mm256_slli_epi16(high, 4)
+                              : j == 1 ? _mm256_slli_epi16(high, 2)
+                              : j == 2 ? high
+                                       : _mm256_srli_epi16(high, 2);
+          const __m256i q = _mm256_or_si256(low, _mm256_and_si256(top, two_bits));
+          for (int m = 0; m < MR; ++m) {
+            const __m256i cv = broadcast_codes(codes + m * k + 32 * c + 4 * i);
+#ifdef GGUF_VNNI
+            dot[m] = GGUF_DPBUSD(dot[m], q, cv);
+#else
+            sumi[m] = _mm256_add_epi32(sumi[m],
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(q, cv), scale16));
+#endif
+          }
+        }
+#ifdef GGUF_VNNI
+        for (int m = 0; m < MR; ++m) {
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_mullo_epi32(dot[m], scale));
+        }
+#endif
+      }
+    }
+    // The zero point: 32 sum_s scale_s (sum of the sub-block's codes), scales in int16 pairs
+    // (even bytes 4t, 4t + 2 and odd 4t + 1, 4t + 3 of word t) against code-sum pairs.
+    __m256i even[4], odd[4];
+    for (int t = 0; t < 4; ++t) {
+      even[t] = _mm256_srai_epi16(_mm256_slli_epi16(scale_words[t], 8), 8);
+      odd[t] = _mm256_srai_epi16(scale_words[t], 8);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int16_t* sums = a.bsum.data() + ((m0 + m) * k + g * 256) / 16;
+      __m256i corr = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        corr = _mm256_add_epi32(
+            corr, _mm256_madd_epi16(even[t], broadcast_pair(sums[4 * t], sums[4 * t + 2])));
+        corr = _mm256_add_epi32(
+            corr, _mm256_madd_epi16(odd[t], broadcast_pair(sums[4 * t + 1], sums[4 * t + 3])));
+      }
+      const __m256i total = _mm256_sub_epi32(sumi[m], _mm256_slli_epi32(corr, 5));
+      const float s = a.scale[(m0 + m) * num_supers + g];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), row_factors(block, half_at<kind>(0), s),
+                               acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+}
+
+template <int64_t KIND, int MR, typename Acts>
+void super_x8_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_bytes,
+                   float* out, int64_t ldo) {
+  if constexpr (KIND == gguf::kQ6_K) {
+    q6_k_tile<MR>(a, m0, group, row_bytes, out, ldo);
+  } else {
+    q45_k_tile<MR, KIND == gguf::kQ5_K>(a, m0, group, row_bytes, out, ldo);
+  }
+}
+
+}  // namespace gguf_x8
+#endif  // GGUF_AVX2
