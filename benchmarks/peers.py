@@ -5,19 +5,22 @@ GGUF files, the same thread count, one system loaded at a time; one markdown tab
     llmserve bench peers --build-only                       # build llama.cpp (cached) and stop
     llmserve bench peers --workloads a,d --engines llamacpp-q4_0,llmserve \\
         --single-user-prompts 4 --output-len 16             # a quick look
+    llmserve bench peers --shapes llama-3.2-1b:Q4_K_M,llama-3.2-3b   # real sizes, a table each
 
 Engines (columns): llama.cpp on the Q4_0 and Q4_K_M requants and on the shipped Q4_1 file
 (llama-server, llama-batched-bench, llama-bench); llmserve in-process, once per
 --llmserve-quantization and per --llmserve-files file (default: the shipped one); with
 --with-stack also the `llmserve up` stack over gRPC. Workloads (rows) a-d: see
 compare.py and docs/benchmarks.md. Building llama.cpp: llamacpp_build.py.
+
+With --shapes the files are real-size random models (model_shapes.py) instead: both sides run
+each file, one table per file beside the machine's roofs (peers_shapes.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -29,7 +32,6 @@ from benchmarks.compare import (
     LLAMACPP_QUANTS,
     SHIPPED_QUANT,
     WORKLOADS,
-    EngineSpec,
     PeersConfig,
     engine_specs,
     parse_list,
@@ -41,8 +43,20 @@ from benchmarks.llamacpp_build import (
     ensure_built,
     ensure_requant,
 )
-from benchmarks.peers_runner import Runner, WorkloadRun, json_default
-from benchmarks.peers_table import RATIO_LEGEND, measures, peers_table
+from benchmarks.model_shapes import SHAPES
+from benchmarks.peers_runner import (
+    Runner,
+    any_failed,
+    engine_record,
+    json_default,
+    json_values,
+    measured_values,
+    run_engines,
+    run_problems,
+)
+from benchmarks.peers_shapes import run_shapes
+from benchmarks.peers_table import RATIO_LEGEND, measures, peers_table, settings_line
+from benchmarks.shapes_table import DEFAULT_TYPE, ShapeRef, parse_shapes_spec
 
 ENGINE_CHOICES = ("llamacpp-q4_0", "llamacpp-q4_1", "llamacpp-q4_k_m", "llmserve")
 
@@ -100,15 +114,11 @@ def config_from_args(args: argparse.Namespace) -> PeersConfig:
     return config
 
 
-def settings_line(config: PeersConfig, engines: Sequence[EngineSpec]) -> str:
-    models = ", ".join(sorted({f"{e.title}: {e.model.name}" for e in engines}))
-    return (
-        f"{config.threads} threads per engine, one engine loaded at a time; llmserve dtype "
-        f"{config.dtype}{', enforce_eager' if config.enforce_eager else ''}; "
-        f"a: {config.single_user_prompts} requests one at a time; b: concurrency "
-        f"{config.num_users}, {config.multi_user_prompts} requests; token-id prompts, greedy, "
-        f"EOS ignored; c, d: median of {config.repeats}; files: {models}"
-    )
+def shape_refs(args: argparse.Namespace) -> list[ShapeRef]:
+    """--shapes names the files both sides run: --model and --llmserve-files do not apply."""
+    if args.model is not None or args.llmserve_files is not None:
+        raise ValueError("--shapes names the files; leave out --model and --llmserve-files")
+    return parse_shapes_spec(args.shapes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,11 +129,20 @@ def run(args: argparse.Namespace) -> int:
         workloads = parse_list(args.workloads, WORKLOADS, "--workloads")
         chosen = parse_list(args.engines, ENGINE_CHOICES, "--engines")
         quantizations = llmserve_quantizations(args.llmserve_quantization)
-        files = parse_list(args.llmserve_files, LLAMACPP_QUANTS, "--llmserve-files")
-        model = resolve_model_path(args.model)
+        if args.shapes is not None:
+            refs = shape_refs(args)
+        else:
+            files = parse_list(
+                args.llmserve_files or SHIPPED_QUANT, LLAMACPP_QUANTS, "--llmserve-files"
+            )
+            model = resolve_model_path(args.model)
     except (ValueError, OSError) as exc:
         print(f"bench peers: {exc}", file=sys.stderr)
         return 2
+    if args.shapes is not None:
+        with_llamacpp = any(engine.startswith("llamacpp-") for engine in chosen)
+        on_llmserve = quantizations if "llmserve" in chosen else []
+        return run_shapes(args, config, workloads, refs, with_llamacpp, on_llmserve)
     llamacpp_quants = [q for q in LLAMACPP_QUANTS if f"llamacpp-{q.lower()}" in chosen]
     binaries: PeerBinaries | None = None
     models = {SHIPPED_QUANT: model}
@@ -154,23 +173,11 @@ def run(args: argparse.Namespace) -> int:
     flags_line = f"cpu flags: {' '.join(cpu_simd_flags()) or 'unknown'}"
     print(f"cpu: {cpu_model_name()} ({os.cpu_count()} logical cores); {load_at_start}")
     print(settings_line(config, engines) + "\n", flush=True)
-    runner = Runner(config, workloads, out_dir, binaries)
-    results: dict[str, dict[str, WorkloadRun]] = {}
-    for engine in engines:
-        print(f"# {engine.title} ({engine.model})", flush=True)
-        results[engine.name] = runner.run_engine(engine)
-    values = {
-        name: {k: v for run in runs.values() for k, v in run.measures.items()}
-        for name, runs in results.items()
-    }
+    results = run_engines(Runner(config, workloads, out_dir, binaries), engines)
+    values = measured_values(results)
     table_measures = measures(config, workloads)
     table = peers_table(table_measures, engines, values)
-    problems = [
-        f"{engine.title} {workload}: {message}"
-        for engine in engines
-        for workload, run in results[engine.name].items()
-        for message in ([run.error] if run.error else []) + run.warnings
-    ]
+    problems = run_problems(engines, results)
     load_at_end = load_average().removeprefix("load average at start: ")
     settings = (
         f"cpu: {cpu_model_name()}; {flags_line}\n{settings_line(config, engines)}\n"
@@ -189,21 +196,9 @@ def run(args: argparse.Namespace) -> int:
         "load_average_at_end": load_at_end,
         "config": asdict(config),
         "llamacpp_build": build_info() if binaries else None,
-        "engines": [
-            {
-                "name": e.name,
-                "title": e.title,
-                "kind": e.kind,
-                "model": str(e.model),
-                "quantization": e.quantization,
-            }
-            for e in engines
-        ],
+        "engines": [engine_record(e) for e in engines],
         "measures": [asdict(m) for m in table_measures],
-        "values": {
-            name: {k: (v if math.isfinite(v) else None) for k, v in measured.items()}
-            for name, measured in values.items()
-        },
+        "values": json_values(values),
         "runs": {name: {w: asdict(r) for w, r in runs.items()} for name, runs in results.items()},
         "problems": problems,
         "table": table,
@@ -212,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     json_out.write_text(json.dumps(document, indent=1, default=json_default))
     (out_dir / "peers.md").write_text(report)
     print(f"wrote {json_out} and {out_dir / 'peers.md'}")
-    return 1 if any(run.error for runs in results.values() for run in runs.values()) else 0
+    return 1 if any_failed(results) else 0
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -234,9 +229,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--llmserve-files",
-        default=SHIPPED_QUANT,
+        default=None,
         help=f"the GGUF files llmserve runs, some of {', '.join(LLAMACPP_QUANTS)} (the shipped"
-        f" {SHIPPED_QUANT} file, llama-quantize's requants of it), comma-separated",
+        f" {SHIPPED_QUANT} file, llama-quantize's requants of it), comma-separated"
+        f" (default: {SHIPPED_QUANT})",
+    )
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        metavar="SPEC",
+        help="real-size files instead, e.g. llama-3.2-1b:Q4_K_M,llama-3.2-3b:Q4_K_M (no type:"
+        f" {DEFAULT_TYPE}; shapes: {', '.join(SHAPES)}), built once into the cache; llama.cpp"
+        " (any llamacpp-* of --engines) and llmserve run each, one table per file",
     )
     parser.add_argument(
         "--with-stack",

@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,6 +260,62 @@ class Runner:
         status = run.error or ("; ".join(run.warnings) if run.warnings else "ok")
         print(f"-> {engine.title}, workload {workload}: {status} ({run.elapsed_s:.0f} s)\n")
         return run
+
+
+# ---- what a report keeps of the runs -----------------------------------------------------
+
+
+def run_engines(runner: Runner, engines: Sequence[EngineSpec]) -> dict[str, dict[str, WorkloadRun]]:
+    """Each engine's workloads, one engine after another: only one is ever loaded."""
+    results: dict[str, dict[str, WorkloadRun]] = {}
+    for engine in engines:
+        print(f"# {engine.title} ({engine.model})", flush=True)
+        results[engine.name] = runner.run_engine(engine)
+    return results
+
+
+def measured_values(
+    results: Mapping[str, Mapping[str, WorkloadRun]],
+) -> dict[str, dict[str, float]]:
+    """Per engine, every measure its runs took."""
+    return {
+        name: {key: value for run in runs.values() for key, value in run.measures.items()}
+        for name, runs in results.items()
+    }
+
+
+def run_problems(
+    engines: Sequence[EngineSpec], results: Mapping[str, Mapping[str, WorkloadRun]]
+) -> list[str]:
+    """Every error and warning, named by engine and workload."""
+    return [
+        f"{engine.title} {workload}: {message}"
+        for engine in engines
+        for workload, run in results[engine.name].items()
+        for message in ([run.error] if run.error else []) + run.warnings
+    ]
+
+
+def any_failed(results: Mapping[str, Mapping[str, WorkloadRun]]) -> bool:
+    return any(run.error for runs in results.values() for run in runs.values())
+
+
+def engine_record(engine: EngineSpec) -> dict[str, str]:
+    return {
+        "name": engine.name,
+        "title": engine.title,
+        "kind": engine.kind,
+        "model": str(engine.model),
+        "quantization": engine.quantization,
+    }
+
+
+def json_values(values: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float | None]]:
+    """NaN (not measured) as null."""
+    return {
+        name: {key: (value if math.isfinite(value) else None) for key, value in measured.items()}
+        for name, measured in values.items()
+    }
 
 
 def json_default(value: object) -> object:
