@@ -1,7 +1,7 @@
 """llmserve against llama.cpp's own C++ tools, the pure part: which engines and workloads, the
 command lines of `llama-server`, `llama-bench`, `llama-batched-bench` and of our own
 benchmarks and parsers for what they print (the table itself: peers_table.py).
-`llmserve bench peers` (peers.py) starts the processes; nothing here does.
+`llmserve bench peers` (peers.py, its processes in peers_runner.py) starts them; nothing here does.
 
 Workloads (letters as in docs/benchmarks.md):
 

@@ -5,56 +5,36 @@ GGUF files, the same thread count, one system loaded at a time; one markdown tab
     llmserve bench peers --build-only                       # build llama.cpp (cached) and stop
     llmserve bench peers --workloads a,d --engines llamacpp-q4_0,llmserve \\
         --single-user-prompts 4 --output-len 16             # a quick look
+    llmserve bench peers --shapes llama-3.2-1b:Q4_K_M,llama-3.2-3b   # real sizes, a table each
 
 Engines (columns): llama.cpp on the Q4_0 and Q4_K_M requants and on the shipped Q4_1 file
 (llama-server, llama-batched-bench, llama-bench); llmserve in-process, once per
 --llmserve-quantization and per --llmserve-files file (default: the shipped one); with
 --with-stack also the `llmserve up` stack over gRPC. Workloads (rows) a-d: see
 compare.py and docs/benchmarks.md. Building llama.cpp: llamacpp_build.py.
+
+With --shapes the files are real-size random models (model_shapes.py) instead: both sides run
+each file, one table per file beside the machine's roofs (peers_shapes.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
-import shlex
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from benchmarks.common import command_line, cpu_model_name, cpu_simd_flags, load_average
 from benchmarks.compare import (
     LLAMACPP_QUANTS,
-    SERVE_WORKLOADS,
     SHIPPED_QUANT,
     WORKLOADS,
-    EngineSpec,
     PeersConfig,
-    batched_bench_command,
-    batched_bench_measures,
     engine_specs,
-    llama_bench_command,
-    llama_bench_measures,
-    llama_server_command,
-    offline_command,
-    offline_measures,
-    parse_batched_bench,
     parse_list,
-    parse_llama_bench,
-    serve_checks,
-    serve_command,
-    serve_measures,
-    stack_flags,
 )
 from benchmarks.llamacpp_build import (
     PeerBinaries,
@@ -63,229 +43,22 @@ from benchmarks.llamacpp_build import (
     ensure_built,
     ensure_requant,
 )
-from benchmarks.peers_table import RATIO_LEGEND, measures, peers_table
+from benchmarks.model_shapes import SHAPES
+from benchmarks.peers_runner import (
+    Runner,
+    any_failed,
+    engine_record,
+    json_default,
+    json_values,
+    measured_values,
+    run_engines,
+    run_problems,
+)
+from benchmarks.peers_shapes import run_shapes
+from benchmarks.peers_table import RATIO_LEGEND, measures, peers_table, settings_line
+from benchmarks.shapes_table import DEFAULT_TYPE, ShapeRef, parse_shapes_spec
 
 ENGINE_CHOICES = ("llamacpp-q4_0", "llamacpp-q4_1", "llamacpp-q4_k_m", "llmserve")
-SERVER_STARTUP_TIMEOUT_S = 300.0
-
-
-@dataclass(slots=True)
-class WorkloadRun:
-    """One workload on one engine: what ran, what it measured, what looked wrong."""
-
-    workload: str
-    commands: list[list[str]] = field(default_factory=list)
-    exit_code: int | None = None
-    output: str | None = None
-    """The tool's raw output file (JSON, JSONL or text)."""
-    measures: dict[str, float] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    error: str | None = None
-    elapsed_s: float = 0.0
-
-
-# ---- processes ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class LlamaServer:
-    """llama-server in its own process group, logging to a file; ready when /health says so."""
-
-    def __init__(self, command: list[str], port: int, log_path: Path) -> None:
-        self.command = command
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> LlamaServer:
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + SERVER_STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            self.fail_if_dead()
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass  # 503 while the model loads, refused before the socket is bound
-            time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"llama-server not ready after {SERVER_STARTUP_TIMEOUT_S:.0f} s")
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def fail_if_dead(self) -> None:
-        if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(
-                f"llama-server exited with {self.process.returncode}; see {self.log_path}"
-            )
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-
-def run_command(command: list[str], stdout_path: Path | None, stderr_path: Path | None) -> int:
-    """Run to completion; each stream to its file, or to the terminal when None (so our own
-    benchmarks' progress bars and tables show while they run)."""
-    print(f"$ {shlex.join(command)}", flush=True)
-    with contextlib.ExitStack() as files:
-        stdout = files.enter_context(stdout_path.open("wb")) if stdout_path else None
-        stderr = files.enter_context(stderr_path.open("wb")) if stderr_path else None
-        return subprocess.call(command, stdout=stdout, stderr=stderr)
-
-
-# ---- one engine --------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Runner:
-    config: PeersConfig
-    workloads: list[str]
-    out_dir: Path
-    binaries: PeerBinaries | None
-    python: str = sys.executable
-
-    def path(self, engine: EngineSpec, workload: str, suffix: str) -> Path:
-        return self.out_dir / f"{engine.name}-{workload}{suffix}"
-
-    def serve(self, engine: EngineSpec, target: str, workload: str) -> WorkloadRun:
-        run = WorkloadRun(workload)
-        out = self.path(engine, workload, ".json")
-        out.unlink(missing_ok=True)  # never read an earlier run's file
-        command = serve_command(self.python, engine, target, self.config, workload, out)
-        run.commands.append(command)
-        run.exit_code = run_command(command, None, None)
-        if not out.exists():
-            run.error = f"bench serve wrote no {out.name} (exit {run.exit_code})"
-            return run
-        run.output = str(out)
-        document = json.loads(out.read_text())
-        run.measures = serve_measures(document, workload)
-        run.warnings = serve_checks(document, self.config)
-        return run
-
-    def llmserve_offline(self, engine: EngineSpec, workload: str) -> WorkloadRun:
-        run = WorkloadRun(workload)
-        out = self.path(engine, workload, ".json")
-        out.unlink(missing_ok=True)
-        command = offline_command(self.python, engine, self.config, workload, out)
-        run.commands.append(command)
-        text = self.path(engine, workload, ".txt")
-        run.exit_code = run_command(command, text, None)
-        if not out.exists():
-            run.error = f"bench offline wrote no {out.name} (exit {run.exit_code}); see {text}"
-            return run
-        run.output = str(out)
-        run.measures = offline_measures(json.loads(out.read_text()), self.config, workload)
-        return run
-
-    def llamacpp_tool(self, engine: EngineSpec, workload: str) -> WorkloadRun:
-        """c: llama-batched-bench, d: llama-bench; their stdout is parsed."""
-        assert self.binaries is not None
-        run = WorkloadRun(workload)
-        out = self.path(engine, workload, ".out")
-        if workload == "c":
-            command = batched_bench_command(self.binaries.batched_bench, engine.model, self.config)
-        else:
-            command = llama_bench_command(self.binaries.bench, engine.model, self.config)
-        run.commands.append(command)
-        log = self.path(engine, workload, ".log")
-        run.exit_code = run_command(command, out, log)
-        run.output = str(out)
-        # llama-batched-bench logs its rows; read both streams so neither placement is missed.
-        text = out.read_text(errors="replace") + "\n" + log.read_text(errors="replace")
-        if workload == "c":
-            run.measures = batched_bench_measures(parse_batched_bench(text), self.config)
-        else:
-            run.measures = llama_bench_measures(parse_llama_bench(text), self.config)
-        if not run.measures:
-            run.error = f"no result for this shape in {out.name} (exit {run.exit_code}); see {log}"
-        return run
-
-    def run_engine(self, engine: EngineSpec) -> dict[str, WorkloadRun]:
-        """Every chosen workload on one engine. A server (llama-server or the stack) lives
-        for the serving workloads only and is gone before the offline ones start."""
-        workloads = [w for w in self.workloads if engine.runs(w)]
-        serving = [w for w in workloads if w in SERVE_WORKLOADS]
-        runs: dict[str, WorkloadRun] = {}
-        if serving and engine.kind == "llamacpp":
-            runs.update(self.serve_llama_server(engine, serving))
-        elif serving and engine.kind == "llmserve-stack":
-            runs.update(self.serve_stack(engine, serving))
-        elif serving:
-            for workload in serving:
-                runs[workload] = self.timed(workload, self.serve, engine, "inprocess")
-        for workload in workloads:
-            if workload in SERVE_WORKLOADS:
-                continue
-            if engine.kind == "llamacpp":
-                runs[workload] = self.timed(workload, self.llamacpp_tool, engine)
-            else:
-                runs[workload] = self.timed(workload, self.llmserve_offline, engine)
-        return {w: runs[w] for w in workloads if w in runs}
-
-    def serve_llama_server(self, engine: EngineSpec, serving: list[str]) -> dict[str, WorkloadRun]:
-        assert self.binaries is not None
-        port = free_port()
-        command = llama_server_command(self.binaries.server, engine.model, port, self.config)
-        print(f"$ {shlex.join(command)}", flush=True)
-        log = self.out_dir / f"{engine.name}-server.log"
-        runs: dict[str, WorkloadRun] = {}
-        try:
-            with LlamaServer(command, port, log) as server:
-                for workload in serving:
-                    target = server.base_url + "/v1"
-                    runs[workload] = self.timed(workload, self.serve, engine, target)
-                    runs[workload].commands.insert(0, command)
-                    server.fail_if_dead()
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            for workload in serving:
-                runs.setdefault(workload, WorkloadRun(workload, [command], error=str(exc)))
-        return runs
-
-    def serve_stack(self, engine: EngineSpec, serving: list[str]) -> dict[str, WorkloadRun]:
-        from services.stack import running_stack
-
-        flags = stack_flags(engine, self.config)
-        print(f"$ llmserve up {shlex.join(flags)}", flush=True)
-        runs: dict[str, WorkloadRun] = {}
-        try:
-            with running_stack(flags, stderr=subprocess.DEVNULL) as stack:
-                for workload in serving:
-                    target = f"grpc://{stack.public}"
-                    runs[workload] = self.timed(workload, self.serve, engine, target)
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            for workload in serving:
-                runs.setdefault(workload, WorkloadRun(workload, error=str(exc)))
-        return runs
-
-    @staticmethod
-    def timed(
-        workload: str, work: Callable[..., WorkloadRun], engine: EngineSpec, *args: str
-    ) -> WorkloadRun:
-        """`work(engine, *args, workload)`, timed, with a one-line verdict."""
-        started = time.monotonic()
-        run = work(engine, *args, workload)
-        run.elapsed_s = time.monotonic() - started
-        status = run.error or ("; ".join(run.warnings) if run.warnings else "ok")
-        print(f"-> {engine.title}, workload {workload}: {status} ({run.elapsed_s:.0f} s)\n")
-        return run
 
 
 # ---- the command -------------------------------------------------------------------------
@@ -341,15 +114,11 @@ def config_from_args(args: argparse.Namespace) -> PeersConfig:
     return config
 
 
-def settings_line(config: PeersConfig, engines: Sequence[EngineSpec]) -> str:
-    models = ", ".join(sorted({f"{e.title}: {e.model.name}" for e in engines}))
-    return (
-        f"{config.threads} threads per engine, one engine loaded at a time; llmserve dtype "
-        f"{config.dtype}{', enforce_eager' if config.enforce_eager else ''}; "
-        f"a: {config.single_user_prompts} requests one at a time; b: concurrency "
-        f"{config.num_users}, {config.multi_user_prompts} requests; token-id prompts, greedy, "
-        f"EOS ignored; c, d: median of {config.repeats}; files: {models}"
-    )
+def shape_refs(args: argparse.Namespace) -> list[ShapeRef]:
+    """--shapes names the files both sides run: --model and --llmserve-files do not apply."""
+    if args.model is not None or args.llmserve_files is not None:
+        raise ValueError("--shapes names the files; leave out --model and --llmserve-files")
+    return parse_shapes_spec(args.shapes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -360,11 +129,20 @@ def run(args: argparse.Namespace) -> int:
         workloads = parse_list(args.workloads, WORKLOADS, "--workloads")
         chosen = parse_list(args.engines, ENGINE_CHOICES, "--engines")
         quantizations = llmserve_quantizations(args.llmserve_quantization)
-        files = parse_list(args.llmserve_files, LLAMACPP_QUANTS, "--llmserve-files")
-        model = resolve_model_path(args.model)
+        if args.shapes is not None:
+            refs = shape_refs(args)
+        else:
+            files = parse_list(
+                args.llmserve_files or SHIPPED_QUANT, LLAMACPP_QUANTS, "--llmserve-files"
+            )
+            model = resolve_model_path(args.model)
     except (ValueError, OSError) as exc:
         print(f"bench peers: {exc}", file=sys.stderr)
         return 2
+    if args.shapes is not None:
+        with_llamacpp = any(engine.startswith("llamacpp-") for engine in chosen)
+        on_llmserve = quantizations if "llmserve" in chosen else []
+        return run_shapes(args, config, workloads, refs, with_llamacpp, on_llmserve)
     llamacpp_quants = [q for q in LLAMACPP_QUANTS if f"llamacpp-{q.lower()}" in chosen]
     binaries: PeerBinaries | None = None
     models = {SHIPPED_QUANT: model}
@@ -395,23 +173,11 @@ def run(args: argparse.Namespace) -> int:
     flags_line = f"cpu flags: {' '.join(cpu_simd_flags()) or 'unknown'}"
     print(f"cpu: {cpu_model_name()} ({os.cpu_count()} logical cores); {load_at_start}")
     print(settings_line(config, engines) + "\n", flush=True)
-    runner = Runner(config, workloads, out_dir, binaries)
-    results: dict[str, dict[str, WorkloadRun]] = {}
-    for engine in engines:
-        print(f"# {engine.title} ({engine.model})", flush=True)
-        results[engine.name] = runner.run_engine(engine)
-    values = {
-        name: {k: v for run in runs.values() for k, v in run.measures.items()}
-        for name, runs in results.items()
-    }
+    results = run_engines(Runner(config, workloads, out_dir, binaries), engines)
+    values = measured_values(results)
     table_measures = measures(config, workloads)
     table = peers_table(table_measures, engines, values)
-    problems = [
-        f"{engine.title} {workload}: {message}"
-        for engine in engines
-        for workload, run in results[engine.name].items()
-        for message in ([run.error] if run.error else []) + run.warnings
-    ]
+    problems = run_problems(engines, results)
     load_at_end = load_average().removeprefix("load average at start: ")
     settings = (
         f"cpu: {cpu_model_name()}; {flags_line}\n{settings_line(config, engines)}\n"
@@ -430,38 +196,18 @@ def run(args: argparse.Namespace) -> int:
         "load_average_at_end": load_at_end,
         "config": asdict(config),
         "llamacpp_build": build_info() if binaries else None,
-        "engines": [
-            {
-                "name": e.name,
-                "title": e.title,
-                "kind": e.kind,
-                "model": str(e.model),
-                "quantization": e.quantization,
-            }
-            for e in engines
-        ],
+        "engines": [engine_record(e) for e in engines],
         "measures": [asdict(m) for m in table_measures],
-        "values": {
-            name: {k: (v if math.isfinite(v) else None) for k, v in measured.items()}
-            for name, measured in values.items()
-        },
+        "values": json_values(values),
         "runs": {name: {w: asdict(r) for w, r in runs.items()} for name, runs in results.items()},
         "problems": problems,
         "table": table,
     }
     json_out = Path(args.json_out) if args.json_out else out_dir / "peers.json"
-    json_out.write_text(json.dumps(document, indent=1, default=_json_default))
+    json_out.write_text(json.dumps(document, indent=1, default=json_default))
     (out_dir / "peers.md").write_text(report)
     print(f"wrote {json_out} and {out_dir / 'peers.md'}")
-    return 1 if any(run.error for runs in results.values() for run in runs.values()) else 0
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+    return 1 if any_failed(results) else 0
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -483,9 +229,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--llmserve-files",
-        default=SHIPPED_QUANT,
+        default=None,
         help=f"the GGUF files llmserve runs, some of {', '.join(LLAMACPP_QUANTS)} (the shipped"
-        f" {SHIPPED_QUANT} file, llama-quantize's requants of it), comma-separated",
+        f" {SHIPPED_QUANT} file, llama-quantize's requants of it), comma-separated"
+        f" (default: {SHIPPED_QUANT})",
+    )
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        metavar="SPEC",
+        help="real-size files instead, e.g. llama-3.2-1b:Q4_K_M,llama-3.2-3b:Q4_K_M (no type:"
+        f" {DEFAULT_TYPE}; shapes: {', '.join(SHAPES)}), built once into the cache; llama.cpp"
+        " (any llamacpp-* of --engines) and llmserve run each, one table per file",
     )
     parser.add_argument(
         "--with-stack",

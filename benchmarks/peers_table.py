@@ -112,3 +112,19 @@ def peers_table(
                 row.append(advantage(on_file, theirs, measure.higher_is_better))
         rows.append(row)
     return format_table(headers, rows)
+
+
+def workload_settings(config: PeersConfig) -> str:
+    """The settings every engine ran with, as one line above a table."""
+    return (
+        f"{config.threads} threads per engine, one engine loaded at a time; llmserve dtype "
+        f"{config.dtype}{', enforce_eager' if config.enforce_eager else ''}; "
+        f"a: {config.single_user_prompts} requests one at a time; b: concurrency "
+        f"{config.num_users}, {config.multi_user_prompts} requests; token-id prompts, greedy, "
+        f"EOS ignored; c, d: median of {config.repeats}"
+    )
+
+
+def settings_line(config: PeersConfig, engines: Sequence[EngineSpec]) -> str:
+    models = ", ".join(sorted({f"{e.title}: {e.model.name}" for e in engines}))
+    return f"{workload_settings(config)}; files: {models}"
