@@ -4,8 +4,9 @@
 A body that says it is not JSON (its Content-Type) is refused with 415; none is read as
 JSON. A Content-Length over the limit is refused before a byte of the body is read; a chunked body
 is read until it passes the limit, no further. Either refusal, and a timeout, close the
-connection: what is left of the body is never read. (The headers' own deadline is the HTTP
-protocol's: http_header_deadline.py.)
+connection: what is left of the body is never parsed (the close lingers, throwing it away for a
+bounded time so the client reads the answer: http_linger.py). (The headers' own deadline is the
+HTTP protocol's: http_header_deadline.py.)
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class BodyLimits:
     ) -> None:
         error = self.error_for(str(scope.get("path", "")), status, message)
         response = error_response(error)
-        # The rest of the body stays unread: the connection cannot carry another request.
+        # The rest of the body is never parsed: the connection cannot carry another request.
         response.headers["Connection"] = "close"
         await response(scope, receive, send)
 

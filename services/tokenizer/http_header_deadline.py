@@ -8,19 +8,20 @@ headers a byte at a time (slowloris) would hold its connection forever.
 A connection that sent nothing by the deadline is closed; one that sent part of its headers
 gets 408 first, headers over max_header_bytes 431. A deadline that passes while an earlier
 response is still being written (a pipelined request) lets that response finish, then closes.
+Those closes linger while the client is still sending (http_linger.py), so it reads the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from services.tokenizer.http_linger import LingeringCloseProtocol
 
 MAX_HEADER_BYTES = 64 * 1024
 """Request line and headers together (nginx allows 4 x 8 KiB; an API call needs a few)."""
 
 
-class HeaderDeadlineProtocol(HttpToolsProtocol):
+class HeaderDeadlineProtocol(LingeringCloseProtocol):
     header_timeout_s: float = 30.0
     max_header_bytes: int = MAX_HEADER_BYTES
 

@@ -8,7 +8,8 @@ SIGTERM and stops both doors.
 
 Connections are bounded in number (uvicorn's limit_concurrency: 503 beyond it) and in how long
 their headers may take (http_header_deadline.py); bodies by the app's middleware
-(http_body_limits.py).
+(http_body_limits.py). A connection closed with its request still arriving lingers
+(http_linger.py), so the client reads the refusal rather than a reset.
 """
 
 from __future__ import annotations
