@@ -943,6 +943,9 @@ struct SuperActivations {
   std::vector<float> scale;    // [rows, K / 256]
   std::vector<int16_t> bsum;   // [rows, K / 16]: sum of each 16 codes
   std::vector<int16_t> bsum32; // [rows, K / 32]: sum of each 32 codes
+  // [rows, K / 16]: bsum in the order 0 2 1 3 4 6 5 7 ..., so that each int32 is the pair
+  // of 16-value sums a Q6_K x8 kernel's vpmaddwd takes (gguf_super_x8.h).
+  std::vector<int16_t> bsum_q6;
 };
 
 template <typename scalar_t>
@@ -956,6 +959,7 @@ SuperActivations quantize_super_activations(const scalar_t* x, int64_t rows, int
   a.scale.resize(rows * a.num_supers);
   a.bsum.resize(rows * k / 16);
   a.bsum32.resize(rows * k / 32);
+  a.bsum_q6.resize(rows * k / 16);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(k);
     for (int64_t m = begin; m < end; ++m) {
@@ -974,9 +978,13 @@ SuperActivations quantize_super_activations(const scalar_t* x, int64_t rows, int
           }
           a.bsum[(m * k + g * kSuper) / 16 + h] = static_cast<int16_t>(total);
         }
+        const int16_t* sums = a.bsum.data() + (m * k + g * kSuper) / 16;
         for (int h = 0; h < 8; ++h) {
-          const int16_t* pair = a.bsum.data() + (m * k + g * kSuper) / 16 + 2 * h;
-          a.bsum32[(m * k + g * kSuper) / 32 + h] = static_cast<int16_t>(pair[0] + pair[1]);
+          a.bsum32[(m * k + g * kSuper) / 32 + h] = static_cast<int16_t>(sums[2 * h] + sums[2 * h + 1]);
+        }
+        constexpr int kPairOrder[4] = {0, 2, 1, 3};
+        for (int h = 0; h < 16; ++h) {
+          a.bsum_q6[(m * k + g * kSuper) / 16 + h] = sums[4 * (h / 4) + kPairOrder[h % 4]];
         }
         a.scale[m * a.num_supers + g] = s;
       }
@@ -1127,6 +1135,18 @@ void super_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes
   });
 }
 
+// Activation rows per K-quant x8 tile: each unpacked code vector serves this many rows, which
+// pays for the unpacking (Q6_K's six bits take four vector operations per 32 bytes). 8 rows
+// keep their accumulators in registers where there are 32 vector registers (AVX-512VL).
+#ifndef SUPER_X8_TILE_M
+#if defined(__AVX512VL__)
+#define SUPER_X8_TILE_M 8
+#else
+#define SUPER_X8_TILE_M 4
+#endif
+#endif
+constexpr int kSuperX8TileM = SUPER_X8_TILE_M;
+
 // K-quants regrouped by 8 rows (gguf_super_x8.h): one path at every M.
 template <int64_t KIND>
 void super_x8_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes,
@@ -1138,15 +1158,23 @@ void super_x8_linear(const SuperActivations& a, const uint8_t* w, int64_t row_by
 #endif
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = w + g * kGroupRows * row_bytes;
-      for (int64_t m0 = 0; m0 < a.rows; m0 += kX8TileM) {
+      for (int64_t m0 = 0; m0 < a.rows; m0 += kSuperX8TileM) {
         float* o = out + m0 * ldo + g * kGroupRows;
-        const int mr = static_cast<int>(std::min<int64_t>(kX8TileM, a.rows - m0));
+        const int mr = static_cast<int>(std::min<int64_t>(kSuperX8TileM, a.rows - m0));
 #ifdef GGUF_AVX2
         switch (mr) {
           case 1: gguf_x8::super_x8_tile<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
           case 2: gguf_x8::super_x8_tile<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
           case 3: gguf_x8::super_x8_tile<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
-          default: gguf_x8::super_x8_tile<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
+          case 4: gguf_x8::super_x8_tile<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
+#if SUPER_X8_TILE_M > 4
+          case 5: gguf_x8::super_x8_tile<KIND, 5>(a, m0, group, row_bytes, o, ldo); break;
+          case 6: gguf_x8::super_x8_tile<KIND, 6>(a, m0, group, row_bytes, o, ldo); break;
+          case 7: gguf_x8::super_x8_tile<KIND, 7>(a, m0, group, row_bytes, o, ldo); break;
+          default: gguf_x8::super_x8_tile<KIND, 8>(a, m0, group, row_bytes, o, ldo); break;
+#else
+          default: break;
+#endif
         }
 #else
         // The unpacked row through the scalar kernel of its kind: the same arithmetic.

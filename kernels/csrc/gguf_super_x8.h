@@ -30,16 +30,10 @@ inline __m256i load_words(const uint8_t* block, int64_t at) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + at));
 }
 
+// 4 activation codes in every lane: one broadcast load (vbroadcastss), where a load into a
+// general register and a broadcast from it took two more instructions on the vector ports.
 inline __m256i broadcast_codes(const int8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  return _mm256_set1_epi32(word);
-}
-
-// int16 pair (a, b) as one int32 for vpmaddwd.
-inline __m256i broadcast_pair(int16_t a, int16_t b) {
-  return _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint16_t>(a)) |
-                           (static_cast<int32_t>(static_cast<uint16_t>(b)) << 16));
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
 }
 
 // The 8 rows' s * d as a vector: d from the group's fp16 field at `at`.
@@ -172,8 +166,9 @@ void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
       const int16_t* sums = a.bsum32.data() + ((m0 + m) * k + g * 256) / 32;
       __m256i corr = _mm256_setzero_si256();
       for (int t = 0; t < 4; ++t) {
-        corr = _mm256_add_epi32(
-            corr, _mm256_madd_epi16(min_pairs[t], broadcast_pair(sums[2 * t], sums[2 * t + 1])));
+        // Sums 2t and 2t + 1, adjacent: one int32 broadcast.
+        const __m256i pair = broadcast_codes(reinterpret_cast<const int8_t*>(sums + 2 * t));
+        corr = _mm256_add_epi32(corr, _mm256_madd_epi16(min_pairs[t], pair));
       }
       const float s = a.scale[(m0 + m) * num_supers + g];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), row_factors(block, half_at<kind>(0), s),
@@ -187,6 +182,8 @@ void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
 
 // Q6_K: chunk c = 4 h + j (32 values) takes the nibbles of word 16 h + 8 (j % 2) + i (low for
 // j < 2) and bits 2j, 2j + 1 of word 32 + 8 h + i; its 16-value sub-blocks are 2c and 2c + 1.
+// One loop iteration per chunk with its shifts as counts (the loop stays small, as Q4_K's:
+// the super-block unrolled whole spent more instructions on addresses than on dots).
 template <int MR, typename Acts>
 void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_bytes, float* out,
                int64_t ldo) {
@@ -207,16 +204,19 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
     const int8_t* codes = a.codes.data() + m0 * k + g * 256;
     __m256i sumi[MR];
     for (int m = 0; m < MR; ++m) sumi[m] = _mm256_setzero_si256();
-#pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const int h = c / 4, j = c % 4;
-      const int64_t nibbles_word = 16 * h + 8 * (j % 2), high_word = 32 + 8 * h;
+      const uint8_t* nibbles = block + word_at<kind>(16 * h + 8 * (j % 2));
+      const uint8_t* highs = block + word_at<kind>(32 + 8 * h);
+      const __m128i nibble_shift = _mm_cvtsi32_si128(4 * (j / 2));
+      const __m128i high_shift = _mm_cvtsi32_si128(2 * j);
+      const int8_t* chunk_codes = codes + 32 * c;
 #pragma GCC unroll 2
       for (int half = 0; half < 2; ++half) {
         const int sub = 2 * c + half;
         // The sub-block's int8 scale, sign-extended, in every lane.
-        const __m256i scale =
-            _mm256_srai_epi32(_mm256_slli_epi32(scale_words[sub / 4], 24 - 8 * (sub % 4)), 24);
+        const __m256i scale = _mm256_srai_epi32(
+            _mm256_sll_epi32(scale_words[sub / 4], _mm_cvtsi32_si128(24 - 8 * (sub % 4))), 24);
 #ifdef GGUF_VNNI
         __m256i dot[MR];
         for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
@@ -225,18 +225,15 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
 #endif
 #pragma GCC unroll 4
         for (int i = 4 * half; i < 4 * half + 4; ++i) {
-          const __m256i v = load_words(block, word_at<kind>(nibbles_word + i));
-          const __m256i high = load_words(block, word_at<kind>(high_word + i));
-          const __m256i low = j < 2 ? _mm256_and_si256(v, low_nibble)
-                                    : _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
-          // Bits 2j, 2j + 1 of each byte to bits 4, 5.
-          const __m256i top = j == 0   ? _mm256_slli_epi16(high, 4)
-                              : j == 1 ? _mm256_slli_epi16(high, 2)
-                              : j == 2 ? high
-                                       : _mm256_srli_epi16(high, 2);
+          const __m256i v = load_words(nibbles, 32 * i);
+          const __m256i high = load_words(highs, 32 * i);
+          const __m256i low = _mm256_and_si256(_mm256_srl_epi16(v, nibble_shift), low_nibble);
+          // Bits 2j, 2j + 1 of each byte to bits 0, 1 (16-bit shifts: what crosses from the
+          // high byte lands above bit 5 of the low one), then to bits 4, 5.
+          const __m256i top = _mm256_slli_epi16(_mm256_srl_epi16(high, high_shift), 4);
           const __m256i q = _mm256_or_si256(low, _mm256_and_si256(top, two_bits));
           for (int m = 0; m < MR; ++m) {
-            const __m256i cv = broadcast_codes(codes + m * k + 32 * c + 4 * i);
+            const __m256i cv = broadcast_codes(chunk_codes + m * k + 4 * i);
 #ifdef GGUF_VNNI
             dot[m] = GGUF_DPBUSD(dot[m], q, cv);
 #else
@@ -260,13 +257,15 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
       odd[t] = _mm256_srai_epi16(scale_words[t], 8);
     }
     for (int m = 0; m < MR; ++m) {
-      const int16_t* sums = a.bsum.data() + ((m0 + m) * k + g * 256) / 16;
+      // Sums (4t, 4t + 2) and (4t + 1, 4t + 3), laid out as int32 pairs (bsum_q6).
+      const int8_t* sums =
+          reinterpret_cast<const int8_t*>(a.bsum_q6.data() + ((m0 + m) * k + g * 256) / 16);
       __m256i corr = _mm256_setzero_si256();
       for (int t = 0; t < 4; ++t) {
-        corr = _mm256_add_epi32(
-            corr, _mm256_madd_epi16(even[t], broadcast_pair(sums[4 * t], sums[4 * t + 2])));
-        corr = _mm256_add_epi32(
-            corr, _mm256_madd_epi16(odd[t], broadcast_pair(sums[4 * t + 1], sums[4 * t + 3])));
+        corr = _mm256_add_epi32(corr,
+                                _mm256_madd_epi16(even[t], broadcast_codes(sums + 8 * t)));
+        corr = _mm256_add_epi32(corr,
+                                _mm256_madd_epi16(odd[t], broadcast_codes(sums + 8 * t + 4)));
       }
       const __m256i total = _mm256_sub_epi32(sumi[m], _mm256_slli_epi32(corr, 5));
       const float s = a.scale[(m0 + m) * num_supers + g];

@@ -17,7 +17,6 @@ Tolerances, per output element, with B = |x| @ |W|^T (the sum of the magnitudes)
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -100,8 +99,12 @@ def build_variant(variant: str):  # type: ignore[no-untyped-def]
     source = cpu_extension.SOURCE_DIR / "gguf_gemm.cpp"
     namespace = f"llmserve_gguf_{variant.replace('-', '_')}"
     # The checkout's path too: one build per checkout, as the product's library.
+    # Its headers too: torch's own check hashes only the listed source.
+    headers = sorted(cpu_extension.SOURCE_DIR.glob("*.h"))
     digest = hashlib.sha1(
-        Path(source).read_bytes() + " ".join(flags).encode() + str(source.resolve()).encode()
+        b"".join(path.read_bytes() for path in [source, *headers])
+        + " ".join(flags).encode()
+        + str(source.resolve()).encode()
     ).hexdigest()
     load(
         name=f"{namespace}_{digest[:10]}",
