@@ -77,6 +77,12 @@ inline __m256i emulated_dpbusd(__m256i acc, __m256i u, __m256i s) {
 #endif
 #endif
 
+// The x8 kernels' tiles of 8 activation rows need 32 vector registers (the scalar code's
+// tiles stay at kTileM).
+#if defined(GGUF_AVX2) && defined(__AVX512VL__)
+#define GGUF_WIDE_TILES 1
+#endif
+
 #include "gguf_super_x8.h"  // after the instruction-set macros it reads
 
 #ifndef LLMSERVE_GGUF_NAMESPACE
@@ -799,16 +805,19 @@ void x8_tile_avx2(const Activations& a, int64_t m0, const uint8_t* group, int64_
     if constexpr (KIND == kQ8_0) {
       for (int i = 0; i < 8; ++i) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
+#ifdef GGUF_VNNI
+        // q + 128 as the unsigned operand (vpdpbusd does not saturate), 128 sum c taken off
+        // below: one shared xor where |q| and c's sign took one operation per row.
+        const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+        for (int m = 0; m < MR; ++m) dot[m] = GGUF_DPBUSD(dot[m], u, broadcast4(c[m] + 4 * i));
+#else
         const __m256i u = _mm256_abs_epi8(v);
         for (int m = 0; m < MR; ++m) {
           const __m256i signed_c = _mm256_sign_epi8(broadcast4(c[m] + 4 * i), v);
-#ifdef GGUF_VNNI
-          dot[m] = GGUF_DPBUSD(dot[m], u, signed_c);
-#else
           dot[m] = _mm256_add_epi32(dot[m],
                                     _mm256_madd_epi16(_mm256_maddubs_epi16(u, signed_c), ones));
-#endif
         }
+#endif
       }
     } else {
       __m256i high_bits = _mm256_setzero_si256();
@@ -851,6 +860,11 @@ void x8_tile_avx2(const Activations& a, int64_t m0, const uint8_t* group, int64_
         constexpr int zero = KIND == kQ4_0 ? 8 : 16;
         dot[m] = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(zero * a.isum[ab]));
       }
+#ifdef GGUF_VNNI
+      if constexpr (KIND == kQ8_0) {
+        dot[m] = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(128 * a.isum[ab]));
+      }
+#endif
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), ds, acc[m]);
       if constexpr (has_min(KIND)) {
         const __m256 mins =
@@ -863,8 +877,13 @@ void x8_tile_avx2(const Activations& a, int64_t m0, const uint8_t* group, int64_
 }
 #endif  // GGUF_AVX2
 
-// Activation rows in tiles of kX8TileM against groups [g0, g1).
+// Activation rows in tiles of kX8TileM against groups [g0, g1): 8 where 32 vector registers
+// hold their accumulators (AVX-512VL), so each unpacked vector serves twice the rows.
+#if defined(GGUF_WIDE_TILES)
+constexpr int kX8TileM = 8;
+#else
 constexpr int kX8TileM = 4;
+#endif
 
 template <int64_t KIND>
 void x8_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_total,
@@ -880,14 +899,30 @@ void x8_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_
           case 1: x8_tile_avx2<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
           case 2: x8_tile_avx2<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
           case 3: x8_tile_avx2<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
-          default: x8_tile_avx2<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
+          case 4: x8_tile_avx2<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
+#if defined(GGUF_WIDE_TILES)
+          case 5: x8_tile_avx2<KIND, 5>(a, m0, group, row_bytes, o, ldo); break;
+          case 6: x8_tile_avx2<KIND, 6>(a, m0, group, row_bytes, o, ldo); break;
+          case 7: x8_tile_avx2<KIND, 7>(a, m0, group, row_bytes, o, ldo); break;
+          default: x8_tile_avx2<KIND, 8>(a, m0, group, row_bytes, o, ldo); break;
+#else
+          default: break;
+#endif
         }
 #else
         switch (std::min<int64_t>(kX8TileM, a.rows - m0)) {
           case 1: x8_tile_scalar<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
           case 2: x8_tile_scalar<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
           case 3: x8_tile_scalar<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
-          default: x8_tile_scalar<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
+          case 4: x8_tile_scalar<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
+#if defined(GGUF_WIDE_TILES)
+          case 5: x8_tile_scalar<KIND, 5>(a, m0, group, row_bytes, o, ldo); break;
+          case 6: x8_tile_scalar<KIND, 6>(a, m0, group, row_bytes, o, ldo); break;
+          case 7: x8_tile_scalar<KIND, 7>(a, m0, group, row_bytes, o, ldo); break;
+          default: x8_tile_scalar<KIND, 8>(a, m0, group, row_bytes, o, ldo); break;
+#else
+          default: break;
+#endif
         }
 #endif
       }
@@ -1138,14 +1173,11 @@ void super_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes
 // Activation rows per K-quant x8 tile: each unpacked code vector serves this many rows, which
 // pays for the unpacking (Q6_K's six bits take four vector operations per 32 bytes). 8 rows
 // keep their accumulators in registers where there are 32 vector registers (AVX-512VL).
-#ifndef SUPER_X8_TILE_M
-#if defined(__AVX512VL__)
-#define SUPER_X8_TILE_M 8
+#if defined(GGUF_WIDE_TILES)
+constexpr int kSuperX8TileM = 8;
 #else
-#define SUPER_X8_TILE_M 4
+constexpr int kSuperX8TileM = 4;
 #endif
-#endif
-constexpr int kSuperX8TileM = SUPER_X8_TILE_M;
 
 // K-quants regrouped by 8 rows (gguf_super_x8.h): one path at every M.
 template <int64_t KIND>
@@ -1167,7 +1199,7 @@ void super_x8_linear(const SuperActivations& a, const uint8_t* w, int64_t row_by
           case 2: gguf_x8::super_x8_tile<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
           case 3: gguf_x8::super_x8_tile<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
           case 4: gguf_x8::super_x8_tile<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
-#if SUPER_X8_TILE_M > 4
+#if defined(GGUF_WIDE_TILES)
           case 5: gguf_x8::super_x8_tile<KIND, 5>(a, m0, group, row_bytes, o, ldo); break;
           case 6: gguf_x8::super_x8_tile<KIND, 6>(a, m0, group, row_bytes, o, ldo); break;
           case 7: gguf_x8::super_x8_tile<KIND, 7>(a, m0, group, row_bytes, o, ldo); break;
