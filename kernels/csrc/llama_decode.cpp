@@ -584,13 +584,14 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
       LLMSERVE_RECORD("llmserve::paged_decode_attention");
       // A bf16/fp16 model's cache is read with a query of its own dtype, as the model's eager
       // layers do (query_in_cache_dtype); a float32 model's query stays float32 over any
-      // cache. Everything around it stays fp32.
+      // cache. Everything around it stays fp32. Contexts split by their own length only
+      // (batch_invariant), so a row's result never depends on the rows beside it.
       const auto cache_type = k_caches[l].scalar_type();
       const bool cast_query =
           query_in_cache_dtype && !quantized_cache && cache_type != at::kFloat;
       attended = paged_decode_attention(cast_query ? query.to(cache_type) : query, k_caches[l],
                                         v_caches[l], block_tables, context_lens, scale, k_scale,
-                                        v_scale, /*batch_invariant=*/false, sliding_windows[l],
+                                        v_scale, /*batch_invariant=*/true, sliding_windows[l],
                                         attn_logit_softcap);
       if (cast_query) attended = attended.to(at::kFloat);
     }

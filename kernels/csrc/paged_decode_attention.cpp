@@ -61,9 +61,13 @@ constexpr int64_t kItemOverhead = 16;
 // others: an OpenMP region costs a few microseconds.
 constexpr int64_t kMinParallelWork = 1 << 18;
 
+// Batch-invariant calls split a context into ranges of this many tokens at most, by its own
+// length alone (the usual split is sized from the whole batch's tokens): each sequence's
+// output then depends only on its own query and context, and one long context still spreads
+// over the threads.
+constexpr int64_t kInvariantSplit = 512;
+
 struct DecodeArgs {
-  // Never split a context: where a split falls depends on the whole batch's tokens, so with
-  // it each sequence's output depends only on its own query and context.
   bool batch_invariant = false;
   const void* query;
   at::ScalarType query_dtype;
@@ -537,7 +541,8 @@ Schedule plan(const DecodeArgs& a, int64_t batch_size) {
   schedule.parallel = threads > 1 && !at::in_parallel_region() && work >= kMinParallelWork;
   // Split contexts longer than 1 / (threads x kItemsPerThread) of the batch's tokens: no item
   // is then big enough to leave a thread idle while another finishes it.
-  const int64_t split = schedule.parallel && !a.batch_invariant
+  const int64_t split = a.batch_invariant ? kInvariantSplit
+                        : schedule.parallel
                             ? std::max(kMinSplit, (total_tokens + threads * kItemsPerThread - 1) /
                                                       (threads * kItemsPerThread))
                             : std::numeric_limits<int64_t>::max();

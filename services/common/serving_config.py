@@ -149,10 +149,14 @@ class RuntimeConfig:
     """Pure-decode steps on a CPU (GGUF blocks or dense float weights) run every layer in one
     C++ call (no compilation needed); --no-fused-decode uses compiled graphs or eager ops
     instead."""
-    deterministic: bool = False
-    """Batch-invariant kernels: a sequence's logits depend only on its own tokens, so greedy
-    output is the same whatever a request is batched with (in bf16 too). Every step runs
-    eagerly (no fused or compiled decode); CPU workers with GGUF or float weights only."""
+    deterministic: bool | None = None
+    """Batch-invariant steps: a sequence's logits depend only on its own tokens, so greedy
+    output is the same whatever a request is batched with, alone or repeated from the prefix
+    cache, chunked or not. Unset (the default): on where it costs nothing, a CPU worker whose
+    projections are GGUF blocks read with int8 activations (every step, prefill too, runs the
+    fused C++ layers with each token attending as a decode query); off elsewhere. Set: on
+    everywhere the worker can (float weights then run every step eagerly, slower; a GPU or
+    another quantization is refused). --no-deterministic: off."""
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,26 @@
 """Batch-invariant mode (--deterministic): a sequence's logits depend only on its own tokens.
 
-Without it, greedy output in bf16 can depend on what a request is batched with: the GGUF
-kernels take another arithmetic path from 16 rows on, a GEMM library picks its blocking from
-M, decode attention splits long contexts by the batch's total length, a prompt's attention
-depends on how it was chunked, and a compiled or fused decode step rounds differently from
-the eager ops of a step that also holds a prefill. In this mode:
+Without it, greedy output can depend on what a request is batched with: the GGUF kernels of
+Q4 blocks in the file's layout take another arithmetic path from 16 rows on, a GEMM library
+picks its blocking from M, decode attention splits long contexts by the batch's total length,
+a prompt's attention depends on how it was chunked or how much of it came from the prefix
+cache, and a compiled or fused decode step rounds differently from the eager ops of a step
+that also holds a prefill. In this mode:
 
-    linear layers   GGUF blocks: one kernel path at every M (kernels/csrc/gguf_gemm.cpp);
-                    float weights: GEMM calls of one fixed tile shape (kernels/
-                    batch_invariant_torch.py)
+    linear layers   GGUF blocks: one kernel path at every M (kernels/csrc/gguf_gemm.cpp; the
+                    8-row layouts always are); float weights: GEMM calls of one fixed tile
+                    shape (kernels/batch_invariant_torch.py)
     attention       every token, prefill ones too, is a decode query over the paged cache,
-                    never split (services/worker/input_batch.py builds its block table row)
-    steps           always eager: no fused or compiled decode (services/worker/runner.py)
+                    its context split by its own length only (services/worker/input_batch.py
+                    builds its block table row)
+    steps           one path for every step: the fused C++ layers where the projections are
+                    GGUF blocks with int8 activations (a prefill token is one more row of the
+                    call), else eager (no fused or compiled decode) (services/worker/runner.py)
+
+On a CPU worker serving a GGUF file (int8 activations) the mode costs nothing, and is on
+unless --no-deterministic: the fused call is the fast path for decode steps already, and a
+prefill token's attention as a decode query is a small part of a prefill's work on a CPU. A
+step with LoRA rows runs eagerly, and is not invariant against the fused steps.
 
 Row-wise ops (norms, rotary, SiLU, embedding lookups, argmax) are already invariant; the unit
 tests check every layer type row by row against batches of other sizes

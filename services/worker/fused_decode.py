@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kernels import cpu_extension
+from kernels import cpu_extension, gguf_blocks_torch
 from services.worker.forward_batch import ForwardBatch
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora.adapter import PROJECTIONS
@@ -132,7 +132,8 @@ def _rope_lists(model: CausalLM) -> tuple[list[Tensor], list[int]]:
 
 
 class FusedDecode:
-    """Runs pure-decode batches through `llmserve::llama_decode_layers`."""
+    """Runs pure-decode batches, and in the batch-invariant mode every batch without LoRA
+    rows, through `llmserve::llama_decode_layers`."""
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache) -> None:
         reason = unsupported_reason(model, kv_cache)
@@ -202,17 +203,42 @@ class FusedDecode:
             return None
         return cls(model, kv_cache)
 
+    def is_batch_invariant(self) -> bool:
+        """Whether a token's result never depends on the rows beside it: every projection is
+        GGUF blocks read with int8 activations by a kernel whose arithmetic is the same at
+        every M (kernels/csrc/gguf_gemm.cpp: every kind but Q4_0 / Q4_1 in the file's layout,
+        which switches to fp32 panels from 16 rows); the rest of the op works row by row, and
+        its attention never splits a context by the batch."""
+        file_layout_q4 = (gguf_blocks_torch.GGUF_Q4_0, gguf_blocks_torch.GGUF_Q4_1)
+        return self.int8_activations and all(
+            kind not in DENSE_KINDS.values() and kind not in file_layout_q4
+            for kind in self._lists.kinds
+        )
+
     @staticmethod
     def can_run(batch: ForwardBatch) -> bool:
-        """Pure-decode batches, with or without LoRA rows."""
-        return batch.num_prefill_tokens == 0 and batch.input_ids.shape[0] > 0
+        """Pure-decode batches, with or without LoRA rows; and any batch whose tokens each
+        carry their sequence's block table (per-token attention, the batch-invariant mode)
+        and no LoRA rows: a prefill token then attends as a decode query over the paged
+        cache, after the step has written the keys and values of every token before it."""
+        if batch.input_ids.shape[0] == 0:
+            return False
+        if batch.num_prefill_tokens == 0:
+            return True
+        return batch.token_block_tables is not None and batch.lora is None
 
-    def run(self, batch: ForwardBatch) -> Tensor:
-        """Logits [B, vocab] (fp32) of a pure-decode batch."""
+    def run(self, batch: ForwardBatch, with_logits: bool = True) -> Tensor | None:
+        """Logits (fp32) of the batch's sampled rows: [B, vocab] for a pure-decode batch,
+        the rows of batch.logits_indices for one holding prefill tokens; None without
+        `with_logits` (a step that only fills the cache)."""
         model = self.model
         hidden = model.embed(batch.input_ids).float()
         hidden, residual = torch.ops.llmserve.llama_decode_layers(*self.op_arguments(hidden, batch))
         self.num_steps += 1
+        if not with_logits:
+            return None
+        if batch.num_prefill_tokens and batch.logits_indices is not None:
+            hidden, residual = hidden[batch.logits_indices], residual[batch.logits_indices]
         return model.logits(hidden.to(self.dtype), residual.to(self.dtype))
 
     def op_arguments(self, hidden: Tensor, batch: ForwardBatch) -> tuple[object, ...]:
@@ -236,8 +262,7 @@ class FusedDecode:
             lists.v_scales,
             batch.positions,
             batch.slot_mapping,
-            batch.decode_block_tables,
-            batch.decode_context_lens,
+            *_attention_tables(batch),
             lists.ropes,
             lists.layer_ropes,
             self.sliding_windows,
@@ -252,6 +277,14 @@ class FusedDecode:
             self.query_in_cache_dtype,
             *_lora_tables(batch.lora),
         )
+
+
+def _attention_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+    """(block tables, context lengths) with one row per token: each token's own where the
+    batch has them (per-token attention), else the decode rows' (one token per sequence)."""
+    if batch.token_block_tables is not None and batch.token_context_lens is not None:
+        return batch.token_block_tables, batch.token_context_lens
+    return batch.decode_block_tables, batch.decode_context_lens
 
 
 def _lora_tables(

@@ -44,7 +44,7 @@ class RunnerSettings(Protocol):
     enforce_eager: bool
     max_num_seqs: int
     fused_decode: bool
-    deterministic: bool
+    deterministic: bool | None
     speculative_ngram_min_n: int
     speculative_ngram_max_n: int
     max_loras: int
@@ -115,7 +115,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_BATCH_BUCKETS[-1],
         fused_decode: bool = True,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = False,
         ngram_sizes: tuple[int, int] = (2, 4),
         max_loras: int = 0,
         max_lora_rank: int = 16,
@@ -130,10 +130,12 @@ class ModelRunner:
         else, unless `enforce_eager`, compiled graphs for up to `max_num_seqs` sequences (call
         `compile_step_graphs()` before serving); else eagerly.
 
-        `batch_invariant`: batch-invariant layers and attention, every step eager (a fused or
-        compiled decode rounds differently from the eager ops a mixed step runs, so a token
-        would depend on whether its step held a prefill): the --deterministic flag
-        (services/worker/batch_invariance.py).
+        `batch_invariant`: batch-invariant layers and attention (the --deterministic flag,
+        services/worker/batch_invariance.py). Every step then takes one path, so that a token
+        never depends on whether its step held a prefill: the fused C++ layers where the
+        model's projections are GGUF blocks with int8 activations (each token attending as a
+        decode query), else eager ops (no compiled decode). None: on where it is free (the
+        fused case), off elsewhere.
 
         `max_loras` device slots hold LoRA adapters of up to `max_lora_rank`, `max_cpu_loras`
         stay in host memory (services/worker/lora/). Decode steps with adapter rows take the
@@ -148,13 +150,14 @@ class ModelRunner:
             check_kv_cache_group_size(kv_cache_group_size),
         )
         kv_cache = PagedKVCache(spec, spec.num_blocks_for_budget(kv_cache_bytes), loaded.device)
+        fused = FusedDecode.for_model(loaded.model, kv_cache) if fused_decode else None
+        fused_invariant = fused is not None and fused.is_batch_invariant()
+        if batch_invariant is None:
+            batch_invariant = fused_invariant
         if batch_invariant:
             make_batch_invariant(loaded.model)
-        fused = (
-            FusedDecode.for_model(loaded.model, kv_cache)
-            if fused_decode and not batch_invariant
-            else None
-        )
+            if not fused_invariant:
+                fused = None
         adapters = LoraAdapters(
             loaded.model.architecture,
             loaded.dtype,
@@ -292,7 +295,12 @@ class ModelRunner:
                     result.logprobs[request_id] = logprobs
         else:
             # Only partial prefill chunks this step: fill the cache, skip the vocabulary.
-            self.model(inputs.forward, self.kv_cache.layers)
+            fused = self.fused_decode
+            if fused is not None and fused.can_run(inputs.forward):
+                self.last_step_mode = "fused"
+                fused.run(inputs.forward, with_logits=False)
+            else:
+                self.model(inputs.forward, self.kv_cache.layers)
         self.batch.advance(plan, sampled, accepted)
         if grammars is not None:
             grammars.accept(sampled)

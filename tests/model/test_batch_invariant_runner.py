@@ -1,9 +1,9 @@
 """The batch-invariant runner path (ModelRunner.create(batch_invariant=True)) on the embedded
-model in fp32 and bf16: every linear layer switched, steps eager, and a prompt's logits the same
-whether its tokens were prefilled in one step or prefilled in part and then decoded one by
-one (each token attends over the cache as a decode query does; in fp32 the default path,
-SDPA for the prefill, fails this). The serving flag is --deterministic
-(tests/model/test_deterministic.py)."""
+model in fp32 and bf16 (GGUF blocks, int8 activations): every linear layer switched, every
+step through the fused C++ layers, and a prompt's logits the same whether its tokens were
+prefilled in one step or prefilled in part and then decoded one by one (each token attends
+over the cache as a decode query does; SDPA for the prefill, as eager steps without the mode
+run it, fails this). The serving flag is --deterministic (tests/model/test_deterministic.py)."""
 
 from __future__ import annotations
 
@@ -48,10 +48,20 @@ def record_logits(runner: ModelRunner) -> list[torch.Tensor]:
     return captured
 
 
-def test_every_linear_layer_is_switched_and_steps_are_eager(runner: ModelRunner) -> None:
+def test_every_linear_layer_is_switched_and_every_step_is_fused(runner: ModelRunner) -> None:
     linears = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
     assert linears and all(m.batch_invariant for m in linears)
-    assert runner.fused_decode is None and runner.decode_graphs is None
+    assert runner.fused_decode is not None and runner.decode_graphs is None
+    runner.reset()
+    prompt = list(range(1000, 1000 + PROMPT_LEN))
+    plan = BatchPlan(
+        step_id=0,
+        new_sequences=[NewSequence("prefill", prompt, PROMPT_LEN, [0, 1], 0, GREEDY)],
+        num_scheduled_tokens={"prefill": PROMPT_LEN},
+    )
+    runner.execute(plan)
+    assert runner.last_step_mode == "fused"
+    runner.reset()
 
 
 def test_one_step_prefill_equals_prefill_then_decodes(runner: ModelRunner) -> None:

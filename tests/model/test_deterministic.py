@@ -1,7 +1,9 @@
 """--deterministic (batch-invariant mode) on the embedded model: a prompt's greedy tokens in
 bf16 are the same alone and inside a batch of 16 concurrent requests of mixed lengths (mixed
 greedy and sampled, arriving before it, its prompt chunked differently, part of it served
-from the prefix cache); and in fp32 the mode still gives Hugging Face's greedy tokens."""
+from the prefix cache); and in fp32 the mode still gives Hugging Face's greedy tokens. The
+default mode is batch-invariant too on a GGUF model (int8 activations): every step, prefill
+included, runs the fused C++ layers, and the same holds there."""
 
 from __future__ import annotations
 
@@ -70,11 +72,41 @@ def run_in_batch(engine: LLMEngine, prompt: list[int], seed: int, steps_before: 
     return tokens
 
 
+@pytest.fixture(scope="module")
+def default_engine() -> LLMEngine:
+    """The engine as `llmserve up` configures it (deterministic unset), a small step budget."""
+    config = EngineConfig(kv_cache_gib=256 / 1024, max_num_batched_tokens=96)
+    return LLMEngine(config, loaded=LoadedModel.load(None, torch.float32, "cpu", "auto"))
+
+
 def test_the_mode_switches_every_linear_layer(deterministic_bf16: LLMEngine) -> None:
     linears = [m for m in deterministic_bf16.model.modules() if isinstance(m, GGUFLinear)]
     assert linears and all(m.batch_invariant for m in linears)
     runner = deterministic_bf16.runner
-    assert runner.fused_decode is None and runner.decode_graphs is None
+    # GGUF blocks with int8 activations: the fused layers serve every step.
+    assert runner.fused_decode is not None and runner.decode_graphs is None
+
+
+def test_the_default_is_batch_invariant_on_gguf(default_engine: LLMEngine) -> None:
+    runner = default_engine.runner
+    assert runner.batch_invariant and runner.fused_decode is not None
+    before = runner.fused_decode.num_steps
+    run_alone(default_engine, default_engine.tokenizer.encode(PROBE))
+    # A prefill step and NEW_TOKENS - 1 decode steps, all fused.
+    assert runner.fused_decode.num_steps - before == NEW_TOKENS
+
+
+def test_default_greedy_is_the_same_alone_repeated_and_in_a_busy_batch(
+    default_engine: LLMEngine,
+) -> None:
+    engine = default_engine
+    prompt = engine.tokenizer.encode(PROBE)
+    alone = run_alone(engine, prompt)
+    assert len(alone) == NEW_TOKENS
+    assert run_alone(engine, prompt) == alone  # from the prefix cache
+    for trial, steps_before in enumerate([0, 3]):
+        assert run_in_batch(engine, prompt, seed=trial, steps_before=steps_before) == alone
+    assert engine.get_stats().num_free_blocks == engine.num_kv_blocks
 
 
 def test_greedy_bf16_is_the_same_alone_and_in_a_busy_batch(deterministic_bf16: LLMEngine) -> None:
