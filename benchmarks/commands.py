@@ -7,6 +7,7 @@ from typing import Any
 from benchmarks import (
     capacity,
     detokenize,
+    gemm_tiles,
     hf_baseline,
     interleaved,
     lora,
@@ -38,6 +39,7 @@ BENCHMARKS = (
     tenants,
     lora,
     memory,
+    gemm_tiles,
 )
 
 
