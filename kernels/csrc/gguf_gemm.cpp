@@ -877,6 +877,16 @@ void x8_tile_avx2(const Activations& a, int64_t m0, const uint8_t* group, int64_
 }
 #endif  // GGUF_AVX2
 
+// Activation rows per pass over the weights: a prefill chunk's int8 codes of K = 8192 are
+// 2 MB at 256 rows, past a core's L2; in blocks of this many bytes they stay in it while
+// every weight group streams past (the weights are read once per block: 1 of 128+ rows'
+// worth of work). A row's arithmetic is the same in any block.
+constexpr int64_t kActivationBlockBytes = 512 * 1024;
+
+inline int64_t activation_block_rows(int64_t k, int tile) {
+  return std::max<int64_t>(tile, kActivationBlockBytes / k / tile * tile);
+}
+
 // Activation rows in tiles of kX8TileM against groups [g0, g1): 8 where 32 vector registers
 // hold their accumulators (AVX-512VL), so each unpacked vector serves twice the rows.
 #if defined(GGUF_WIDE_TILES)
@@ -889,13 +899,16 @@ template <int64_t KIND>
 void x8_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_total,
                float* out, int64_t ldo) {
   const int64_t groups = n_total / kGroupRows;
+  const int64_t m_block = activation_block_rows(a.in_features, kX8TileM);
+  for (int64_t m_begin = 0; m_begin < a.rows; m_begin += m_block) {
+  const int64_t m_end = std::min(a.rows, m_begin + m_block);
   at::parallel_for(0, groups, kChunkN / kGroupRows, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = w + g * kGroupRows * row_bytes;
-      for (int64_t m0 = 0; m0 < a.rows; m0 += kX8TileM) {
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kX8TileM) {
         float* o = out + m0 * ldo + g * kGroupRows;
 #ifdef GGUF_AVX2
-        switch (std::min<int64_t>(kX8TileM, a.rows - m0)) {
+        switch (std::min<int64_t>(kX8TileM, m_end - m0)) {
           case 1: x8_tile_avx2<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
           case 2: x8_tile_avx2<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
           case 3: x8_tile_avx2<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
@@ -910,7 +923,7 @@ void x8_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_
 #endif
         }
 #else
-        switch (std::min<int64_t>(kX8TileM, a.rows - m0)) {
+        switch (std::min<int64_t>(kX8TileM, m_end - m0)) {
           case 1: x8_tile_scalar<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
           case 2: x8_tile_scalar<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
           case 3: x8_tile_scalar<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
@@ -928,6 +941,7 @@ void x8_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_
       }
     }
   });
+  }
 }
 
 // Chunks of output rows over the threads; M in tiles of kTileM inside each chunk.
@@ -1184,15 +1198,18 @@ template <int64_t KIND>
 void super_x8_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes,
                      int64_t n_total, float* out, int64_t ldo) {
   const int64_t groups = n_total / kGroupRows;
+  const int64_t m_block = activation_block_rows(a.in_features, kSuperX8TileM);
+  for (int64_t m_begin = 0; m_begin < a.rows; m_begin += m_block) {
+  const int64_t m_end = std::min(a.rows, m_begin + m_block);
   at::parallel_for(0, groups, kChunkN / kGroupRows, [&](int64_t begin, int64_t end) {
 #ifndef GGUF_AVX2
     std::vector<uint8_t> row(row_bytes);
 #endif
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = w + g * kGroupRows * row_bytes;
-      for (int64_t m0 = 0; m0 < a.rows; m0 += kSuperX8TileM) {
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kSuperX8TileM) {
         float* o = out + m0 * ldo + g * kGroupRows;
-        const int mr = static_cast<int>(std::min<int64_t>(kSuperX8TileM, a.rows - m0));
+        const int mr = static_cast<int>(std::min<int64_t>(kSuperX8TileM, m_end - m0));
 #ifdef GGUF_AVX2
         switch (mr) {
           case 1: gguf_x8::super_x8_tile<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
@@ -1218,6 +1235,7 @@ void super_x8_linear(const SuperActivations& a, const uint8_t* w, int64_t row_by
       }
     }
   });
+  }
 }
 
 // From this many activation rows, a chunk of weight rows is dequantized once into an fp32

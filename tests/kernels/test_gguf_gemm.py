@@ -410,3 +410,21 @@ def test_repacking_in_place_gives_the_copys_bytes(extension, kind: int) -> None:
     in_place, laid_kind = ops.gguf_kernel_layout(blocks.clone(), kind, in_place=True)
     assert laid_kind == kind | GGUF_REPACKED_X8 and torch.equal(in_place, copied)
     assert not torch.equal(copied, blocks)
+
+
+@pytest.mark.parametrize("kind", [GGUF_Q4_0, GGUF_KINDS["Q4_K"], GGUF_KINDS["Q6_K"]])
+def test_x8_rows_are_the_same_in_any_batch_past_the_activation_block(  # type: ignore[no-untyped-def]
+    linear_op, kind: int
+) -> None:
+    """150 rows of K = 8192 pass the kernels' activation block (512 KiB of int8 codes: 64
+    rows here), so the weights stream past in three passes; every row is still bit-identical
+    to the same row computed alone."""
+    namespace = linear_op._qualified_op_name.split("::")[0]
+    ops_namespace = getattr(torch.ops, namespace)
+    k, n, m = 8192, 16, 150
+    repacked = ops_namespace.gguf_repack(random_blocks(n, k, kind, seed=3), kind)
+    x = activations(m, k, seed=4)
+    together = linear_op(x, repacked, kind | GGUF_REPACKED_X8, True)
+    for row in (0, 63, 64, 127, 128, 149):
+        alone = linear_op(x[row : row + 1], repacked, kind | GGUF_REPACKED_X8, True)
+        assert torch.equal(together[row : row + 1], alone), row
