@@ -36,6 +36,15 @@ inline __m256i broadcast_codes(const int8_t* p) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
 }
 
+// The next group's block of `bytes` per row, one group ahead of use: rows of a few
+// super-blocks end the hardware prefetcher's streams before they pay off.
+inline void prefetch_next_group(const uint8_t* block, int64_t row_bytes, int64_t bytes) {
+  const char* next = reinterpret_cast<const char*>(block + kGroupRows * row_bytes);
+  for (int64_t line = 0; line < kGroupRows * bytes; line += 64) {
+    _mm_prefetch(next + line, _MM_HINT_T0);
+  }
+}
+
 // The 8 rows' s * d as a vector: d from the group's fp16 field at `at`.
 inline __m256 row_factors(const uint8_t* block, int64_t at, float s) {
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + at)));
@@ -101,12 +110,7 @@ void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < num_supers; ++g) {
     const uint8_t* block = group + g * kGroupRows * bytes;
-    // The next group's super-block, one group ahead of use: rows of a few super-blocks end
-    // the hardware prefetcher's streams before they pay off.
-    const char* next = reinterpret_cast<const char*>(block + kGroupRows * row_bytes);
-    for (int64_t line = 0; line < kGroupRows * bytes; line += 64) {
-      _mm_prefetch(next + line, _MM_HINT_T0);
-    }
+    prefetch_next_group(block, row_bytes, bytes);
     const ScalesMins sm = unpack_scales_mins(block, word_at<kind>(0));
     const int8_t* codes = a.codes.data() + m0 * k + g * 256;
     __m256i sumi[MR];
@@ -195,10 +199,7 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < num_supers; ++g) {
     const uint8_t* block = group + g * kGroupRows * bytes;
-    const char* next = reinterpret_cast<const char*>(block + kGroupRows * row_bytes);
-    for (int64_t line = 0; line < kGroupRows * bytes; line += 64) {
-      _mm_prefetch(next + line, _MM_HINT_T0);
-    }
+    prefetch_next_group(block, row_bytes, bytes);
     __m256i scale_words[4];
     for (int t = 0; t < 4; ++t) scale_words[t] = load_words(block, word_at<kind>(48 + t));
     const int8_t* codes = a.codes.data() + m0 * k + g * 256;
