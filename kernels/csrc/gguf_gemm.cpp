@@ -45,6 +45,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_formats.h"
@@ -724,6 +725,13 @@ using gguf_x8::kGroupRows;
 constexpr int64_t kRepackedX8 = 256;  // kind flag: the blocks are in the layout above
 
 constexpr bool is_x8_kind(int64_t kind) { return gguf_x8::has_layout(kind); }
+static_assert(gguf_x8::fields<kQ4_0>().bytes == Layout<kQ4_0>::bytes &&
+                  gguf_x8::fields<kQ4_1>().bytes == Layout<kQ4_1>::bytes &&
+                  gguf_x8::fields<kQ8_0>().bytes == Layout<kQ8_0>::bytes &&
+                  gguf_x8::fields<gguf::kQ4_K>().bytes == gguf::Format<gguf::kQ4_K>::kBytes &&
+                  gguf_x8::fields<gguf::kQ5_K>().bytes == gguf::Format<gguf::kQ5_K>::kBytes &&
+                  gguf_x8::fields<gguf::kQ6_K>().bytes == gguf::Format<gguf::kQ6_K>::kBytes,
+              "the 8-row layouts and the block formats must agree on a block's size");
 
 template <int64_t KIND>
 constexpr int64_t x8_block_bytes() {
@@ -887,61 +895,67 @@ inline int64_t activation_block_rows(int64_t k, int tile) {
   return std::max<int64_t>(tile, kActivationBlockBytes / k / tile * tile);
 }
 
-// Activation rows in tiles of kX8TileM against groups [g0, g1): 8 where 32 vector registers
-// hold their accumulators (AVX-512VL), so each unpacked vector serves twice the rows.
+// Activation rows per x8 tile (every x8 kind, K-quants too): each unpacked code vector serves
+// this many rows, which pays for the unpacking (Q6_K's six bits take four vector operations
+// per 32 bytes). 8 where 32 vector registers hold their accumulators (AVX-512VL), else 4.
 #if defined(GGUF_WIDE_TILES)
 constexpr int kX8TileM = 8;
 #else
 constexpr int kX8TileM = 4;
 #endif
 
+// Calls tile(m0, mr, g) for every tile of up to `tile_m` activation rows and every 8-row
+// group: groups over the threads, activation rows in blocks of kActivationBlockBytes of codes.
+template <typename Tile>
+void over_x8_tiles(int64_t rows, int64_t k, int64_t n_total, int tile_m, const Tile& tile) {
+  const int64_t groups = n_total / kGroupRows;
+  const int64_t m_block = activation_block_rows(k, tile_m);
+  for (int64_t m_begin = 0; m_begin < rows; m_begin += m_block) {
+    const int64_t m_end = std::min(rows, m_begin + m_block);
+    at::parallel_for(0, groups, kChunkN / kGroupRows, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += tile_m) {
+          tile(m0, static_cast<int>(std::min<int64_t>(tile_m, m_end - m0)), g);
+        }
+      }
+    });
+  }
+}
+
+// fn(std::integral_constant<int, MR>{}) for a tile of `mr` rows (1 .. the build's tile height).
+template <typename Fn>
+void with_tile_rows(int mr, const Fn& fn) {
+  switch (mr) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+#if defined(GGUF_WIDE_TILES)
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+#else
+    default: fn(std::integral_constant<int, 4>{}); break;
+#endif
+  }
+}
+
 template <int64_t KIND>
 void x8_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_total,
                float* out, int64_t ldo) {
-  const int64_t groups = n_total / kGroupRows;
-  const int64_t m_block = activation_block_rows(a.in_features, kX8TileM);
-  for (int64_t m_begin = 0; m_begin < a.rows; m_begin += m_block) {
-  const int64_t m_end = std::min(a.rows, m_begin + m_block);
-  at::parallel_for(0, groups, kChunkN / kGroupRows, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* group = w + g * kGroupRows * row_bytes;
-      for (int64_t m0 = m_begin; m0 < m_end; m0 += kX8TileM) {
-        float* o = out + m0 * ldo + g * kGroupRows;
+  over_x8_tiles(a.rows, a.in_features, n_total, kX8TileM, [&](int64_t m0, int mr, int64_t g) {
+    const uint8_t* group = w + g * kGroupRows * row_bytes;
+    float* o = out + m0 * ldo + g * kGroupRows;
+    with_tile_rows(mr, [&](auto rows) {
+      constexpr int MR = decltype(rows)::value;
 #ifdef GGUF_AVX2
-        switch (std::min<int64_t>(kX8TileM, m_end - m0)) {
-          case 1: x8_tile_avx2<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
-          case 2: x8_tile_avx2<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
-          case 3: x8_tile_avx2<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
-          case 4: x8_tile_avx2<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
-#if defined(GGUF_WIDE_TILES)
-          case 5: x8_tile_avx2<KIND, 5>(a, m0, group, row_bytes, o, ldo); break;
-          case 6: x8_tile_avx2<KIND, 6>(a, m0, group, row_bytes, o, ldo); break;
-          case 7: x8_tile_avx2<KIND, 7>(a, m0, group, row_bytes, o, ldo); break;
-          default: x8_tile_avx2<KIND, 8>(a, m0, group, row_bytes, o, ldo); break;
+      x8_tile_avx2<KIND, MR>(a, m0, group, row_bytes, o, ldo);
 #else
-          default: break;
+      x8_tile_scalar<KIND, MR>(a, m0, group, row_bytes, o, ldo);
 #endif
-        }
-#else
-        switch (std::min<int64_t>(kX8TileM, m_end - m0)) {
-          case 1: x8_tile_scalar<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
-          case 2: x8_tile_scalar<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
-          case 3: x8_tile_scalar<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
-          case 4: x8_tile_scalar<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
-#if defined(GGUF_WIDE_TILES)
-          case 5: x8_tile_scalar<KIND, 5>(a, m0, group, row_bytes, o, ldo); break;
-          case 6: x8_tile_scalar<KIND, 6>(a, m0, group, row_bytes, o, ldo); break;
-          case 7: x8_tile_scalar<KIND, 7>(a, m0, group, row_bytes, o, ldo); break;
-          default: x8_tile_scalar<KIND, 8>(a, m0, group, row_bytes, o, ldo); break;
-#else
-          default: break;
-#endif
-        }
-#endif
-      }
-    }
+    });
   });
-  }
 }
 
 // Chunks of output rows over the threads; M in tiles of kTileM inside each chunk.
@@ -1184,58 +1198,27 @@ void super_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes
   });
 }
 
-// Activation rows per K-quant x8 tile: each unpacked code vector serves this many rows, which
-// pays for the unpacking (Q6_K's six bits take four vector operations per 32 bytes). 8 rows
-// keep their accumulators in registers where there are 32 vector registers (AVX-512VL).
-#if defined(GGUF_WIDE_TILES)
-constexpr int kSuperX8TileM = 8;
-#else
-constexpr int kSuperX8TileM = 4;
-#endif
-
 // K-quants regrouped by 8 rows (gguf_super_x8.h): one path at every M.
 template <int64_t KIND>
 void super_x8_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes,
                      int64_t n_total, float* out, int64_t ldo) {
-  const int64_t groups = n_total / kGroupRows;
-  const int64_t m_block = activation_block_rows(a.in_features, kSuperX8TileM);
-  for (int64_t m_begin = 0; m_begin < a.rows; m_begin += m_block) {
-  const int64_t m_end = std::min(a.rows, m_begin + m_block);
-  at::parallel_for(0, groups, kChunkN / kGroupRows, [&](int64_t begin, int64_t end) {
-#ifndef GGUF_AVX2
-    std::vector<uint8_t> row(row_bytes);
-#endif
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* group = w + g * kGroupRows * row_bytes;
-      for (int64_t m0 = m_begin; m0 < m_end; m0 += kSuperX8TileM) {
-        float* o = out + m0 * ldo + g * kGroupRows;
-        const int mr = static_cast<int>(std::min<int64_t>(kSuperX8TileM, m_end - m0));
+  over_x8_tiles(a.rows, a.in_features, n_total, kX8TileM, [&](int64_t m0, int mr, int64_t g) {
+    const uint8_t* group = w + g * kGroupRows * row_bytes;
+    float* o = out + m0 * ldo + g * kGroupRows;
 #ifdef GGUF_AVX2
-        switch (mr) {
-          case 1: gguf_x8::super_x8_tile<KIND, 1>(a, m0, group, row_bytes, o, ldo); break;
-          case 2: gguf_x8::super_x8_tile<KIND, 2>(a, m0, group, row_bytes, o, ldo); break;
-          case 3: gguf_x8::super_x8_tile<KIND, 3>(a, m0, group, row_bytes, o, ldo); break;
-          case 4: gguf_x8::super_x8_tile<KIND, 4>(a, m0, group, row_bytes, o, ldo); break;
-#if defined(GGUF_WIDE_TILES)
-          case 5: gguf_x8::super_x8_tile<KIND, 5>(a, m0, group, row_bytes, o, ldo); break;
-          case 6: gguf_x8::super_x8_tile<KIND, 6>(a, m0, group, row_bytes, o, ldo); break;
-          case 7: gguf_x8::super_x8_tile<KIND, 7>(a, m0, group, row_bytes, o, ldo); break;
-          default: gguf_x8::super_x8_tile<KIND, 8>(a, m0, group, row_bytes, o, ldo); break;
+    with_tile_rows(mr, [&](auto rows) {
+      gguf_x8::super_x8_tile<KIND, decltype(rows)::value>(a, m0, group, row_bytes, o, ldo);
+    });
 #else
-          default: break;
-#endif
-        }
-#else
-        // The unpacked row through the scalar kernel of its kind: the same arithmetic.
-        for (int r = 0; r < kGroupRows; ++r) {
-          gguf_x8::unpack_row<KIND>(group, r, row_bytes, row.data());
-          super_row_scalar<KIND>(a, m0, mr, row.data(), o + r, ldo);
-        }
-#endif
-      }
+    // The unpacked row through the scalar kernel of its kind: the same arithmetic.
+    thread_local std::vector<uint8_t> row;
+    row.resize(row_bytes);
+    for (int r = 0; r < kGroupRows; ++r) {
+      gguf_x8::unpack_row<KIND>(group, r, row_bytes, row.data());
+      super_row_scalar<KIND>(a, m0, mr, row.data(), o + r, ldo);
     }
+#endif
   });
-  }
 }
 
 // From this many activation rows, a chunk of weight rows is dequantized once into an fp32

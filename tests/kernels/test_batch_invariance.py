@@ -21,6 +21,7 @@ from tests.kernels.test_gguf_gemm import (  # noqa: F401  (fixtures)
     BUILDS,
     activations,
     avx2_extension,
+    avx512_no_vnni_extension,
     extension,
     random_blocks,
     scalar_extension,

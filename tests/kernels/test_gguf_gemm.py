@@ -84,9 +84,18 @@ def extension():  # type: ignore[no-untyped-def]
 # variant -> (compiler flags, the ISA its ops must report)
 VARIANTS = {
     "scalar": (["-DLLMSERVE_GGUF_SCALAR"], "scalar"),
-    "vnni-emulated": (["-march=native", "-DLLMSERVE_GGUF_EMULATE_VNNI"], "avx2+vnni-emulated"),
+    # The VNNI code in 4-row tiles (AVX-VNNI CPUs' build), whatever this CPU has.
+    "vnni-emulated": (
+        ["-march=x86-64-v3", "-mno-avxvnni", "-DLLMSERVE_GGUF_EMULATE_VNNI"],
+        "avx2+vnni-emulated",
+    ),
     # The vpmaddubsw path of AVX2 CPUs without VNNI, which a VNNI machine's own build skips.
     "avx2-no-vnni": (["-march=x86-64-v3", "-mno-avxvnni"], "avx2"),
+    # The vpmaddubsw path in 8-row tiles: AVX-512 CPUs without VNNI (Skylake-X).
+    "avx512-no-vnni": (
+        ["-march=x86-64-v4", "-mno-avx512vnni", "-mno-avxvnni", "-mtune=generic"],
+        "avx2",
+    ),
 }
 
 
@@ -143,11 +152,19 @@ def avx2_extension(extension):  # type: ignore[no-untyped-def]
     return build_variant("avx2-no-vnni")
 
 
+@pytest.fixture(scope="module")
+def avx512_no_vnni_extension(extension):  # type: ignore[no-untyped-def]
+    if "avx512vl" not in cpu_extension.cpu_flags_line().split():
+        pytest.skip("the CPU has no AVX-512VL: the 8-row tiles cannot run here")
+    return build_variant("avx512-no-vnni")
+
+
 BUILDS = {
     "simd": "extension",
     "scalar": "scalar_extension",
     "vnni-emulated": "vnni_emulated_extension",
     "avx2": "avx2_extension",
+    "avx512-no-vnni": "avx512_no_vnni_extension",
 }
 
 
