@@ -25,20 +25,24 @@ import torch
 
 from benchmarks import machine_peaks
 from kernels import cpu_extension
-from kernels.gguf_blocks_torch import GGUF_KINDS, GGUF_REPACKED_X8, REPACKABLE_KINDS, group_shape
+from kernels.gguf_blocks_torch import (
+    GGUF_KINDS,
+    GGUF_REPACKED_X8,
+    REPACKABLE_KINDS,
+    SCALE_OFFSETS,
+    group_shape,
+)
 
 SHAPES = (("q|k|v", 3072, 2048), ("gate|up", 16384, 2048), ("down", 2048, 8192))
 DEFAULT_KINDS = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# fp16 fields of a block (the scales): finite random values, as a file's are.
-FP16_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
 
 
 def random_blocks(n: int, k: int, kind: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     values, size = group_shape(kind)
     raw = torch.randint(0, 256, (n, k // values, size), dtype=torch.uint8, generator=generator)
-    for offset in FP16_FIELDS[kind]:
+    for offset in SCALE_OFFSETS[kind]:  # finite scales, as a file's are
         scales = torch.randn(n, k // values, 1, generator=generator) * 0.01
         raw[..., offset : offset + 2] = scales.half().view(torch.uint8)
     return raw.view(n, -1).contiguous()
@@ -60,10 +64,12 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     ops = torch.ops.llmserve
-    kinds = [GGUF_KINDS[name] for name in args.kinds.split(",")]
-    unknown = [name for name in args.kinds.split(",") if GGUF_KINDS[name] not in REPACKABLE_KINDS]
+    names = args.kinds.split(",")
+    unknown = [name for name in names if GGUF_KINDS.get(name) not in REPACKABLE_KINDS]
     if unknown:
-        raise SystemExit(f"--kinds: no 8-row layout for {', '.join(unknown)}")
+        layouts = ", ".join(name for name, kind in GGUF_KINDS.items() if kind in REPACKABLE_KINDS)
+        raise SystemExit(f"--kinds: no 8-row layout for {', '.join(unknown)} (one of {layouts})")
+    kinds = [GGUF_KINDS[name] for name in names]
     if not cpu_extension.load():
         print("the C++ kernels are unavailable here: nothing to measure")
         return 1

@@ -63,6 +63,22 @@ GGUF_KINDS = {
 }
 """The tensor kinds the kernels compute on as stored, by their GGUF (ggml) names."""
 KIND_NAMES = {kind: name for name, kind in GGUF_KINDS.items()}
+SCALE_OFFSETS = {
+    GGUF_Q4_0: (0,),
+    GGUF_Q4_1: (0, 2),
+    6: (0,),
+    7: (0, 2),
+    GGUF_Q8_0: (0,),
+    10: (80, 82),
+    11: (108,),
+    12: (0, 2),
+    13: (0, 2),
+    14: (208,),
+    20: (0,),
+    23: (0,),
+}
+"""Byte offsets of each kind's fp16 fields (d, then m or dmin) inside one block: what a
+random block must hold finite for its weights to be finite."""
 GGUF_REPACKED_X8 = 256
 """Kind flag: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks regrouped by 8
 rows at load (kernels/csrc/gguf_x8_layout.h), the layout the int8-activation kernels stream

@@ -32,6 +32,7 @@ from kernels.gguf_blocks_torch import (
     HALF_PANEL_MIN_ROWS,
     KIND_NAMES,
     REPACKABLE_KINDS,
+    SCALE_OFFSETS,
     activation_block,
     dequantize_blocks,
     group_shape,
@@ -40,21 +41,6 @@ from kernels.gguf_blocks_torch import (
 
 KINDS = list(GGUF_KINDS.values())
 KIND_IDS = list(GGUF_KINDS)
-# Byte offsets of each kind's fp16 fields (d, and m or dmin) inside one block.
-FP16_FIELDS = {
-    2: [0],
-    3: [0, 2],
-    6: [0],
-    7: [0, 2],
-    8: [0],
-    10: [80, 82],
-    11: [108],
-    12: [0, 2],
-    13: [0, 2],
-    14: [208],
-    20: [0],
-    23: [0],
-}
 EXACT_RTOL = 1e-6
 SUM_RTOL = 1e-5
 OUTPUT_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
@@ -185,7 +171,7 @@ def random_blocks(n: int, k: int, kind: int, seed: int) -> torch.Tensor:
     values, size = group_shape(kind)
     num_blocks = k // values
     raw = torch.randint(0, 256, (n, num_blocks, size), dtype=torch.uint8, generator=g)
-    for index, offset in enumerate(FP16_FIELDS[kind]):
+    for index, offset in enumerate(SCALE_OFFSETS[kind]):
         scale = 0.02 if index == 0 else 0.1
         d = torch.randn(n, num_blocks, 1, generator=g) * scale
         d[torch.rand(n, num_blocks, 1, generator=g) < 0.05] = 0.0
@@ -445,3 +431,13 @@ def test_x8_rows_are_the_same_in_any_batch_past_the_activation_block(  # type: i
     for row in (0, 63, 64, 127, 128, 149):
         alone = linear_op(x[row : row + 1], repacked, kind | GGUF_REPACKED_X8, True)
         assert torch.equal(together[row : row + 1], alone), row
+
+
+def test_repacking_in_place_refuses_what_it_cannot_regroup(extension) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        extension.gguf_repack_(random_blocks(12, 256, GGUF_KINDS["Q4_K"], seed=0), 12)
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        extension.gguf_repack_(random_blocks(16, 256, GGUF_KINDS["IQ4_XS"], seed=0), 23)
+    strided = random_blocks(16, 512, GGUF_Q4_0, seed=0)[:, : 8 * 18]
+    with pytest.raises(RuntimeError, match="contiguous"):
+        extension.gguf_repack_(strided, GGUF_Q4_0)

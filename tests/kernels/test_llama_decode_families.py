@@ -22,14 +22,13 @@ import pytest
 import torch
 
 from kernels import cpu_extension
-from kernels.gguf_blocks_torch import dequantize_blocks, group_shape
+from kernels.gguf_blocks_torch import SCALE_OFFSETS, dequantize_blocks, group_shape
 from services.worker.fused_decode import FusedDecode, unsupported_reason
 from services.worker.model.architecture import ModelArchitecture
 from services.worker.model.causal_lm import CausalLM
 from services.worker.model.families import hf_family
 from services.worker.quantization.gguf_linear import GGUFLinear
 from tests.kernels.fused_decode_bounds import logits_bound, recorded_rows
-from tests.kernels.test_gguf_gemm import FP16_FIELDS
 from tests.kernels.test_llama_decode import (
     CONTEXT_LENS,
     assert_fused_matches_eager,
@@ -79,7 +78,7 @@ def rescale_blocks(linear: GGUFLinear, row_norm: float) -> None:
     factor = row_norm / weight.norm(dim=-1).median().item()
     for part, kind in zip(linear.parts, linear.kinds, strict=True):
         blocks = part.view(part.shape[0], -1, group_shape(kind)[1])
-        for offset in FP16_FIELDS[kind]:
+        for offset in SCALE_OFFSETS[kind]:
             field = blocks[..., offset : offset + 2].contiguous().view(torch.float16)
             blocks[..., offset : offset + 2] = (field.float() * factor).half().view(torch.uint8)
 

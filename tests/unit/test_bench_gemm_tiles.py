@@ -23,6 +23,6 @@ def test_random_blocks_decode_to_finite_weights(kind: int) -> None:
 def test_a_kind_without_the_layout_is_refused() -> None:
     parser = argparse.ArgumentParser()
     gemm_tiles.configure_parser(parser)
-    args = parser.parse_args(["--kinds", "Q4_K,IQ4_XS", "--m", "1"])
-    with pytest.raises(SystemExit, match="IQ4_XS"):
+    args = parser.parse_args(["--kinds", "Q4_K,IQ4_XS,Q9_Z", "--m", "1"])
+    with pytest.raises(SystemExit, match="IQ4_XS, Q9_Z"):
         gemm_tiles.run(args)
