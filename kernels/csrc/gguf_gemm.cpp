@@ -817,7 +817,7 @@ void x8_tile_avx2(const Activations& a, int64_t m0, const uint8_t* group, int64_
         // q + 128 as the unsigned operand (vpdpbusd does not saturate), 128 sum c taken off
         // below: one shared xor where |q| and c's sign took one operation per row.
         const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
-        for (int m = 0; m < MR; ++m) dot[m] = GGUF_DPBUSD(dot[m], u, broadcast4(c[m] + 4 * i));
+        for (int m = 0; m < MR; ++m) dot[m] = gguf_x8::dpbusd_broadcast(dot[m], u, c[m] + 4 * i);
 #else
         const __m256i u = _mm256_abs_epi8(v);
         for (int m = 0; m < MR; ++m) {
@@ -845,8 +845,8 @@ void x8_tile_avx2(const Activations& a, int64_t m0, const uint8_t* group, int64_
         }
         for (int m = 0; m < MR; ++m) {
 #ifdef GGUF_VNNI
-          dot[m] = GGUF_DPBUSD(dot[m], lo, broadcast4(c[m] + 4 * i));
-          dot[m] = GGUF_DPBUSD(dot[m], hi, broadcast4(c[m] + 16 + 4 * i));
+          dot[m] = gguf_x8::dpbusd_broadcast(dot[m], lo, c[m] + 4 * i);
+          dot[m] = gguf_x8::dpbusd_broadcast(dot[m], hi, c[m] + 16 + 4 * i);
 #else
           pairs[m] = _mm256_add_epi16(pairs[m], _mm256_maddubs_epi16(lo, broadcast4(c[m] + 4 * i)));
           pairs[m] = _mm256_add_epi16(pairs[m],

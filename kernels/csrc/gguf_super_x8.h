@@ -36,6 +36,20 @@ inline __m256i broadcast_codes(const int8_t* p) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
 }
 
+#ifdef GGUF_VNNI
+// acc + the byte dots of q against the 4 codes at p broadcast to every lane.
+inline __m256i dpbusd_broadcast(__m256i acc, __m256i q, const int8_t* p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(GGUF_VNNI_EMULATED)
+  // The broadcast folded into the dot's memory operand ({1to8}): no separate broadcast
+  // instruction on the vector ports.
+  asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+#else
+  return GGUF_DPBUSD(acc, q, broadcast_codes(p));
+#endif
+}
+#endif
+
 // The next group's block of `bytes` per row, one group ahead of use: rows of a few
 // super-blocks end the hardware prefetcher's streams before they pay off.
 inline void prefetch_next_group(const uint8_t* block, int64_t row_bytes, int64_t bytes) {
@@ -139,12 +153,12 @@ void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
           hi = _mm256_or_si256(hi, fifth_bit(high, 2 * p + 1));
         }
         for (int m = 0; m < MR; ++m) {
+#ifdef GGUF_VNNI
+          dot_lo[m] = dpbusd_broadcast(dot_lo[m], lo, codes + m * k + 64 * p + 4 * i);
+          dot_hi[m] = dpbusd_broadcast(dot_hi[m], hi, codes + m * k + 64 * p + 32 + 4 * i);
+#else
           const __m256i c_lo = broadcast_codes(codes + m * k + 64 * p + 4 * i);
           const __m256i c_hi = broadcast_codes(codes + m * k + 64 * p + 32 + 4 * i);
-#ifdef GGUF_VNNI
-          dot_lo[m] = GGUF_DPBUSD(dot_lo[m], lo, c_lo);
-          dot_hi[m] = GGUF_DPBUSD(dot_hi[m], hi, c_hi);
-#else
           pairs_lo[m] = _mm256_add_epi16(pairs_lo[m], _mm256_maddubs_epi16(lo, c_lo));
           pairs_hi[m] = _mm256_add_epi16(pairs_hi[m], _mm256_maddubs_epi16(hi, c_hi));
           if ((i + 1) % kPerWidening == 0) {
@@ -194,7 +208,12 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
   constexpr int64_t kind = gguf::kQ6_K;
   constexpr int64_t bytes = fields<kind>().bytes;
   const int64_t k = a.in_features, num_supers = a.num_supers;
-  const __m256i low_nibble = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(0x30);
+  const __m256i low_nibble = _mm256_set1_epi8(0x0F);
+#ifdef __AVX512VL__
+  const __m256i six_bits = _mm256_set1_epi8(0x3F);
+#else
+  const __m256i two_bits = _mm256_set1_epi8(0x30);
+#endif
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < num_supers; ++g) {
@@ -210,45 +229,69 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
       const uint8_t* nibbles = block + word_at<kind>(16 * h + 8 * (j % 2));
       const uint8_t* highs = block + word_at<kind>(32 + 8 * h);
       const __m128i nibble_shift = _mm_cvtsi32_si128(4 * (j / 2));
+#ifdef __AVX512VL__
+      // Bits 2j, 2j + 1 of each byte to bits 4, 5 by one 32-bit rotation (by 4 - 2j, mod 32).
+      const __m256i high_rotation = _mm256_set1_epi32((4 - 2 * j) & 31);
+#else
       const __m128i high_shift = _mm_cvtsi32_si128(2 * j);
+#endif
       const int8_t* chunk_codes = codes + 32 * c;
-#pragma GCC unroll 2
-      for (int half = 0; half < 2; ++half) {
-        const int sub = 2 * c + half;
-        // The sub-block's int8 scale, sign-extended, in every lane.
-        const __m256i scale = _mm256_srai_epi32(
+      // The codes of word i of the chunk's 8 rows (values 4i..4i+3 of each), 0..63.
+      auto decode = [&](int i) {
+        const __m256i v = load_words(nibbles, 32 * i);
+        const __m256i high = load_words(highs, 32 * i);
+#ifdef __AVX512VL__
+        // Bits 0-3 from the nibbles, 4-7 from the rotated high bits (one ternary-logic
+        // select: 0xE4 = C ? A : B), then the two bits above the code cleared.
+        return _mm256_and_si256(
+            _mm256_ternarylogic_epi32(_mm256_srl_epi16(v, nibble_shift),
+                                      _mm256_rolv_epi32(high, high_rotation), low_nibble, 0xE4),
+            six_bits);
+#else
+        const __m256i low = _mm256_and_si256(_mm256_srl_epi16(v, nibble_shift), low_nibble);
+        // Bits 2j, 2j + 1 of each byte to bits 0, 1 (16-bit shifts: what crosses from the
+        // high byte lands above bit 5 of the low one), then to bits 4, 5.
+        const __m256i top = _mm256_slli_epi16(_mm256_srl_epi16(high, high_shift), 4);
+        return _mm256_or_si256(low, _mm256_and_si256(top, two_bits));
+#endif
+      };
+      // The int8 scales of sub-blocks 2c (first half) and 2c + 1, sign-extended in each lane.
+      auto sub_scale = [&](int sub) {
+        return _mm256_srai_epi32(
             _mm256_sll_epi32(scale_words[sub / 4], _mm_cvtsi32_si128(24 - 8 * (sub % 4))), 24);
+      };
+      const __m256i scale_a = sub_scale(2 * c), scale_b = sub_scale(2 * c + 1);
 #ifdef GGUF_VNNI
-        __m256i dot[MR];
-        for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
-#else
-        const __m256i scale16 = twice16(scale);
-#endif
+      // The two halves' dot chains side by side (word i of the first, i + 4 of the second):
+      // 2 MR chains of 4 vpdpbusd each, where one half at a time left MR chains whose
+      // latency the out-of-order window could not hide.
+      __m256i dot_a[MR], dot_b[MR];
+      for (int m = 0; m < MR; ++m) dot_a[m] = dot_b[m] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-        for (int i = 4 * half; i < 4 * half + 4; ++i) {
-          const __m256i v = load_words(nibbles, 32 * i);
-          const __m256i high = load_words(highs, 32 * i);
-          const __m256i low = _mm256_and_si256(_mm256_srl_epi16(v, nibble_shift), low_nibble);
-          // Bits 2j, 2j + 1 of each byte to bits 0, 1 (16-bit shifts: what crosses from the
-          // high byte lands above bit 5 of the low one), then to bits 4, 5.
-          const __m256i top = _mm256_slli_epi16(_mm256_srl_epi16(high, high_shift), 4);
-          const __m256i q = _mm256_or_si256(low, _mm256_and_si256(top, two_bits));
-          for (int m = 0; m < MR; ++m) {
-            const __m256i cv = broadcast_codes(chunk_codes + m * k + 4 * i);
-#ifdef GGUF_VNNI
-            dot[m] = GGUF_DPBUSD(dot[m], q, cv);
-#else
-            sumi[m] = _mm256_add_epi32(sumi[m],
-                                       _mm256_madd_epi16(_mm256_maddubs_epi16(q, cv), scale16));
-#endif
-          }
-        }
-#ifdef GGUF_VNNI
+      for (int i = 0; i < 4; ++i) {
+        const __m256i q_a = decode(i), q_b = decode(i + 4);
         for (int m = 0; m < MR; ++m) {
-          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_mullo_epi32(dot[m], scale));
+          dot_a[m] = dpbusd_broadcast(dot_a[m], q_a, chunk_codes + m * k + 4 * i);
+          dot_b[m] = dpbusd_broadcast(dot_b[m], q_b, chunk_codes + m * k + 16 + 4 * i);
         }
-#endif
       }
+      for (int m = 0; m < MR; ++m) {
+        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(_mm256_mullo_epi32(dot_a[m], scale_a),
+                                                              _mm256_mullo_epi32(dot_b[m], scale_b)));
+      }
+#else
+      const __m256i scale16_a = twice16(scale_a), scale16_b = twice16(scale_b);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const __m256i q = decode(i);
+        const __m256i scale16 = i < 4 ? scale16_a : scale16_b;
+        for (int m = 0; m < MR; ++m) {
+          const __m256i cv = broadcast_codes(chunk_codes + m * k + 4 * i);
+          sumi[m] = _mm256_add_epi32(sumi[m],
+                                     _mm256_madd_epi16(_mm256_maddubs_epi16(q, cv), scale16));
+        }
+      }
+#endif
     }
     // The zero point: 32 sum_s scale_s (sum of the sub-block's codes), scales in int16 pairs
     // (even bytes 4t, 4t + 2 and odd 4t + 1, 4t + 3 of word t) against code-sum pairs.
