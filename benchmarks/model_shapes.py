@@ -363,9 +363,28 @@ def progress_of(chunk: bytes) -> str:
     return shown
 
 
+# The converter hashes what AutoTokenizer encodes to name the pre-tokenizer. transformers 5
+# forces some families' own tokenizer class whatever tokenizer_config.json says (Qwen2's
+# rebuilds its pre-tokenizer, whose hash the converter does not know), so the converter runs
+# with every family mapped to the class that keeps tokenizer.json as saved.
+CONVERTER_PRELUDE = """
+import os, runpy, sys
+from transformers.models.auto import tokenization_auto as auto
+for name in list(auto.TOKENIZER_MAPPING_NAMES):
+    auto.TOKENIZER_MAPPING_NAMES[name] = "TokenizersBackend"
+auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.clear()
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(script))
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def convert_command(source: Path, hf_dir: Path, out: Path) -> list[str]:
     return [
         sys.executable,
+        "-c",
+        CONVERTER_PRELUDE,
         str(source / "convert_hf_to_gguf.py"),
         str(hf_dir),
         "--outfile",
