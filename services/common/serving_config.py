@@ -73,8 +73,10 @@ class WeightsConfig:
     """auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA or where the CPU has native
     bf16)."""
     quantization: str = "auto"
-    """Weights: auto (a GGUF keeps its own Q4/Q8 blocks, a HF directory its dtype), none, int8,
-    w8a8, int4, nf4, or gguf."""
+    """Weights: auto (a GGUF keeps its own blocks, a HF directory its dtype), none, int8, w8a8,
+    int4, nf4, gguf (a GGUF's blocks, activations rounded to int8 as llama.cpp does) or
+    gguf-exact (the same blocks against float activations, and the KV cache in the model
+    dtype: float32 on a CPU, transformers' arithmetic)."""
     kv_cache_dtype: str = "auto"
     """auto, float32, bfloat16, float16 or int8 (per-group fp16 scales; about 1.6x the blocks
     of bf16). auto: the model dtype, but float16 for a float32 model under --quantization gguf
