@@ -769,119 +769,107 @@ void x8_tile_scalar(const Activations& a, int64_t m0, const uint8_t* group, int6
 }
 
 #ifdef GGUF_AVX2
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  return _mm256_set1_epi32(word);
-}
-
 // Bytes 4i' .. 4i' + 3 of each lane: 16 where bit j of the lane's (high_bits >> shift) is set,
 // j = 0..3 (the 5th bit of 4 codes of one row).
-inline __m256i fifth_bits(__m256i high_bits, int shift) {
-  const __m256i shifted = _mm256_srl_epi32(high_bits, _mm_cvtsi32_si128(shift));
-  const __m256i low_byte = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
-                                            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
-  const __m256i bit = _mm256_set1_epi32(0x08040201);
-  const __m256i spread = _mm256_and_si256(_mm256_shuffle_epi8(shifted, low_byte), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(spread, bit), _mm256_set1_epi8(16));
+template <typename V>
+inline typename V::I fifth_bits(typename V::I high_bits, int shift) {
+  using I = typename V::I;
+  const I shifted = V::srl32(high_bits, _mm_cvtsi32_si128(shift));
+  const I low_byte = V::lanes16(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  const I bit = V::set1_32(0x08040201);
+  const I spread = V::and_(V::shuffle8(shifted, low_byte), bit);
+  return V::where_eq8(spread, bit, V::set1_8(16));
 }
 
-template <int64_t KIND, int MR>
-void x8_tile_avx2(const Activations& a, int64_t m0, const uint8_t* group, int64_t row_bytes,
-                  float* out, int64_t ldo) {
+// The V::kRows rows from `group` on (one 8-row group, or two adjacent ones in a 512-bit
+// vector: gguf_vec.h) against activation rows [m0, m0 + MR).
+template <typename V, int64_t KIND, int MR>
+void x8_tile(const Activations& a, int64_t m0, const uint8_t* group, int64_t row_bytes,
+             float* out, int64_t ldo) {
+  using I = typename V::I;
+  using F = typename V::F;
   constexpr int64_t bytes = x8_block_bytes<KIND>(), header = x8_header<KIND>();
   // int16 pair sums per widening: 8 of Q4's, 4 of Q5's (see above).
   constexpr int kPairsPerWidening = has_high_bits(KIND) ? 4 : 8;
+  const int64_t stride = kGroupRows * row_bytes;  // to the next group (V16's upper lanes)
   const int64_t k = a.in_features, nb = a.num_blocks;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low_nibble = _mm256_set1_epi8(0x0F);
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const I ones = V::set1_16(1);
+  const I low_nibble = V::set1_8(0x0F);
+  F acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = V::zero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = group + b * kGroupRows * bytes;
     const uint8_t* q = block + header;
-    // The next group's block, one group ahead of use (see super_tile_avx2).
+    // The next groups' block, one tile ahead of use.
     // Measured, 2 threads, weights from memory, M = 1: Q4_1 50 -> 41 us, Q5_0 37 -> 30.
-    const char* next = reinterpret_cast<const char*>(block + kGroupRows * row_bytes);
-    for (int64_t line = 0; line < kGroupRows * bytes; line += 64) {
-      _mm_prefetch(next + line, _MM_HINT_T0);
-    }
+    gguf_x8::prefetch_next_groups<V>(block, row_bytes, bytes);
     const int8_t* c[MR];
     for (int m = 0; m < MR; ++m) c[m] = a.codes.data() + (m0 + m) * k + b * kBlock;
-    __m256i dot[MR];
-    for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
+    I dot[MR];
+    for (int m = 0; m < MR; ++m) dot[m] = V::zero();
     if constexpr (KIND == kQ8_0) {
       for (int i = 0; i < 8; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
+        const I v = V::load(q + 32 * i, stride);
 #ifdef GGUF_VNNI
         // q + 128 as the unsigned operand (vpdpbusd does not saturate), 128 sum c taken off
         // below: one shared xor where |q| and c's sign took one operation per row.
-        const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
-        for (int m = 0; m < MR; ++m) dot[m] = gguf_x8::dpbusd_broadcast(dot[m], u, c[m] + 4 * i);
+        const I u = V::xor_(v, V::set1_8(static_cast<char>(0x80)));
+        for (int m = 0; m < MR; ++m) dot[m] = V::dpbusd(dot[m], u, c[m] + 4 * i);
 #else
-        const __m256i u = _mm256_abs_epi8(v);
+        const I u = V::abs8(v);
         for (int m = 0; m < MR; ++m) {
-          const __m256i signed_c = _mm256_sign_epi8(broadcast4(c[m] + 4 * i), v);
-          dot[m] = _mm256_add_epi32(dot[m],
-                                    _mm256_madd_epi16(_mm256_maddubs_epi16(u, signed_c), ones));
+          const I signed_c = V::sign8(V::broadcast4(c[m] + 4 * i), v);
+          dot[m] = V::add32(dot[m], V::madd16(V::maddubs(u, signed_c), ones));
         }
 #endif
       }
     } else {
-      __m256i high_bits = _mm256_setzero_si256();
-      if constexpr (has_high_bits(KIND)) {
-        high_bits = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(block + x8_high_bits_at<KIND>()));
-      }
-      __m256i pairs[MR];
-      for (int m = 0; m < MR; ++m) pairs[m] = _mm256_setzero_si256();
+      I high_bits = V::zero();
+      if constexpr (has_high_bits(KIND)) high_bits = V::load(block + x8_high_bits_at<KIND>(), stride);
+      I pairs[MR];
+      for (int m = 0; m < MR; ++m) pairs[m] = V::zero();
       for (int i = 0; i < 4; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * i));
-        __m256i lo = _mm256_and_si256(v, low_nibble);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibble);
+        const I v = V::load(q + 32 * i, stride);
+        I lo = V::and_(v, low_nibble);
+        I hi = V::and_(V::template srli16<4>(v), low_nibble);
         if constexpr (has_high_bits(KIND)) {
-          lo = _mm256_or_si256(lo, fifth_bits(high_bits, 4 * i));
-          hi = _mm256_or_si256(hi, fifth_bits(high_bits, 16 + 4 * i));
+          lo = V::or_(lo, fifth_bits<V>(high_bits, 4 * i));
+          hi = V::or_(hi, fifth_bits<V>(high_bits, 16 + 4 * i));
         }
         for (int m = 0; m < MR; ++m) {
 #ifdef GGUF_VNNI
-          dot[m] = gguf_x8::dpbusd_broadcast(dot[m], lo, c[m] + 4 * i);
-          dot[m] = gguf_x8::dpbusd_broadcast(dot[m], hi, c[m] + 16 + 4 * i);
+          dot[m] = V::dpbusd(dot[m], lo, c[m] + 4 * i);
+          dot[m] = V::dpbusd(dot[m], hi, c[m] + 16 + 4 * i);
 #else
-          pairs[m] = _mm256_add_epi16(pairs[m], _mm256_maddubs_epi16(lo, broadcast4(c[m] + 4 * i)));
-          pairs[m] = _mm256_add_epi16(pairs[m],
-                                      _mm256_maddubs_epi16(hi, broadcast4(c[m] + 16 + 4 * i)));
+          pairs[m] = V::add16(pairs[m], V::maddubs(lo, V::broadcast4(c[m] + 4 * i)));
+          pairs[m] = V::add16(pairs[m], V::maddubs(hi, V::broadcast4(c[m] + 16 + 4 * i)));
           if ((2 * i + 2) % kPairsPerWidening == 0) {
-            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs[m], ones));
-            pairs[m] = _mm256_setzero_si256();
+            dot[m] = V::add32(dot[m], V::madd16(pairs[m], ones));
+            pairs[m] = V::zero();
           }
 #endif
         }
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    const F d = V::halves(block, stride);
     for (int m = 0; m < MR; ++m) {
       const int64_t ab = (m0 + m) * nb + b;
-      const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.scale[ab]));
+      const F ds = V::mul(d, V::set1_ps(a.scale[ab]));
       if constexpr (KIND == kQ4_0 || KIND == gguf::kQ5_0) {
         // d s (sum q c - z sum c), z = 8 or 16: the offset in integers, exact.
         constexpr int zero = KIND == kQ4_0 ? 8 : 16;
-        dot[m] = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(zero * a.isum[ab]));
+        dot[m] = V::sub32(dot[m], V::set1_32(zero * a.isum[ab]));
       }
 #ifdef GGUF_VNNI
-      if constexpr (KIND == kQ8_0) {
-        dot[m] = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(128 * a.isum[ab]));
-      }
+      if constexpr (KIND == kQ8_0) dot[m] = V::sub32(dot[m], V::set1_32(128 * a.isum[ab]));
 #endif
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), ds, acc[m]);
+      acc[m] = V::fmadd(V::cvt(dot[m]), ds, acc[m]);
       if constexpr (has_min(KIND)) {
-        const __m256 mins =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
-        acc[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum[ab]), acc[m]);
+        acc[m] = V::fmadd(V::halves(block + 16, stride), V::set1_ps(a.sum[ab]), acc[m]);
       }
     }
   }
-  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+  for (int m = 0; m < MR; ++m) V::store(out + m * ldo, acc[m]);
 }
 #endif  // GGUF_AVX2
 
@@ -904,23 +892,37 @@ constexpr int kX8TileM = 8;
 constexpr int kX8TileM = 4;
 #endif
 
-// Calls tile(m0, mr, g) for every tile of up to `tile_m` activation rows and every 8-row
-// group: groups over the threads, activation rows in blocks of kActivationBlockBytes of codes.
+// Calls tile(m0, mr, g, count) for every tile of up to `tile_m` activation rows and every
+// unit of `unit_groups` 8-row groups (count: the unit's groups, fewer in the last unit):
+// units over the threads, activation rows in blocks of kActivationBlockBytes of codes.
 template <typename Tile>
-void over_x8_tiles(int64_t rows, int64_t k, int64_t n_total, int tile_m, const Tile& tile) {
+void over_x8_tiles(int64_t rows, int64_t k, int64_t n_total, int tile_m, int unit_groups,
+                   const Tile& tile) {
   const int64_t groups = n_total / kGroupRows;
+  const int64_t units = (groups + unit_groups - 1) / unit_groups;
   const int64_t m_block = activation_block_rows(k, tile_m);
   for (int64_t m_begin = 0; m_begin < rows; m_begin += m_block) {
     const int64_t m_end = std::min(rows, m_begin + m_block);
-    at::parallel_for(0, groups, kChunkN / kGroupRows, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
+    const int64_t grain = std::max<int64_t>(1, kChunkN / kGroupRows / unit_groups);
+    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t g = u * unit_groups;
+        const int count = static_cast<int>(std::min<int64_t>(unit_groups, groups - g));
         for (int64_t m0 = m_begin; m0 < m_end; m0 += tile_m) {
-          tile(m0, static_cast<int>(std::min<int64_t>(tile_m, m_end - m0)), g);
+          tile(m0, static_cast<int>(std::min<int64_t>(tile_m, m_end - m0)), g, count);
         }
       }
     });
   }
 }
+
+// 8-row groups per unit of the K-quant tiles: two in a 512-bit vector where the build has
+// them (gguf_vec.h), else one.
+#if defined(GGUF_V16)
+constexpr int kX8UnitGroups = 2;
+#else
+constexpr int kX8UnitGroups = 1;
+#endif
 
 // fn(std::integral_constant<int, MR>{}) for a tile of `mr` rows (1 .. the build's tile height).
 template <typename Fn>
@@ -944,13 +946,20 @@ void with_tile_rows(int mr, const Fn& fn) {
 template <int64_t KIND>
 void x8_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_total,
                float* out, int64_t ldo) {
-  over_x8_tiles(a.rows, a.in_features, n_total, kX8TileM, [&](int64_t m0, int mr, int64_t g) {
+  over_x8_tiles(a.rows, a.in_features, n_total, kX8TileM, kX8UnitGroups,
+                [&](int64_t m0, int mr, int64_t g, int count) {
     const uint8_t* group = w + g * kGroupRows * row_bytes;
     float* o = out + m0 * ldo + g * kGroupRows;
     with_tile_rows(mr, [&](auto rows) {
       constexpr int MR = decltype(rows)::value;
 #ifdef GGUF_AVX2
-      x8_tile_avx2<KIND, MR>(a, m0, group, row_bytes, o, ldo);
+#ifdef GGUF_V16
+      if (count == 2) {
+        x8_tile<gguf_x8::V16, KIND, MR>(a, m0, group, row_bytes, o, ldo);
+        return;
+      }
+#endif
+      x8_tile<gguf_x8::V8, KIND, MR>(a, m0, group, row_bytes, o, ldo);
 #else
       x8_tile_scalar<KIND, MR>(a, m0, group, row_bytes, o, ldo);
 #endif
@@ -1202,12 +1211,20 @@ void super_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes
 template <int64_t KIND>
 void super_x8_linear(const SuperActivations& a, const uint8_t* w, int64_t row_bytes,
                      int64_t n_total, float* out, int64_t ldo) {
-  over_x8_tiles(a.rows, a.in_features, n_total, kX8TileM, [&](int64_t m0, int mr, int64_t g) {
+  over_x8_tiles(a.rows, a.in_features, n_total, kX8TileM, kX8UnitGroups,
+                [&](int64_t m0, int mr, int64_t g, int count) {
     const uint8_t* group = w + g * kGroupRows * row_bytes;
     float* o = out + m0 * ldo + g * kGroupRows;
 #ifdef GGUF_AVX2
     with_tile_rows(mr, [&](auto rows) {
-      gguf_x8::super_x8_tile<KIND, decltype(rows)::value>(a, m0, group, row_bytes, o, ldo);
+      constexpr int MR = decltype(rows)::value;
+#ifdef GGUF_V16
+      if (count == 2) {
+        gguf_x8::super_x8_tile<KIND, MR, gguf_x8::V16>(a, m0, group, row_bytes, o, ldo);
+        return;
+      }
+#endif
+      gguf_x8::super_x8_tile<KIND, MR, gguf_x8::V8>(a, m0, group, row_bytes, o, ldo);
     });
 #else
     // The unpacked row through the scalar kernel of its kind: the same arithmetic.

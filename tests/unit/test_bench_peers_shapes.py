@@ -4,6 +4,8 @@ the roofs (int8 peak per CPU flag set, % of bandwidth and of peak) and the table
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -237,8 +239,24 @@ def test_peaks_survive_their_json_with_an_unknown_clock() -> None:
     assert MachinePeaks.from_json(_peaks().to_json()) == _peaks()
 
 
+def test_a_measured_int8_peak_wins_over_the_formula_and_names_its_instruction() -> None:
+    formula = _peaks()
+    measured = dataclasses.replace(formula, measured_int8=(1.0e12, 2.2e12, math.nan))
+    assert measured.int8_ops_per_s == 2.2e12
+    line = measured.int8_line()
+    assert line.startswith("int8 peak: 2200 GOPS measured (vpdpbusd zmm")
+    assert "vpdpbusd ymm 1000" in line and "vpmaddubsw" not in line
+    again = MachinePeaks.from_json(json.loads(json.dumps(measured.to_json())))
+    assert again.measured_int8[:2] == (1.0e12, 2.2e12) and math.isnan(again.measured_int8[2])
+    # Nothing measured (the extension did not load): the formula, as before.
+    nothing = dataclasses.replace(formula, measured_int8=(math.nan, math.nan, math.nan))
+    assert nothing.int8_ops_per_s == formula.int8_ops_per_s
+    assert "measured" not in nothing.int8_line()
+
+
 def test_the_measurement_reads_a_buffer_and_the_clock() -> None:
-    peaks = measure(threads=1, buffer_mib=1, budget_s=0.01)  # a function check, not a figure
+    # A function check, not a figure (the int8 chains: tests/kernels/test_int8_peak.py).
+    peaks = measure(threads=1, buffer_mib=1, budget_s=0.01, with_int8_peak=False)
     assert peaks.read_bytes_per_s > 0 and peaks.buffer_bytes == 1 << 20
     assert peaks.threads == peaks.cores == 1
     with pytest.raises(ValueError):
