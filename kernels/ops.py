@@ -272,7 +272,7 @@ __all__ += ["gguf_embedding", "gguf_kernel_layout", "gguf_linear", "gguf_linear_
 
 def gguf_kernel_layout(blocks: Tensor, kind: int, in_place: bool = False) -> tuple[Tensor, int]:
     """The blocks in the layout the int8-activation kernels stream best, and its kind: Q4_0,
-    Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K with a multiple of 8 rows regrouped by 8 rows
+    Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K or Q6_K with a multiple of 8 rows regrouped by 8 rows
     (the same bytes) when the C++ kernels run here; anything else as it is. `in_place`:
     regroup inside `blocks` (a buffer the caller owns), with no second copy of the weight."""
     repackable = kind in gguf_blocks_torch.REPACKABLE_KINDS and blocks.shape[0] % 8 == 0

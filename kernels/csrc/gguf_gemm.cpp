@@ -728,6 +728,7 @@ constexpr bool is_x8_kind(int64_t kind) { return gguf_x8::has_layout(kind); }
 static_assert(gguf_x8::fields<kQ4_0>().bytes == Layout<kQ4_0>::bytes &&
                   gguf_x8::fields<kQ4_1>().bytes == Layout<kQ4_1>::bytes &&
                   gguf_x8::fields<kQ8_0>().bytes == Layout<kQ8_0>::bytes &&
+                  gguf_x8::fields<gguf::kIQ4_NL>().bytes == gguf::Format<gguf::kIQ4_NL>::kBytes &&
                   gguf_x8::fields<gguf::kQ4_K>().bytes == gguf::Format<gguf::kQ4_K>::kBytes &&
                   gguf_x8::fields<gguf::kQ5_K>().bytes == gguf::Format<gguf::kQ5_K>::kBytes &&
                   gguf_x8::fields<gguf::kQ6_K>().bytes == gguf::Format<gguf::kQ6_K>::kBytes,
@@ -807,7 +808,34 @@ void x8_tile(const Activations& a, int64_t m0, const uint8_t* group, int64_t row
     for (int m = 0; m < MR; ++m) c[m] = a.codes.data() + (m0 + m) * k + b * kBlock;
     I dot[MR];
     for (int m = 0; m < MR; ++m) dot[m] = V::zero();
-    if constexpr (KIND == kQ8_0) {
+    if constexpr (KIND == gguf::kIQ4_NL) {
+      // Each nibble indexes the 16 signed levels (one vpshufb), then the signed weights go
+      // as Q8_0's do.
+      const I levels = V::lanes16(
+          _mm_load_si128(reinterpret_cast<const __m128i*>(gguf::kIQ4Levels)));
+      for (int i = 0; i < 4; ++i) {
+        const I v = V::load(q + 32 * i, stride);
+        const I w_lo = V::shuffle8(levels, V::and_(v, low_nibble));
+        const I w_hi = V::shuffle8(levels, V::and_(V::template srli16<4>(v), low_nibble));
+#ifdef GGUF_VNNI
+        const I flip = V::set1_8(static_cast<char>(0x80));
+        const I u_lo = V::xor_(w_lo, flip), u_hi = V::xor_(w_hi, flip);
+        for (int m = 0; m < MR; ++m) {
+          dot[m] = V::dpbusd(dot[m], u_lo, c[m] + 4 * i);
+          dot[m] = V::dpbusd(dot[m], u_hi, c[m] + 16 + 4 * i);
+        }
+#else
+        const I u_lo = V::abs8(w_lo), u_hi = V::abs8(w_hi);
+        for (int m = 0; m < MR; ++m) {
+          const I c_lo = V::sign8(V::broadcast4(c[m] + 4 * i), w_lo);
+          const I c_hi = V::sign8(V::broadcast4(c[m] + 16 + 4 * i), w_hi);
+          // Widened apart: two pair sums of up to 2 x 127 x 127 would pass int16.
+          dot[m] = V::add32(dot[m], V::add32(V::madd16(V::maddubs(u_lo, c_lo), ones),
+                                             V::madd16(V::maddubs(u_hi, c_hi), ones)));
+        }
+#endif
+      }
+    } else if constexpr (KIND == kQ8_0) {
       for (int i = 0; i < 8; ++i) {
         const I v = V::load(q + 32 * i, stride);
 #ifdef GGUF_VNNI
@@ -861,7 +889,9 @@ void x8_tile(const Activations& a, int64_t m0, const uint8_t* group, int64_t row
         dot[m] = V::sub32(dot[m], V::set1_32(zero * a.isum[ab]));
       }
 #ifdef GGUF_VNNI
-      if constexpr (KIND == kQ8_0) dot[m] = V::sub32(dot[m], V::set1_32(128 * a.isum[ab]));
+      if constexpr (KIND == kQ8_0 || KIND == gguf::kIQ4_NL) {
+        dot[m] = V::sub32(dot[m], V::set1_32(128 * a.isum[ab]));
+      }
 #endif
       acc[m] = V::fmadd(V::cvt(dot[m]), ds, acc[m]);
       if constexpr (has_min(KIND)) {
@@ -1386,7 +1416,7 @@ void check_blocks(const at::Tensor& blocks, int64_t kind) {
               " bytes is not a whole number of ", bytes, "-byte blocks");
   if (kind & kRepackedX8) {
     TORCH_CHECK(is_x8_kind(kind & ~kRepackedX8) && blocks.size(0) % kGroupRows == 0,
-                "gguf blocks repacked by 8 rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or "
+                "gguf blocks repacked by 8 rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K or "
                 "Q6_K with a multiple of 8 rows");
   }
 }
@@ -1548,7 +1578,7 @@ at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks,
 at::Tensor gguf_repack(const at::Tensor& blocks, int64_t kind) {
   check_blocks(blocks, kind);
   TORCH_CHECK(is_x8_kind(kind) && blocks.size(0) % kGroupRows == 0,
-              "gguf_repack: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks with a "
+              "gguf_repack: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K or Q6_K blocks with a "
               "multiple of 8 rows");
   auto src = blocks.contiguous();
   auto out = at::empty_like(src);
@@ -1566,7 +1596,7 @@ at::Tensor gguf_repack(const at::Tensor& blocks, int64_t kind) {
 at::Tensor gguf_repack_(at::Tensor blocks, int64_t kind) {
   check_blocks(blocks, kind);
   TORCH_CHECK(is_x8_kind(kind) && blocks.size(0) % kGroupRows == 0,
-              "gguf_repack_: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks with a "
+              "gguf_repack_: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K or Q6_K blocks with a "
               "multiple of 8 rows");
   TORCH_CHECK(blocks.is_contiguous(), "gguf_repack_: the blocks must be contiguous");
   dispatch_kind(kind, [&](auto kind_constant) {
