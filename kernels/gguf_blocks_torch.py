@@ -80,10 +80,10 @@ SCALE_OFFSETS = {
 """Byte offsets of each kind's fp16 fields (d, then m or dmin) inside one block: what a
 random block must hold finite for its weights to be finite."""
 GGUF_REPACKED_X8 = 256
-"""Kind flag: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / Q4_K / Q5_K / Q6_K blocks regrouped by 8
+"""Kind flag: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / Q2_K..Q6_K blocks regrouped by 8
 rows at load (kernels/csrc/gguf_x8_layout.h), the layout the int8-activation kernels stream
 best. Same bytes, so the same memory; only the C++ kernels read it."""
-REPACKABLE_KINDS = (GGUF_Q4_0, GGUF_Q4_1, 6, 7, GGUF_Q8_0, 12, 13, 14, 20)
+REPACKABLE_KINDS = (GGUF_Q4_0, GGUF_Q4_1, 6, 7, GGUF_Q8_0, 10, 11, 12, 13, 14, 20)
 
 
 def kind_name(kind: int) -> str:

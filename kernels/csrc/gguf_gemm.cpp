@@ -729,6 +729,8 @@ static_assert(gguf_x8::fields<kQ4_0>().bytes == Layout<kQ4_0>::bytes &&
                   gguf_x8::fields<kQ4_1>().bytes == Layout<kQ4_1>::bytes &&
                   gguf_x8::fields<kQ8_0>().bytes == Layout<kQ8_0>::bytes &&
                   gguf_x8::fields<gguf::kIQ4_NL>().bytes == gguf::Format<gguf::kIQ4_NL>::kBytes &&
+                  gguf_x8::fields<gguf::kQ2_K>().bytes == gguf::Format<gguf::kQ2_K>::kBytes &&
+                  gguf_x8::fields<gguf::kQ3_K>().bytes == gguf::Format<gguf::kQ3_K>::kBytes &&
                   gguf_x8::fields<gguf::kQ4_K>().bytes == gguf::Format<gguf::kQ4_K>::kBytes &&
                   gguf_x8::fields<gguf::kQ5_K>().bytes == gguf::Format<gguf::kQ5_K>::kBytes &&
                   gguf_x8::fields<gguf::kQ6_K>().bytes == gguf::Format<gguf::kQ6_K>::kBytes,
@@ -1416,7 +1418,7 @@ void check_blocks(const at::Tensor& blocks, int64_t kind) {
               " bytes is not a whole number of ", bytes, "-byte blocks");
   if (kind & kRepackedX8) {
     TORCH_CHECK(is_x8_kind(kind & ~kRepackedX8) && blocks.size(0) % kGroupRows == 0,
-                "gguf blocks repacked by 8 rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K or "
+                "gguf blocks repacked by 8 rows: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K or "
                 "Q6_K with a multiple of 8 rows");
   }
 }
@@ -1578,7 +1580,7 @@ at::Tensor gguf_embedding(const at::Tensor& token_ids, const at::Tensor& blocks,
 at::Tensor gguf_repack(const at::Tensor& blocks, int64_t kind) {
   check_blocks(blocks, kind);
   TORCH_CHECK(is_x8_kind(kind) && blocks.size(0) % kGroupRows == 0,
-              "gguf_repack: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K or Q6_K blocks with a "
+              "gguf_repack: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K blocks with a "
               "multiple of 8 rows");
   auto src = blocks.contiguous();
   auto out = at::empty_like(src);
@@ -1596,7 +1598,7 @@ at::Tensor gguf_repack(const at::Tensor& blocks, int64_t kind) {
 at::Tensor gguf_repack_(at::Tensor blocks, int64_t kind) {
   check_blocks(blocks, kind);
   TORCH_CHECK(is_x8_kind(kind) && blocks.size(0) % kGroupRows == 0,
-              "gguf_repack_: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K or Q6_K blocks with a "
+              "gguf_repack_: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K blocks with a "
               "multiple of 8 rows");
   TORCH_CHECK(blocks.is_contiguous(), "gguf_repack_: the blocks must be contiguous");
   dispatch_kind(kind, [&](auto kind_constant) {

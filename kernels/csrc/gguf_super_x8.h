@@ -187,22 +187,33 @@ void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
   for (int m = 0; m < MR; ++m) V::store(out + m * ldo, acc[m]);
 }
 
-// Q6_K: chunk c = 4 h + j (32 values) takes the nibbles of word 16 h + 8 (j % 2) + i (low for
-// j < 2) and bits 2j, 2j + 1 of word 32 + 8 h + i; its 16-value sub-blocks are 2c and 2c + 1.
+// The kinds of 16 sub-blocks of 16 values (Q6_K, Q3_K, Q2_K): chunk c (32 values, sub-blocks
+// 2c and 2c + 1) decodes its codes word by word, per kind:
+//   Q6_K  c = 4 h + j: the nibbles of word 16 h + 8 (j % 2) + i (low for j < 2) and bits 2j,
+//         2j + 1 of word 32 + 8 h + i: 0..63, zero point 32, int8 scales (words 48-51)
+//   Q3_K  c = 4 n + j: bits 2j, 2j + 1 of word 8 + 8 n + i and bit c of word i: 0..7, zero
+//         point 4, 6-bit scales - 32 packed in words 24-26
+//   Q2_K  c = 4 n + j: bits 2j, 2j + 1 of word 4 + 8 n + i: 0..3, 4-bit scales and mins
+//         (words 0-3), the mins times dmin taken off as Q4_K's
 // One loop iteration per chunk with its shifts as counts (the loop stays small, as Q4_K's:
 // the super-block unrolled whole spent more instructions on addresses than on dots).
-template <typename V, int MR, typename Acts>
-void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_bytes, float* out,
-               int64_t ldo) {
+template <int64_t KIND>
+constexpr int zero_point_shift() {  // log2 of the zero point; Q2_K has mins instead
+  return KIND == gguf::kQ6_K ? 5 : KIND == gguf::kQ3_K ? 2 : -1;
+}
+
+template <typename V, int MR, int64_t KIND, typename Acts>
+void sub16_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_bytes, float* out,
+                int64_t ldo) {
   using I = typename V::I;
   using F = typename V::F;
-  constexpr int64_t kind = gguf::kQ6_K;
-  constexpr int64_t bytes = fields<kind>().bytes;
+  constexpr int64_t bytes = fields<KIND>().bytes;
   const int64_t stride = kGroupRows * row_bytes;
   const int64_t k = a.in_features, num_supers = a.num_supers;
   const I low_nibble = V::set1_8(0x0F);
+  const I low2 = V::set1_8(0x03);
 #ifdef __AVX512VL__
-  const I six_bits = V::set1_8(0x3F);
+  const I code_mask = V::set1_8(KIND == gguf::kQ6_K ? 0x3F : 0x07);
 #else
   const I two_bits = V::set1_8(0x30);
 #endif
@@ -211,40 +222,87 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
   for (int64_t g = 0; g < num_supers; ++g) {
     const uint8_t* block = group + g * kGroupRows * bytes;
     prefetch_next_groups<V>(block, row_bytes, bytes);
-    I scale_words[4];
-    for (int t = 0; t < 4; ++t) scale_words[t] = V::load(block + word_at<kind>(48 + t), stride);
+    // The 16 sub-block scales as signed bytes (4 per lane per word), and Q2_K's mins.
+    I scale_words[4], min_words[4];
+    if constexpr (KIND == gguf::kQ6_K) {
+      for (int t = 0; t < 4; ++t) scale_words[t] = V::load(block + word_at<KIND>(48 + t), stride);
+    } else if constexpr (KIND == gguf::kQ3_K) {
+      const I w0 = V::load(block + word_at<KIND>(24), stride),
+              w1 = V::load(block + word_at<KIND>(25), stride),
+              w2 = V::load(block + word_at<KIND>(26), stride);
+      const I nibbles4 = V::set1_32(0x0F0F0F0F), bits2 = V::set1_32(0x03030303);
+      auto high = [&](I shifted) { return V::template slli32<4>(V::and_(shifted, bits2)); };
+      scale_words[0] = V::or_(V::and_(w0, nibbles4), high(w2));
+      scale_words[1] = V::or_(V::and_(w1, nibbles4), high(V::template srli32<2>(w2)));
+      scale_words[2] = V::or_(V::and_(V::template srli32<4>(w0), nibbles4),
+                              high(V::template srli32<4>(w2)));
+      scale_words[3] = V::or_(V::and_(V::template srli32<4>(w1), nibbles4),
+                              high(V::template srli32<6>(w2)));
+      for (int t = 0; t < 4; ++t) scale_words[t] = V::sub8(scale_words[t], V::set1_8(32));
+    } else {
+      for (int t = 0; t < 4; ++t) {
+        const I w = V::load(block + word_at<KIND>(t), stride);
+        scale_words[t] = V::and_(w, low_nibble);
+        min_words[t] = V::and_(V::template srli16<4>(w), low_nibble);
+      }
+    }
     const int8_t* codes = a.codes.data() + m0 * k + g * 256;
     I sumi[MR];
     for (int m = 0; m < MR; ++m) sumi[m] = V::zero();
     for (int c = 0; c < 8; ++c) {
       const int h = c / 4, j = c % 4;
-      const uint8_t* nibbles = block + word_at<kind>(16 * h + 8 * (j % 2));
-      const uint8_t* highs = block + word_at<kind>(32 + 8 * h);
-      const __m128i nibble_shift = _mm_cvtsi32_si128(4 * (j / 2));
+      const __m128i pair_shift = _mm_cvtsi32_si128(2 * j);
+      const uint8_t* low_words;   // the nibbles (Q6_K) or 2-bit codes
+      const uint8_t* high_words;  // the 2-bit highs (Q6_K) or the high bits (Q3_K)
+      __m128i low_shift;
+      if constexpr (KIND == gguf::kQ6_K) {
+        low_words = block + word_at<KIND>(16 * h + 8 * (j % 2));
+        high_words = block + word_at<KIND>(32 + 8 * h);
+        low_shift = _mm_cvtsi32_si128(4 * (j / 2));
+      } else if constexpr (KIND == gguf::kQ3_K) {
+        low_words = block + word_at<KIND>(8 + 8 * h);
+        high_words = block + word_at<KIND>(0);
+        low_shift = pair_shift;
+      } else {
+        low_words = block + word_at<KIND>(4 + 8 * h);
+        high_words = nullptr;
+        low_shift = pair_shift;
+      }
 #ifdef __AVX512VL__
-      // Bits 2j, 2j + 1 of each byte to bits 4, 5 by one 32-bit rotation (by 4 - 2j, mod 32).
-      const I high_rotation = V::set1_32((4 - 2 * j) & 31);
-#else
-      const __m128i high_shift = _mm_cvtsi32_si128(2 * j);
+      // Q6_K: bits 2j, 2j + 1 of each byte to bits 4, 5; Q3_K: bit c to bit 2. One 32-bit
+      // rotation each (the other bits are cleared below).
+      const I high_rotation = V::set1_32(KIND == gguf::kQ6_K ? (4 - 2 * j) & 31 : (2 - c) & 31);
 #endif
       const int8_t* chunk_codes = codes + 32 * c;
-      // The codes of word i of the chunk's rows (values 4i..4i+3 of each), 0..63.
-      auto decode = [&](int i) {
-        const I v = V::load(nibbles + 32 * i, stride);
-        const I high = V::load(highs + 32 * i, stride);
+      // The codes of word i of the chunk's rows (values 4i..4i+3 of each).
+      auto decode = [&](int i) -> I {
+        const I v = V::load(low_words + 32 * i, stride);
+        if constexpr (KIND == gguf::kQ2_K) {
+          return V::and_(V::srl16(v, low_shift), low2);
+        } else {
+          const I high = V::load(high_words + 32 * i, stride);
 #ifdef __AVX512VL__
-        // Bits 0-3 from the nibbles, 4-7 from the rotated high bits (one ternary-logic
-        // select: 0xE4 = C ? A : B), then the two bits above the code cleared.
-        return V::and_(V::template ternary<0xE4>(V::srl16(v, nibble_shift),
-                                                 V::rolv32(high, high_rotation), low_nibble),
-                       six_bits);
+          // The low bits from the code words, the rest from the rotated high bits (one
+          // ternary-logic select: 0xE4 = C ? A : B), then the bits above the code cleared.
+          const I low_bits = KIND == gguf::kQ6_K ? low_nibble : low2;
+          return V::and_(V::template ternary<0xE4>(V::srl16(v, low_shift),
+                                                   V::rolv32(high, high_rotation), low_bits),
+                         code_mask);
 #else
-        const I low = V::and_(V::srl16(v, nibble_shift), low_nibble);
-        // Bits 2j, 2j + 1 of each byte to bits 0, 1 (16-bit shifts: what crosses from the
-        // high byte lands above bit 5 of the low one), then to bits 4, 5.
-        const I top = V::template slli16<4>(V::srl16(high, high_shift));
-        return V::or_(low, V::and_(top, two_bits));
+          if constexpr (KIND == gguf::kQ6_K) {
+            const I low = V::and_(V::srl16(v, low_shift), low_nibble);
+            // Bits 2j, 2j + 1 of each byte to bits 0, 1 (16-bit shifts: what crosses from
+            // the high byte lands above bit 5 of the low one), then to bits 4, 5.
+            const I top = V::template slli16<4>(V::srl16(high, pair_shift));
+            return V::or_(low, V::and_(top, two_bits));
+          } else {
+            const I low = V::and_(V::srl16(v, low_shift), low2);
+            // Bit c of each byte to bit 0, then to bit 2.
+            const I top = V::template slli16<2>(V::srl16(high, _mm_cvtsi32_si128(c)));
+            return V::or_(low, V::and_(top, V::set1_8(0x04)));
+          }
 #endif
+        }
       };
       // The int8 scale of sub-block `sub`, sign-extended in each lane.
       auto sub_scale = [&](int sub) {
@@ -281,14 +339,16 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
       }
 #endif
     }
-    // The zero point: 32 sum_s scale_s (sum of the sub-block's codes), scales in int16 pairs
-    // (even bytes 4t, 4t + 2 and odd 4t + 1, 4t + 3 of word t) against code-sum pairs.
+    // The zero point (Q6_K, Q3_K: z sum_s scale_s (sum of the sub-block's codes)) or Q2_K's
+    // mins (sum_s min_s (...)): the per-byte factors in int16 pairs (even bytes 4t, 4t + 2 and
+    // odd 4t + 1, 4t + 3 of word t) against code-sum pairs.
     I even[4], odd[4];
     for (int t = 0; t < 4; ++t) {
-      even[t] = V::template srai16<8>(V::template slli16<8>(scale_words[t]));
-      odd[t] = V::template srai16<8>(scale_words[t]);
+      const I factors = KIND == gguf::kQ2_K ? min_words[t] : scale_words[t];
+      even[t] = V::template srai16<8>(V::template slli16<8>(factors));
+      odd[t] = V::template srai16<8>(factors);
     }
-    const F d = V::halves(block + half_at<kind>(0), stride);
+    const F d = V::halves(block + half_at<KIND>(0), stride);
     for (int m = 0; m < MR; ++m) {
       // Sums (4t, 4t + 2) and (4t + 1, 4t + 3), laid out as int32 pairs (bsum_q6).
       const int8_t* sums =
@@ -298,9 +358,16 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
         corr = V::add32(corr, V::madd16(even[t], V::broadcast4(sums + 8 * t)));
         corr = V::add32(corr, V::madd16(odd[t], V::broadcast4(sums + 8 * t + 4)));
       }
-      const I total = V::sub32(sumi[m], V::template slli32<5>(corr));
       const F s = V::set1_ps(a.scale[(m0 + m) * num_supers + g]);
-      acc[m] = V::fmadd(V::cvt(total), V::mul(d, s), acc[m]);
+      if constexpr (KIND == gguf::kQ2_K) {
+        const F dmin = V::halves(block + half_at<KIND>(1), stride);
+        acc[m] = V::fmadd(V::cvt(sumi[m]), V::mul(d, s), acc[m]);
+        acc[m] = V::fnmadd(V::cvt(corr), V::mul(dmin, s), acc[m]);
+      } else {
+        const I total =
+            V::sub32(sumi[m], V::template slli32<zero_point_shift<KIND>()>(corr));
+        acc[m] = V::fmadd(V::cvt(total), V::mul(d, s), acc[m]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) V::store(out + m * ldo, acc[m]);
@@ -309,8 +376,8 @@ void q6_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byte
 template <int64_t KIND, int MR, typename V, typename Acts>
 void super_x8_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_bytes,
                    float* out, int64_t ldo) {
-  if constexpr (KIND == gguf::kQ6_K) {
-    q6_k_tile<V, MR>(a, m0, group, row_bytes, out, ldo);
+  if constexpr (KIND == gguf::kQ6_K || KIND == gguf::kQ3_K || KIND == gguf::kQ2_K) {
+    sub16_tile<V, MR, KIND>(a, m0, group, row_bytes, out, ldo);
   } else {
     q45_k_tile<V, MR, KIND == gguf::kQ5_K>(a, m0, group, row_bytes, out, ldo);
   }

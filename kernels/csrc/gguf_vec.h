@@ -46,6 +46,7 @@ struct V8 {
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I sub8(I a, I b) { return _mm256_sub_epi8(a, b); }
   static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I mullo32(I a, I b) { return _mm256_mullo_epi32(a, b); }
@@ -130,6 +131,7 @@ struct V16 {
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
+  static I sub8(I a, I b) { return _mm512_sub_epi8(a, b); }
   static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I mullo32(I a, I b) { return _mm512_mullo_epi32(a, b); }

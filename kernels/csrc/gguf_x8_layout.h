@@ -14,6 +14,9 @@
 //   Q5_1     d (0), m (2)                4..24
 //   Q8_0     d (0)                       2..34     8 words of int8 codes
 //   IQ4_NL   d (0)                       2..18     4 words of nibbles (level indices)
+//   Q2_K     d (80), dmin (82)           0..80     4 of 4-bit scales and mins, 16 of 2-bit codes
+//   Q3_K     d (108)                     0..108    8 of high bits, 16 of 2-bit codes, 3 of
+//                                                  packed 6-bit scales
 //   Q4_K     d (0), dmin (2)             4..144    3 of packed scales and mins, 32 of nibbles
 //   Q5_K     d (0), dmin (2)             4..176    3 of scales, 8 of qh, 32 of nibbles
 //   Q6_K     d (208)                     0..208    32 of low nibbles, 16 of 2-bit highs,
@@ -54,6 +57,8 @@ constexpr Fields fields() {
   if constexpr (KIND == gguf::kQ5_1) return {24, 2, {0, 2}, 4, 5};
   if constexpr (KIND == kQ8_0) return {34, 1, {0, 0}, 2, 8};
   if constexpr (KIND == gguf::kIQ4_NL) return {18, 1, {0, 0}, 2, 4};
+  if constexpr (KIND == gguf::kQ2_K) return {84, 2, {80, 82}, 0, 20};
+  if constexpr (KIND == gguf::kQ3_K) return {110, 1, {108, 0}, 0, 27};
   if constexpr (KIND == gguf::kQ4_K) return {144, 2, {0, 2}, 4, 35};
   if constexpr (KIND == gguf::kQ5_K) return {176, 2, {0, 2}, 4, 43};
   if constexpr (KIND == gguf::kQ6_K) return {210, 1, {208, 0}, 0, 52};
@@ -62,7 +67,7 @@ constexpr Fields fields() {
 
 constexpr bool has_layout(int64_t kind) {
   return kind == kQ4_0 || kind == kQ4_1 || kind == gguf::kQ5_0 || kind == gguf::kQ5_1 ||
-         kind == kQ8_0 || kind == gguf::kIQ4_NL || kind == gguf::kQ4_K || kind == gguf::kQ5_K || kind == gguf::kQ6_K;
+         kind == kQ8_0 || kind == gguf::kIQ4_NL || kind == gguf::kQ2_K || kind == gguf::kQ3_K || kind == gguf::kQ4_K || kind == gguf::kQ5_K || kind == gguf::kQ6_K;
 }
 
 // Where, in a group's block, fp16 field f and word w of row 0 sit.
