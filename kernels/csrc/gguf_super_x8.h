@@ -1,21 +1,25 @@
-// Q4_K, Q5_K and Q6_K regrouped by 8 rows (gguf_x8_layout.h) against activations quantized
-// per 256 values (codes c, one scale s per super-block and row; llama.cpp's Q8_K).
+// The K-quants (Q2_K..Q6_K) regrouped by 8 rows (gguf_x8_layout.h) against activations
+// quantized per 256 values (codes c, one scale s per super-block and row; llama.cpp's Q8_K).
 //
-// A super-block of 8 rows is one pass over its words: each 32-byte vector of codes (4 values
-// of each row) meets the 4 broadcast activation codes of those values in one byte dot, so
-// the 8 int32 lanes are the 8 rows' partial sums and no horizontal sum remains. Per row and
-// super-block, all in integers except the last line:
+// A super-block of a tile's rows is one pass over its words: each vector of codes (4 values
+// of each of the 8 rows, or of 16 rows in a 512-bit vector: gguf_vec.h) meets the 4 broadcast
+// activation codes of those values in one byte dot, so the int32 lanes are the rows' partial
+// sums and no horizontal sum remains. Per row and super-block, all in integers except the
+// last line:
 //     Q4_K / Q5_K  sum_s scale_s (sum_{j in s} q_j c_j) - dmin/d-free: sum_s min_s (sum c_j)
-//     Q6_K         sum_s scale_s (sum_{j in s} q_j c_j) - 32 sum_s scale_s (sum_{j in s} c_j)
-//     out += s d (first term) - s dmin (second term)       (Q6_K: s d (first - second))
-// With VNNI each 32-value (Q6_K: 16-value) sub-block's dot is one vpdpbusd chain, then one
-// vpmulld by the rows' sub-block scales; without it, vpmaddubsw pair sums add up in int16
-// (at most 2 x 15 x 127 x 8 for Q4_K, 2 x 31 x 127 x 4 for Q5_K, 2 x 63 x 127 for Q6_K) and
-// vpmaddwd multiplies them by the scales. The min and zero-point terms need only the
-// activations' code sums per sub-block (SuperActivations::bsum, bsum32) and vpmaddwd.
+//     Q2_K         the same over 16-value sub-blocks
+//     Q6_K, Q3_K   sum_s scale_s (sum_{j in s} q_j c_j) - z sum_s scale_s (sum_{j in s} c_j),
+//                  z = 32 and 4
+//     out += s d (first term) - s dmin (second term)       (Q6_K, Q3_K: s d (first - second))
+// With VNNI each 32-value (Q2_K, Q3_K, Q6_K: 16-value) sub-block's dot is one vpdpbusd chain,
+// then one vpmulld by the rows' sub-block scales; without it, vpmaddubsw pair sums add up in
+// int16 (at most 2 x 15 x 127 x 8 for Q4_K, 2 x 31 x 127 x 4 for Q5_K, 2 x 63 x 127 for Q6_K)
+// and vpmaddwd multiplies them by the scales. The min and zero-point terms need only the
+// activations' code sums per sub-block (SuperActivations::bsum32, bsum_q6) and vpmaddwd.
 //
-// Each output row's arithmetic is the same whatever the tile and the batch: a row is a lane,
-// and the order of its sums never depends on its neighbours (batch-invariant by construction).
+// Each output row's arithmetic is the same whatever the tile, the vector width and the batch:
+// a row is a lane, and the order of its sums never depends on its neighbours (batch-invariant
+// by construction).
 //
 // Included by gguf_gemm.cpp after its instruction-set macros (GGUF_AVX2, GGUF_VNNI,
 // GGUF_DPBUSD); `Acts` is its SuperActivations.

@@ -25,7 +25,8 @@
 // The same bytes, so the same memory. One 32-byte load then holds one word of each of the 8
 // rows: unpacked once, a 32-byte vector of codes against 4 broadcast activation codes gives
 // the 8 rows' partial dots in the 8 int32 lanes, with no horizontal sum left, the rows'
-// scales load as vectors, and a tile of activation rows reuses every unpacked vector.
+// scales load as vectors, and a tile of activation rows reuses every unpacked vector. A
+// 512-bit vector takes the same word of two adjacent groups (16 rows; gguf_vec.h).
 #pragma once
 
 #include <ATen/Parallel.h>
