@@ -948,12 +948,42 @@ void over_x8_tiles(int64_t rows, int64_t k, int64_t n_total, int tile_m, int uni
   }
 }
 
-// 8-row groups per unit of the K-quant tiles: two in a 512-bit vector where the build has
-// them (gguf_vec.h), else one.
+// 8-row groups per unit of the x8 tiles: two in a 512-bit vector where the build has them
+// (gguf_vec.h), else one.
 #if defined(GGUF_V16)
 constexpr int kX8UnitGroups = 2;
 #else
 constexpr int kX8UnitGroups = 1;
+#endif
+
+// Activation rows from which a unit of two groups takes one 512-bit tile instead of two
+// 256-bit ones (the same arithmetic per row either way, so the choice never changes a
+// result). A 512-bit vector of words is two loads and an insert; the kinds that load a
+// vector per word (Q8_0's bytes, Q6_K's and Q3_K's two planes, Q2_K's 2-bit codes) pay
+// more for that than a tile of few rows wins. `bench gemm-tiles`, gate|up, 2 threads, GOPS
+// of 256-bit / 512-bit tiles: M = 1: Q4_K 344 / 453, Q4_0 373 / 448, Q6_K 183 / 107, Q8_0
+// 305 / 132; M = 4: Q4_K 646 / 1036, Q6_K 396 / 330, Q8_0 596 / 360; M = 8: equal or better.
+template <int64_t KIND>
+constexpr int v16_min_rows() {
+  const bool vector_per_word = KIND == kQ8_0 || KIND == gguf::kQ6_K ||
+                               KIND == gguf::kQ3_K || KIND == gguf::kQ2_K;
+  return vector_per_word ? 8 : 1;
+}
+
+#ifdef GGUF_AVX2
+// tile(V, group) over a unit of `count` groups from `group`: one 512-bit tile where it pays.
+template <int64_t KIND, int MR, typename Tile>
+void over_unit(int count, const uint8_t* group, int64_t row_bytes, float* out, const Tile& tile) {
+#ifdef GGUF_V16
+  if (count == 2 && MR >= v16_min_rows<KIND>()) {
+    tile(gguf_x8::V16{}, group, out);
+    return;
+  }
+#endif
+  for (int u = 0; u < count; ++u) {
+    tile(gguf_x8::V8{}, group + u * kGroupRows * row_bytes, out + u * kGroupRows);
+  }
+}
 #endif
 
 // fn(std::integral_constant<int, MR>{}) for a tile of `mr` rows (1 .. the build's tile height).
@@ -985,13 +1015,9 @@ void x8_linear(const Activations& a, const uint8_t* w, int64_t row_bytes, int64_
     with_tile_rows(mr, [&](auto rows) {
       constexpr int MR = decltype(rows)::value;
 #ifdef GGUF_AVX2
-#ifdef GGUF_V16
-      if (count == 2) {
-        x8_tile<gguf_x8::V16, KIND, MR>(a, m0, group, row_bytes, o, ldo);
-        return;
-      }
-#endif
-      x8_tile<gguf_x8::V8, KIND, MR>(a, m0, group, row_bytes, o, ldo);
+      over_unit<KIND, MR>(count, group, row_bytes, o, [&](auto width, const uint8_t* at, float* to) {
+        x8_tile<decltype(width), KIND, MR>(a, m0, at, row_bytes, to, ldo);
+      });
 #else
       x8_tile_scalar<KIND, MR>(a, m0, group, row_bytes, o, ldo);
 #endif
@@ -1250,13 +1276,9 @@ void super_x8_linear(const SuperActivations& a, const uint8_t* w, int64_t row_by
 #ifdef GGUF_AVX2
     with_tile_rows(mr, [&](auto rows) {
       constexpr int MR = decltype(rows)::value;
-#ifdef GGUF_V16
-      if (count == 2) {
-        gguf_x8::super_x8_tile<KIND, MR, gguf_x8::V16>(a, m0, group, row_bytes, o, ldo);
-        return;
-      }
-#endif
-      gguf_x8::super_x8_tile<KIND, MR, gguf_x8::V8>(a, m0, group, row_bytes, o, ldo);
+      over_unit<KIND, MR>(count, group, row_bytes, o, [&](auto width, const uint8_t* at, float* to) {
+        gguf_x8::super_x8_tile<KIND, MR, decltype(width)>(a, m0, at, row_bytes, to, ldo);
+      });
     });
 #else
     // The unpacked row through the scalar kernel of its kind: the same arithmetic.
