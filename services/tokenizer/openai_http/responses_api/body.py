@@ -34,6 +34,8 @@ class MessageItem(_Body):
     content: str | list[InputText]
     id: str | None = None
     status: str | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+    """An assistant message's label in the history: accepted, not part of the prompt."""
 
 
 class FunctionCallItem(_Body):

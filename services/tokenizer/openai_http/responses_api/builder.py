@@ -158,7 +158,7 @@ class ResponseObject:
         else:
             events.append(
                 self.event(
-                    "response.reasoning_text.delta",
+                    "response.reasoning.delta",
                     item_id=item.body["id"],
                     output_index=index,
                     content_index=0,
@@ -216,7 +216,7 @@ class ResponseObject:
             del item.body["status"]
             events.append(
                 self.event(
-                    "response.reasoning_text.done",
+                    "response.reasoning.done",
                     item_id=item.body["id"],
                     output_index=index,
                     content_index=0,

@@ -157,7 +157,7 @@ def _echo(body: responses_body.ResponsesBody, lora_name: str) -> dict[str, Any]:
         "max_output_tokens": body.max_output_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
+        "tools": [tool.model_dump() for tool in body.tools or ()],
         "tool_choice": tool_choice,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
@@ -230,7 +230,7 @@ async def _events(
         detail = error.body()["error"]
         failed = response.body("failed")
         failed["error"] = {"code": detail["code"] or "server_error", "message": detail["message"]}
-        yield _sse(response.event("error", **detail)) + _sse(
+        yield _sse(response.event("error", error=detail)) + _sse(
             response.event("response.failed", response=failed)
         )
     finally:
