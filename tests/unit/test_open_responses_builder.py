@@ -16,7 +16,7 @@ def built(*deltas: OutputDelta) -> tuple[ResponseObject, list[dict[str, object]]
     response = ResponseObject("resp_1", {"model": "m"})
     events = response.start()
     for delta in deltas:
-        events += response.add(delta)
+        events += response.events(delta)
     events.append(response.finish())
     return response, events
 
@@ -129,7 +129,7 @@ def test_objects_and_events_match_the_spec_schema() -> None:
         OutputDelta("", tool_calls=(ToolCallDelta(0, "call_1", "f", "{}"),)),
         OutputDelta("", finish_reason="tool_calls", usage=USAGE),
     ):
-        events += response.add(delta)
+        events += response.events(delta)
     events.append(response.finish())
     for event in events:
         assert spec.validate_sse_event(str(event["type"]), event) == [], event["type"]

@@ -91,7 +91,11 @@ class ResponseObject:
             self.event("response.in_progress", response=self.body("in_progress")),
         ]
 
-    def add(self, delta: OutputDelta) -> list[dict[str, Any]]:
+    def add(self, delta: OutputDelta) -> None:
+        """A whole answer's delta (http_common.collect's sink)."""
+        self.events(delta)
+
+    def events(self, delta: OutputDelta) -> list[dict[str, Any]]:
         """The events one delta makes (its pieces also grow the object)."""
         events: list[dict[str, Any]] = []
         if delta.reasoning_text:

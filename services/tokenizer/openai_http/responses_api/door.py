@@ -105,7 +105,7 @@ class ResponsesDoor:
         if not body.stream:
             answer = response.body(response.final_status)
             await save(answer)
-            return json_response(answer, **headers)
+            return json_response(answer, 200, **headers)
         events = _events(stream, deltas, first, response, request_metrics, save)
         return StreamingResponse(
             events,
@@ -211,7 +211,7 @@ async def _events(
         delta = first
         while delta is not None:
             request_metrics.on_tokens(len(delta.token_ids))
-            out += b"".join(_sse(event) for event in response.add(delta))
+            out += b"".join(_sse(event) for event in response.events(delta))
             if delta.finish_reason:
                 request_metrics.finish_reason = delta.finish_reason
             if delta.ends_stream:
