@@ -26,6 +26,7 @@ def parsed(**fields: object) -> responses_body.ResponsesBody:
         ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice"),
         ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
     ],
 )
 def test_a_bad_field_is_named(fields: dict[str, object], param: str) -> None:

@@ -137,7 +137,7 @@ class ResponsesBody(_Body):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
-    """Extra output the caller asks for: accepted, none is produced yet."""
+    """Extra output the caller asks for: only empty (see parse)."""
     tenant_id: schemas.TenantId | None = None
 
 
@@ -145,6 +145,9 @@ def parse(raw: bytes) -> ResponsesBody:
     body = validated_body(ResponsesBody, raw)
     if body.metadata is not None and len(body.metadata) > 16:
         raise InvalidRequestError("metadata", "at most 16 keys")
+    if body.include:
+        # Nothing extra (logprobs, encrypted reasoning...) is produced: refused, not ignored.
+        raise InvalidRequestError("include", "is not supported")
     if body.tool_choice not in (None, "none") and not body.tools:
         raise InvalidRequestError("tool_choice", "needs tools")
     return body
