@@ -7,6 +7,7 @@
     llmserve:v1:ratelimit:{key_id}:req:{window}             -> requests of an API key in a
     llmserve:v1:ratelimit:{key_id}:tok:{window}             -> tokens   one-minute window (TTL)
     llmserve:v1:ratelimit:{key_id}:leases                   -> sorted set: lease id -> expiry ms
+    llmserve:v1:response:{owner}:{response_id}              -> stored Open Responses JSON (TTL)
 
 Keys are scoped by model: schedulers serving different models never share entries; an API
 key's limits hold whatever the model. Scheduler ids, model names and key ids are sanitized so
@@ -72,3 +73,9 @@ class RateLimitKeys:
     @property
     def leases(self) -> str:
         return f"{self.prefix}:leases"
+
+
+def stored_response_key(owner: str, response_id: str) -> str:
+    """A stored response (POST /v1/responses with store): its owner (a tenant or an API key)
+    hashed as tenants are, so one owner's key never names another's response."""
+    return f"llmserve:v1:response:{tenant_key(owner)}:{_safe(response_id)}"

@@ -35,6 +35,9 @@ from services.tokenizer.key_limiter import KeyLimiter
 from services.tokenizer.openai_http import errors as openai_errors
 from services.tokenizer.openai_http.app import OpenAIDoor, create_app
 from services.tokenizer.openai_http.lora_routes import LoraRoutes, add_lora_routes
+from services.tokenizer.openai_http.responses_api.door import ResponsesDoor
+from services.tokenizer.openai_http.responses_api.routes import add_responses_routes
+from services.tokenizer.openai_http.responses_api.store import open_response_store
 from services.tokenizer.openai_http.server import HttpServer
 from services.tokenizer.prefix_locator import PrefixLocator
 from services.tokenizer.scheduler_pool import Resolve, SchedulerPool, resolve_ips
@@ -88,6 +91,9 @@ class TokenizerServer:
             app = create_app(OpenAIDoor(self.generator, self.access))
             add_anthropic_routes(app, AnthropicDoor(self.generator, self.access))
             add_lora_routes(app, LoraRoutes(self.generator, self.access))
+            add_responses_routes(
+                app, ResponsesDoor(self.generator, self.access, open_response_store(self.redis))
+            )
             limited = BodyLimits(
                 app,
                 max_body_bytes=config.http_max_body_bytes,

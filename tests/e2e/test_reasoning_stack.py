@@ -104,3 +104,33 @@ def test_a_grammar_waits_for_the_answer(reasoning_stack: RunningStack) -> None:
         (free.model_extra or {}).get("reasoning_content")
     )
     assert not (message.model_extra or {})["reasoning_content"].lstrip().startswith("{")
+
+
+def test_open_responses_reasoning_is_its_own_item(reasoning_stack: RunningStack) -> None:
+    """/v1/responses: the thinking is a `reasoning` item (streamed as response.reasoning.*
+    events), the same text as chat's reasoning_content."""
+    api, model = client(reasoning_stack), model_name(reasoning_stack)
+    chat = api.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    whole = api.responses.create(
+        model=model, input=QUESTION[0]["content"], max_output_tokens=16, temperature=0
+    )
+    assert whole.output[0].type == "reasoning"
+    thinking = "".join(part.text for part in whole.output[0].content or ())
+    assert thinking == chat.choices[0].message.reasoning_content  # type: ignore[attr-defined]
+    events = list(
+        api.responses.create(
+            model=model,
+            input=QUESTION[0]["content"],
+            max_output_tokens=16,
+            temperature=0,
+            stream=True,
+        )
+    )
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning.delta")
+    done = next(e for e in events if e.type == "response.reasoning.done")
+    assert streamed == done.text == thinking

@@ -3,6 +3,7 @@ Generate (generation.Generator), the same keys (access.AccessPolicy).
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   (API key when set)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter   (admin key: lora_routes.py)
+    POST /v1/responses  GET|DELETE /v1/responses/{id}   (Open Responses: responses_api/)
     GET /health                 liveness: the process answers
     GET /ready                  the tier can serve: model loaded, a scheduler with a worker
 
