@@ -165,7 +165,8 @@ def test_a_whole_response_joins_the_text(chat: bool) -> None:
     assert body["id"] == ("chatcmpl-r42" if chat else "cmpl-r42")
     (choice,) = body["choices"]
     if chat:
-        assert choice["message"] == {"role": "assistant", "content": "Hello!"}
+        # refusal is required (nullable) by OpenAI's ChatCompletionMessage schema.
+        assert choice["message"] == {"role": "assistant", "content": "Hello!", "refusal": None}
     else:
         assert choice["text"] == "Hello!"
     assert choice["finish_reason"] == "stop"
@@ -419,6 +420,7 @@ def test_a_whole_chat_response_carries_the_reasoning_beside_the_content() -> Non
     assert message == {
         "role": "assistant",
         "content": "It is 4.",
+        "refusal": None,
         "reasoning_content": "2 and 2 make 4.",
     }
 

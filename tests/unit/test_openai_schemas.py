@@ -485,3 +485,13 @@ def test_an_unknown_parameter_is_quoted_short() -> None:
     error = completion_error(completion_body(**{"x" * 10_000: 1}))
     assert len(error.field) <= 64 and error.field.endswith("…")
     assert len(error.message) < 150
+
+
+def test_stream_options_without_stream_is_refused() -> None:
+    # As vLLM: include_usage on a non-streamed answer is a caller's mistake, not ignored.
+    for error in (
+        chat_error(chat_body(stream_options={"include_usage": True})),
+        completion_error(completion_body(stream=False, stream_options={"include_usage": True})),
+    ):
+        assert error.field == "stream_options"
+        assert "stream" in error.message

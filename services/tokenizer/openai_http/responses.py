@@ -217,7 +217,8 @@ class ResponseBuilder:
         if self.chat:
             # OpenAI's content is null in an answer that is only calls.
             content = text if text or not collected.calls else None
-            choice["message"] = {"role": "assistant", "content": content}
+            # `refusal` is required (nullable) in OpenAI's schema; we never refuse in-band.
+            choice["message"] = {"role": "assistant", "content": content, "refusal": None}
             reasoning = "".join(collected.reasoning)
             if reasoning:
                 choice["message"]["reasoning_content"] = reasoning

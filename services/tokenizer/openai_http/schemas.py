@@ -202,6 +202,9 @@ def _parse(model: type[BodyT], body: bytes) -> BodyT:
 
 
 def _refuse_unimplemented(body: _Sampling) -> None:
+    if body.stream_options is not None and not body.stream:
+        # As vLLM: options for a stream that is not asked for are a caller's mistake.
+        raise InvalidRequestError("stream_options", "needs stream: true")
     if isinstance(body, ChatCompletionBody):
         if body.tool_choice not in (None, "none") and not body.tools:
             raise InvalidRequestError("tool_choice", "needs tools")
