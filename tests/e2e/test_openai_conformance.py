@@ -1,0 +1,73 @@
+"""Answers of a real stack's OpenAI door held against the official `openai` package's models
+in strict mode, plus the fields OpenAI's published schema marks required (the package's models
+default nullable required fields to None, so presence is checked by key)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai.types.chat import ChatCompletion
+from openai.types.completion import Completion
+
+from services.stack import RunningStack
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Name three fruits."}]
+# Required keys in OpenAI's OpenAPI spec (CreateChatCompletionResponse and its parts).
+CHAT_REQUIRED = {"id", "choices", "created", "model", "object"}
+CHAT_CHOICE_REQUIRED = {"finish_reason", "index", "message", "logprobs"}
+CHAT_MESSAGE_REQUIRED = {"content", "refusal", "role"}
+USAGE_REQUIRED = {"prompt_tokens", "completion_tokens", "total_tokens"}
+
+
+def model_name(stack: RunningStack) -> str:
+    return str(httpx.get(f"{stack.http}/models", timeout=10).json()["data"][0]["id"])
+
+
+def test_a_chat_completion_is_valid_against_the_official_models(stack: RunningStack) -> None:
+    body = {"model": model_name(stack), "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    answer = httpx.post(f"{stack.http}/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    raw = answer.json()
+    ChatCompletion.model_validate(raw, strict=True)
+    assert raw.keys() >= CHAT_REQUIRED
+    assert raw["usage"].keys() >= USAGE_REQUIRED
+    for choice in raw["choices"]:
+        assert choice.keys() >= CHAT_CHOICE_REQUIRED
+        assert choice["message"].keys() >= CHAT_MESSAGE_REQUIRED
+        assert choice["message"]["refusal"] is None
+
+
+def test_a_completion_is_valid_against_the_official_models(stack: RunningStack) -> None:
+    body = {"model": model_name(stack), "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    answer = httpx.post(f"{stack.http}/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    raw = answer.json()
+    Completion.model_validate(raw, strict=True)
+    assert {"id", "choices", "created", "model", "object"} <= raw.keys()
+    for choice in raw["choices"]:
+        assert {"finish_reason", "index", "logprobs", "text"} <= choice.keys()
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_stream_options_without_stream_is_a_400_naming_it(stack: RunningStack, path: str) -> None:
+    body: dict[str, object] = {"model": model_name(stack), "max_tokens": 2}
+    body.update({"messages": MESSAGES} if path.startswith("/chat") else {"prompt": "Hi"})
+    body["stream_options"] = {"include_usage": True}
+    answer = httpx.post(f"{stack.http}{path}", json=body, timeout=60)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "stream_options"
+
+
+def test_every_bad_logit_bias_key_is_named(stack: RunningStack) -> None:
+    body = {
+        "model": model_name(stack),
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "logit_bias": {"x": 1, "5": 1, "y": 2},
+    }
+    answer = httpx.post(f"{stack.http}/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 400
+    message = answer.json()["error"]["message"]
+    assert "'x'" in message and "'y'" in message
