@@ -5,6 +5,7 @@ default nullable required fields to None, so presence is checked by key)."""
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
@@ -71,3 +72,18 @@ def test_every_bad_logit_bias_key_is_named(stack: RunningStack) -> None:
     assert answer.status_code == 400
     message = answer.json()["error"]["message"]
     assert "'x'" in message and "'y'" in message
+
+
+def test_a_model_is_retrieved_by_id_and_an_unknown_id_is_a_404(stack: RunningStack) -> None:
+    api = openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=30)
+    name = model_name(stack)
+    model = api.models.retrieve(name)
+    assert model.id == name and model.object == "model"
+    listed = httpx.get(f"{stack.http}/models", timeout=10).json()["data"][0]
+    assert isinstance(listed["max_model_len"], int) and listed["max_model_len"] > 0
+    assert (model.model_extra or {}).get("max_model_len") == listed["max_model_len"]
+    with pytest.raises(openai.NotFoundError) as caught:
+        api.models.retrieve("no-such-model")
+    error = caught.value.response.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "no-such-model" in error["message"]

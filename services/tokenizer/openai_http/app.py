@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP door of the tokenizer tier (FastAPI): the same pipeline as gRPC
 Generate (generation.Generator), the same keys (access.AccessPolicy).
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   (API key when set)
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{id}
+    (API key when set)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter   (admin key: lora_routes.py)
     GET /health                 liveness: the process answers
     GET /ready                  the tier can serve: model loaded, a scheduler with a worker
@@ -24,12 +25,18 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.contracts.errors import DependencyUnavailableError, LLMServeError
+from services.contracts.errors import (
+    DependencyUnavailableError,
+    LLMServeError,
+    NotFoundError,
+    quoted,
+)
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy, acting_for
 from services.tokenizer.generation import GenerationStream, Generator
@@ -81,12 +88,25 @@ class OpenAIDoor:
 
     async def models(self, request: Request) -> Response:
         try:
-            self.access.authenticate(request.headers.get("authorization"))
-            model = self.generator.model
+            return json_response(self._model_list(request))
         except LLMServeError as exc:
             return error_response(http_error(exc))
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        """One entry of the list (the openai client's `models.retrieve()`); 404 if unknown."""
+        try:
+            for entry in self._model_list(request)["data"]:
+                if entry["id"] == model_id:
+                    return json_response(entry)
+            raise NotFoundError("model", f"no model {quoted(model_id)} is served")
+        except LLMServeError as exc:
+            return error_response(http_error(exc))
+
+    def _model_list(self, request: Request) -> dict[str, Any]:
+        self.access.authenticate(request.headers.get("authorization"))
+        model = self.generator.model
         adapters = self.generator.adapters.listed(model.name)
-        return json_response(model_list(model.name, self.started, adapters))
+        return model_list(model.name, self.started, adapters, max_model_len=model.max_model_len)
 
     async def generate(self, request: Request, chat: bool) -> Response:
         arrival_unix_s = time.time()
@@ -219,6 +239,10 @@ def create_app(door: OpenAIDoor) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await door.models(request)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await door.model(request, model_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -48,10 +48,14 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def model_list(
-    name: str, created: int, lora_adapters: Sequence[str] = (), owned_by: str = "llmserve"
+    name: str,
+    created: int,
+    lora_adapters: Sequence[str] = (),
+    owned_by: str = "llmserve",
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
     """The served model, then its LoRA adapters, each with the served model as `parent`
-    (as vLLM lists them)."""
+    (as vLLM lists them, with the context length as `max_model_len`)."""
     return {
         "object": "list",
         "data": [
@@ -61,6 +65,7 @@ def model_list(
                 "created": created,
                 "owned_by": owned_by,
                 "parent": parent,
+                "max_model_len": max_model_len,
             }
             for model_id, parent in [(name, None), *((a, name) for a in lora_adapters)]
         ],
