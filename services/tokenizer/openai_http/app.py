@@ -187,7 +187,7 @@ async def _events(
     """The stream's bytes: one write per delta (its chunks, and [DONE] with the last)."""
     code: str | None = None
     try:
-        head = sse_event(builder.first_chunk()) if chat else b""
+        head = b"".join(sse_event(chunk) for chunk in builder.first_chunks()) if chat else b""
         delta = first
         while delta is not None:
             request_metrics.on_tokens(len(delta.token_ids))

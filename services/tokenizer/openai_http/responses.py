@@ -184,23 +184,26 @@ class ResponseBuilder:
             chunks.append(last)
         return chunks
 
-    def first_chunk(self) -> dict[str, Any]:
+    def first_chunks(self) -> list[dict[str, Any]]:
         """Chat streams open with the role alone, before any token, as OpenAI's do: a client
-        sees the response start at once. One chunk names every choice."""
+        sees the response start at once. One chunk per choice, each with its own role (as
+        OpenAI and vLLM send them with n > 1)."""
         self._sent_role.update(range(self.n))
-        chunk = self._envelope("chat.completion.chunk")
-        chunk["choices"] = [
-            {
-                "index": index,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for index in range(self.n)
-        ]
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
+        chunks = []
+        for index in range(self.n):
+            chunk = self._envelope("chat.completion.chunk")
+            chunk["choices"] = [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+            if self.include_usage:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        return chunks
 
     # ---- whole response ----
 
