@@ -87,3 +87,25 @@ def test_a_model_is_retrieved_by_id_and_an_unknown_id_is_a_404(stack: RunningSta
     error = caught.value.response.json()["error"]
     assert error["code"] == "model_not_found" and error["param"] == "model"
     assert "no-such-model" in error["message"]
+
+
+def test_return_token_ids_and_logprobs_zero_on_a_real_stack(stack: RunningStack) -> None:
+    body = {
+        "model": model_name(stack),
+        "prompt": "Hello",
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    raw = httpx.post(f"{stack.http}/completions", json=body, timeout=120).json()
+    (choice,) = raw["choices"]
+    assert choice["prompt_token_ids"] and all(
+        isinstance(t, int) for t in choice["prompt_token_ids"]
+    )
+    # logprobs: 0 lists the sampled token alone, with its own logprob.
+    logprobs = choice["logprobs"]
+    for token, logprob, top in zip(
+        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+    ):
+        assert top == {token: logprob}

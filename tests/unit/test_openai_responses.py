@@ -300,11 +300,34 @@ def test_completions_text_offset_counts_characters_in_a_chunk_of_several_tokens(
     assert later["choices"][0]["logprobs"]["text_offset"] == [3]
 
 
-@pytest.mark.parametrize("count", [0, 1, 2])
-def test_completions_top_logprobs_limited_to_the_count(count: int) -> None:
+@pytest.mark.parametrize(
+    ("count", "listed"),
+    [(0, ["<333>"]), (1, ["<7>", "<333>"]), (2, ["<7>", "<333>"]), (3, ["<7>", "<333>", "<8>"])],
+)
+def test_completions_top_logprobs_are_the_count_plus_the_sampled_token(
+    count: int, listed: list[str]
+) -> None:
+    # As vLLM: the sampled token (333) is always listed, so logprobs: 0 is not [{}].
     (chunk,) = builder(chat=False, top_logprobs=count).chunks(STREAM[2])
     (top,) = chunk["choices"][0]["logprobs"]["top_logprobs"]
-    assert list(top) == ["<7>", "<333>", "<8>"][:count]
+    assert list(top) == listed
+    assert top["<333>"] == -1.2
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_return_token_ids_also_returns_the_prompt_token_ids(chat: bool) -> None:
+    build = builder(chat, return_token_ids=True, prompt_token_ids=(5, 6, 7))
+    streamed = stream_chunks(build, STREAM)
+    for delta in STREAM:
+        build.add(delta)
+    body = build.response()
+    if chat:
+        assert body["prompt_token_ids"] == [5, 6, 7]
+        assert streamed[0]["prompt_token_ids"] == [5, 6, 7]
+    else:
+        assert body["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+        assert streamed[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert sum("prompt_token_ids" in str(chunk) for chunk in streamed) == 1
 
 
 @pytest.mark.parametrize("chat", [True, False])

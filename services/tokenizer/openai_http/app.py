@@ -152,6 +152,7 @@ class OpenAIDoor:
             top_logprobs=top_logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             return_token_ids=body.return_token_ids,
+            prompt_token_ids=tuple(prepared.request.prompt_token_ids),
             n=prepared.request.sampling.n,
         )
         stream = self.generator.stream(prepared)

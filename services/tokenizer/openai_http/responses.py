@@ -127,11 +127,15 @@ class ResponseBuilder:
     top_logprobs: int | None = None
     include_usage: bool = False
     return_token_ids: bool = False
+    prompt_token_ids: tuple[int, ...] = ()
+    """Sent with return_token_ids (as vLLM): top-level for chat, per choice for completions,
+    in a stream's first chunk (per choice)."""
     n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     # Per choice index: whether its role went out, its text offset (completions logprobs),
     # what a whole response collects.
     _sent_role: set[int] = field(default_factory=set)
+    _sent_prompt: set[int] = field(default_factory=set)
     _text_offset: dict[int, int] = field(default_factory=dict)
     _collected: dict[int, _Accumulated] = field(default_factory=dict)
     _usage: Usage | None = None
@@ -172,6 +176,9 @@ class ResponseBuilder:
         choice["finish_reason"] = delta.finish_reason or None
         if self.return_token_ids:
             choice["token_ids"] = list(delta.token_ids)
+            if not self.chat and delta.index not in self._sent_prompt:
+                choice["prompt_token_ids"] = list(self.prompt_token_ids)
+                self._sent_prompt.add(delta.index)
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         chunk["choices"] = [choice]
         if self.include_usage:
@@ -202,6 +209,8 @@ class ResponseBuilder:
             ]
             if self.include_usage:
                 chunk["usage"] = None
+            if self.return_token_ids and index == 0:
+                chunk["prompt_token_ids"] = list(self.prompt_token_ids)
             chunks.append(chunk)
         return chunks
 
@@ -214,6 +223,8 @@ class ResponseBuilder:
     def response(self) -> dict[str, Any]:
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         body["choices"] = [self._choice(index) for index in range(self.n)]
+        if self.return_token_ids and self.chat:
+            body["prompt_token_ids"] = list(self.prompt_token_ids)
         if self._usage is not None:
             body["usage"] = usage_body(self._usage)
         return body
@@ -244,6 +255,8 @@ class ResponseBuilder:
         choice["finish_reason"] = collected.finish_reason or None
         if self.return_token_ids:
             choice["token_ids"] = collected.token_ids
+            if not self.chat:
+                choice["prompt_token_ids"] = list(self.prompt_token_ids)
         return choice
 
     # ---- logprobs ----
@@ -263,12 +276,16 @@ class ResponseBuilder:
         return {
             "tokens": tokens,
             "token_logprobs": [item.logprob for item in items],
-            "top_logprobs": [
-                {self.token_text(token_id): logprob for token_id, logprob in self._top(item)}
-                for item in items
-            ],
+            "top_logprobs": [self._top_with_sampled(item) for item in items],
             "text_offset": offsets,
         }
+
+    def _top_with_sampled(self, item: TokenLogprob) -> dict[str, float]:
+        """A completions entry: the top alternatives plus the sampled token, as vLLM's (so
+        logprobs: 0 gives the sampled token's entry rather than an empty object)."""
+        top = {self.token_text(token_id): logprob for token_id, logprob in self._top(item)}
+        top.setdefault(self.token_text(item.token_id), item.logprob)
+        return top
 
     def _top(self, item: TokenLogprob) -> list[tuple[int, float]]:
         assert self.top_logprobs is not None
