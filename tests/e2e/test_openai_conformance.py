@@ -4,10 +4,12 @@ default nullable required fields to None, so presence is checked by key)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 
 from services.stack import RunningStack
@@ -109,3 +111,28 @@ def test_return_token_ids_and_logprobs_zero_on_a_real_stack(stack: RunningStack)
         logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
     ):
         assert top == {token: logprob}
+
+
+def test_chat_stream_chunks_are_valid_against_the_official_models(stack: RunningStack) -> None:
+    body = {
+        "model": model_name(stack),
+        "messages": MESSAGES,
+        "max_tokens": 6,
+        "temperature": 0,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = []
+    with httpx.stream("POST", f"{stack.http}/chat/completions", json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line.removeprefix("data: ")))
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk, strict=True)
+        assert {"id", "choices", "created", "model", "object"} <= chunk.keys()
+        for choice in chunk["choices"]:
+            assert {"delta", "finish_reason", "index"} <= choice.keys()
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"].keys() >= USAGE_REQUIRED
