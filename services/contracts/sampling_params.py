@@ -205,10 +205,25 @@ class SamplingParams:
                 "logit_bias",
                 f"at most {MAX_LOGIT_BIAS_ITEMS} tokens allowed, got {len(self.logit_bias)}",
             )
+        if not all(
+            isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0])
+            for pair in self.logit_bias
+        ):
+            raise InvalidRequestError("logit_bias", "must map token ids to numbers")
+        outside = [
+            token_id
+            for token_id, _ in self.logit_bias
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size)
+        ]
+        if len(outside) > 1:
+            # Every id outside the vocabulary at once, not only the first.
+            ids = ", ".join(str(token_id) for token_id in outside)
+            bounds = f"[0, {vocab_size})" if vocab_size is not None else "(ids are >= 0)"
+            raise InvalidRequestError(
+                "logit_bias", f"token ids {ids} are outside the vocabulary {bounds}"
+            )
         seen: set[int] = set()
         for pair in self.logit_bias:
-            if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0])):
-                raise InvalidRequestError("logit_bias", "must map token ids to numbers")
             token_id, bias = pair
             name = f"logit_bias[{token_id}]"
             if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
@@ -255,12 +270,18 @@ def logit_bias_from_json(
         return ()
     if not isinstance(value, dict):
         raise InvalidRequestError(field_name, "must be an object mapping token ids to numbers")
+    # Every bad key is named at once, so a caller fixes the map in one round trip.
+    bad_keys = [
+        quoted(str(key))
+        for key in value
+        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key))
+    ]
+    if bad_keys:
+        raise InvalidRequestError(
+            field_name, f"keys must be token ids (integers), got {', '.join(bad_keys)}"
+        )
     pairs: list[tuple[int, float]] = []
     for key, bias in value.items():
-        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)):
-            raise InvalidRequestError(
-                field_name, f"keys must be token ids (integers), got {quoted(str(key))}"
-            )
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise InvalidRequestError(
                 f"{field_name}[{key}]", f"must be a number, got {shortened(repr(bias), 40)}"

@@ -27,6 +27,7 @@ from typing import Any
 
 from services.contracts.errors import InvalidRequestError, quoted
 from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
+from services.tokenizer.schema_defs import hoist_defs
 
 MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -171,21 +172,27 @@ def forced_call_grammar(request: ToolRequest) -> StructuredOutput | None:
         )
     if request.choice is not ToolChoiceMode.REQUIRED:
         return None
-    call = {
-        "anyOf": [
+    # Each tool's local $defs move to the root (renamed per tool) so its $refs still resolve.
+    options: list[dict[str, Any]] = []
+    root_defs: dict[str, Any] = {}
+    for number, tool in enumerate(request.tools):
+        arguments, defs = hoist_defs(tool.arguments_schema(), f"tool{number}_")
+        root_defs.update(defs)
+        options.append(
             {
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [tool.name]},
-                    "arguments": tool.arguments_schema(),
+                    "arguments": arguments,
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for tool in request.tools
-        ]
-    }
+        )
+    call = {"anyOf": options}
     schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
     if not request.parallel_calls:
         schema["maxItems"] = 1
+    if root_defs:
+        schema["$defs"] = root_defs
     return StructuredOutput(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema))

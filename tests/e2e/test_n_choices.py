@@ -161,6 +161,12 @@ def test_openai_client_n2_streaming_and_not(stack: RunningStack) -> None:
             stream_options={"include_usage": True},
         )
     )
+    # Every chunk carries one choice; each choice's first chunk carries its role.
+    assert all(len(chunk.choices) == 1 for chunk in chunks[:-1])
+    firsts = {}
+    for chunk in chunks[:-1]:
+        firsts.setdefault(chunk.choices[0].index, chunk.choices[0].delta.role)
+    assert firsts == {0: "assistant", 1: "assistant"}
     texts = {0: "", 1: ""}
     finishes: dict[int, str] = {}
     for chunk in chunks[:-1]:

@@ -196,7 +196,11 @@ def test_logprobs_in_both_shapes(stack: RunningStack) -> None:
     logprobs = legacy.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens is not None
     assert "".join(logprobs.tokens) == legacy.choices[0].text
-    assert logprobs.top_logprobs == [{}, {}, {}, {}]  # logprobs=0: no alternatives
+    # logprobs=0: no alternatives, only the sampled token's own entry (as vLLM).
+    assert logprobs.top_logprobs == [
+        {token: logprob}
+        for token, logprob in zip(logprobs.tokens, logprobs.token_logprobs or [], strict=True)
+    ]
     assert logprobs.text_offset == [
         sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
     ]

@@ -270,3 +270,38 @@ def test_the_chat_command_shows_the_calls(stack: RunningStack, tmp_path: Path) -
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments.removesuffix(")")), SCHEMAS["get_weather"])
     assert "[tool_calls]" in done.stderr
+
+
+ORDER = {
+    "type": "function",
+    "function": {
+        "name": "order",
+        "description": "Order items",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "maxItems": 2}
+            },
+            "required": ["items"],
+            "additionalProperties": False,
+            "$defs": {
+                "Item": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string", "maxLength": 8}},
+                    "required": ["sku"],
+                    "additionalProperties": False,
+                }
+            },
+        },
+    },
+}
+
+
+def test_required_choice_serves_tools_with_local_defs(stack: RunningStack) -> None:
+    # Refused with 400 "Cannot find field $defs" before the definitions moved to the root.
+    choice = ask(stack, tools=[ORDER, ADD], tool_choice="required")
+    assert choice.finish_reason in ("tool_calls", "length")
+    if choice.finish_reason == "tool_calls":
+        for name, arguments in calls_of(choice):
+            schema = ORDER["function"]["parameters"] if name == "order" else SCHEMAS["add"]  # type: ignore[index]
+            jsonschema.validate(arguments, schema)

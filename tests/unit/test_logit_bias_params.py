@@ -235,3 +235,17 @@ def test_logit_bias_from_json_null_is_none() -> None:
     assert logit_bias_from_json(None) == ()
     assert logit_bias_from_json({"0": 1}) == ((0, 1.0),)
     assert SamplingInput().logit_bias == ()
+
+
+def test_every_key_that_is_not_a_token_id_is_named() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        logit_bias_from_json({"a": 1, "5": 1, "b": 2})
+    assert caught.value.field == "logit_bias"
+    assert "'a'" in caught.value.message and "'b'" in caught.value.message
+
+
+def test_every_token_id_outside_the_vocabulary_is_named() -> None:
+    params = SamplingParams(logit_bias={VOCAB: 1.0, 3: 1.0, VOCAB + 7: 2.0})  # type: ignore[arg-type]
+    error = error_of(params, vocab_size=VOCAB)
+    assert error.field == "logit_bias"
+    assert str(VOCAB) in error.message and str(VOCAB + 7) in error.message

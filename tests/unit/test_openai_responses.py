@@ -51,7 +51,7 @@ STREAM = (
 
 
 def stream_chunks(build: ResponseBuilder, deltas: tuple[OutputDelta, ...]) -> list[dict[str, Any]]:
-    chunks = [build.first_chunk()] if build.chat else []
+    chunks = build.first_chunks() if build.chat else []
     for delta in deltas:
         chunks += build.chunks(delta)
     return chunks
@@ -61,7 +61,7 @@ def stream_chunks(build: ResponseBuilder, deltas: tuple[OutputDelta, ...]) -> li
 
 
 def test_chat_stream_opens_with_the_role_and_empty_content() -> None:
-    first = builder(chat=True).first_chunk()
+    (first,) = builder(chat=True).first_chunks()
     assert first["object"] == "chat.completion.chunk"
     assert first["id"] == "chatcmpl-r42" and first["model"] == "tiny" and first["created"] == 1700
     (choice,) = first["choices"]
@@ -96,7 +96,7 @@ def test_chat_role_comes_with_the_first_text_without_a_first_chunk() -> None:
 
 def test_a_finish_without_text_has_an_empty_delta() -> None:
     build = builder(chat=True)
-    build.first_chunk()
+    build.first_chunks()
     build.chunks(OutputDelta("Hi", (5,)))
     (finish,) = build.chunks(OutputDelta("", finish_reason="length", usage=USAGE))
     assert finish["choices"][0]["delta"] == {}
@@ -128,7 +128,7 @@ def test_include_usage_adds_a_usage_chunk_after_the_finishing_one(chat: bool) ->
 
 
 def test_include_usage_marks_the_first_chunk_too() -> None:
-    first = builder(chat=True, include_usage=True).first_chunk()
+    (first,) = builder(chat=True, include_usage=True).first_chunks()
     assert "usage" in first and first["usage"] is None
 
 
@@ -165,7 +165,8 @@ def test_a_whole_response_joins_the_text(chat: bool) -> None:
     assert body["id"] == ("chatcmpl-r42" if chat else "cmpl-r42")
     (choice,) = body["choices"]
     if chat:
-        assert choice["message"] == {"role": "assistant", "content": "Hello!"}
+        # refusal is required (nullable) by OpenAI's ChatCompletionMessage schema.
+        assert choice["message"] == {"role": "assistant", "content": "Hello!", "refusal": None}
     else:
         assert choice["text"] == "Hello!"
     assert choice["finish_reason"] == "stop"
@@ -299,11 +300,34 @@ def test_completions_text_offset_counts_characters_in_a_chunk_of_several_tokens(
     assert later["choices"][0]["logprobs"]["text_offset"] == [3]
 
 
-@pytest.mark.parametrize("count", [0, 1, 2])
-def test_completions_top_logprobs_limited_to_the_count(count: int) -> None:
+@pytest.mark.parametrize(
+    ("count", "listed"),
+    [(0, ["<333>"]), (1, ["<7>", "<333>"]), (2, ["<7>", "<333>"]), (3, ["<7>", "<333>", "<8>"])],
+)
+def test_completions_top_logprobs_are_the_count_plus_the_sampled_token(
+    count: int, listed: list[str]
+) -> None:
+    # As vLLM: the sampled token (333) is always listed, so logprobs: 0 is not [{}].
     (chunk,) = builder(chat=False, top_logprobs=count).chunks(STREAM[2])
     (top,) = chunk["choices"][0]["logprobs"]["top_logprobs"]
-    assert list(top) == ["<7>", "<333>", "<8>"][:count]
+    assert list(top) == listed
+    assert top["<333>"] == -1.2
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_return_token_ids_also_returns_the_prompt_token_ids(chat: bool) -> None:
+    build = builder(chat, return_token_ids=True, prompt_token_ids=(5, 6, 7))
+    streamed = stream_chunks(build, STREAM)
+    for delta in STREAM:
+        build.add(delta)
+    body = build.response()
+    if chat:
+        assert body["prompt_token_ids"] == [5, 6, 7]
+        assert streamed[0]["prompt_token_ids"] == [5, 6, 7]
+    else:
+        assert body["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+        assert streamed[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert sum("prompt_token_ids" in str(chunk) for chunk in streamed) == 1
 
 
 @pytest.mark.parametrize("chat", [True, False])
@@ -367,8 +391,9 @@ def test_a_stream_of_choices_names_each_by_index(chat: bool) -> None:
     build = builder(chat, n=2, include_usage=True)
     chunks = stream_chunks(build, CHOICES)
     if chat:
-        assert [c["index"] for c in chunks[0]["choices"]] == [0, 1]
-        chunks = chunks[1:]
+        # One role chunk per choice, each with that choice alone.
+        assert [[c["index"] for c in chunk["choices"]] for chunk in chunks[:2]] == [[0], [1]]
+        chunks = chunks[2:]
     *choice_chunks, usage_chunk = chunks
     key = "delta" if chat else "text"
     texts: dict[int, str] = {}
@@ -419,6 +444,7 @@ def test_a_whole_chat_response_carries_the_reasoning_beside_the_content() -> Non
     assert message == {
         "role": "assistant",
         "content": "It is 4.",
+        "refusal": None,
         "reasoning_content": "2 and 2 make 4.",
     }
 
@@ -427,3 +453,10 @@ def test_without_reasoning_a_chat_message_has_no_reasoning_field() -> None:
     whole = builder(chat=True)
     whole.add(OutputDelta("hi", (1,), finish_reason="stop", usage=Usage(1, 1, 0)))
     assert "reasoning_content" not in whole.response()["choices"][0]["message"]
+
+
+def test_each_of_n_choices_opens_with_its_own_role_chunk() -> None:
+    # As OpenAI and vLLM: one choice per chunk, so a client keyed on choices[0] sees each role.
+    firsts = builder(chat=True, n=2).first_chunks()
+    assert [[c["index"] for c in chunk["choices"]] for chunk in firsts] == [[0], [1]]
+    assert all(chunk["choices"][0]["delta"]["role"] == "assistant" for chunk in firsts)

@@ -15,6 +15,7 @@ from services.tokenizer.openai_http.schemas import (
     completion_input,
     parse_chat,
     parse_completion,
+    structured_output,
 )
 from services.tokenizer.validation import GenerateInput
 
@@ -485,3 +486,35 @@ def test_an_unknown_parameter_is_quoted_short() -> None:
     error = completion_error(completion_body(**{"x" * 10_000: 1}))
     assert len(error.field) <= 64 and error.field.endswith("…")
     assert len(error.message) < 150
+
+
+def test_stream_options_without_stream_is_refused() -> None:
+    # As vLLM: include_usage on a non-streamed answer is a caller's mistake, not ignored.
+    for error in (
+        chat_error(chat_body(stream_options={"include_usage": True})),
+        completion_error(completion_body(stream=False, stream_options={"include_usage": True})),
+    ):
+        assert error.field == "stream_options"
+        assert "stream" in error.message
+
+
+@pytest.mark.parametrize(
+    ("response_format", "named"),
+    [
+        ({"type": "json_object", "schema": 123}, "response_format.schema"),
+        ({"type": "text", "strict": True}, "response_format.strict"),
+        ({"type": 123}, "response_format.type"),
+        ({"type": "hiccup"}, "response_format.type"),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {}, "shcema": {}}},
+            "response_format.json_schema.shcema",
+        ),
+    ],
+)
+def test_a_malformed_response_format_is_refused_by_field(
+    response_format: dict[str, Any], named: str
+) -> None:
+    body = parse_chat(json.dumps(chat_body(response_format=response_format)).encode())
+    with pytest.raises(InvalidRequestError) as caught:
+        structured_output(body)
+    assert caught.value.field == named

@@ -339,6 +339,7 @@ def test_a_response_lists_the_calls_with_null_content() -> None:
     assert choice["message"] == {
         "role": "assistant",
         "content": None,
+        "refusal": None,
         "tool_calls": [
             {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
         ],

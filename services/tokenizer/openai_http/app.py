@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP door of the tokenizer tier (FastAPI): the same pipeline as gRPC
 Generate (generation.Generator), the same keys (access.AccessPolicy).
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   (API key when set)
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{id}
+    (API key when set)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter   (admin key: lora_routes.py)
     POST /v1/responses  GET|DELETE /v1/responses/{id}   (Open Responses: responses_api/)
     GET /health                 liveness: the process answers
@@ -25,12 +26,18 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.contracts.errors import DependencyUnavailableError, LLMServeError
+from services.contracts.errors import (
+    DependencyUnavailableError,
+    LLMServeError,
+    NotFoundError,
+    quoted,
+)
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy, acting_for
 from services.tokenizer.generation import GenerationStream, Generator
@@ -82,12 +89,25 @@ class OpenAIDoor:
 
     async def models(self, request: Request) -> Response:
         try:
-            self.access.authenticate(request.headers.get("authorization"))
-            model = self.generator.model
+            return json_response(self._model_list(request))
         except LLMServeError as exc:
             return error_response(http_error(exc))
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        """One entry of the list (the openai client's `models.retrieve()`); 404 if unknown."""
+        try:
+            for entry in self._model_list(request)["data"]:
+                if entry["id"] == model_id:
+                    return json_response(entry)
+            raise NotFoundError("model", f"no model {quoted(model_id)} is served")
+        except LLMServeError as exc:
+            return error_response(http_error(exc))
+
+    def _model_list(self, request: Request) -> dict[str, Any]:
+        self.access.authenticate(request.headers.get("authorization"))
+        model = self.generator.model
         adapters = self.generator.adapters.listed(model.name)
-        return json_response(model_list(model.name, self.started, adapters))
+        return model_list(model.name, self.started, adapters, max_model_len=model.max_model_len)
 
     async def generate(self, request: Request, chat: bool) -> Response:
         arrival_unix_s = time.time()
@@ -133,6 +153,7 @@ class OpenAIDoor:
             top_logprobs=top_logprobs,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             return_token_ids=body.return_token_ids,
+            prompt_token_ids=tuple(prepared.request.prompt_token_ids),
             n=prepared.request.sampling.n,
         )
         stream = self.generator.stream(prepared)
@@ -168,7 +189,7 @@ async def _events(
     """The stream's bytes: one write per delta (its chunks, and [DONE] with the last)."""
     code: str | None = None
     try:
-        head = sse_event(builder.first_chunk()) if chat else b""
+        head = b"".join(sse_event(chunk) for chunk in builder.first_chunks()) if chat else b""
         delta = first
         while delta is not None:
             request_metrics.on_tokens(len(delta.token_ids))
@@ -220,6 +241,10 @@ def create_app(door: OpenAIDoor) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await door.models(request)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await door.model(request, model_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

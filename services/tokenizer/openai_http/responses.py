@@ -48,10 +48,14 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def model_list(
-    name: str, created: int, lora_adapters: Sequence[str] = (), owned_by: str = "llmserve"
+    name: str,
+    created: int,
+    lora_adapters: Sequence[str] = (),
+    owned_by: str = "llmserve",
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
     """The served model, then its LoRA adapters, each with the served model as `parent`
-    (as vLLM lists them)."""
+    (as vLLM lists them, with the context length as `max_model_len`)."""
     return {
         "object": "list",
         "data": [
@@ -61,6 +65,7 @@ def model_list(
                 "created": created,
                 "owned_by": owned_by,
                 "parent": parent,
+                "max_model_len": max_model_len,
             }
             for model_id, parent in [(name, None), *((a, name) for a in lora_adapters)]
         ],
@@ -122,11 +127,15 @@ class ResponseBuilder:
     top_logprobs: int | None = None
     include_usage: bool = False
     return_token_ids: bool = False
+    prompt_token_ids: tuple[int, ...] = ()
+    """Sent with return_token_ids (as vLLM): top-level for chat, per choice for completions,
+    in a stream's first chunk (per choice)."""
     n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     # Per choice index: whether its role went out, its text offset (completions logprobs),
     # what a whole response collects.
     _sent_role: set[int] = field(default_factory=set)
+    _sent_prompt: set[int] = field(default_factory=set)
     _text_offset: dict[int, int] = field(default_factory=dict)
     _collected: dict[int, _Accumulated] = field(default_factory=dict)
     _usage: Usage | None = None
@@ -167,6 +176,9 @@ class ResponseBuilder:
         choice["finish_reason"] = delta.finish_reason or None
         if self.return_token_ids:
             choice["token_ids"] = list(delta.token_ids)
+            if not self.chat and delta.index not in self._sent_prompt:
+                choice["prompt_token_ids"] = list(self.prompt_token_ids)
+                self._sent_prompt.add(delta.index)
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         chunk["choices"] = [choice]
         if self.include_usage:
@@ -179,23 +191,28 @@ class ResponseBuilder:
             chunks.append(last)
         return chunks
 
-    def first_chunk(self) -> dict[str, Any]:
+    def first_chunks(self) -> list[dict[str, Any]]:
         """Chat streams open with the role alone, before any token, as OpenAI's do: a client
-        sees the response start at once. One chunk names every choice."""
+        sees the response start at once. One chunk per choice, each with its own role (as
+        OpenAI and vLLM send them with n > 1)."""
         self._sent_role.update(range(self.n))
-        chunk = self._envelope("chat.completion.chunk")
-        chunk["choices"] = [
-            {
-                "index": index,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for index in range(self.n)
-        ]
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
+        chunks = []
+        for index in range(self.n):
+            chunk = self._envelope("chat.completion.chunk")
+            chunk["choices"] = [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+            if self.include_usage:
+                chunk["usage"] = None
+            if self.return_token_ids and index == 0:
+                chunk["prompt_token_ids"] = list(self.prompt_token_ids)
+            chunks.append(chunk)
+        return chunks
 
     # ---- whole response ----
 
@@ -206,6 +223,8 @@ class ResponseBuilder:
     def response(self) -> dict[str, Any]:
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         body["choices"] = [self._choice(index) for index in range(self.n)]
+        if self.return_token_ids and self.chat:
+            body["prompt_token_ids"] = list(self.prompt_token_ids)
         if self._usage is not None:
             body["usage"] = usage_body(self._usage)
         return body
@@ -217,7 +236,8 @@ class ResponseBuilder:
         if self.chat:
             # OpenAI's content is null in an answer that is only calls.
             content = text if text or not collected.calls else None
-            choice["message"] = {"role": "assistant", "content": content}
+            # `refusal` is required (nullable) in OpenAI's schema; we never refuse in-band.
+            choice["message"] = {"role": "assistant", "content": content, "refusal": None}
             reasoning = "".join(collected.reasoning)
             if reasoning:
                 choice["message"]["reasoning_content"] = reasoning
@@ -235,6 +255,8 @@ class ResponseBuilder:
         choice["finish_reason"] = collected.finish_reason or None
         if self.return_token_ids:
             choice["token_ids"] = collected.token_ids
+            if not self.chat:
+                choice["prompt_token_ids"] = list(self.prompt_token_ids)
         return choice
 
     # ---- logprobs ----
@@ -254,12 +276,16 @@ class ResponseBuilder:
         return {
             "tokens": tokens,
             "token_logprobs": [item.logprob for item in items],
-            "top_logprobs": [
-                {self.token_text(token_id): logprob for token_id, logprob in self._top(item)}
-                for item in items
-            ],
+            "top_logprobs": [self._top_with_sampled(item) for item in items],
             "text_offset": offsets,
         }
+
+    def _top_with_sampled(self, item: TokenLogprob) -> dict[str, float]:
+        """A completions entry: the top alternatives plus the sampled token, as vLLM's (so
+        logprobs: 0 gives the sampled token's entry rather than an empty object)."""
+        top = {self.token_text(token_id): logprob for token_id, logprob in self._top(item)}
+        top.setdefault(self.token_text(item.token_id), item.logprob)
+        return top
 
     def _top(self, item: TokenLogprob) -> list[tuple[int, float]]:
         assert self.top_logprobs is not None

@@ -202,6 +202,9 @@ def _parse(model: type[BodyT], body: bytes) -> BodyT:
 
 
 def _refuse_unimplemented(body: _Sampling) -> None:
+    if body.stream_options is not None and not body.stream:
+        # As vLLM: options for a stream that is not asked for are a caller's mistake.
+        raise InvalidRequestError("stream_options", "needs stream: true")
     if isinstance(body, ChatCompletionBody):
         if body.tool_choice not in (None, "none") and not body.tools:
             raise InvalidRequestError("tool_choice", "needs tools")
@@ -253,8 +256,24 @@ def structured_output(body: _Sampling) -> tuple[StructuredOutput | None, str]:
     return found[0] if found else (None, "")
 
 
+# The keys OpenAI's schema allows for each response_format type; others are refused by name,
+# as unknown fields are everywhere else in the door (a misspelt `schema` is not silently dropped).
+_RESPONSE_FORMAT_KEYS = {
+    "text": {"type"},
+    "json_object": {"type"},
+    "json_schema": {"type", "json_schema"},
+}
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
 def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
     kind = value.get("type")
+    allowed = _RESPONSE_FORMAT_KEYS.get(kind) if isinstance(kind, str) else None
+    if allowed is not None:
+        _refuse_unknown_keys(value, allowed, "response_format")
+    wrapper = value.get("json_schema")
+    if kind == "json_schema" and isinstance(wrapper, dict):
+        _refuse_unknown_keys(wrapper, _JSON_SCHEMA_KEYS, "response_format.json_schema")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -272,6 +291,15 @@ def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
         "response_format.type",
         f"must be 'text', 'json_object' or 'json_schema', got {quoted(str(kind))}",
     )
+
+
+def _refuse_unknown_keys(value: dict[str, Any], allowed: set[str], where: str) -> None:
+    for key in value:
+        if key not in allowed:
+            raise InvalidRequestError(
+                f"{where}.{shortened(str(key), 32)}",
+                f"is not a known field (known: {', '.join(sorted(allowed))})",
+            )
 
 
 def _structured_outputs(value: dict[str, Any]) -> tuple[StructuredOutput, str]:
