@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -35,7 +36,7 @@ from pathlib import Path
 import redis
 
 from services import cpu_placement
-from services.common import cache_files
+from services.common import cache_files, serving_marker
 from services.common.config_flags import (
     add_config_flags,
     config_argv,
@@ -163,11 +164,16 @@ class Child:
     configuration, which holds its password: stdin is readable by no other process)."""
     http_url: str | None = None
     """A tokenizer's OpenAI base URL, when it serves HTTP."""
+    serving_marker: Path | None = None
+    """A replica sharing its port with others: the file it writes once it serves
+    (services/common/serving_marker.py); ready needs it too."""
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = field(default=0.0)
 
     def start(self, env: dict[str, str]) -> None:
+        if self.serving_marker is not None:
+            self.serving_marker.unlink(missing_ok=True)  # a restart serves anew
         # Redis prints a banner on stdout; ours go to stderr as JSON logs.
         stdout = subprocess.DEVNULL if self.kind == "redis" else None
         stdin = subprocess.PIPE if self.stdin is not None else None
@@ -187,6 +193,12 @@ class Child:
     @property
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def serves(self) -> bool:
+        """Ready at its address, and (a replica sharing the port) this process itself."""
+        if self.serving_marker is not None and not self.serving_marker.exists():
+            return False
+        return self.ready(self.address)
 
 
 def llmserve_command(*args: str) -> list[str]:
@@ -332,7 +344,10 @@ def build_children(
         child(f"tokenizer-{index}", "tokenizer", public_port, tokenizer_args)
         for index in range(config.tokenizer_replicas)
     ]
-    for tokenizer in tokenizers:
+    markers = Path(tempfile.mkdtemp(prefix="llmserve-serving-"))
+    for index, tokenizer in enumerate(tokenizers):
+        tokenizer.serving_marker = markers / f"tokenizer-{index}"
+        tokenizer.env[serving_marker.ENV_VAR] = str(tokenizer.serving_marker)
         tokenizer.command += ["--http-port", str(http_port)]  # the last flag given wins
         tokenizer.env.update(redis_env)
         if config.http:
@@ -381,7 +396,7 @@ class Stack:
         deadline = time.monotonic() + self.config.startup_timeout_s
         for child in self.children:
             print(f"llmserve: waiting for {child.name} at {child.address}", file=sys.stderr)
-            while not child.ready(child.address):
+            while not child.serves():
                 if self._stopping:  # SIGTERM before ready: stop the children, not wait on
                     raise RuntimeError("stopped during start-up")
                 if not child.alive:
@@ -458,6 +473,8 @@ class Stack:
                     child.process.wait(timeout=timeout_s)
                 except subprocess.TimeoutExpired:
                     child.process.kill()
+        for marker_dir in {c.serving_marker.parent for c in self.children if c.serving_marker}:
+            shutil.rmtree(marker_dir, ignore_errors=True)
 
 
 def run(config: StackConfig) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from services.common import serving_marker
 from services.common.cache_keys import CacheKeys
 from services.common.chat_template import read_chat_template_file
 from services.common.config_flags import add_config_flags, config_from_args
@@ -165,6 +166,7 @@ class TokenizerServer:
         self.generator.set_model(model, prompt_store)
         self._poller = asyncio.create_task(self.pool.poll_forever())
         await self.service.set_serving(True)
+        serving_marker.mark_serving()
         log.info("serving", extra={"port": self.service.port})
 
     async def stop(self, drain_s: float) -> None:

@@ -135,3 +135,31 @@ def test_the_ready_file_is_replaced_in_one_step(tmp_path: Path) -> None:
     assert ready.read_text() == '{"pids": {"worker-0": 2}}'
     assert ready.stat().st_ino != inode
     assert [p.name for p in tmp_path.iterdir()] == ["ready.json"]
+
+
+def test_each_tokenizer_replica_must_serve_itself_not_only_its_shared_port(
+    tmp_path: Path,
+) -> None:
+    """Replicas share one port: a health answer there may come from a loaded sibling, so a
+    replica is ready only once its own marker file exists (written when it turns SERVING)."""
+    stack = StackConfig(tokenizer_replicas=2, redis=False)
+    tokenizers = [
+        c
+        for c in build_children(stack, None, stack_redis_url(stack, None))
+        if c.kind == "tokenizer"
+    ]
+    markers = [c.serving_marker for c in tokenizers]
+    assert None not in markers and len(set(markers)) == 2
+    for child in tokenizers:
+        assert child.env["LLMSERVE_SERVING_MARKER"] == str(child.serving_marker)
+        child.ready = lambda _address: True  # the shared port answers SERVING
+    first, second = tokenizers
+    assert first.serving_marker is not None
+    first.serving_marker.write_text("1")
+    assert first.serves() and not second.serves()
+    # A restart forgets the old marker before the process starts again.
+    first.command = ["true"]
+    first.start({})
+    assert not first.serving_marker.exists() and not first.serves()
+    first.process.wait()  # type: ignore[union-attr]
+    shutil.rmtree(first.serving_marker.parent)
