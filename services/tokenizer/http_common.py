@@ -16,11 +16,12 @@ from starlette.responses import Response
 
 from services.contracts.errors import InvalidRequestError, LLMServeError, quoted, shortened
 from services.tokenizer import metrics
-from services.tokenizer.generation import GenerationStream
+from services.tokenizer.access import Caller, acting_for
+from services.tokenizer.generation import GenerationStream, Generator, Prepared
 from services.tokenizer.json_body import parse_json_body
 from services.tokenizer.key_limits import Quota
 from services.tokenizer.output import OutputDelta
-from services.tokenizer.validation import MAX_REQUEST_ID_LEN
+from services.tokenizer.validation import MAX_REQUEST_ID_LEN, GenerateInput
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,28 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
     raise ClientGone
+
+
+async def prepare_for_caller(
+    request: Request,
+    generator: Generator,
+    generate_input: GenerateInput,
+    caller: Caller,
+    *,
+    arrival_unix_s: float,
+    started: float,
+) -> Prepared:
+    """What every door does before its first byte: the request as the caller's key may send
+    it (`acting_for`), checked, tokenized and routed; ClientGone if the client leaves first."""
+    return await unless_gone(
+        request,
+        generator.prepare(
+            acting_for(generate_input, caller),
+            arrival_unix_s=arrival_unix_s,
+            started=started,
+            caller=caller,
+        ),
+    )
 
 
 async def _disconnected(request: Request) -> None:

@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.contracts.errors import LLMServeError, UnauthenticatedError
 from services.tokenizer import metrics
-from services.tokenizer.access import AccessPolicy, Caller, acting_for
+from services.tokenizer.access import AccessPolicy, Caller
 from services.tokenizer.anthropic_http import schemas
 from services.tokenizer.anthropic_http.errors import anthropic_error
 from services.tokenizer.anthropic_http.responses import Event, MessageBuilder, sse
@@ -35,9 +35,9 @@ from services.tokenizer.http_common import (
     answer_start,
     error_response,
     json_response,
+    prepare_for_caller,
     rate_limit_headers,
     refused,
-    unless_gone,
 )
 from services.tokenizer.openai_http.app import REQUEST_ID_HEADER
 from services.tokenizer.output import OutputDelta
@@ -78,12 +78,13 @@ class AnthropicDoor:
             body = schemas.parse_messages(await request.body())
             generate_input = schemas.messages_input(body, request_id, model.reasoning_parser)
             # The Messages API has no tenant parameter: a bound key's tenant, else none.
-            generate_input = acting_for(generate_input, caller)
-            prepared = await unless_gone(
+            prepared = await prepare_for_caller(
                 request,
-                self.generator.prepare(
-                    generate_input, arrival_unix_s=arrival_unix_s, started=started, caller=caller
-                ),
+                self.generator,
+                generate_input,
+                caller,
+                arrival_unix_s=arrival_unix_s,
+                started=started,
             )
         except (LLMServeError, ClientGone) as exc:
             return refused(exc, request_id, request_metrics, anthropic_error)

@@ -39,16 +39,16 @@ from services.contracts.errors import (
     quoted,
 )
 from services.tokenizer import metrics
-from services.tokenizer.access import AccessPolicy, acting_for
+from services.tokenizer.access import AccessPolicy
 from services.tokenizer.generation import GenerationStream, Generator
 from services.tokenizer.http_common import (
     ClientGone,
     answer_start,
     error_response,
     json_response,
+    prepare_for_caller,
     rate_limit_headers,
     refused,
-    unless_gone,
 )
 from services.tokenizer.openai_http import schemas
 from services.tokenizer.openai_http.errors import HttpError, http_error, not_found_route
@@ -130,12 +130,13 @@ class OpenAIDoor:
                 body = completion_body
                 generate_input = schemas.completion_input(completion_body, request_id)
                 top_logprobs = completion_body.logprobs
-            generate_input = acting_for(generate_input, caller)
-            prepared = await unless_gone(
+            prepared = await prepare_for_caller(
                 request,
-                self.generator.prepare(
-                    generate_input, arrival_unix_s=arrival_unix_s, started=started, caller=caller
-                ),
+                self.generator,
+                generate_input,
+                caller,
+                arrival_unix_s=arrival_unix_s,
+                started=started,
             )
         except (LLMServeError, ClientGone) as exc:
             return refused(

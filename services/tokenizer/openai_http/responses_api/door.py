@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.contracts.errors import LLMServeError, NotFoundError
 from services.tokenizer import metrics
-from services.tokenizer.access import AccessPolicy, Caller, acting_for
+from services.tokenizer.access import AccessPolicy, Caller
 from services.tokenizer.generation import GenerationStream, Generator
 from services.tokenizer.http_common import (
     ClientGone,
@@ -26,6 +26,7 @@ from services.tokenizer.http_common import (
     error_response,
     json_response,
     next_or_none,
+    prepare_for_caller,
     rate_limit_headers,
     refused,
     unless_gone,
@@ -75,12 +76,13 @@ class ResponsesDoor:
                 response_id,
                 self.generator.limits.max_new_tokens_limit,
             )
-            generate_input = acting_for(generate_input, caller)
-            prepared = await unless_gone(
+            prepared = await prepare_for_caller(
                 request,
-                self.generator.prepare(
-                    generate_input, arrival_unix_s=arrival_unix_s, started=started, caller=caller
-                ),
+                self.generator,
+                generate_input,
+                caller,
+                arrival_unix_s=arrival_unix_s,
+                started=started,
             )
         except (LLMServeError, ClientGone) as exc:
             return refused(exc, response_id, request_metrics, http_error)
