@@ -23,9 +23,12 @@ def test_every_form_the_build_has_is_measured(extension) -> None:  # type: ignor
         assert math.isnan(value) or value > 0
 
 
-def test_more_threads_measure_at_least_as_much_in_total(extension) -> None:  # type: ignore[no-untyped-def]
-    one, two = measure_int8_peak(1), measure_int8_peak(2)
-    best_one = max(v for v in one if math.isfinite(v))
-    best_two = max(v for v in two if math.isfinite(v))
-    # Two threads on two cores add up; on a busy machine they at least do not lose half.
-    assert best_two > 0.5 * best_one
+def test_the_machine_peak_reads_each_form_in_the_ops_order(extension) -> None:  # type: ignore[no-untyped-def]
+    """measure_int8_peak keeps one figure per form, where the build has it (a function check:
+    no speed is asserted)."""
+    figures = measure_int8_peak(1)
+    raw = torch.ops.llmserve.int8_dot_peak(1_000)
+    assert len(figures) == len(MEASURED_FORMS) == len(raw)
+    for best, probe in zip(figures, raw, strict=True):
+        assert math.isnan(best) == math.isnan(probe)
+        assert math.isnan(best) or best > 0
