@@ -1664,6 +1664,10 @@ at::Tensor gguf_embedding_meta(const at::Tensor& token_ids, const at::Tensor& bl
 std::string gguf_kernel_isa() {
 #if defined(GGUF_AVX2) && defined(GGUF_VNNI_EMULATED)
   return "avx2+vnni-emulated";
+#elif defined(GGUF_V16) && defined(GGUF_VNNI)
+  return "avx512+vnni";  // 512-bit tiles from 16 rows (gguf_vec.h), 256-bit below
+#elif defined(GGUF_V16)
+  return "avx512";
 #elif defined(GGUF_AVX2) && defined(GGUF_VNNI)
   return "avx2+vnni";
 #elif defined(GGUF_AVX2)

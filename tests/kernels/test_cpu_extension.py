@@ -201,7 +201,7 @@ def test_the_loaded_build_is_the_best_variant_this_cpu_runs() -> None:
     assert cpu_extension.loaded_variant() == variant.name
     ops_namespace = cpu_extension.ops()
     expected = {
-        "avx512": ("avx512", "avx2+vnni"),
+        "avx512": ("avx512", "avx512+vnni"),
         "avx2-vnni": ("avx2", "avx2+vnni"),
         "avx2": ("avx2", "avx2"),
     }
