@@ -32,7 +32,7 @@ from typing import Any
 from benchmarks.common import command_line, cpu_model_name, format_table, load_average
 from protos.llmserve.v1 import scheduler_pb2
 from services.common.model_source import model_display_name, resolve_model_path
-from services.common.model_tokenizer import ModelTokenizer
+from services.text.model_tokenizer import ModelTokenizer
 from services.tokenizer import convert
 from services.tokenizer.output import OutputPipeline
 

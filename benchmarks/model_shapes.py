@@ -256,7 +256,7 @@ def save_embedded_tokenizer(directory: Path) -> dict[str, int]:
     from transformers import PreTrainedTokenizerFast
 
     from services.common.model_source import embedded_model_path
-    from services.common.model_tokenizer import ModelTokenizer
+    from services.text.model_tokenizer import ModelTokenizer
 
     embedded = ModelTokenizer.from_path(embedded_model_path())
     specials = {

@@ -35,7 +35,7 @@ def prompt_tokenizer(args: argparse.Namespace) -> Any:
     """The --tokenizer model's tokenizer, loaded once (every sweep point builds prompts)."""
     if args.tokenizer not in _TOKENIZERS:
         from services.common.model_source import resolve_model_path
-        from services.common.model_tokenizer import ModelTokenizer
+        from services.text.model_tokenizer import ModelTokenizer
 
         _TOKENIZERS[args.tokenizer] = ModelTokenizer.from_path(resolve_model_path(args.tokenizer))
     return _TOKENIZERS[args.tokenizer]

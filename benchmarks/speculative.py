@@ -134,7 +134,7 @@ HEADERS = [
 
 def samples_for(workload: str, count: int, seed: int, output_len: int) -> list[Sample]:
     from services.common.model_source import resolve_model_path
-    from services.common.model_tokenizer import ModelTokenizer
+    from services.text.model_tokenizer import ModelTokenizer
 
     tokenizer = _TOKENIZER.get("model") or ModelTokenizer.from_path(resolve_model_path(None))
     _TOKENIZER["model"] = tokenizer

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from services.common.chat_template import ChatMessage
+from services.text.chat_template import ChatMessage
 
 WORKLOADS = ("grounded", "chat")
 PASSAGE_SENTENCES = 18

@@ -21,7 +21,7 @@ from google.protobuf.json_format import MessageToDict
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
-from services.tokenizer.convert import OPTIONAL_SAMPLING_FIELDS
+from services.common.public_sampling_fields import OPTIONAL_SAMPLING_FIELDS
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 

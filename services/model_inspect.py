@@ -21,8 +21,8 @@ from typing import Any
 from services.common.gguf_index import open_gguf_index
 from services.common.gguf_metadata import field_value, open_gguf
 from services.common.model_source import model_display_name
-from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import LLMServeError, ModelLoadError
+from services.text.model_tokenizer import ModelTokenizer
 from services.worker.loader.weight_names import PartName, gguf_part, hf_part
 from services.worker.model.architecture import ModelArchitecture, RopeConfig
 from services.worker.model.architecture_switches import architecture_switches

@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
+from services.contracts.text_parsers import ReasoningParserName, ToolCallParserName
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingMode = Literal["overlapped", "serial"]
-ReasoningParserName = Literal["deepseek_r1", "qwen3"]
-ToolCallParserName = Literal["auto", "hermes", "llama3_json", "mistral", "json"]
 
 DEFAULT_KV_GROUP_SIZE = 8
 """int8 KV cache: values of head_dim sharing one fp16 scale."""
@@ -75,12 +74,12 @@ class WeightsConfig:
     quantization: str = "auto"
     """Weights: auto (a GGUF keeps its own blocks, a HF directory its dtype), none, int8, w8a8,
     int4, nf4, gguf (a GGUF's blocks, activations rounded to int8 as llama.cpp does) or
-    gguf-exact (the same blocks against float activations, and the KV cache in the model
-    dtype: float32 on a CPU, transformers' arithmetic)."""
+    gguf-exact (the same blocks against float activations, and a float32 KV cache unless
+    --kv-cache-dtype says otherwise: transformers' arithmetic)."""
     kv_cache_dtype: str = "auto"
     """auto, float32, bfloat16, float16 or int8 (per-group fp16 scales; about 1.6x the blocks
     of bf16). auto: the model dtype, but float16 for a float32 model under --quantization gguf
-    on a CPU (llama.cpp's default cache: half the bytes per token)."""
+    on a CPU (llama.cpp's default cache: half the bytes per token), float32 under gguf-exact."""
     kv_cache_group_size: int = DEFAULT_KV_GROUP_SIZE
     """int8 KV cache: values of head_dim sharing one scale (8: 1.25 B/value, 64: 1.03)."""
     block_size: int = 16

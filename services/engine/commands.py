@@ -62,10 +62,10 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Stream one chat answer from the in-process engine to the terminal."""
-    from services.common.chat_template import ChatMessage
     from services.contracts.sampling_params import SamplingParams
     from services.engine.engine import LLMEngine
-    from services.tokenizer.detokenizer import IncrementalDetokenizer
+    from services.text.chat_template import ChatMessage
+    from services.text.detokenizer import IncrementalDetokenizer
 
     engine = LLMEngine(engine_config(args))
     prompt = engine.tokenizer.apply_chat_template([ChatMessage("user", args.prompt)])

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from services.common.chat_template import read_chat_template_file
 from services.common.prefix_hash import adapter_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.contracts.errors import InvalidRequestError, NotFoundError
@@ -29,6 +28,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats import SchedulerStats
+from services.text.chat_template import read_chat_template_file
 from services.worker.config import resolve_dtype
 from services.worker.loaded_model import LoadedModel
 from services.worker.quantization.formats import serves_gguf_blocks

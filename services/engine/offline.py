@@ -16,10 +16,10 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from services.common.chat_template import ChatMessage
 from services.contracts.errors import CapacityError, InvalidRequestError
 from services.contracts.sampling_params import SamplingParams, logit_bias_from_json
 from services.engine.engine import LLMEngine
+from services.text.chat_template import ChatMessage
 
 _SAMPLING_FIELDS = {f.name: f for f in fields(SamplingParams)}
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")

@@ -8,23 +8,17 @@ import json
 from collections.abc import Iterable, Sequence
 
 from protos.llmserve.v1 import logprobs_pb2, lora_pb2, scheduler_pb2, text_pb2
-from services.common.chat_template import ChatMessage, MessageToolCall
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
+from services.common.public_sampling_fields import OPTIONAL_SAMPLING_FIELDS
 from services.common.sampling_proto import sampling_to_proto, structured_output_from_proto
 from services.contracts.errors import InvalidRequestError
+from services.text.chat_template import ChatMessage, MessageToolCall
 from services.tokenizer.lora_adapter_info import AdapterInfo
 from services.tokenizer.output import OutputDelta, SchedulerOutput, TokenLogprob
 from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
-
-# The public sampling scalars with presence (proto3 `optional`): unset means "our default".
-OPTIONAL_SAMPLING_FIELDS = tuple(
-    field.name
-    for field in text_pb2.SamplingParams.DESCRIPTOR.fields
-    if field.has_presence and field.message_type is None
-)
 
 
 def chat_messages(messages: Iterable[text_pb2.ChatMessage]) -> tuple[ChatMessage, ...]:

@@ -33,6 +33,7 @@ from services.contracts.errors import (
     DependencyUnavailableError,
     InvalidRequestError,
 )
+from services.text.reasoning import prompt_closes_reasoning
 from services.tokenizer.access import Caller
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.key_limiter import Admission, KeyLimiter
@@ -40,7 +41,6 @@ from services.tokenizer.key_limits import Quota
 from services.tokenizer.lora_adapters import LoraAdapters
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline
-from services.tokenizer.reasoning import prompt_closes_reasoning
 from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.submit_stream import SubmitStream

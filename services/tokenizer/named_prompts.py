@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.chat_template import ChatMessage
 from services.common.named_prompt import NamedPrompt
 from services.common.prompt_store import PromptStore
 from services.contracts.errors import (
@@ -22,6 +21,7 @@ from services.contracts.errors import (
     NotFoundError,
     quoted,
 )
+from services.text.chat_template import ChatMessage
 from services.tokenizer.validation import validate_prompt_name, validate_tenant_id
 
 

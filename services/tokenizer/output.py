@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.tokenizer.detokenizer import IncrementalDetokenizer
-from services.tokenizer.reasoning import ReasoningSplitter
-from services.tokenizer.stop_strings import StopStringMatcher
-from services.tokenizer.tool_calls import ToolCallDelta
+from services.text.detokenizer import IncrementalDetokenizer
+from services.text.reasoning import ReasoningSplitter
+from services.text.stop_strings import StopStringMatcher
+from services.text.tool_call_parsers import ToolCallDelta
 from services.tokenizer.tool_output import ToolCallOutput
 from services.tokenizer.tool_request import ToolRequest
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import ModelLoadError
 from services.contracts.model_description import ModelDescription
+from services.text.model_tokenizer import ModelTokenizer
+from services.text.reasoning import THINK_END
+from services.text.tool_call_parsers import parser_for_template
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.reasoning import THINK_END
-from services.tokenizer.tool_calls import parser_for_template
 from services.tokenizer.validation import Limits
 
 

@@ -16,12 +16,12 @@ import grpc
 
 from services.common import serving_marker
 from services.common.cache_keys import CacheKeys
-from services.common.chat_template import read_chat_template_file
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
 from services.common.prompt_store import PromptStore
 from services.common.redis_store import open_store
+from services.text.chat_template import read_chat_template_file
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy
 from services.tokenizer.anthropic_http import door as anthropic_door

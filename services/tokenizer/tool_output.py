@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.tokenizer.tool_calls import (
+from services.text.tool_call_parsers import (
     CallArguments,
     CallStarted,
     ContentText,

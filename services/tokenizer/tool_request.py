@@ -7,7 +7,7 @@ the pipeline, and what they mean for it. Pure: no I/O.
     none      the model sees the tools (the chat template renders them, as vLLM does by
               default) but its answer is text: nothing is parsed out of it.
     auto      the model decides; its output is parsed by the model family's parser
-              (tool_calls.py): calls become `tool_calls`, the rest is content.
+              (services/text/tool_call_parsers.py): calls become `tool_calls`, the rest is content.
     required  at least one call (one when parallel calls are off); a named function: exactly
               that one. Both are enforced by a grammar (the structured-output engine): the
               answer is a JSON list of {"name", "arguments"} objects whose arguments follow

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from services.common.cache_keys import PROMPT_NAME_PATTERN
-from services.common.chat_template import ChatMessage
 from services.common.named_prompt import NamedPrompt
 from services.common.prefix_hash import tenant_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.contracts.errors import InvalidRequestError, NotFoundError, PromptTooLongError, quoted
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.structured_output import StructuredOutput
+from services.text.chat_template import ChatMessage
 from services.tokenizer.tool_request import ToolRequest, check_tool_request, forced_call_grammar
 
 # Identifiers are echoed into log lines and keys; bounded at the edge, both doors. A UUID is 36

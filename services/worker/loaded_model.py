@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from services.common.model_source import model_display_name, resolve_model_path
-from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.model_description import ModelDescription
+from services.text.model_tokenizer import ModelTokenizer
 from services.worker.loader.model_loader import load_model
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.formats import kv_cache_torch_dtype, resolve_quantization

@@ -14,10 +14,10 @@ import pytest
 
 from kernels.cpu_extension import DISABLE_ENV_VAR
 from protos.llmserve.v1 import text_pb2
-from services.common.chat_template import ChatMessage
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
 from services.stack import RunningStack, running_stack
+from services.text.chat_template import ChatMessage
+from services.text.model_tokenizer import ModelTokenizer
 from tests.e2e.conftest import STACK_FLAGS, STARTUP_TIMEOUT_S
 
 pytestmark = pytest.mark.slow

@@ -62,7 +62,7 @@ def test_greedy_through_stack_equals_in_process_engine(
 
 
 def test_chat_messages_use_the_chat_template(stack: RunningStack, reference_engine) -> None:  # type: ignore[no-untyped-def]
-    from services.common.chat_template import ChatMessage
+    from services.text.chat_template import ChatMessage
 
     stub = stack.text_stub()
     messages = [text_pb2.ChatMessage(role="user", content="What is 2+2?")]

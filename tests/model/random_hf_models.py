@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
+from services.text.model_tokenizer import ModelTokenizer
 
 VOCAB_SIZE = 49152  # the embedded model's
 WINDOW = 32

@@ -87,7 +87,7 @@ def test_a_prefix_hit_over_a_float16_cache_keeps_greedy_output() -> None:
     ones differed enough to turn token 5 of this prompt into another one."""
     import torch
 
-    from services.common.chat_template import ChatMessage
+    from services.text.chat_template import ChatMessage
 
     loaded = LoadedModel.load(None, torch.float32, quantization="gguf")
     sampling = replace(GREEDY, max_new_tokens=8)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.chat_template import ChatMessage
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence
 from services.engine.engine import LLMEngine
+from services.text.chat_template import ChatMessage
 from services.worker.input_batch import InputBatch
 from tests.model.conftest import PROMPTS
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from services.common.chat_template import ChatMessage, MessageToolCall, TextPart
 from services.contracts.errors import InvalidRequestError
+from services.text.chat_template import ChatMessage, MessageToolCall, TextPart
 from services.tokenizer.anthropic_http.errors import anthropic_error
 from services.tokenizer.anthropic_http.schemas import (
     count_tokens_input,

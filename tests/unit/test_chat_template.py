@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
-from services.common.chat_template import (
+from services.common.model_source import embedded_model_path
+from services.contracts.errors import InvalidRequestError, ModelLoadError
+from services.text.chat_template import (
     NO_CHAT_TEMPLATE,
     ChatMessage,
     ChatTemplate,
     TextPart,
     read_chat_template_file,
 )
-from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
-from services.contracts.errors import InvalidRequestError, ModelLoadError
+from services.text.model_tokenizer import ModelTokenizer
 
 FIXED_NOW = datetime_module.datetime(2024, 2, 29, 8, 15)
 USER = [ChatMessage("user", "hi")]

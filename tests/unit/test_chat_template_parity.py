@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from benchmarks.llamacpp_build import ensure_source
-from services.common.chat_template import ChatMessage, ChatTemplate, TextPart
 from services.contracts.errors import InvalidRequestError
+from services.text.chat_template import ChatMessage, ChatTemplate, TextPart
 
 chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
 

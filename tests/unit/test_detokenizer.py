@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import ModelLoadError
-from services.tokenizer.detokenizer import (
+from services.text.detokenizer import (
     MAX_PENDING_TOKENS,
     NUM_CONTEXT_TOKENS,
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
 )
+from services.text.model_tokenizer import ModelTokenizer
 
 
 def _load() -> ModelTokenizer:

@@ -13,8 +13,10 @@ import pytest
 from tokenizers import Regex, normalizers, pre_tokenizers
 
 from services.common.gguf_metadata import field_value, open_gguf, read_metadata
-from services.common.gguf_pretokenizers import oniguruma_pattern
-from services.common.gguf_tokenizer import (
+from services.common.model_source import embedded_model_path
+from services.contracts.errors import ModelLoadError
+from services.text.gguf_pretokenizers import oniguruma_pattern
+from services.text.gguf_vocab import (
     BYTE,
     CONTROL,
     NORMAL,
@@ -25,9 +27,7 @@ from services.common.gguf_tokenizer import (
     build_gguf_tokenizer,
     normalizer_shrink_factor,
 )
-from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
-from services.contracts.errors import ModelLoadError
+from services.text.model_tokenizer import ModelTokenizer
 
 # --- refusals ----------------------------------------------------------------------------
 

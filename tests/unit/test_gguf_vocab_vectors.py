@@ -24,8 +24,9 @@ import pytest
 
 from benchmarks.llamacpp_build import PeerBuildError, ensure_source
 from services.common.gguf_metadata import read_metadata
-from services.common.gguf_pretokenizers import PRE_TOKENIZERS_BY_NAME
-from services.common.gguf_tokenizer import (
+from services.contracts.errors import ModelLoadError
+from services.text.gguf_pretokenizers import PRE_TOKENIZERS_BY_NAME
+from services.text.gguf_vocab import (
     BYTE,
     CONTROL,
     NORMAL,
@@ -34,8 +35,7 @@ from services.common.gguf_tokenizer import (
     UNKNOWN,
     USER_DEFINED,
 )
-from services.common.model_tokenizer import ModelTokenizer
-from services.contracts.errors import ModelLoadError
+from services.text.model_tokenizer import ModelTokenizer
 
 # Every vocabulary file of llama.cpp's models/ directory, and why we refuse it (None: built).
 VOCABS: dict[str, str | None] = {

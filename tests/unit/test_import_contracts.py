@@ -66,7 +66,7 @@ from services import cli
 
 cli.build_parser(cli.command_of(["--log-level", "INFO", "tokenizer", "--port", "0"]))
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
+from services.text.model_tokenizer import ModelTokenizer
 from services.tokenizer import server
 
 file_tokenizer = ModelTokenizer.from_path(embedded_model_path())

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 
 from protos.llmserve.v1 import model_pb2
-from services.common.chat_template import ChatMessage
 from services.common.model_description_proto import description_from_proto, description_to_proto
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import ModelLoadError
 from services.contracts.model_description import ModelDescription
+from services.text.chat_template import ChatMessage
+from services.text.model_tokenizer import ModelTokenizer
 from services.tokenizer.served_model import ServedModel, one_model
 
 TEXT = "Hello, world! Ünïcödé 🙂 and   spaces\n\nnew lines 12345"

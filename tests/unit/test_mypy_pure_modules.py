@@ -41,14 +41,14 @@ PURE_MODULES = (
     # the tokenizer tier's logic
     "services/tokenizer/routing.py",
     "services/tokenizer/membership.py",
-    "services/tokenizer/detokenizer.py",
-    "services/tokenizer/stop_strings.py",
+    "services/text/detokenizer.py",
+    "services/text/stop_strings.py",
     "services/tokenizer/validation.py",
     "services/tokenizer/json_body.py",
     "services/tokenizer/output.py",
-    "services/tokenizer/reasoning.py",
-    "services/tokenizer/partial_tags.py",
-    "services/tokenizer/tool_calls.py",
+    "services/text/reasoning.py",
+    "services/text/partial_tags.py",
+    "services/text/tool_call_parsers.py",
     "services/tokenizer/tool_output.py",
     "services/tokenizer/tool_request.py",
     "services/tokenizer/key_limits.py",
@@ -60,8 +60,8 @@ PURE_MODULES = (
     "services/common/request_decoding.py",
     # a GGUF file's tokenizer, as llama.cpp builds it
     "services/common/gguf_metadata.py",
-    "services/common/gguf_tokenizer.py",
-    "services/common/gguf_pretokenizers.py",
+    "services/text/gguf_vocab.py",
+    "services/text/gguf_pretokenizers.py",
     # the shapes shared between services
     "services/contracts",
 )

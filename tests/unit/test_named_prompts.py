@@ -8,12 +8,12 @@ import asyncio
 import pytest
 
 from services.common.cache_keys import CacheKeys
-from services.common.chat_template import ChatMessage
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
 from services.common.prompt_store import PromptStore
 from services.common.redis_store import RedisStore
 from services.contracts.errors import DependencyUnavailableError, InvalidRequestError, NotFoundError
+from services.text.chat_template import ChatMessage
+from services.text.model_tokenizer import ModelTokenizer
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.validation import GenerateInput, Limits, validate_generate
 from tests.redis_server import RedisServer

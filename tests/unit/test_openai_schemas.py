@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from services.common.chat_template import ChatMessage, TextPart
 from services.contracts.errors import InvalidRequestError
+from services.text.chat_template import ChatMessage, TextPart
 from services.tokenizer.openai_http.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     chat_input,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.tokenizer.reasoning import ReasoningSplitter, SplitDelta, split_reasoning
+from services.text.reasoning import ReasoningSplitter, SplitDelta, split_reasoning
 
 
 def streamed(parser: str, pieces: list[str]) -> SplitDelta:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.stop_strings import StopResult, StopStringMatcher
+from services.text.stop_strings import StopResult, StopStringMatcher
 
 
 def reference(

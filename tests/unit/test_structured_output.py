@@ -14,7 +14,6 @@ import torch
 
 from services.common.grammar import GrammarCompiler, xgrammar_message
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
 from services.common.sampling_proto import sampling_from_proto, sampling_to_proto
 from services.contracts.errors import InvalidRequestError
 from services.contracts.sampling_params import SamplingParams
@@ -24,6 +23,7 @@ from services.contracts.structured_output import (
     StructuredOutput,
     StructuredOutputKind,
 )
+from services.text.model_tokenizer import ModelTokenizer
 from services.tokenizer.openai_http.schemas import (
     parse_chat,
     parse_completion,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from protos.llmserve.v1 import text_pb2
-from services.common.chat_template import ChatMessage
+from services.text.chat_template import ChatMessage
 from services.tokenizer.server import ServedModel
 from tests.unit.tokenizer_tier_harness import (
     TIMEOUT_S,

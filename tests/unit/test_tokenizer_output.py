@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import ModelLoadError
+from services.text.model_tokenizer import ModelTokenizer
 from services.tokenizer.output import (
     OutputDelta,
     OutputPipeline,

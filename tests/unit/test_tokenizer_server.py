@@ -104,7 +104,7 @@ def test_chat_messages_use_the_chat_template(model: ServedModel) -> None:
             )
             responses = await stack.generate(request)
         assert joined_text(responses) == "Paris."
-        from services.common.chat_template import ChatMessage
+        from services.text.chat_template import ChatMessage
 
         expected = model.tokenizer.apply_chat_template(
             [ChatMessage("system", "Be brief."), ChatMessage("user", "Capital of France?")]

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from services.common.chat_template import ChatMessage, ChatTemplate
 from services.contracts.errors import InvalidRequestError, NotFoundError, PromptTooLongError
+from services.text.chat_template import ChatMessage, ChatTemplate
 from services.tokenizer.tool_request import FunctionTool, ToolRequest
 from services.tokenizer.validation import (
     GenerateInput,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.tokenizer.tool_calls import (
+from services.text.tool_call_parsers import (
     CallArguments,
     CallStarted,
     ContentText,

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from services.common.chat_template import ChatMessage, ChatTemplate, MessageToolCall
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
 from services.contracts.errors import InvalidRequestError
 from services.contracts.structured_output import StructuredOutputKind
+from services.text.chat_template import ChatMessage, ChatTemplate, MessageToolCall
+from services.text.model_tokenizer import ModelTokenizer
+from services.text.tool_call_parsers import ToolCallDelta, parser_for_template
 from services.tokenizer.openai_http.responses import ResponseBuilder
 from services.tokenizer.openai_http.schemas import chat_input, parse_chat
 from services.tokenizer.output import OutputDelta, OutputPipeline, SchedulerOutput
-from services.tokenizer.tool_calls import ToolCallDelta, parser_for_template
 from services.tokenizer.tool_output import ToolCallOutput
 from services.tokenizer.tool_request import (
     FunctionTool,

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.llmserve.v1 import model_pb2, scheduler_pb2, scheduler_pb2_grpc, text_pb2, text_pb2_grpc
 from services.common.model_description_proto import description_to_proto
 from services.common.model_source import embedded_model_path
-from services.common.model_tokenizer import ModelTokenizer
+from services.text.model_tokenizer import ModelTokenizer
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.server import SERVICE_NAME, ServedModel, TokenizerServer
 

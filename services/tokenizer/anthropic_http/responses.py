@@ -33,9 +33,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.text.tool_call_parsers import ToolCallDelta
 from services.tokenizer.openai_http.responses import json_bytes
 from services.tokenizer.output import OutputDelta, Usage
-from services.tokenizer.tool_calls import ToolCallDelta
 
 BlockKind = Literal["text", "thinking", "tool_use"]
 Event = tuple[str, dict[str, Any]]

@@ -34,8 +34,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from services.common.chat_template import ChatMessage, MessageToolCall, TextPart
 from services.contracts.errors import InvalidRequestError
+from services.text.chat_template import ChatMessage, MessageToolCall, TextPart
 from services.tokenizer.http_common import validated_body
 from services.tokenizer.tool_request import (
     FunctionTool,

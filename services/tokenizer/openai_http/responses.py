@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.text.tool_call_parsers import ToolCallDelta
 from services.tokenizer.output import OutputDelta, TokenLogprob, Usage
-from services.tokenizer.tool_calls import ToolCallDelta
 
 TokenText = Callable[[int], str]
 """A token id's text, as the logprobs of a response spell it."""

@@ -1,7 +1,7 @@
 """llama.cpp's pre-tokenizers (src/llama-vocab.cpp, `llm_tokenizer_bpe`): for each
 `tokenizer.ggml.pre` name, the regexes that split text before BPE merges and the flags
 llama.cpp sets for it, and the translation of its regex dialect into the `tokenizers`
-library's (Oniguruma). Used by services/common/gguf_tokenizer.py."""
+library's (Oniguruma). Used by services/text/gguf_vocab.py."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import get_args
 
-from services.common.serving_config import ReasoningParserName
-from services.tokenizer.partial_tags import partial_tag_suffix
+from services.contracts.text_parsers import ReasoningParserName
+from services.text.partial_tags import partial_tag_suffix
 
 THINK_START = "<think>"
 THINK_END = "</think>"

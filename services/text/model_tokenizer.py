@@ -10,11 +10,11 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from services.common.chat_template import NO_CHAT_TEMPLATE, ChatMessage, ChatTemplate
 from services.common.gguf_metadata import read_metadata
-from services.common.gguf_tokenizer import normalizer_shrink_factor, read_gguf_tokenizer
 from services.contracts.errors import InvalidRequestError, ModelLoadError
 from services.contracts.model_description import ModelDescription
+from services.text.chat_template import NO_CHAT_TEMPLATE, ChatMessage, ChatTemplate
+from services.text.gguf_vocab import normalizer_shrink_factor, read_gguf_tokenizer
 
 HF_SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -260,7 +260,7 @@ class ModelTokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path) -> ModelTokenizer:
-        """The tokenizer llama.cpp builds from the file's metadata (see gguf_tokenizer)."""
+        """The tokenizer llama.cpp builds from the file's metadata (see gguf_vocab)."""
         gguf = read_gguf_tokenizer(path)
         metadata = read_metadata(path)
         vocab_size = gguf.tokenizer.get_vocab_size(with_added_tokens=True)

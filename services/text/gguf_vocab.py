@@ -24,12 +24,12 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from services.common.gguf_metadata import read_metadata
-from services.common.gguf_pretokenizers import (
+from services.contracts.errors import ModelLoadError
+from services.text.gguf_pretokenizers import (
     PRE_TOKENIZERS_BY_NAME,
     PreTokenizer,
     oniguruma_pattern,
 )
-from services.contracts.errors import ModelLoadError
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`, gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.tokenizer.partial_tags import partial_tag_suffix
+from services.text.partial_tags import partial_tag_suffix
 
 PARSERS = ("hermes", "llama3_json", "mistral", "json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
