@@ -32,11 +32,17 @@ def test_defaults_keep_the_model_dtype_and_float_weights() -> None:
 
 def test_llama_cpp_arithmetic_caches_float16_by_default() -> None:
     """`--quantization gguf` on a CPU is llama.cpp's arithmetic, whose default KV cache is
-    float16; gguf-exact, other formats and GPUs keep the model dtype; a named dtype wins."""
+    float16; gguf-exact caches float32; other formats and GPUs keep the model dtype; a named
+    dtype wins."""
     assert kv_cache_torch_dtype("auto", torch.float32, quantization="gguf") == torch.float16
     assert kv_cache_torch_dtype("auto", torch.float32, quantization="gguf-exact") == torch.float32
     assert kv_cache_torch_dtype("auto", torch.float32, quantization="none") == torch.float32
     assert kv_cache_torch_dtype("auto", torch.bfloat16, quantization="gguf") == torch.bfloat16
+    # The exact mode's cache is float32 whatever the model dtype; a named dtype still wins.
+    assert kv_cache_torch_dtype("auto", torch.bfloat16, quantization="gguf-exact") == torch.float32
+    assert kv_cache_torch_dtype("auto", torch.float16, quantization="gguf-exact") == torch.float32
+    named = kv_cache_torch_dtype("bfloat16", torch.float32, quantization="gguf-exact")
+    assert named == torch.bfloat16
     cuda = kv_cache_torch_dtype("auto", torch.float32, quantization="gguf", device="cuda:0")
     assert cuda == torch.float32
     for name, dtype in [("float32", torch.float32), ("bfloat16", torch.bfloat16)]:

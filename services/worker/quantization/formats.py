@@ -104,8 +104,12 @@ def kv_cache_torch_dtype(
     model dtype, except under llama.cpp's arithmetic (`gguf`: int8 activations) on a CPU, where
     it is llama.cpp's default cache, float16: a float32 model's cache at half the bytes, which
     halves the memory per sequence and the bytes a decode step's attention reads (the step's
-    largest cost after the matmuls at batch 16 and more). `gguf-exact` keeps the model dtype."""
+    largest cost after the matmuls at batch 16 and more). `gguf-exact` promises transformers'
+    float32 arithmetic, so its cache is float32 whatever the model dtype (a float16 cache
+    alone changes greedy tokens against the float32 reference)."""
     value = check_kv_cache_dtype(kv_cache_dtype)
+    if value == "auto" and quantization == "gguf-exact":
+        return torch.float32
     if value == "auto":
         llama_cpp_arithmetic = quantization == "gguf" and not device.startswith("cuda")
         if llama_cpp_arithmetic and model_dtype == torch.float32:
