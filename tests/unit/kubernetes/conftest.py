@@ -37,7 +37,8 @@ def rendered(tree: Path) -> dict[str, list[Obj]]:
 
 @pytest.fixture(scope="package")
 def external_redis(tree: Path) -> list[Obj]:
-    """The example overlay with the external-redis component, as docs/deploy.md shows."""
+    """The example overlay with the external-redis component, as docs/deployment.md
+    (Kubernetes) shows."""
     overlay = tree / "overlays" / "example-external-redis"
     shutil.copytree(tree / "overlays" / "example", overlay)
     kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())

@@ -24,7 +24,8 @@ from services.common.config_flags import config_from_args  # noqa: E402
 ROOT = Path(__file__).resolve().parents[3]
 MANIFESTS = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("example", "gpu")
-# The oldest Kubernetes the manifests claim (docs/deploy.md), and the newest with schemas.
+# The oldest Kubernetes the manifests claim (docs/deployment.md, Kubernetes), and the newest
+# with schemas.
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 # A helper variable, not a setting: the Redis URL is built from it ($(LLMSERVE_REDIS_PASSWORD)).
 REDIS_PASSWORD_ENV = "LLMSERVE_REDIS_PASSWORD"
@@ -65,7 +66,8 @@ def kustomize(directory: Path) -> list[Obj]:
 
 
 def write_secret_files(overlay: Path, redis: str) -> None:
-    """What docs/deploy.md tells the user to create (values the tests can recognise)."""
+    """What docs/deployment.md (Kubernetes) tells the user to create (values the tests can
+    recognise)."""
     secrets = overlay / "secrets"
     (secrets / "stack.env").write_text(
         f"LLMSERVE_INTERNAL_SECRET={INTERNAL_SECRET}\n{redis}\n", encoding="utf-8"

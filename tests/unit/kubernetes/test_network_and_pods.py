@@ -218,10 +218,11 @@ def test_secret_values_are_never_committed() -> None:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 def test_the_documented_secret_recipe_renders(tmp_path: Path) -> None:
-    """docs/deploy.md's commands that make an overlay's secret files, run as written."""
+    """docs/deployment.md's Kubernetes commands that make an overlay's secret files, run as
+    written."""
     from services.tokenizer.access import parse_key_file
 
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "deploy.md").read_text(), re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "deployment.md").read_text(), re.S)
     (recipe,) = [block for block in blocks if "secrets/stack.env" in block]
     copy_manifests(tmp_path / "deploy" / "kubernetes")
     subprocess.run(["bash", "-euc", recipe], cwd=tmp_path, check=True, timeout=30)
