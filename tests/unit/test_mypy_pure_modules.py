@@ -50,6 +50,7 @@ PURE_MODULES = (
     "services/tokenizer/partial_tags.py",
     "services/tokenizer/tool_calls.py",
     "services/tokenizer/tool_output.py",
+    "services/tokenizer/forced_calls.py",
     "services/tokenizer/tool_request.py",
     "services/tokenizer/key_limits.py",
     # the Anthropic door's bodies, responses and errors

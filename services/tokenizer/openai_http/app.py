@@ -168,9 +168,9 @@ class OpenAIDoor:
             n=prepared.request.sampling.n,
             prompts=() if chat else self._prompts(inputs, batch, body),
         )
-        stream: GenerationStream | BatchStream = self.generator.stream(prepared)
-        if len(batch) > 1:
-            streams = [stream, *(self.generator.stream(item) for item in batch[1:])]
+        streams = [self.generator.stream(item) for item in batch]
+        stream: GenerationStream | BatchStream = streams[0]
+        if len(streams) > 1:
             stream = BatchStream(streams, prepared.request.sampling.n)
         deltas = stream.deltas()
         headers = {"X-Request-Id": request_id, **rate_limit_headers(prepared.quota)}
