@@ -160,3 +160,13 @@ def test_without_echo_a_batch_response_is_the_generated_text() -> None:
     build.add(OutputDelta("a", index=0, finish_reason="stop"))
     build.add(OutputDelta("b", index=1, finish_reason="stop", usage=usage(2, 2)))
     assert [c["text"] for c in build.response()["choices"]] == ["a", "b"]
+
+
+def test_a_streamed_echo_leads_the_first_chunks_logprobs_with_the_prompt_tokens() -> None:
+    build = builder(TWO_PROMPTS[:1], top_logprobs=0)
+    sampled = TokenLogprob(9, -0.5, (9,), (-0.5,))
+    first = build.chunks(OutputDelta("x", (9,), (sampled,)))[0]["choices"][0]["logprobs"]
+    later = build.chunks(OutputDelta("y", (9,), (sampled,)))[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"] == [None, None, -0.5]
+    assert first["text_offset"] == [0, 3, 6]
+    assert later["tokens"] == ["<9>"] and later["text_offset"] == [9]
