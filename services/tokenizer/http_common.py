@@ -17,7 +17,7 @@ from starlette.responses import Response
 from services.contracts.errors import InvalidRequestError, LLMServeError, quoted, shortened
 from services.tokenizer import metrics
 from services.tokenizer.access import Caller, acting_for
-from services.tokenizer.generation import GenerationStream, Generator, Prepared
+from services.tokenizer.generation import Generator, Prepared
 from services.tokenizer.json_body import parse_json_body
 from services.tokenizer.key_limits import Quota
 from services.tokenizer.output import OutputDelta
@@ -50,6 +50,12 @@ class ErrorAnswer(Protocol):
     @property
     def grpc_code_name(self) -> str: ...
     def body(self) -> dict[str, Any]: ...
+
+
+class Cancellable(Protocol):
+    """A request's scheduler calls (GenerationStream, or a door's several of them)."""
+
+    def cancel(self) -> None: ...
 
 
 class DeltaSink(Protocol):
@@ -100,7 +106,7 @@ def refused(
 
 async def answer_start(
     request: Request,
-    stream: GenerationStream,
+    stream: Cancellable,
     deltas: AsyncIterator[OutputDelta],
     sink: DeltaSink,
     request_metrics: metrics.GenerateMetrics,

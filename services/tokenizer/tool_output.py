@@ -6,8 +6,9 @@ Which reader depends on the request's tool choice (tool_request.py):
               calls, the rest stays content.
     function  the answer is the named function's arguments (its grammar made it so): the call
               starts at once with its id and name, and the text streams as argument fragments.
-    required  the answer is a JSON list of {"name", "arguments"} (its grammar made it so): the
-              generic JSON parser reads the calls at the end.
+    required  the answer is a JSON list of {"name", "arguments"} (its grammar made it so):
+              forced_calls.RequiredCallsReader reads it as it streams, each call's arguments
+              in pieces as they arrive.
     none      no reader: the answer is content.
 
 Pure: no I/O.
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.text.forced_calls import RequiredCallsReader
 from services.text.tool_call_parsers import (
     CallArguments,
     CallStarted,
@@ -44,11 +46,12 @@ class ToolCallOutput:
     ) -> None:
         self._named = request.function_name if request.choice is ToolChoiceMode.FUNCTION else ""
         self._started = False
-        self._stream = None
-        if not self._named:
-            # A required call is a JSON list whatever the family: the generic parser reads it.
-            name = "json" if request.choice is ToolChoiceMode.REQUIRED else parser
-            self._stream = ToolCallStream(name, make_id)
+        self._stream: ToolCallStream | RequiredCallsReader | None = None
+        if request.choice is ToolChoiceMode.REQUIRED:
+            # A JSON list whatever the family (its grammar), read as it streams.
+            self._stream = RequiredCallsReader(make_id)
+        elif not self._named:
+            self._stream = ToolCallStream(parser, make_id)
         self._make_id = make_id
         self.made_calls = False
 
@@ -58,7 +61,7 @@ class ToolCallOutput:
         return self._step(self._stream.feed(text))
 
     def finish(self) -> ToolStep:
-        if self._stream is None:
+        if not isinstance(self._stream, ToolCallStream):
             return ToolStep()
         return self._step(self._stream.finish())
 

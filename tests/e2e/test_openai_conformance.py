@@ -1,10 +1,13 @@
 """Answers of a real stack's OpenAI door held against the official `openai` package's models
 in strict mode, plus the fields OpenAI's published schema marks required (the package's models
-default nullable required fields to None, so presence is checked by key)."""
+default nullable required fields to None, so presence is checked by key); forced tool calls
+streamed in pieces and cut by max_tokens; llm-comply's OpenAI Chat group."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -136,3 +139,138 @@ def test_chat_stream_chunks_are_valid_against_the_official_models(stack: Running
             assert {"delta", "finish_reason", "index"} <= choice.keys()
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"].keys() >= USAGE_REQUIRED
+
+
+# ---- forced tool calls cut by max_tokens --------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+FORCED_CHOICES: dict[str, object] = {
+    "required": "required",
+    "named": {"type": "function", "function": {"name": "get_weather"}},
+}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def forced_body(stack: RunningStack, choice: str, max_tokens: int) -> dict[str, object]:
+    return {
+        "model": model_name(stack),
+        "messages": WEATHER_QUESTION,
+        "tools": [WEATHER],
+        "tool_choice": FORCED_CHOICES[choice],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
+def streamed_calls(
+    stack: RunningStack, body: dict[str, object]
+) -> tuple[dict[int, list[str]], str]:
+    """Per call index, its argument pieces in order; and the finish reason."""
+    pieces: dict[int, list[str]] = {}
+    finish = ""
+    with httpx.stream(
+        "POST", f"{stack.http}/chat/completions", json={**body, "stream": True}, timeout=300
+    ) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                assert not choice["delta"].get("content")  # a forced answer has no content
+                for call in choice["delta"].get("tool_calls") or []:
+                    pieces.setdefault(call["index"], []).append(call["function"]["arguments"])
+                finish = choice["finish_reason"] or finish
+    return pieces, finish
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_streams_its_arguments_in_pieces(stack: RunningStack, choice: str) -> None:
+    body = forced_body(stack, choice, 80)
+    pieces, finish = streamed_calls(stack, body)
+    assert finish == "tool_calls"
+    (arguments,) = pieces.values()
+    assert len([p for p in arguments if p]) > 1  # as tokens arrive, not whole at the end
+    assert isinstance(json.loads("".join(arguments))["city"], str)
+
+
+# Limits that land before a call's name closes, right after it, and inside its arguments (the
+# embedded model's required list is some 18 tokens, a named call's arguments some 8).
+CUTS = [("required", 3), ("required", 10), ("required", 14), ("named", 1), ("named", 3)]
+
+
+@pytest.mark.parametrize(("choice", "max_tokens"), CUTS)
+def test_a_forced_call_cut_by_max_tokens_is_a_length_finish_without_a_broken_call(
+    stack: RunningStack, choice: str, max_tokens: int
+) -> None:
+    """Never a call that cannot be made in a whole answer, never the forced JSON as content; a
+    stream has sent the pieces it had and says "length"."""
+    body = forced_body(stack, choice, max_tokens)
+    answer = httpx.post(f"{stack.http}/chat/completions", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    ChatCompletion.model_validate(answer.json(), strict=True)
+    (whole,) = answer.json()["choices"]
+    assert whole["finish_reason"] == "length"
+    assert not whole["message"]["content"]
+    for call in whole["message"].get("tool_calls") or []:
+        json.loads(call["function"]["arguments"])  # only whole calls
+    _, finish = streamed_calls(stack, body)
+    assert finish == "length"
+
+
+# ---- llm-comply's OpenAI Chat group ---------------------------------------------------------
+
+# Its tests that need what the served model does not have: not run, with the reason.
+CHAT_NOT_APPLICABLE = {"chat-image-input": "the served model takes text only (no image input)"}
+# Its own capability gate skips these, with its reason.
+CHAT_GATED = {"chat-reasoning-summary": "o-series"}
+
+
+def test_llm_comply_openai_chat_group_passes(stack: RunningStack) -> None:
+    """llm-comply's OpenAI Chat group (it validates each answer and stream chunk against
+    OpenAI's published schema) against this stack: every applicable test passes; the one
+    that needs another vendor's reasoning models is skipped by its own gate."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "llm_comply.cli", "--format", "openai-chat", "--list"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    ids = [
+        line.split()[0] for line in listed.splitlines() if line.startswith("  ") and line[2] != " "
+    ]
+    assert "chat-basic-response" in ids and set(CHAT_NOT_APPLICABLE) <= set(ids)
+    run = [i for i in ids if i not in CHAT_NOT_APPLICABLE]
+    answer = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llm_comply.cli",
+            *("--format", "openai-chat", "--base-url", stack.http, "--api-key", "unused"),
+            *("--model", model_name(stack), "--filter", ",".join(run)),
+            *("--json", "--timeout", "300"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    report = json.loads(answer.stdout)
+    results = {result["id"]: result for result in report["results"]}
+    assert set(results) == set(run)
+    failed = {i: r.get("errors") for i, r in results.items() if r["status"] == "failed"}
+    assert failed == {}
+    skipped = {i: r.get("errors") for i, r in results.items() if r["status"] == "skipped"}
+    assert set(skipped) <= set(CHAT_GATED), skipped
+    for test_id, errors in skipped.items():
+        assert CHAT_GATED[test_id] in " ".join(errors or []), errors
+    assert report["summary"]["passed"] == len(run) - len(skipped)

@@ -50,6 +50,7 @@ PURE_MODULES = (
     "services/text/partial_tags.py",
     "services/text/tool_call_parsers.py",
     "services/tokenizer/tool_output.py",
+    "services/text/forced_calls.py",
     "services/tokenizer/tool_request.py",
     "services/tokenizer/key_limits.py",
     # the Anthropic door's bodies, responses and errors

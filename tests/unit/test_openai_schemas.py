@@ -11,8 +11,9 @@ from services.contracts.errors import InvalidRequestError
 from services.text.chat_template import ChatMessage, TextPart
 from services.tokenizer.openai_http.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_PROMPTS,
     chat_input,
-    completion_input,
+    completion_inputs,
     parse_chat,
     parse_completion,
     structured_output,
@@ -40,7 +41,8 @@ def chat(**fields: Any) -> GenerateInput:
 
 
 def completion(**fields: Any) -> GenerateInput:
-    return completion_input(parse_completion(encode(completion_body(**fields))), "req-2")
+    (only,) = completion_inputs(parse_completion(encode(completion_body(**fields))), "req-2")
+    return only
 
 
 def chat_error(body: object) -> InvalidRequestError:
@@ -51,7 +53,7 @@ def chat_error(body: object) -> InvalidRequestError:
 
 def completion_error(body: object) -> InvalidRequestError:
     with pytest.raises(InvalidRequestError) as raised:
-        completion_input(parse_completion(body if isinstance(body, bytes) else encode(body)), "r")
+        completion_inputs(parse_completion(body if isinstance(body, bytes) else encode(body)), "r")
     return raised.value
 
 
@@ -259,11 +261,27 @@ def test_a_batch_of_one_prompt_is_unwrapped(
     assert (request.prompt, request.prompt_token_ids) == (text, token_ids)
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]]])
-def test_a_batch_of_two_prompts_is_refused(prompt: object) -> None:
-    error = completion_error(completion_body(prompt=prompt))
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        (["a", "b", "c"], [("a", ()), ("b", ()), ("c", ())]),
+        ([[1, 2], [3]], [("", (1, 2)), ("", (3,))]),
+    ],
+)
+def test_a_batch_is_one_input_per_prompt_with_its_own_request_id(
+    prompt: object, expected: list[tuple[str, tuple[int, ...]]]
+) -> None:
+    body = parse_completion(encode(completion_body(prompt=prompt, n=2, max_tokens=5)))
+    inputs = completion_inputs(body, "req")
+    assert [(i.prompt, i.prompt_token_ids) for i in inputs] == expected
+    assert [i.request_id for i in inputs] == [f"req-{n}" for n in range(len(expected))]
+    assert {(i.sampling.n, i.sampling.max_new_tokens) for i in inputs} == {(2, 5)}
+
+
+def test_more_prompts_than_the_limit_is_refused_naming_prompt() -> None:
+    error = completion_error(completion_body(prompt=["x"] * (MAX_PROMPTS + 1)))
     assert error.field == "prompt"
-    assert "batch" in error.message
+    assert str(MAX_PROMPTS) in error.message
 
 
 def test_an_empty_prompt_list_is_refused() -> None:
@@ -298,7 +316,6 @@ def test_an_unknown_nested_parameter_names_its_path() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("echo", True),
         ("suffix", " the end"),
         ("best_of", 2),
     ],

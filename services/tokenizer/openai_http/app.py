@@ -40,7 +40,7 @@ from services.contracts.errors import (
 )
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy
-from services.tokenizer.generation import GenerationStream, Generator
+from services.tokenizer.generation import GenerationStream, Generator, Prepared
 from services.tokenizer.http_common import (
     ClientGone,
     answer_start,
@@ -52,13 +52,16 @@ from services.tokenizer.http_common import (
 )
 from services.tokenizer.openai_http import schemas
 from services.tokenizer.openai_http.errors import HttpError, http_error, not_found_route
+from services.tokenizer.openai_http.prompt_batch import BatchStream, prepare_batch
 from services.tokenizer.openai_http.responses import (
     DONE_EVENT,
+    CompletionPrompt,
     ResponseBuilder,
     model_list,
     sse_event,
 )
 from services.tokenizer.output import OutputDelta
+from services.tokenizer.validation import GenerateInput
 
 log = logging.getLogger(__name__)
 
@@ -121,28 +124,35 @@ class OpenAIDoor:
             if chat:
                 chat_body = schemas.parse_chat(raw)
                 body: schemas.ChatCompletionBody | schemas.CompletionBody = chat_body
-                generate_input = schemas.chat_input(
-                    chat_body, request_id, self.generator.limits.max_new_tokens_limit
-                )
+                inputs = [
+                    schemas.chat_input(
+                        chat_body, request_id, self.generator.limits.max_new_tokens_limit
+                    )
+                ]
                 top_logprobs = (chat_body.top_logprobs or 0) if chat_body.logprobs else None
             else:
                 completion_body = schemas.parse_completion(raw)
                 body = completion_body
-                generate_input = schemas.completion_input(completion_body, request_id)
+                inputs = schemas.completion_inputs(completion_body, request_id)
                 top_logprobs = completion_body.logprobs
-            prepared = await prepare_for_caller(
-                request,
-                self.generator,
-                generate_input,
-                caller,
-                arrival_unix_s=arrival_unix_s,
-                started=started,
+            batch = await prepare_batch(
+                inputs,
+                lambda generate_input: prepare_for_caller(
+                    request,
+                    self.generator,
+                    generate_input,
+                    caller,
+                    arrival_unix_s=arrival_unix_s,
+                    started=started,
+                ),
             )
         except (LLMServeError, ClientGone) as exc:
             return refused(
                 exc, request_id, request_metrics, functools.partial(http_error, chat=chat)
             )
-        request_id = prepared.request.request_id
+        prepared = batch[0]
+        if len(batch) == 1:
+            request_id = prepared.request.request_id
         if body.user:
             log.info("end user", extra={"request_id": request_id, "user": body.user[:128]})
         builder = ResponseBuilder(
@@ -156,8 +166,12 @@ class OpenAIDoor:
             return_token_ids=body.return_token_ids,
             prompt_token_ids=tuple(prepared.request.prompt_token_ids),
             n=prepared.request.sampling.n,
+            prompts=() if chat else self._prompts(inputs, batch, body),
         )
-        stream = self.generator.stream(prepared)
+        streams = [self.generator.stream(item) for item in batch]
+        stream: GenerationStream | BatchStream = streams[0]
+        if len(streams) > 1:
+            stream = BatchStream(streams, prepared.request.sampling.n)
         deltas = stream.deltas()
         headers = {"X-Request-Id": request_id, **rate_limit_headers(prepared.quota)}
         try:
@@ -178,9 +192,36 @@ class OpenAIDoor:
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
+    def _prompts(
+        self,
+        inputs: list[GenerateInput],
+        batch: list[Prepared],
+        body: schemas.ChatCompletionBody | schemas.CompletionBody,
+    ) -> tuple[CompletionPrompt, ...]:
+        """A completions request's prompts as its choices show them: each one's token ids,
+        and with echo its text (a prompt sent as ids: their text)."""
+        echo = isinstance(body, schemas.CompletionBody) and body.echo
+        tokenizer = self.generator.model.tokenizer
+        return tuple(
+            CompletionPrompt(
+                token_ids=tuple(prepared.request.prompt_token_ids),
+                echo=(
+                    (
+                        generate_input.prompt
+                        or tokenizer.decode(
+                            list(prepared.request.prompt_token_ids), skip_special_tokens=False
+                        )
+                    )
+                    if echo
+                    else None
+                ),
+            )
+            for generate_input, prepared in zip(inputs, batch, strict=True)
+        )
+
 
 async def _events(
-    stream: GenerationStream,
+    stream: GenerationStream | BatchStream,
     deltas: AsyncIterator[OutputDelta],
     first: OutputDelta | None,
     builder: ResponseBuilder,

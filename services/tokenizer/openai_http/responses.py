@@ -9,6 +9,12 @@ OpenAI's do.
 With n > 1 each chunk carries one choice, named by its `index`; the choices' chunks interleave,
 each choice ends with its own finish_reason, and the usage (the prompt counted once) comes
 after the last. A whole response lists the n choices in index order.
+
+Completions of a batch of prompts number the choices prompt-major (`prompts`: choice i is of
+prompt i // n). With `echo` each choice's text starts with its prompt (in a stream: the
+choice's first chunk), and its logprobs with an entry per prompt token whose logprob is null:
+the scheduler reports logprobs of sampled tokens only (OpenAI's own first prompt token is null
+the same way).
 """
 
 from __future__ import annotations
@@ -110,6 +116,35 @@ class _Accumulated:
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
 
+    def whole_calls(self) -> list[tuple[str, str, str]]:
+        """(id, name, arguments) per call in order. A call the token limit cut (finish
+        "length", arguments that are not yet JSON) is left out: a response never holds a call
+        that cannot be made (a stream has sent its pieces already; its "length" says so)."""
+        calls = [
+            (call_id, name, "".join(arguments))
+            for call_id, name, arguments in (self.calls[i] for i in sorted(self.calls))
+        ]
+        if self.finish_reason != "length":
+            return calls
+        return [call for call in calls if _is_json(call[2])]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionPrompt:
+    """One prompt of a completions request, as its choices show it."""
+
+    token_ids: tuple[int, ...]
+    echo: str | None = None
+    """The text each of its choices starts with (`echo: true`); None: no echo."""
+
 
 @dataclass(slots=True)
 class ResponseBuilder:
@@ -131,14 +166,29 @@ class ResponseBuilder:
     """Sent with return_token_ids (as vLLM): top-level for chat, per choice for completions,
     in a stream's first chunk (per choice)."""
     n: int = 1
+    """Choices per prompt."""
+    prompts: tuple[CompletionPrompt, ...] = ()
+    """Completions: the request's prompts (a batch: several); empty = one, whose ids are
+    `prompt_token_ids`, without echo."""
     created: int = field(default_factory=lambda: int(time.time()))
     # Per choice index: whether its role went out, its text offset (completions logprobs),
     # what a whole response collects.
     _sent_role: set[int] = field(default_factory=set)
     _sent_prompt: set[int] = field(default_factory=set)
+    _sent_echo: set[int] = field(default_factory=set)
     _text_offset: dict[int, int] = field(default_factory=dict)
     _collected: dict[int, _Accumulated] = field(default_factory=dict)
     _usage: Usage | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * max(1, len(self.prompts))
+
+    def _prompt(self, index: int) -> CompletionPrompt:
+        """Choice `index`'s prompt."""
+        if not self.prompts:
+            return CompletionPrompt(self.prompt_token_ids)
+        return self.prompts[index // self.n]
 
     @property
     def id(self) -> str:
@@ -151,10 +201,11 @@ class ResponseBuilder:
 
     def chunks(self, delta: OutputDelta) -> list[dict[str, Any]]:
         """The chunks one delta becomes (none when it carries nothing to say)."""
-        logprobs = self._logprobs(delta.logprobs, delta.index)
+        echo = self._echo_once(delta.index)
+        logprobs = self._logprobs(delta.logprobs, delta.index, echo)
         ids = self.return_token_ids and delta.token_ids
         said = delta.text or delta.reasoning_text or delta.tool_calls or delta.finish_reason
-        if not (said or logprobs or ids):
+        if not (said or logprobs or ids or echo):
             return []
         choice: dict[str, Any] = {"index": delta.index}
         if self.chat:
@@ -171,13 +222,13 @@ class ResponseBuilder:
                 message["tool_calls"] = [_call_piece(piece) for piece in delta.tool_calls]
             choice["delta"] = message
         else:
-            choice["text"] = delta.text
+            choice["text"] = ((echo.echo or "") if echo is not None else "") + delta.text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = delta.finish_reason or None
         if self.return_token_ids:
             choice["token_ids"] = list(delta.token_ids)
             if not self.chat and delta.index not in self._sent_prompt:
-                choice["prompt_token_ids"] = list(self.prompt_token_ids)
+                choice["prompt_token_ids"] = list(self._prompt(delta.index).token_ids)
                 self._sent_prompt.add(delta.index)
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         chunk["choices"] = [choice]
@@ -214,6 +265,14 @@ class ResponseBuilder:
             chunks.append(chunk)
         return chunks
 
+    def _echo_once(self, index: int) -> CompletionPrompt | None:
+        """Choice `index`'s prompt when it is echoed and this is its first chunk."""
+        prompt = None if self.chat else self._prompt(index)
+        if prompt is None or prompt.echo is None or index in self._sent_echo:
+            return None
+        self._sent_echo.add(index)
+        return prompt
+
     # ---- whole response ----
 
     def add(self, delta: OutputDelta) -> None:
@@ -222,7 +281,7 @@ class ResponseBuilder:
 
     def response(self) -> dict[str, Any]:
         body = self._envelope("chat.completion" if self.chat else "text_completion")
-        body["choices"] = [self._choice(index) for index in range(self.n)]
+        body["choices"] = [self._choice(index) for index in range(self.num_choices)]
         if self.return_token_ids and self.chat:
             body["prompt_token_ids"] = list(self.prompt_token_ids)
         if self._usage is not None:
@@ -233,50 +292,59 @@ class ResponseBuilder:
         collected = self._collected.get(index, _Accumulated())
         text = "".join(collected.text)
         choice: dict[str, Any] = {"index": index}
+        echoed: CompletionPrompt | None = None
         if self.chat:
-            # OpenAI's content is null in an answer that is only calls.
+            calls = collected.whole_calls()
+            # OpenAI's content is null in an answer that is only calls (or a forced call the
+            # limit cut: its partial arguments are not content).
             content = text if text or not collected.calls else None
             # `refusal` is required (nullable) in OpenAI's schema; we never refuse in-band.
             choice["message"] = {"role": "assistant", "content": content, "refusal": None}
             reasoning = "".join(collected.reasoning)
             if reasoning:
                 choice["message"]["reasoning_content"] = reasoning
-            if collected.calls:
-                choice["message"]["tool_calls"] = [
-                    _call(call_id, name, "".join(arguments))
-                    for call_id, name, arguments in (
-                        collected.calls[i] for i in sorted(collected.calls)
-                    )
-                ]
+            if calls:
+                choice["message"]["tool_calls"] = [_call(*call) for call in calls]
         else:
-            choice["text"] = text
+            prompt = self._prompt(index)
+            echoed = prompt if prompt.echo is not None else None
+            choice["text"] = (prompt.echo or "") + text
         self._text_offset[index] = 0
-        choice["logprobs"] = self._logprobs(tuple(collected.logprobs), index)
+        choice["logprobs"] = self._logprobs(tuple(collected.logprobs), index, echoed)
         choice["finish_reason"] = collected.finish_reason or None
         if self.return_token_ids:
             choice["token_ids"] = collected.token_ids
             if not self.chat:
-                choice["prompt_token_ids"] = list(self.prompt_token_ids)
+                choice["prompt_token_ids"] = list(self._prompt(index).token_ids)
         return choice
 
     # ---- logprobs ----
 
-    def _logprobs(self, items: Sequence[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
-        if self.top_logprobs is None or not items:
+    def _logprobs(
+        self,
+        items: Sequence[TokenLogprob],
+        index: int = 0,
+        echoed: CompletionPrompt | None = None,
+    ) -> dict[str, Any] | None:
+        """`echoed`: the prompt whose tokens come first (completions), with null logprobs."""
+        prompt_ids = echoed.token_ids if echoed is not None else ()
+        if self.top_logprobs is None or not (items or prompt_ids):
             return None
         if self.chat:
             return {"content": [self._chat_logprob(item) for item in items], "refusal": None}
-        tokens = [self.token_text(item.token_id) for item in items]
+        tokens = [self.token_text(token_id) for token_id in prompt_ids]
+        tokens += [self.token_text(item.token_id) for item in items]
         offsets = []
         offset = self._text_offset.get(index, 0)
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         self._text_offset[index] = offset
+        nulls: list[None] = [None] * len(prompt_ids)
         return {
             "tokens": tokens,
-            "token_logprobs": [item.logprob for item in items],
-            "top_logprobs": [self._top_with_sampled(item) for item in items],
+            "token_logprobs": [*nulls, *(item.logprob for item in items)],
+            "top_logprobs": [*nulls, *(self._top_with_sampled(item) for item in items)],
             "text_offset": offsets,
         }
 

@@ -2,10 +2,14 @@
 
 Pure: JSON in, plain data out, InvalidRequestError naming the parameter at fault out of a bad
 body. Every parameter a body may carry is declared: one we do not know, or one we know but do
-not implement given a value that would change the result (echo, suffix...), is refused
+not implement given a value that would change the result (suffix, best_of > 1), is refused
 with 400 naming it, never silently ignored. A known parameter at its "off" value (null)
 is accepted: many clients send those by default. `n` (1..16) asks for that many choices
-of the one prompt.
+of each prompt.
+
+Completions' `prompt`: a string, a list of token ids, or a batch (a list of strings, or of
+token-id lists; at most MAX_PROMPTS), one GenerateInput per prompt; `echo`
+prepends each prompt to its choices (responses.py).
 
 Defaults follow OpenAI and vLLM: temperature 1, top_p 1; max_tokens unset = the rest of the
 context for chat, 16 for completions. Beyond OpenAI: vLLM's top_k, min_p,
@@ -45,6 +49,9 @@ MAX_DEADLINE_MS = 2**32 - 1
 """As the gRPC door's uint32 (49 days)."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and vLLM's) default for the legacy completions endpoint."""
+MAX_PROMPTS = 32
+"""Most prompts in one completions request: each is a scheduler request of its own (with n
+choices), so a batch takes up to MAX_PROMPTS * n of a scheduler's seats and queue."""
 
 
 def _null_is_false(value: object) -> object:
@@ -211,8 +218,6 @@ def _refuse_unimplemented(body: _Sampling) -> None:
         if body.top_logprobs and not body.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs: true")
     if isinstance(body, CompletionBody):
-        if body.echo:
-            raise InvalidRequestError("echo", "is not supported")
         if body.suffix:
             raise InvalidRequestError("suffix", "is not supported")
         if body.best_of is not None and body.best_of != 1:
@@ -381,22 +386,32 @@ def tool_request(body: ChatCompletionBody) -> ToolRequest | None:
     return ToolRequest(tools, choice, name, parallel)
 
 
-def completion_input(body: CompletionBody, request_id: str) -> GenerateInput:
-    prompt, prompt_token_ids = _prompt(body.prompt)
-    return GenerateInput(
-        request_id=request_id,
-        prompt=prompt,
-        prompt_token_ids=prompt_token_ids,
-        sampling=_sampling(
-            body,
-            body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
-            body.logprobs or 0,
-            body.logprobs is not None,
-        ),
-        deadline_ms=body.deadline_ms or 0,
-        model=body.model,
-        tenant_id=body.tenant_id or "",
+def completion_inputs(body: CompletionBody, request_id: str) -> list[GenerateInput]:
+    """One input per prompt (a batch: request ids `<id>-<i>`, the scheduler's keys)."""
+    prompts = _prompts(body.prompt)
+    sampling = _sampling(
+        body,
+        body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
+        body.logprobs or 0,
+        body.logprobs is not None,
     )
+    return [
+        GenerateInput(
+            request_id=batch_request_id(request_id, index, len(prompts)),
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            deadline_ms=body.deadline_ms or 0,
+            model=body.model,
+            tenant_id=body.tenant_id or "",
+        )
+        for index, (prompt, prompt_token_ids) in enumerate(prompts)
+    ]
+
+
+def batch_request_id(request_id: str, prompt_index: int, num_prompts: int) -> str:
+    """A prompt's own request id (the scheduler's key); a single prompt keeps the request's."""
+    return request_id if num_prompts == 1 else f"{request_id}-{prompt_index}"
 
 
 def _sampling(
@@ -470,15 +485,21 @@ def _content(content: str | list[TextPart] | None, index: int) -> str | tuple[Ch
     return tuple(ChatTextPart(part.text) for part in content)
 
 
-def _prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str, tuple[int, ...]]:
-    """(text, token ids): a string, or a list of token ids; a batch of one is unwrapped."""
+def _prompts(
+    prompt: str | list[str] | list[int] | list[list[int]],
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(text, token ids) per prompt: a string, a list of token ids, or a batch of either."""
     if isinstance(prompt, str):
-        return prompt, ()
+        return [(prompt, ())]
     if not prompt:
         raise InvalidRequestError("prompt", "must not be empty")
     if all(isinstance(item, int) for item in prompt):
-        return "", tuple(int(item) for item in prompt)  # type: ignore[arg-type]
-    if len(prompt) != 1:
-        raise InvalidRequestError("prompt", "a batch of prompts is not supported: send one")
-    only = prompt[0]
-    return (only, ()) if isinstance(only, str) else ("", tuple(only))  # type: ignore[arg-type]
+        return [("", tuple(int(item) for item in prompt))]  # type: ignore[arg-type]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequestError(
+            "prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}"
+        )
+    return [
+        (item, ()) if isinstance(item, str) else ("", tuple(item))  # type: ignore[arg-type]
+        for item in prompt
+    ]
