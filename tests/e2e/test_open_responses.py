@@ -211,6 +211,33 @@ def test_a_streamed_call_has_argument_events(stack: RunningStack) -> None:
     assert events[-1].type == "response.completed"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_call_cut_by_max_output_tokens_is_incomplete(stack: RunningStack, stream: bool) -> None:
+    """A forced call the limit cuts is no call to run: the item and the response end
+    `incomplete`, whole or streamed."""
+    request: dict[str, Any] = {
+        "model": model_name(stack),
+        "input": "What is the weather in Paris?",
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 4,
+        "temperature": 0,
+    }
+    if stream:
+        events = list(client(stack).responses.create(**request, stream=True))
+        assert events[-1].type == "response.incomplete"
+        response = events[-1].response
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [item.status for item in done if item.type == "function_call"] == ["incomplete"]
+    else:
+        response = client(stack).responses.create(**request)
+    assert response.status == "incomplete"
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].status == "incomplete"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(calls[0].arguments)
+
+
 def test_previous_response_id_continues_and_retrieve_and_delete(stack: RunningStack) -> None:
     api = client(stack)
     model = model_name(stack)

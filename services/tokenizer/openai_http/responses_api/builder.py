@@ -201,7 +201,9 @@ class ResponseObject:
         index = self.items.index(item)
         text = "".join(item.text)
         events: list[dict[str, Any]] = []
-        item.body["status"] = "completed"
+        # The item open when max_output_tokens ended the answer was cut: a call's arguments may
+        # not be whole JSON, so it ends `incomplete` (a client runs only completed calls).
+        item.body["status"] = self.final_status
         if item.kind == "message":
             item.body["content"] = [_output_text(text)]
             events.append(
