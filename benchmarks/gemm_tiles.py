@@ -11,12 +11,20 @@ do the same work whatever the values), reused by every call: at M = 1 they sit i
 so that column is the kernel's own speed, not the memory's. Each figure is the fastest of
 --repeats rounds of --budget-s seconds; the two layouts alternate, so a shared machine skews
 their ratio less than the times.
+
+    llmserve bench gemm-tiles --from-memory [--memory-mib 1024] [--m 1,2,4,8]
+
+--from-memory is a decode step's view instead: the calls take turns over distinct copies of
+the 8-row weights, --memory-mib in all (far more than the last-level cache), so every call
+reads its weights from memory, as a model's layers do; the table gives the weight bytes read
+per second against the machine's measured read bandwidth (what one user's step can reach).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -78,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"cpu flags: {cpu_extension.cpu_flags_line()}")
     print(f"kernel isa: {ops.gguf_kernel_isa()}; threads: {threads}")
     print(peaks.int8_line())
+    if args.from_memory:
+        print(peaks.bandwidth_line())
+        print()
+        return from_memory_table(args, kinds, ms, peaks.read_bytes_per_s)
     peak = peaks.int8_ops_per_s
     print()
     print("| kind | layer | M | file ms | x8 ms | x8 / file speed | x8 GOPS | % of int8 peak |")
@@ -106,12 +118,54 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def next_call(
+    linear: Callable[..., object], x: torch.Tensor, weights: Iterator[torch.Tensor], kind: int
+) -> object:
+    return linear(x, next(weights), kind, True, False)
+
+
+def from_memory_table(
+    args: argparse.Namespace, kinds: Sequence[int], ms: Sequence[int], read_bytes_per_s: float
+) -> int:
+    """Each call on the next of distinct weight copies (--memory-mib in all): the weights come
+    from memory at every call, as in a decode step over a model's layers."""
+    ops = torch.ops.llmserve
+    names = {kind: name for name, kind in GGUF_KINDS.items()}
+    print("| kind | layer | M | ms | weight GB/s | % of read bandwidth | GOPS |")
+    print("| ---- | ----- | -: | -: | ----------: | ------------------: | ---: |")
+    for kind in kinds:
+        for layer, n, k in SHAPES:
+            first = ops.gguf_repack(random_blocks(n, k, kind), kind)
+            copies = max(2, args.memory_mib * (1 << 20) // first.numel())
+            # Copies of one random tensor: the kernels' work does not depend on the values.
+            weights = itertools.cycle([first] + [first.clone() for _ in range(copies - 1)])
+            for m in ms:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                call = partial(next_call, ops.gguf_linear, x, weights, kind | GGUF_REPACKED_X8)
+                call_ms = fastest_ms(call, args.budget_s, args.repeats)
+                bytes_per_s = first.numel() / (call_ms * 1e-3)
+                gops = 2 * m * n * k / (call_ms * 1e-3) / 1e9
+                print(
+                    f"| {names[kind]} | {layer} | {m} | {call_ms:.3f} | {bytes_per_s / 1e9:.1f} |"
+                    f" {100 * bytes_per_s / read_bytes_per_s:.0f} | {gops:.0f} |"
+                )
+    return 0
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS))
     parser.add_argument("--m", default=",".join(str(m) for m in DEFAULT_M))
     parser.add_argument("--budget-s", type=float, default=0.1, help="seconds per timing")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--from-memory",
+        action="store_true",
+        help="every call reads its weights from memory (distinct copies in turn)",
+    )
+    parser.add_argument(
+        "--memory-mib", type=int, default=1024, help="--from-memory: the copies' size in all"
+    )
     parser.set_defaults(func=run)
 
 
