@@ -23,6 +23,7 @@ from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.contracts.errors import InvalidRequestError, NotFoundError
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
+from services.contracts.usage import Usage
 from services.engine.config import EngineConfig
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
@@ -35,13 +36,6 @@ from services.worker.quantization.formats import serves_gguf_blocks
 from services.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -220,11 +214,11 @@ class LLMEngine:
                 continue
             result.token_ids.extend(event.new_token_ids)
             result.logprobs.extend(event.logprobs)
-            result.usage.cached_prompt_tokens = event.num_cached_tokens
             if event.finish_reason is not None:
                 result.finish_reason = event.finish_reason
-                result.usage.prompt_tokens = len(result.prompt_token_ids)
-                result.usage.completion_tokens = len(result.token_ids)
+                result.usage = Usage(
+                    len(result.prompt_token_ids), len(result.token_ids), event.num_cached_tokens
+                )
                 result.text = self.tokenizer.decode(result.token_ids)
                 if on_finish is not None:
                     on_finish(result)

@@ -38,7 +38,7 @@ from services.tokenizer.access import Caller
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.key_limiter import Admission, KeyLimiter
 from services.tokenizer.key_limits import Quota
-from services.tokenizer.lora_adapters import LoraAdapters
+from services.tokenizer.lora_adapters import PoolAdapters
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline
 from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
@@ -92,7 +92,7 @@ class Generator:
         self.config = config
         self.pool = pool
         self.limiter = limiter or KeyLimiter()
-        self.adapters = LoraAdapters(pool)
+        self.adapters = PoolAdapters(pool)
         self._model: ServedModel | None = None
         self._limits: Limits | None = None
         self._prompts: PromptRegistry | None = None

@@ -32,7 +32,7 @@ from services.tokenizer.key_limits import (
     KeyLimits,
     LocalCounters,
     Quota,
-    Usage,
+    WindowCounts,
     admitted_quota,
     over_limit,
     window_index,
@@ -51,7 +51,7 @@ class RedisCounters:
 
     async def reserve(
         self, key_id: str, lease_id: str, num_prompt_tokens: int, now: float
-    ) -> Usage | None:
+    ) -> WindowCounts | None:
         window = window_index(now)
         keys = RateLimitKeys(key_id)
         requests, tokens, leases = keys.requests(window), keys.tokens(window), keys.leases
@@ -74,7 +74,7 @@ class RedisCounters:
         if answer is None:
             return None
         num_in_flight, num_requests, num_tokens = int(answer[2]), int(answer[4]), int(answer[6])
-        return Usage(
+        return WindowCounts(
             window,
             num_requests,
             num_tokens - num_prompt_tokens,
@@ -83,7 +83,7 @@ class RedisCounters:
         )
 
     async def unreserve(
-        self, key_id: str, lease_id: str, num_prompt_tokens: int, usage: Usage
+        self, key_id: str, lease_id: str, num_prompt_tokens: int, usage: WindowCounts
     ) -> None:
         keys = RateLimitKeys(key_id)
         leases, requests = keys.leases, keys.requests(usage.window)

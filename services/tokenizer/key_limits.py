@@ -65,7 +65,7 @@ def window_reset_s(now: float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
+class WindowCounts:
     """A key's counts as one request is admitted, that request's share included."""
 
     window: int
@@ -116,7 +116,7 @@ def duration_text(seconds: float) -> str:
     return f"{minutes}m{rest_s}s" if minutes else f"{rest_s}s"
 
 
-def admitted_quota(limits: KeyLimits, usage: Usage, num_prompt_tokens: int) -> Quota:
+def admitted_quota(limits: KeyLimits, usage: WindowCounts, num_prompt_tokens: int) -> Quota:
     return Quota(
         limits, usage.num_requests, usage.num_tokens_before + num_prompt_tokens, usage.reset_s
     )
@@ -131,7 +131,7 @@ class KeyOverLimitError(RateLimitedError):
         self.quota = quota
 
 
-def over_limit(limits: KeyLimits, usage: Usage) -> KeyOverLimitError | None:
+def over_limit(limits: KeyLimits, usage: WindowCounts) -> KeyOverLimitError | None:
     """The refusal for a request whose admission brought its key to `usage`; None = admit.
     max_concurrent is checked first: its refusal asks for the shortest wait."""
     quota = Quota(limits, usage.num_requests - 1, usage.num_tokens_before, usage.reset_s)
@@ -195,7 +195,9 @@ class LocalCounters:
             counts = self._keys[key_id] = _KeyCounts(_Window(window_index(now)))
         return counts
 
-    def reserve(self, key_id: str, lease_id: str, num_prompt_tokens: int, now: float) -> Usage:
+    def reserve(
+        self, key_id: str, lease_id: str, num_prompt_tokens: int, now: float
+    ) -> WindowCounts:
         """Count a request (a lease, a request, its prompt tokens) and return the usage that
         includes it."""
         counts = self._counts(key_id, now)
@@ -205,7 +207,7 @@ class LocalCounters:
         window.num_requests += 1
         num_tokens_before = window.num_tokens
         window.num_tokens += num_prompt_tokens
-        return Usage(
+        return WindowCounts(
             window.index,
             window.num_requests,
             num_tokens_before,
@@ -213,7 +215,9 @@ class LocalCounters:
             window_reset_s(now),
         )
 
-    def unreserve(self, key_id: str, lease_id: str, num_prompt_tokens: int, usage: Usage) -> None:
+    def unreserve(
+        self, key_id: str, lease_id: str, num_prompt_tokens: int, usage: WindowCounts
+    ) -> None:
         """Take back what `reserve` counted for a refused request."""
         counts = self._keys[key_id]
         counts.leases.pop(lease_id, None)

@@ -88,7 +88,7 @@ def check_adapter_path(path: str) -> None:
         raise InvalidRequestError("path", f"must be 1-{MAX_ADAPTER_PATH_LEN} printable characters")
 
 
-class LoraAdapters:
+class PoolAdapters:
     """The pool's adapters: the names requests may use, and the calls that change them."""
 
     def __init__(self, pool: SchedulerPool) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from services.contracts.usage import Usage
 from services.text.detokenizer import IncrementalDetokenizer
 from services.text.reasoning import ReasoningSplitter
 from services.text.stop_strings import StopStringMatcher
@@ -57,13 +58,6 @@ class SchedulerOutput:
     num_prompt_tokens: int = 0
     index: int = 0
     """The choice (n > 1) the message belongs to."""
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

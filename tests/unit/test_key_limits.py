@@ -13,7 +13,7 @@ from services.tokenizer.key_limits import (
     KeyOverLimitError,
     LocalCounters,
     Quota,
-    Usage,
+    WindowCounts,
     admitted_quota,
     duration_text,
     over_limit,
@@ -152,8 +152,8 @@ def test_refreshing_or_releasing_an_unknown_lease_is_harmless() -> None:
 
 def usage(
     num_requests: int = 1, num_tokens_before: int = 0, num_in_flight: int = 1, reset_s: float = 30
-) -> Usage:
-    return Usage(0, num_requests, num_tokens_before, num_in_flight, reset_s)
+) -> WindowCounts:
+    return WindowCounts(0, num_requests, num_tokens_before, num_in_flight, reset_s)
 
 
 def test_max_concurrent_is_checked_first_then_rpm_then_tpm() -> None:

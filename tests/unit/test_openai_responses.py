@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 
+from services.contracts.usage import Usage
 from services.tokenizer.openai_http.responses import (
     DONE_EVENT,
     ResponseBuilder,
     sse_event,
     usage_body,
 )
-from services.tokenizer.output import OutputDelta, TokenLogprob, Usage
+from services.tokenizer.output import OutputDelta, TokenLogprob
 
 USAGE = Usage(prompt_tokens=11, completion_tokens=3, cached_prompt_tokens=8)
 

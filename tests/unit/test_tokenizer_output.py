@@ -10,6 +10,7 @@ import pytest
 
 from services.common.model_source import embedded_model_path
 from services.contracts.errors import ModelLoadError
+from services.contracts.usage import Usage
 from services.text.model_tokenizer import ModelTokenizer
 from services.tokenizer.output import (
     OutputDelta,
@@ -17,7 +18,6 @@ from services.tokenizer.output import (
     OutputText,
     SchedulerOutput,
     TokenLogprob,
-    Usage,
 )
 
 MIXED_TEXT = "The quick brown fox 🦊 jumps over the lazy dog. 日本語のテキスト, café! 👨‍👩‍👧 done"

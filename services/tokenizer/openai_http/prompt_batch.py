@@ -19,8 +19,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 
 from services.contracts.errors import InvalidRequestError
+from services.contracts.usage import Usage
 from services.tokenizer.generation import GenerationStream, Prepared
-from services.tokenizer.output import OutputDelta, Usage
+from services.tokenizer.output import OutputDelta
 from services.tokenizer.validation import GenerateInput
 
 _PROMPT_FIELDS = ("prompt", "prompt_token_ids")

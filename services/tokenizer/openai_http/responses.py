@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.contracts.usage import Usage
 from services.text.tool_call_parsers import ToolCallDelta
-from services.tokenizer.output import OutputDelta, TokenLogprob, Usage
+from services.tokenizer.output import OutputDelta, TokenLogprob
 
 TokenText = Callable[[int], str]
 """A token id's text, as the logprobs of a response spell it."""

@@ -12,7 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.tokenizer.output import OutputDelta, Usage
+from services.contracts.usage import Usage
+from services.tokenizer.output import OutputDelta
 
 
 def new_id(prefix: str) -> str:
