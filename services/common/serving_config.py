@@ -53,8 +53,10 @@ class ChatConfig:
     """How chat messages become a prompt (where chat templates are rendered)."""
 
     chat_template: str | None = None
-    """A Jinja chat template file that replaces the model's, or gives one to a model that
-    ships none (without either, chat requests are refused; completions work)."""
+    """A chat template that replaces the model's, or gives one to a model that ships none
+    (without either, chat requests are refused; completions work): a built-in's name, as
+    llama.cpp's server takes it (chatml, llama2, llama3, mistral, gemma, phi3, qwen,
+    deepseek ...: services/common/builtin_chat_templates.py), or a Jinja file."""
     reasoning_parser: ReasoningParserName | None = None
     """How a reasoning model marks its thinking (deepseek_r1, qwen3: `<think>...</think>`):
     a chat answer's thinking then goes out apart from its content (OpenAI's

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.chat_template import read_chat_template_file
+from services.common.builtin_chat_templates import chat_template_option
 from services.common.prefix_hash import adapter_salt
 from services.common.prompt_checks import check_prompt_length, check_token_ids
 from services.contracts.errors import InvalidRequestError, NotFoundError
@@ -79,7 +79,7 @@ class LLMEngine:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         if config.chat_template:
-            source = read_chat_template_file(config.chat_template)
+            source = chat_template_option(config.chat_template)
             self.tokenizer = loaded.tokenizer.with_chat_template(source)
         self.model = loaded.model
         self.dtype = loaded.dtype

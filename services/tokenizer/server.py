@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 
 from services.common import serving_marker
+from services.common.builtin_chat_templates import chat_template_option
 from services.common.cache_keys import CacheKeys
-from services.common.chat_template import read_chat_template_file
 from services.common.config_flags import add_config_flags, config_from_args
 from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
@@ -78,7 +78,7 @@ class TokenizerServer:
         )
         # Read and compiled now: a bad --chat-template file stops the start, not a request.
         self.chat_template = (
-            read_chat_template_file(config.chat_template) if config.chat_template else None
+            chat_template_option(config.chat_template) if config.chat_template else None
         )
         # Per-key limits: counted in Redis when there is one, so every replica sees them.
         self.limiter = KeyLimiter(self.redis)
