@@ -18,6 +18,8 @@ the model asks for one. They show the model roles and text only: tools reach it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from services.common.chat_template import read_chat_template_file
 
 _CHATML = (
@@ -226,3 +228,62 @@ def chat_template_option(value: str) -> str:
     """The template --chat-template names: a built-in's, else the file's at that path
     (ModelLoadError naming it when it cannot be read or does not compile)."""
     return builtin_chat_template(value) or read_chat_template_file(value)
+
+
+# A chat format's marker tokens, as a vocabulary holds them: the surest sign of the format a
+# model was tuned on (a "llama" GGUF may be Llama 2, Llama 3, Mistral or SmolLM). First match.
+_MARKER_TOKENS = (
+    ("<|im_sep|>", "phi4"),
+    ("<|im_start|>", "chatml"),
+    ("<|start_header_id|>", "llama3"),
+    ("<start_of_turn>", "gemma"),
+    ("[SYSTEM_PROMPT]", "mistral-v7"),
+    ("[INST]", "mistral-v3"),
+    ("<\uff5cUser\uff5c>", "deepseek3"),
+    ("<|START_OF_TURN_TOKEN|>", "command-r"),
+    ("<|assistant|>", "phi3"),
+)
+
+# The file's architecture name (GGUF general.architecture, HF model_type) → its family's format.
+_ARCHITECTURE_FORMATS = {
+    "qwen2": "qwen",
+    "qwen3": "qwen",
+    "qwen2moe": "qwen",
+    "qwen2_moe": "qwen",
+    "qwen3moe": "qwen",
+    "qwen3_moe": "qwen",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "phi3": "phi3",
+    "mistral": "mistral",
+    "deepseek2": "deepseek2",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek3",
+    "command-r": "command-r",
+    "cohere": "command-r",
+}
+
+LLAMA3_MIN_VOCAB = 128_000
+"""Llama 3's vocabulary has 128,256 tokens; Llama 2's 32,000."""
+
+
+def builtin_for_model(
+    architecture: str | None,
+    name: str,
+    vocab_size: int | None,
+    has_token: Callable[[str], bool],
+) -> str | None:
+    """The built-in that fits a model without a template of its own: by the chat markers its
+    vocabulary holds, else by its name (a Mistral file says so; its architecture is "llama"),
+    else by its architecture (a llama: llama3 or llama2 by the vocabulary's size). None: no
+    sign of any."""
+    for token, builtin in _MARKER_TOKENS:
+        if has_token(token):
+            return builtin
+    if "mistral" in name.lower():
+        return "mistral"
+    family = (architecture or "").lower()
+    if family == "llama":
+        return "llama3" if (vocab_size or 0) >= LLAMA3_MIN_VOCAB else "llama2"
+    return _ARCHITECTURE_FORMATS.get(family)

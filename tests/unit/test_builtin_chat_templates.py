@@ -15,6 +15,7 @@ from services.common.builtin_chat_templates import (
     ALIASES,
     BUILTIN_CHAT_TEMPLATES,
     builtin_chat_template,
+    builtin_for_model,
     builtin_names,
     chat_template_option,
 )
@@ -152,3 +153,31 @@ def test_a_builtin_without_a_generation_prompt_ends_with_the_last_turn() -> None
     assert source is not None
     text = ChatTemplate(source).render(CONVERSATION[:3], add_generation_prompt=False)
     assert text.endswith("Hi there<|eot_id|>")
+
+
+@pytest.mark.parametrize(
+    ("architecture", "name", "vocab_size", "tokens", "expected"),
+    [
+        # The vocabulary's chat markers decide first.
+        ("llama", "SmolLM2 135M", 49152, {"<|im_start|>"}, "chatml"),
+        ("llama", "Meta Llama 3 8B", 128256, {"<|start_header_id|>"}, "llama3"),
+        ("phi3", "Phi 4 mini", 200064, {"<|im_start|>", "<|im_sep|>"}, "phi4"),
+        ("llama", "Mistral 7B v0.3", 32768, {"[INST]"}, "mistral-v3"),
+        ("gemma2", "Gemma 2", 256000, {"<start_of_turn>"}, "gemma"),
+        # Then the name: a Mistral GGUF's architecture is "llama".
+        ("llama", "Mistral 7B Instruct v0.2", 32000, set(), "mistral"),
+        # Then the architecture; a llama by its vocabulary's size.
+        ("llama", "Llama 2 7B Chat", 32000, set(), "llama2"),
+        ("llama", "Llama 3 8B", 128256, set(), "llama3"),
+        ("qwen2", "Qwen2.5 0.5B", 151936, set(), "qwen"),
+        ("gemma", "Gemma 7B", 256000, set(), "gemma"),
+        ("phi3", "Phi 3 mini", 32064, set(), "phi3"),
+        ("falcon", "Falcon 7B", 65024, set(), None),
+    ],
+)
+def test_the_builtin_that_fits_a_model(
+    architecture: str, name: str, vocab_size: int, tokens: set[str], expected: str | None
+) -> None:
+    assert builtin_for_model(architecture, name, vocab_size, tokens.__contains__) == expected
+    if expected is not None:
+        assert builtin_chat_template(expected) is not None
