@@ -1,12 +1,13 @@
 """LoRA adapters on a real stack (embedded model, 2 scheduler+worker pairs): one given at start
-(--lora-modules), one loaded and unloaded at run time through the HTTP door; requests name
-them by `model` through the official openai client and gRPC. The parity of an adapter's tokens
-with transformers + peft is tests/model/test_lora_parity.py's; here: the plumbing, the cache
-salt, the slots and the load / unload while requests run."""
+(--lora-modules, in vLLM's JSON form), one loaded and unloaded at run time through the HTTP
+door; requests name them by `model` through the official openai client and gRPC. The parity
+of an adapter's tokens with transformers + peft is tests/model/test_lora_parity.py's; here: the
+plumbing, the cache salt, the slots and the load / unload while requests run."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import tempfile
 import threading
@@ -49,7 +50,9 @@ def adapters() -> Iterator[Adapters]:
 @pytest.fixture(scope="module")
 def stack(adapters: Adapters) -> Iterator[RunningStack]:
     flags = ["--workers", "2", "--tokenizer-replicas", "1", "--max-loras", "2"]
-    flags += ["--max-lora-rank", "16", "--lora-modules", f"start={adapters.start}"]
+    # vLLM's JSON form (NAME=PATH is the other; tests/unit/test_lora_config.py has both).
+    start = json.dumps({"name": "start", "path": str(adapters.start)})
+    flags += ["--max-lora-rank", "16", "--lora-modules", start]
     with e2e_stack(flags) as running:
         yield running
 
