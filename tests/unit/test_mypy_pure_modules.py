@@ -62,6 +62,9 @@ PURE_MODULES = (
     "services/common/gguf_metadata.py",
     "services/common/gguf_tokenizer.py",
     "services/common/gguf_pretokenizers.py",
+    # chat templates known by name, and continuing a conversation's last message
+    "services/common/builtin_chat_templates.py",
+    "services/common/chat_continuation.py",
     # the shapes shared between services
     "services/contracts",
 )
