@@ -16,7 +16,7 @@ import anthropic
 import httpx
 import llm_comply.specs
 import pytest
-from anthropic.types import Message, RawMessageStreamEvent
+from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
 from llm_comply.schema import SpecLoader
 from pydantic import TypeAdapter
@@ -48,9 +48,14 @@ EVENT_SCHEMAS = {
 STREAM_EVENT = TypeAdapter[RawMessageStreamEvent](RawMessageStreamEvent)
 
 
+def anthropic_spec() -> SpecLoader:
+    """Anthropic's OpenAPI document, as llm-comply ships it."""
+    return SpecLoader(str(Path(llm_comply.specs.__file__).parent / "anthropic.json"))
+
+
 @pytest.fixture(scope="module")
 def spec() -> SpecLoader:
-    return SpecLoader(str(Path(llm_comply.specs.__file__).parent / "anthropic.json"))
+    return anthropic_spec()
 
 
 def model_name(stack: RunningStack) -> str:
@@ -94,6 +99,10 @@ def test_a_message_and_its_stream_are_valid_against_the_published_schema(
     answer = post(stack, body)
     assert answer.status_code == 200, answer.text
     assert_valid_message(answer.json(), spec)
+    count_body = {key: body[key] for key in ("model", "messages", "system")}
+    counted = httpx.post(f"{stack.http}/messages/count_tokens", json=count_body, timeout=60)
+    MessageTokensCount.model_validate(counted.json(), strict=True)
+    assert spec.validate(counted.json(), "CountMessageTokensResponse") == []
     events = streamed_events(stack, body)
     assert [name for name, _ in events][-1] == "message_stop"
     for name, data in events:
