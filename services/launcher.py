@@ -478,6 +478,8 @@ class Stack:
 
 
 def run(config: StackConfig) -> int:
+    # Read now (a file), so that a bad --chat-template stops the start before any child runs.
+    config.check_chat_template()
     stack = Stack(config)
     signal.signal(signal.SIGTERM, stack.stop)
     signal.signal(signal.SIGINT, stack.stop)

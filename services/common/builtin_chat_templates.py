@@ -19,8 +19,10 @@ the model asks for one. They show the model roles and text only: tools reach it 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from services.common.chat_template import read_chat_template_file
+from services.contracts.errors import ModelLoadError
 
 _CHATML = (
     "{%- for message in messages -%}"
@@ -226,8 +228,16 @@ def builtin_chat_template(name: str) -> str | None:
 
 def chat_template_option(value: str) -> str:
     """The template --chat-template names: a built-in's, else the file's at that path
-    (ModelLoadError naming it when it cannot be read or does not compile)."""
-    return builtin_chat_template(value) or read_chat_template_file(value)
+    (ModelLoadError naming it when it is neither, cannot be read or does not compile)."""
+    builtin = builtin_chat_template(value)
+    if builtin is not None:
+        return builtin
+    if not Path(value).exists():
+        raise ModelLoadError(
+            f"--chat-template {value!r} is neither a built-in template "
+            f"({', '.join(builtin_names())}) nor a file"
+        )
+    return read_chat_template_file(value)
 
 
 # A chat format's marker tokens, as a vocabulary holds them: the surest sign of the format a

@@ -67,6 +67,15 @@ class ChatConfig:
     (Hermes, Qwen2.5/3 `<tool_call>`), llama3_json, mistral (`[TOOL_CALLS]`), json (the whole
     answer is a call object or a list of them); auto = told from the chat template."""
 
+    def check_chat_template(self) -> None:
+        """ModelLoadError when --chat-template names no built-in and no readable, compiling
+        file (reads the file: for a launcher to call before it starts anything)."""
+        if self.chat_template:
+            # Imported here: Jinja is the chat tiers' dependency, not every config's.
+            from services.common.builtin_chat_templates import chat_template_option
+
+            chat_template_option(self.chat_template)
+
 
 @dataclass(frozen=True)
 class WeightsConfig:

@@ -145,7 +145,21 @@ def test_the_option_takes_a_name_or_a_file(tmp_path: Path) -> None:
     assert chat_template_option(str(path)) == "{{ messages[0]['content'] }}"
     with pytest.raises(ModelLoadError) as missing:
         chat_template_option("chatml3")
-    assert "chatml3" in str(missing.value)
+    assert "'chatml3' is neither a built-in" in str(missing.value)
+    assert "llama3" in str(missing.value)  # the names it could have been
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for %}")
+    with pytest.raises(ModelLoadError, match=r"bad\.jinja, line 1"):
+        chat_template_option(str(bad))
+
+
+def test_llmserve_up_refuses_an_unknown_template_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from services.cli import main
+
+    assert main(["up", "--chat-template", "chatml3"]) == 2
+    assert "--chat-template 'chatml3' is neither a built-in" in capsys.readouterr().err
 
 
 def test_a_builtin_without_a_generation_prompt_ends_with_the_last_turn() -> None:
