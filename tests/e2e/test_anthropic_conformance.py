@@ -140,6 +140,11 @@ def test_an_error_is_valid_against_the_published_schema(
     assert spec.validate(raw, "ErrorResponse") == []
     assert raw["request_id"] == answer.headers["request-id"]
     assert raw["error"]["message"].startswith("max_tokens")
+    # count_tokens' errors carry an id too (none was sent: one of ours).
+    counted = httpx.post(f"{stack.http}/messages/count_tokens", json={"messages": MESSAGES})
+    assert counted.status_code == 400
+    assert spec.validate(counted.json(), "ErrorResponse") == []
+    assert counted.json()["request_id"] == counted.headers["request-id"]
 
 
 def test_thinking_on_a_server_without_a_reasoning_parser_answers_in_text(

@@ -298,6 +298,10 @@ def test_a_final_assistant_message_is_a_prefill_to_continue() -> None:
     empty = converted(messages=[USER, {"role": "assistant", "content": ""}])
     assert not empty.continue_final_message and generate_input.messages[-1].role == "assistant"
     assert empty.messages[-1].role == "user"
+    # Nothing but an empty assistant message: no messages left, no crash (validation then
+    # refuses the empty prompt, naming `messages`).
+    alone = converted(messages=[{"role": "assistant", "content": ""}])
+    assert alone.messages == () and not alone.continue_final_message
     counted = count_tokens_input(
         parse_count_tokens(json.dumps({"model": "m", "messages": [USER, prefill]}).encode())
     )

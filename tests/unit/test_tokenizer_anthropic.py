@@ -329,6 +329,8 @@ REFUSED = [
         {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
         "messages[0].content[0].type",
     ),
+    # An empty final assistant message is no prefill: here, nothing is left to answer.
+    ({"messages": [{"role": "assistant", "content": ""}]}, "messages"),
 ]
 
 

@@ -128,7 +128,7 @@ class AnthropicDoor:
         )
 
     async def count_tokens(self, request: Request) -> Response:
-        request_id = request.headers.get(REQUEST_ID_HEADER)
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
             self.authenticate(request)
             model, limits = self.generator.model, self.generator.limits
@@ -152,7 +152,7 @@ class AnthropicDoor:
             error = anthropic_error(exc, request_id)
             log.info("rejected", extra={"status": error.status, "error": error.message})
             return error_response(error)
-        return json_response({"input_tokens": len(token_ids)})
+        return json_response({"input_tokens": len(token_ids)}, **{"request-id": request_id})
 
 
 def _error_for(request_id: str) -> Callable[[BaseException], AnthropicError]:

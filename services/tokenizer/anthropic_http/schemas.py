@@ -228,7 +228,7 @@ def count_tokens_input(body: CountTokensBody) -> GenerateInput:
 def is_prefill(messages: tuple[ChatMessage, ...]) -> bool:
     """Whether the answer continues the conversation's last message (chat_messages has
     left out an empty final assistant message)."""
-    return messages[-1].role == "assistant"
+    return bool(messages) and messages[-1].role == "assistant"
 
 
 def thinking_enabled(body: _Conversation, reasoning_parser: str | None) -> bool:
