@@ -25,6 +25,10 @@ kind or the end comes first (the newlines a model writes before a tool call are 
 Usage is Anthropic's: `input_tokens` counts the prompt tokens not read from the prefix cache,
 `cache_read_input_tokens` those that were (their sum is the prompt); `output_tokens` all the
 generated tokens, thinking and tool calls included.
+
+Every object carries every key Anthropic's published schema requires, those we have nothing
+for as null (a text block's `citations`, a message's `stop_details` and `container`, usage's
+`server_tool_use`...): strict clients and validators read our answers as Anthropic's.
 """
 
 from __future__ import annotations
