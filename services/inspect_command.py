@@ -201,10 +201,18 @@ def format_report(report: ModelReport) -> str:
     tokenizer = report.tokenizer
     support = "supported" if tokenizer.supported else f"not supported: {tokenizer.error}"
     rows.append(("tokenizer", f"{tokenizer.kind}: {support}"))
-    rows.append(("chat template", report.chat_template or "none (chat uses a ChatML default)"))
+    rows.append(("chat template", report.chat_template or _no_template(report)))
     width = max(len(label) for label, _ in rows) + 2
     header = f"{report.name}  ({report.path})"
     return "\n".join([header, *(f"  {label:<{width}}{text}" for label, text in rows)])
+
+
+def _no_template(report: ModelReport) -> str:
+    """What chat does without a template: refused, unless the server is given one."""
+    text = "none: chat requests are refused (completions work)"
+    if report.suggested_chat_template:
+        return f"{text}; serve with --chat-template {report.suggested_chat_template} to chat"
+    return f"{text}; serve with --chat-template NAME or FILE to chat"
 
 
 def format_load(report: ModelReport, load: dict[str, Any] | None, dtype: str) -> str:

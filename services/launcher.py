@@ -478,6 +478,12 @@ class Stack:
 
 
 def run(config: StackConfig) -> int:
+    # Read now (a built-in's name or a file), so that a bad --chat-template stops the start
+    # before any child runs. Imported here: Jinja is the chat tiers' dependency.
+    if config.chat_template:
+        from services.text.builtin_chat_templates import chat_template_option
+
+        chat_template_option(config.chat_template)
     stack = Stack(config)
     signal.signal(signal.SIGTERM, stack.stop)
     signal.signal(signal.SIGINT, stack.stop)

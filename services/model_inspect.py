@@ -22,6 +22,7 @@ from services.common.gguf_index import open_gguf_index
 from services.common.gguf_metadata import field_value, open_gguf
 from services.common.model_source import model_display_name
 from services.contracts.errors import LLMServeError, ModelLoadError
+from services.text.builtin_chat_templates import builtin_for_model
 from services.text.model_tokenizer import ModelTokenizer
 from services.worker.loader.weight_names import PartName, gguf_part, hf_part
 from services.worker.model.architecture import ModelArchitecture, RopeConfig
@@ -129,8 +130,11 @@ class ModelReport:
     architecture: ArchitectureSummary | None
     tokenizer: TokenizerSummary
     chat_template: str | None
-    """Where the chat template comes from; None: the model has none."""
+    """Where the chat template comes from; None: the model has none (chat is refused)."""
     refusals: tuple[str, ...] = field(default=())
+    suggested_chat_template: str | None = None
+    """A model without a template: the built-in that fits its family, for --chat-template
+    NAME (None: no sign of one, or the model has its own)."""
 
     @property
     def servable(self) -> bool:
@@ -145,7 +149,8 @@ class ModelReport:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelReport:
-        fields = {k: data[k] for k in cls.__dataclass_fields__}
+        # A report written before a field existed leaves it at its default.
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         architecture = fields["architecture"]
         return cls(
             **{
@@ -206,15 +211,24 @@ def _describe_gguf(path: Path) -> ModelReport:
             at_load = _gguf_at_load(tensors, placed)
             memory = _memory(tensors, at_load, architecture)
     refusals.extend(_undequantizable(tensors))
-    tokenizer = _tokenizer_summary(path, _gguf_tokenizer_kind(reader), refusals)
+    tokenizer, model_tokenizer = _tokenizer_summary(path, _gguf_tokenizer_kind(reader), refusals)
     template = field_value(reader, "tokenizer.chat_template")
     general_name = field_value(reader, "general.name")
+    source_architecture = _optional_str(field_value(reader, "general.architecture"))
+    suggested = None
+    if not template:
+        suggested = _suggested_template(
+            source_architecture,
+            f"{general_name or ''} {path.name}",
+            architecture,
+            model_tokenizer,
+        )
     return ModelReport(
         path=str(path),
         format="gguf",
         name=model_display_name(path),
         general_name=str(general_name) if general_name is not None else None,
-        source_architecture=_optional_str(field_value(reader, "general.architecture")),
+        source_architecture=source_architecture,
         family=family.name if family else None,
         num_parameters=sum(t.num_parameters for t in tensors),
         file_bytes=path.stat().st_size,
@@ -224,6 +238,7 @@ def _describe_gguf(path: Path) -> ModelReport:
         tokenizer=tokenizer,
         chat_template="GGUF tokenizer.chat_template" if template else None,
         refusals=tuple(refusals),
+        suggested_chat_template=suggested,
     )
 
 
@@ -331,7 +346,18 @@ def _describe_hf(directory: Path) -> ModelReport:
             memory = _memory(tensors, at_load, architecture)
     # A tied checkpoint may store the head too; the model holds one table.
     counted = [t for t in tensors if at_load.get(t.name) != SHARED_WITH_EMBEDDING]
-    tokenizer = _tokenizer_summary(directory, _hf_tokenizer_kind(directory), refusals)
+    tokenizer, model_tokenizer = _tokenizer_summary(
+        directory, _hf_tokenizer_kind(directory), refusals
+    )
+    chat_template = _hf_chat_template(directory)
+    suggested = None
+    if chat_template is None:
+        suggested = _suggested_template(
+            _optional_str(config.get("model_type")),
+            f"{config.get('_name_or_path') or ''} {directory.name}",
+            architecture,
+            model_tokenizer,
+        )
     return ModelReport(
         path=str(directory),
         format="hf",
@@ -345,8 +371,9 @@ def _describe_hf(directory: Path) -> ModelReport:
         weight_memory_bytes=memory,
         architecture=_summary(architecture) if architecture else None,
         tokenizer=tokenizer,
-        chat_template=_hf_chat_template(directory),
+        chat_template=chat_template,
         refusals=tuple(refusals),
+        suggested_chat_template=suggested,
     )
 
 
@@ -503,14 +530,31 @@ def _formats(tensors: Iterable[_Tensor], at_load: dict[str, str]) -> tuple[Tenso
     return tuple(sorted(formats, key=lambda f: -f.num_parameters))
 
 
-def _tokenizer_summary(path: Path, kind: str, refusals: list[str]) -> TokenizerSummary:
-    """Builds the tokenizer as the worker and the tokenizer tier do."""
+def _tokenizer_summary(
+    path: Path, kind: str, refusals: list[str]
+) -> tuple[TokenizerSummary, ModelTokenizer | None]:
+    """Builds the tokenizer as the worker and the tokenizer tier do (None: it cannot)."""
     try:
-        ModelTokenizer.from_path(path)
+        tokenizer = ModelTokenizer.from_path(path)
     except ModelLoadError as exc:
         refusals.append(str(exc))
-        return TokenizerSummary(kind, supported=False, error=str(exc))
-    return TokenizerSummary(kind, supported=True)
+        return TokenizerSummary(kind, supported=False, error=str(exc)), None
+    return TokenizerSummary(kind, supported=True), tokenizer
+
+
+def _suggested_template(
+    source_architecture: str | None,
+    name: str,
+    architecture: ModelArchitecture | None,
+    tokenizer: ModelTokenizer | None,
+) -> str | None:
+    """The built-in chat template that fits a model that ships none."""
+
+    def has_token(token: str) -> bool:
+        return tokenizer is not None and tokenizer.tokenizer.token_to_id(token) is not None
+
+    vocab_size = architecture.vocab_size if architecture is not None else None
+    return builtin_for_model(source_architecture, name, vocab_size, has_token)
 
 
 def _summary(arch: ModelArchitecture) -> ArchitectureSummary:

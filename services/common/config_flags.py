@@ -7,10 +7,11 @@ string literal after it) is the flag's help. Fields inherited from the shared gr
 built config back into the flags that rebuild it in a child process.
 
 A `tuple[str, ...]` field is a repeatable flag (its environment variable: comma-separated
-values). A field declared with `metadata={"secret": True}` (API keys, the internal secret, a
-Redis URL that may hold a password) never shows its value in --help, and config_argv leaves it
-out: a child gets secrets through its environment, never its command line, which any local
-user can read.
+values); with `metadata={"values_per_flag": "+"}` one flag also takes several values
+(`--lora-modules a=X b=Y`, as vLLM spells it). A field declared with
+`metadata={"secret": True}` (API keys, the internal secret, a Redis URL that may hold a
+password) never shows its value in --help, and config_argv leaves it out: a child gets secrets
+through its environment, never its command line, which any local user can read.
 """
 
 from __future__ import annotations
@@ -117,7 +118,12 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if repeatable:
             # Given flags replace the default (environment) values rather than add to them.
             parser.add_argument(
-                flag, dest=field.name, action=_Repeat, default=default, help=help_text
+                flag,
+                dest=field.name,
+                action=_Repeat,
+                default=default,
+                nargs=field.metadata.get("values_per_flag"),
+                help=help_text,
             )
         elif is_bool:
             parser.add_argument(
@@ -151,7 +157,9 @@ class _Repeat(argparse.Action):
         given = getattr(namespace, self.dest, ())
         if given is self.default:
             given = ()
-        setattr(namespace, self.dest, (*given, values))
+        # nargs="+" hands a list (several values after one flag), else one value.
+        added = tuple(values) if isinstance(values, list) else (values,)
+        setattr(namespace, self.dest, (*given, *added))
 
 
 def add_deprecated_flag(

@@ -23,6 +23,7 @@ cannot be laid out, while a slotted service config may inherit any number of the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,8 +53,10 @@ class ChatConfig:
     """How chat messages become a prompt (where chat templates are rendered)."""
 
     chat_template: str | None = None
-    """A Jinja chat template file that replaces the model's, or gives one to a model that
-    ships none (without either, chat requests are refused; completions work)."""
+    """A chat template that replaces the model's, or gives one to a model that ships none
+    (without either, chat requests are refused; completions work): a built-in's name, as
+    llama.cpp's server takes it (chatml, llama2, llama3, mistral, gemma, phi3, qwen,
+    deepseek ...: services/text/builtin_chat_templates.py), or a Jinja file."""
     reasoning_parser: ReasoningParserName | None = None
     """How a reasoning model marks its thinking (deepseek_r1, qwen3: `<think>...</think>`):
     a chat answer's thinking then goes out apart from its content (OpenAI's
@@ -192,6 +195,24 @@ MAX_LORA_RANK = 64
 """The largest max_lora_rank a worker accepts."""
 
 
+def parse_lora_module(module: str) -> tuple[str, str]:
+    """One --lora-modules value → (name, path): `NAME=PATH` (the path may hold `=`), or
+    vLLM's JSON object with `name` and `path` (its `base_model_name` is ours: ignored)."""
+    if module.lstrip().startswith("{"):
+        try:
+            spec = json.loads(module)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"lora_modules: {module!r} is not valid JSON ({exc})") from exc
+        name, path = spec.get("name"), spec.get("path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"lora_modules: {module!r} needs string fields 'name' and 'path'")
+        return name, path
+    name, _, path = module.partition("=")
+    if not name or not path:
+        raise ValueError(f"lora_modules: {module!r} is not NAME=PATH")
+    return name, path
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """LoRA adapters of the one base model (services/worker/lora/): how many a step may mix,
@@ -205,14 +226,15 @@ class LoraConfig:
     max_cpu_loras: int = 8
     """Adapters kept in host memory (least recently used forgotten first; read again from
     their file when a sequence needs them); at least max_loras."""
-    lora_modules: tuple[str, ...] = ()
-    """Adapters to load at start, each `NAME=PATH` (a PEFT directory or a GGUF LoRA file;
-    repeat the flag per adapter); requests name one by `model`. One that does not fit the
-    model stops the start, naming why."""
+    lora_modules: tuple[str, ...] = field(default=(), metadata={"values_per_flag": "+"})
+    """Adapters to load at start, each `NAME=PATH` or vLLM's JSON `{"name": ..., "path": ...}`
+    (a PEFT directory or a GGUF LoRA file), several after one flag (`--lora-modules a=X
+    b=Y`, as vLLM takes them) or the flag repeated; requests name one by `model`. One that
+    does not fit the model stops the start, naming why."""
 
     def lora_module_paths(self) -> dict[str, str]:
         """--lora-modules as {name: path}."""
-        return dict(module.split("=", 1) for module in self.lora_modules)
+        return dict(parse_lora_module(module) for module in self.lora_modules)
 
     def check_lora(self) -> None:
         if self.max_loras < 0:
@@ -227,9 +249,7 @@ class LoraConfig:
             )
         names: set[str] = set()
         for module in self.lora_modules:
-            name, _, path = module.partition("=")
-            if not name or not path:
-                raise ValueError(f"lora_modules: {module!r} is not NAME=PATH")
+            name, _ = parse_lora_module(module)
             if name in names:
                 raise ValueError(f"lora_modules: {name!r} is named twice")
             names.add(name)

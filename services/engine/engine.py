@@ -29,7 +29,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats import SchedulerStats
-from services.text.chat_template import read_chat_template_file
+from services.text.builtin_chat_templates import chat_template_option
 from services.worker.config import resolve_dtype
 from services.worker.loaded_model import LoadedModel
 from services.worker.quantization.formats import serves_gguf_blocks
@@ -73,7 +73,7 @@ class LLMEngine:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         if config.chat_template:
-            source = read_chat_template_file(config.chat_template)
+            source = chat_template_option(config.chat_template)
             self.tokenizer = loaded.tokenizer.with_chat_template(source)
         self.model = loaded.model
         self.dtype = loaded.dtype

@@ -31,7 +31,8 @@ RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
 NO_CHAT_TEMPLATE = (
     "this model has no chat template, so it cannot take chat messages: send a plain text "
-    "prompt (completions work), or start the server with --chat-template FILE"
+    "prompt (completions work), or start the server with --chat-template NAME (a built-in "
+    "such as chatml, llama3, mistral, gemma, phi3) or --chat-template FILE"
 )
 
 

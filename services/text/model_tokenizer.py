@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from services.common.gguf_metadata import read_metadata
 from services.contracts.errors import InvalidRequestError, ModelLoadError
 from services.contracts.model_description import ModelDescription
+from services.text.chat_continuation import continued_prompt
 from services.text.chat_template import NO_CHAT_TEMPLATE, ChatMessage, ChatTemplate
 from services.text.gguf_vocab import normalizer_shrink_factor, read_gguf_tokenizer
 
@@ -100,17 +101,23 @@ class ModelTokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text of a conversation (ChatTemplate.render); InvalidRequestError
-        naming `messages` when the model has no chat template."""
+        naming `messages` when the model has no chat template. `continue_final_message`:
+        the answer goes on with the last message's text (chat_continuation.py) instead of
+        opening a new turn."""
         if self.chat_template is None:
             raise InvalidRequestError("messages", NO_CHAT_TEMPLATE)
-        return self.chat_template.render(
+        rendered = self.chat_template.render(
             messages,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
         )
+        if continue_final_message:
+            return continued_prompt(rendered, messages[-1])
+        return rendered
 
     def apply_chat_template(
         self,
@@ -119,12 +126,14 @@ class ModelTokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
         )
         # A template that starts with the BOS text already carries it; don't add a second one.
         return self.encode(text, add_special_tokens=not text.startswith(self._bos_text))

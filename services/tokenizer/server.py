@@ -21,7 +21,7 @@ from services.common.grpc_server import GrpcService, run_service
 from services.common.metrics_http import start_metrics_server
 from services.common.prompt_store import PromptStore
 from services.common.redis_store import open_store
-from services.text.chat_template import read_chat_template_file
+from services.text.builtin_chat_templates import chat_template_option
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy
 from services.tokenizer.anthropic_http import door as anthropic_door
@@ -78,7 +78,7 @@ class TokenizerServer:
         )
         # Read and compiled now: a bad --chat-template file stops the start, not a request.
         self.chat_template = (
-            read_chat_template_file(config.chat_template) if config.chat_template else None
+            chat_template_option(config.chat_template) if config.chat_template else None
         )
         # Per-key limits: counted in Redis when there is one, so every replica sees them.
         self.limiter = KeyLimiter(self.redis)

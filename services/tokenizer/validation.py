@@ -41,6 +41,7 @@ class PromptTokenizer(Protocol):
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]: ...
 
     def encode_chat_after_prefix(
@@ -99,6 +100,9 @@ class GenerateInput:
     tool_request: ToolRequest | None = None
     """The functions the model may call and how (chat only): their schemas reach the chat
     template, a forced choice becomes the request's grammar."""
+    continue_final_message: bool = False
+    """The answer continues the last message (an assistant prefill) instead of opening a
+    new turn (chat only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +329,11 @@ def prompt_to_token_ids(
         check_token_ids("prompt_token_ids", token_ids, limits.vocab_size)
     elif request.messages:
         token_ids = tuple(
-            tokenizer.apply_chat_template(request.messages, tools=_template_tools(request))
+            tokenizer.apply_chat_template(
+                request.messages,
+                tools=_template_tools(request),
+                continue_final_message=request.continue_final_message,
+            )
         )
     else:
         token_ids = tuple(tokenizer.encode(request.prompt))

@@ -1,6 +1,7 @@
 """A real stack serving a model that ships no chat template (the embedded GGUF rewritten
 without `tokenizer.chat_template`): both doors refuse chat requests, naming `messages`, and
-serve completions; the same model under --chat-template chats."""
+serve completions; the same model under --chat-template (a file, or a built-in's name) chats,
+at every door."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kernels.cpu_extension import DISABLE_ENV_VAR
 from protos.llmserve.v1 import text_pb2
 from services.common.model_source import embedded_model_path
 from services.stack import RunningStack, running_stack
+from services.text.builtin_chat_templates import builtin_chat_template
 from services.text.chat_template import ChatMessage
 from services.text.model_tokenizer import ModelTokenizer
 from tests.e2e.conftest import STACK_FLAGS, STARTUP_TIMEOUT_S
@@ -150,4 +152,23 @@ def test_the_chat_template_option_makes_the_model_chat(bare_model: Path, tmp_pat
         responses = grpc_chat(stack)
         assert responses[-1].usage.prompt_tokens == len(prompt_ids)
         assert responses[-1].usage.completion_tokens >= 1
+    assert stack.returncode == 0
+
+
+def test_a_builtin_template_name_makes_the_model_chat(bare_model: Path) -> None:
+    """--chat-template chatml, as llama.cpp's server takes it: the built-in renders the prompt
+    (SmolLM2 was tuned on ChatML), at the OpenAI and the Anthropic doors alike."""
+    with edge_stack(["--model", str(bare_model), "--chat-template", "chatml"]) as stack:
+        chat = httpx.post(f"{stack.http}/chat/completions", json=chat_body(stack), timeout=120)
+        assert chat.status_code == 200, chat.text
+        source = builtin_chat_template("chatml")
+        assert source is not None
+        tokenizer = ModelTokenizer.from_path(bare_model).with_chat_template(source)
+        prompt_ids = tokenizer.apply_chat_template([ChatMessage(**m) for m in MESSAGES])
+        assert chat.json()["usage"]["prompt_tokens"] == len(prompt_ids)
+        body = {"model": model_name(stack), "max_tokens": 4, "messages": MESSAGES}
+        message = httpx.post(f"{stack.http}/messages", json=body, timeout=120)
+        assert message.status_code == 200, message.text
+        usage = message.json()["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(prompt_ids)
     assert stack.returncode == 0

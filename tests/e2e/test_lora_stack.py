@@ -1,12 +1,13 @@
 """LoRA adapters on a real stack (embedded model, 2 scheduler+worker pairs): one given at start
-(--lora-modules), one loaded and unloaded at run time through the HTTP door; requests name
-them by `model` through the official openai client and gRPC. The parity of an adapter's tokens
-with transformers + peft is tests/model/test_lora_parity.py's; here: the plumbing, the cache
-salt, the slots and the load / unload while requests run."""
+(--lora-modules, vLLM's forms), one loaded and unloaded at run time through the HTTP
+door; requests name them by `model` through the official openai client and gRPC. The parity
+of an adapter's tokens with transformers + peft is tests/model/test_lora_parity.py's; here: the
+plumbing, the cache salt, the slots and the load / unload while requests run."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import tempfile
 import threading
@@ -49,7 +50,10 @@ def adapters() -> Iterator[Adapters]:
 @pytest.fixture(scope="module")
 def stack(adapters: Adapters) -> Iterator[RunningStack]:
     flags = ["--workers", "2", "--tokenizer-replicas", "1", "--max-loras", "2"]
-    flags += ["--max-lora-rank", "16", "--lora-modules", f"start={adapters.start}"]
+    # Two adapters after one flag, as vLLM takes them: one in vLLM's JSON form, one NAME=PATH
+    # (the same file under a second name).
+    start = json.dumps({"name": "start", "path": str(adapters.start)})
+    flags += ["--max-lora-rank", "16", "--lora-modules", start, f"start-again={adapters.start}"]
     with e2e_stack(flags) as running:
         yield running
 
@@ -92,6 +96,13 @@ def test_the_adapter_given_at_start_is_listed_and_changes_the_answer(stack: Runn
     assert metric(page, "llmserve_scheduler_lora_generation_tokens_total", "start") >= 24
     assert metric(page, "llmserve_scheduler_lora_loaded", "start") == 2  # both schedulers
     assert metric(page, "llmserve_scheduler_lora_load_seconds", "start") > 0
+
+
+def test_one_flag_gave_both_adapters(stack: RunningStack) -> None:
+    names = {m.id for m in client(stack).models.list().data}
+    assert {"start", "start-again"} <= names
+    # The same weights under two names: the same greedy answer.
+    assert chat(stack, "start-again") == chat(stack, "start")
 
 
 def test_grpc_names_the_adapter_by_model_too(stack: RunningStack) -> None:

@@ -134,3 +134,47 @@ def test_open_responses_reasoning_is_its_own_item(reasoning_stack: RunningStack)
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning.delta")
     done = next(e for e in events if e.type == "response.reasoning.done")
     assert streamed == done.text == thinking
+
+
+def test_anthropic_thinking_blocks_are_valid_against_the_published_schema(
+    reasoning_stack: RunningStack,
+) -> None:
+    """At the Anthropic door the thinking is a thinking block (all of it here: the model never
+    closes it), valid against the `anthropic` package's models and Anthropic's OpenAPI schema,
+    whole and streamed; `display: omitted` leaves it out."""
+    from tests.e2e.test_anthropic_conformance import (
+        EVENT_SCHEMAS,
+        STREAM_EVENT,
+        anthropic_spec,
+        assert_valid_message,
+        streamed_events,
+    )
+
+    spec = anthropic_spec()
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    body = {
+        "model": model_name(reasoning_stack),
+        "max_tokens": 8,
+        "messages": QUESTION,
+        "temperature": 0,
+        "thinking": thinking,
+    }
+    answer = httpx.post(f"{reasoning_stack.http}/messages", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    raw = answer.json()
+    assert_valid_message(raw, spec)
+    [block] = raw["content"]
+    assert block["type"] == "thinking" and block["thinking"]
+    events = streamed_events(reasoning_stack, body)
+    for name, data in events:
+        STREAM_EVENT.validate_python(data, strict=True)
+        assert spec.validate(data, EVENT_SCHEMAS[name]) == [], (name, data)
+    streamed = "".join(
+        data["delta"]["thinking"]
+        for name, data in events
+        if name == "content_block_delta" and data["delta"]["type"] == "thinking_delta"
+    )
+    assert streamed == block["thinking"]
+    omitted = {**body, "thinking": {**thinking, "display": "omitted"}}
+    hidden = httpx.post(f"{reasoning_stack.http}/messages", json=omitted, timeout=300).json()
+    assert all(block["type"] != "thinking" for block in hidden["content"])

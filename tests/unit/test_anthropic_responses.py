@@ -59,17 +59,24 @@ def test_text_streams_as_one_block_between_message_start_and_stop() -> None:
     assert events[1][1] == {
         "type": "content_block_start",
         "index": 0,
-        "content_block": {"type": "text", "text": ""},
+        "content_block": {"type": "text", "text": "", "citations": None},
     }
     assert [data["delta"]["text"] for _, data in events[2:5]] == ["Hel", "lo", "!"]
     assert events[-2][1] == {
         "type": "message_delta",
-        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        "delta": {
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "stop_details": None,
+            "container": None,
+        },
         "usage": {
             "input_tokens": 4,
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 16,
             "output_tokens": 6,
+            "output_tokens_details": None,
+            "server_tool_use": None,
         },
     }
     assert whole == {
@@ -77,10 +84,17 @@ def test_text_streams_as_one_block_between_message_start_and_stop() -> None:
         "type": "message",
         "role": "assistant",
         "model": "m",
-        "content": [{"type": "text", "text": "Hello!"}],
+        "content": [{"type": "text", "text": "Hello!", "citations": None}],
         "stop_reason": "end_turn",
         "stop_sequence": None,
-        "usage": events[-2][1]["usage"],
+        "stop_details": None,
+        "container": None,
+        "usage": {
+            **events[-2][1]["usage"],
+            "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+            "inference_geo": None,
+            "service_tier": "standard",
+        },
     }
 
 
@@ -105,7 +119,8 @@ def test_stop_reasons(
     usage = Usage(20, completion_tokens, 0)
     delta = OutputDelta("x", finish_reason=finish_reason, matched_stop=matched_stop, usage=usage)
     events, whole = streamed([delta])
-    assert events[-2][1]["delta"] == {"stop_reason": reason, "stop_sequence": sequence}
+    delta = events[-2][1]["delta"]
+    assert (delta["stop_reason"], delta["stop_sequence"]) == (reason, sequence)
     assert (whole["stop_reason"], whole["stop_sequence"]) == (reason, sequence)
 
 
@@ -120,7 +135,7 @@ def test_thinking_comes_first_as_its_own_block_when_enabled() -> None:
     starts = [data["content_block"] for name, data in events if name == "content_block_start"]
     assert starts == [
         {"type": "thinking", "thinking": "", "signature": ""},
-        {"type": "text", "text": ""},
+        {"type": "text", "text": "", "citations": None},
     ]
     thinking = [
         data["delta"] for name, data in events if data.get("index") == 0 and "delta" in data
@@ -142,11 +157,11 @@ def test_thinking_comes_first_as_its_own_block_when_enabled() -> None:
     ]
     assert whole["content"] == [
         {"type": "thinking", "thinking": "Thinking.", "signature": ""},
-        {"type": "text", "text": "Hi"},
+        {"type": "text", "text": "Hi", "citations": None},
     ]
     # Not enabled: the answer alone.
     _, plain = streamed(deltas)
-    assert plain["content"] == [{"type": "text", "text": "Hi"}]
+    assert plain["content"] == [{"type": "text", "text": "Hi", "citations": None}]
 
 
 def test_tool_calls_stream_as_tool_use_blocks_with_json_fragments() -> None:
@@ -186,6 +201,7 @@ def test_tool_calls_stream_as_tool_use_blocks_with_json_fragments() -> None:
             "id": "toolu_abc",
             "name": "get_weather",
             "input": {},
+            "caller": {"type": "direct"},
         },
     }
     fragments = [
@@ -198,9 +214,21 @@ def test_tool_calls_stream_as_tool_use_blocks_with_json_fragments() -> None:
     assert whole["content"] == [
         # The text's trailing newlines stay (they were sent); the lone "\n" between the
         # calls is no block.
-        {"type": "text", "text": "Let me check.\n\n"},
-        {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Paris"}},
-        {"type": "tool_use", "id": "toolu_def", "name": "get_time", "input": {}},
+        {"type": "text", "text": "Let me check.\n\n", "citations": None},
+        {
+            "type": "tool_use",
+            "id": "toolu_abc",
+            "name": "get_weather",
+            "input": {"city": "Paris"},
+            "caller": {"type": "direct"},
+        },
+        {
+            "type": "tool_use",
+            "id": "toolu_def",
+            "name": "get_time",
+            "input": {},
+            "caller": {"type": "direct"},
+        },
     ]
     assert whole["stop_reason"] == "tool_use"
 
@@ -210,7 +238,7 @@ def test_whitespace_before_a_call_is_no_block_but_leads_text_that_follows() -> N
     _, whole = streamed([OutputDelta("\n\n"), call, last(finish_reason="tool_calls")])
     assert [block["type"] for block in whole["content"]] == ["tool_use"]
     _, whole = streamed([OutputDelta(" "), OutputDelta("\n"), last("Hi")])
-    assert whole["content"] == [{"type": "text", "text": " \nHi"}]
+    assert whole["content"] == [{"type": "text", "text": " \nHi", "citations": None}]
 
 
 def test_an_empty_answer_has_no_blocks() -> None:

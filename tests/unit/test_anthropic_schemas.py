@@ -35,19 +35,19 @@ def body(**fields: Any) -> bytes:
     return json.dumps({"model": "m", "max_tokens": 32, "messages": [USER], **fields}).encode()
 
 
-def converted(reasoning_parser: str | None = None, **fields: Any) -> GenerateInput:
-    return messages_input(parse_messages(body(**fields)), "r", reasoning_parser)
+def converted(**fields: Any) -> GenerateInput:
+    return messages_input(parse_messages(body(**fields)), "r")
 
 
-def refusal(reasoning_parser: str | None = None, **fields: Any) -> InvalidRequestError:
+def refusal(**fields: Any) -> InvalidRequestError:
     with pytest.raises(InvalidRequestError) as raised:
-        converted(reasoning_parser, **fields)
+        converted(**fields)
     return raised.value
 
 
 def raw_refusal(raw: dict[str, Any]) -> InvalidRequestError:
     with pytest.raises(InvalidRequestError) as raised:
-        messages_input(parse_messages(json.dumps(raw).encode()), "r", None)
+        messages_input(parse_messages(json.dumps(raw).encode()), "r")
     return raised.value
 
 
@@ -189,8 +189,8 @@ def test_no_tools_and_a_choice_that_forces_none_is_no_tool_request() -> None:
         ({"tools": [TIME], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
         ({"tool_choice": {"type": "any"}}, "tool_choice"),
         ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-        ({"thinking": {"type": "enabled", "display": "omitted"}}, "thinking.display"),
+        ({"thinking": {"type": "enabled", "display": "hidden"}}, "thinking.display"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.budget_tokens"),
     ],
 )
 def test_refusals_name_the_parameter(fields: dict[str, Any], param: str) -> None:
@@ -245,7 +245,16 @@ def test_refusals_name_the_parameter(fields: dict[str, Any], param: str) -> None
             [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}],
             "messages[0].content[0].input",
         ),
-        ([USER, {"role": "assistant", "content": "The answer is"}], "messages[1].role"),
+        (
+            [
+                USER,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+                },
+            ],
+            "messages[1].content",
+        ),
     ],
 )
 def test_message_refusals_name_the_block(messages: list[Any], param: str) -> None:
@@ -263,19 +272,45 @@ def test_an_image_block_is_refused_saying_what_it_is() -> None:
     assert "'image'" in error.message
 
 
-def test_thinking_needs_a_reasoning_parser() -> None:
+def test_thinking_shows_only_with_a_reasoning_parser() -> None:
     assert converted(thinking={"type": "disabled"}).messages
     enabled = {"type": "enabled", "budget_tokens": 2048}
-    assert converted("qwen3", thinking=enabled).messages
+    assert converted(thinking=enabled).messages
     parsed = parse_messages(body(thinking=enabled))
     assert thinking_enabled(parsed, "qwen3")
+    # Without a parser thinking cannot be told from the answer: text blocks only, no 400.
+    assert not thinking_enabled(parsed, None)
     assert not thinking_enabled(parse_messages(body(thinking={"type": "disabled"})), "qwen3")
     assert not thinking_enabled(parse_messages(body()), "qwen3")
+    omitted = parse_messages(body(thinking={**enabled, "display": "omitted"}))
+    assert not thinking_enabled(omitted, "qwen3")
+    summarized = parse_messages(body(thinking={**enabled, "display": "summarized"}))
+    assert thinking_enabled(summarized, "qwen3")
+
+
+def test_a_final_assistant_message_is_a_prefill_to_continue() -> None:
+    prefill = {"role": "assistant", "content": [{"type": "text", "text": "The answer is"}]}
+    generate_input = converted(messages=[USER, prefill])
+    assert generate_input.continue_final_message
+    assert generate_input.messages[-1] == ChatMessage("assistant", (TextPart("The answer is"),))
+    assert not converted(messages=[USER]).continue_final_message
+    # An empty final assistant message continues nothing: an ordinary answer.
+    empty = converted(messages=[USER, {"role": "assistant", "content": ""}])
+    assert not empty.continue_final_message and generate_input.messages[-1].role == "assistant"
+    assert empty.messages[-1].role == "user"
+    # Nothing but an empty assistant message: no messages left, no crash (validation then
+    # refuses the empty prompt, naming `messages`).
+    alone = converted(messages=[{"role": "assistant", "content": ""}])
+    assert alone.messages == () and not alone.continue_final_message
+    counted = count_tokens_input(
+        parse_count_tokens(json.dumps({"model": "m", "messages": [USER, prefill]}).encode())
+    )
+    assert counted.continue_final_message
 
 
 def test_count_tokens_takes_the_conversation_without_generation_parameters() -> None:
     raw = {"model": "m", "messages": [USER], "system": "S", "tools": [WEATHER]}
-    generate_input = count_tokens_input(parse_count_tokens(json.dumps(raw).encode()), None)
+    generate_input = count_tokens_input(parse_count_tokens(json.dumps(raw).encode()))
     assert generate_input.messages[0] == ChatMessage("system", "S")
     assert generate_input.tool_request is not None
     for extra in ({"max_tokens": 5}, {"stream": True}, {"temperature": 0.5}):
@@ -296,9 +331,10 @@ def test_count_tokens_takes_the_conversation_without_generation_parameters() -> 
     ],
 )
 def test_validation_errors_come_out_in_anthropic_shape_and_names(field: str, param: str) -> None:
-    error = anthropic_error(InvalidRequestError(field, "is bad"))
+    error = anthropic_error(InvalidRequestError(field, "is bad"), "req-1")
     assert error.status == 400
     assert error.body() == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": f"{param}: is bad"},
+        "request_id": "req-1",
     }

@@ -80,7 +80,7 @@ def test_a_declared_length_over_the_limit_is_refused_unread() -> None:
                 assert status == 413 and body is not None, raw
                 if anthropic:
                     assert body["type"] == "error"
-                    assert body["error"]["type"] == "request_too_large"
+                    assert body["error"]["type"] == "invalid_request_error"  # the schema's type
                     message = body["error"]["message"]
                 else:
                     assert body["error"]["code"] == "request_too_large"

@@ -26,6 +26,27 @@ def test_each_flag_names_one_adapter() -> None:
     assert worker_config([]).lora_module_paths() == {}
 
 
+def test_one_flag_takes_several_adapters_as_vllm_does() -> None:
+    config = worker_config(
+        ["--lora-modules", "sql=/a/sql", "chat=/b/chat.gguf", "--max-loras", "2"]
+    )
+    assert config.lora_module_paths() == {"sql": "/a/sql", "chat": "/b/chat.gguf"}
+    # Both forms mix: each flag adds its values.
+    mixed = worker_config(["--lora-modules", "a=/x", "b=/y", "--lora-modules", "c=/z"])
+    assert list(mixed.lora_module_paths()) == ["a", "b", "c"]
+
+
+def test_vllm_json_form_names_an_adapter() -> None:
+    spec = '{"name": "sql", "path": "/a/sql", "base_model_name": "base"}'
+    config = worker_config(["--lora-modules", spec, "chat=/b"])
+    assert config.lora_module_paths() == {"sql": "/a/sql", "chat": "/b"}
+    # The stack hands the value on as given; the child reads it the same.
+    assert worker_config(config_argv(config, LoraConfig)).lora_module_paths() == {
+        "sql": "/a/sql",
+        "chat": "/b",
+    }
+
+
 def test_a_path_may_hold_an_equals_sign() -> None:
     assert worker_config(["--lora-modules", "x=/a=b"]).lora_module_paths() == {"x": "/a=b"}
 
@@ -37,6 +58,11 @@ def test_a_path_may_hold_an_equals_sign() -> None:
         (["--lora-modules", "=/a"], "not NAME=PATH"),
         (["--lora-modules", "a=/x", "--lora-modules", "a=/y"], "named twice"),
         (["--lora-modules", "a=/x", "--max-loras", "0"], "max_loras is 0"),
+        (["--lora-modules", "a=/x", "a=/y"], "named twice"),
+        (["--lora-modules", '{"name": "a", "path": "/x"}', "a=/y"], "named twice"),
+        (["--lora-modules", '{"name": "a"}'], "'name' and 'path'"),
+        (["--lora-modules", '{"name": "a", "path": 3}'], "'name' and 'path'"),
+        (["--lora-modules", '{"name": "a",'], "not valid JSON"),
     ],
 )
 def test_bad_modules_are_refused_naming_the_flag(argv: list[str], message: str) -> None:

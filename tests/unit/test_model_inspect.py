@@ -159,6 +159,26 @@ def test_the_command_describes_the_embedded_model_by_default(
     assert "Q4_1" in out and "stored blocks" in out
 
 
+def test_a_gguf_without_a_template_is_told_the_builtin_that_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.e2e.test_chat_template_stack import gguf_without
+
+    bare = gguf_without(
+        embedded_model_path(), tmp_path / "SmolLM2-bare.gguf", "tokenizer.chat_template"
+    )
+    report = describe_model(bare)
+    assert report.chat_template is None
+    # SmolLM2's vocabulary holds ChatML's markers (its architecture, "llama", would not say).
+    assert report.suggested_chat_template == "chatml"
+    assert describe_model(embedded_model_path()).suggested_chat_template is None
+    code, out, _ = run_cli([str(bare)], capsys)
+    assert code == 0
+    [line] = [line for line in out.splitlines() if "chat template" in line]
+    assert "chat requests are refused" in line and "--chat-template chatml" in line
+    assert "ChatML default" not in out
+
+
 @pytest.mark.slow
 def test_load_reports_resident_memory_and_the_tensors_match_the_estimate(
     capsys: pytest.CaptureFixture[str],
@@ -297,6 +317,8 @@ def test_gemma2_reports_its_windows_soft_caps_and_norms(hf_models: dict[str, Pat
     assert "qk_norm" not in switches
     assert report.tokenizer.supported and report.tokenizer.kind == "tokenizer.json (BPE)"
     assert report.chat_template is None
+    # Its tokenizer is SmolLM2's (tests/model/random_hf_models.py): the markers say ChatML.
+    assert report.suggested_chat_template == "chatml"
 
 
 def test_gemma3_reports_qk_norm_and_its_local_rope(hf_models: dict[str, Path]) -> None:

@@ -63,6 +63,9 @@ PURE_MODULES = (
     "services/common/gguf_metadata.py",
     "services/text/gguf_vocab.py",
     "services/text/gguf_pretokenizers.py",
+    # chat templates known by name, and continuing a conversation's last message
+    "services/text/builtin_chat_templates.py",
+    "services/text/chat_continuation.py",
     # the shapes shared between services
     "services/contracts",
 )

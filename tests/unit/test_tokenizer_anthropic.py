@@ -306,6 +306,7 @@ def test_keys_by_x_api_key_or_bearer_and_tenants(model: ServedModel, tmp_path: P
                 "type": "authentication_error",
                 "message": missing.json()["error"]["message"],
             },
+            "request_id": missing.headers["request-id"],
         }
         assert "x-api-key" in missing.json()["error"]["message"]
         assert wrong.value.status_code == 401
@@ -323,11 +324,13 @@ REFUSED = [
     ({"temperature": 2}, "temperature"),
     ({"stop_sequences": [""]}, "stop_sequences"),
     ({"max_tokens": 10_000}, "max_tokens"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.budget_tokens"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
         "messages[0].content[0].type",
     ),
+    # An empty final assistant message is no prefill: here, nothing is left to answer.
+    ({"messages": [{"role": "assistant", "content": ""}]}, "messages"),
 ]
 
 

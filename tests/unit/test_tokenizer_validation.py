@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from services.contracts.errors import InvalidRequestError, NotFoundError, PromptTooLongError
+from services.text.chat_continuation import continued_prompt
 from services.text.chat_template import ChatMessage, ChatTemplate
 from services.tokenizer.tool_request import FunctionTool, ToolRequest
 from services.tokenizer.validation import (
@@ -53,7 +54,11 @@ class ByteTokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
+        if continue_final_message:
+            rendered = self.template.render(messages, add_generation_prompt=False, tools=tools)
+            return self.encode(continued_prompt(rendered, messages[-1]))
         return self.encode(self.template.render(messages, tools=tools))
 
 

@@ -15,19 +15,21 @@ cancels its request.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from services.contracts.errors import LLMServeError, UnauthenticatedError
 from services.tokenizer import metrics
 from services.tokenizer.access import AccessPolicy, Caller
 from services.tokenizer.anthropic_http import schemas
-from services.tokenizer.anthropic_http.errors import anthropic_error
+from services.tokenizer.anthropic_http.errors import AnthropicError, anthropic_error, route_error
 from services.tokenizer.anthropic_http.responses import Event, MessageBuilder, sse
 from services.tokenizer.generation import GenerationStream, Generator
 from services.tokenizer.http_common import (
@@ -76,7 +78,7 @@ class AnthropicDoor:
             caller = self.authenticate(request)
             model = self.generator.model
             body = schemas.parse_messages(await request.body())
-            generate_input = schemas.messages_input(body, request_id, model.reasoning_parser)
+            generate_input = schemas.messages_input(body, request_id)
             # The Messages API has no tenant parameter: a bound key's tenant, else none.
             prepared = await prepare_for_caller(
                 request,
@@ -87,7 +89,7 @@ class AnthropicDoor:
                 started=started,
             )
         except (LLMServeError, ClientGone) as exc:
-            return refused(exc, request_id, request_metrics, anthropic_error)
+            return refused(exc, request_id, request_metrics, _error_for(request_id))
         request_id = prepared.request.request_id
         if body.metadata is not None and body.metadata.user_id:
             log.info("end user", extra={"request_id": request_id, "user": body.metadata.user_id})
@@ -111,14 +113,14 @@ class AnthropicDoor:
                 request, stream, deltas, builder, request_metrics, body.stream
             )
         except (LLMServeError, ClientGone) as exc:
-            return refused(exc, request_id, request_metrics, anthropic_error)
+            return refused(exc, request_id, request_metrics, _error_for(request_id))
         if not body.stream:
             return json_response(builder.response(), **headers)
         # The first scheduler output has told how much of the prompt the cache held.
         start = builder.message_start(
             len(prepared.request.prompt_token_ids), stream.output.progress.num_cached_tokens
         )
-        events = _events(stream, deltas, first, start, builder, request_metrics)
+        events = _events(stream, deltas, first, start, builder, request_metrics, request_id)
         return StreamingResponse(
             events,
             media_type="text/event-stream",
@@ -126,11 +128,12 @@ class AnthropicDoor:
         )
 
     async def count_tokens(self, request: Request) -> Response:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
             self.authenticate(request)
             model, limits = self.generator.model, self.generator.limits
             body = schemas.parse_count_tokens(await request.body())
-            generate_input = schemas.count_tokens_input(body, model.reasoning_parser)
+            generate_input = schemas.count_tokens_input(body)
             # An adapter shares the served model's tokenizer: its count is the same.
             adapters = await self.generator.adapters.names_for(generate_input.model, model.name)
             validate_model(generate_input.model, limits.model_name, adapters)
@@ -143,12 +146,17 @@ class AnthropicDoor:
                 tools=tool_request.template_tools()
                 if tool_request and tool_request.tools
                 else None,
+                continue_final_message=generate_input.continue_final_message,
             )
         except LLMServeError as exc:
-            error = anthropic_error(exc)
+            error = anthropic_error(exc, request_id)
             log.info("rejected", extra={"status": error.status, "error": error.message})
             return error_response(error)
-        return json_response({"input_tokens": len(token_ids)})
+        return json_response({"input_tokens": len(token_ids)}, **{"request-id": request_id})
+
+
+def _error_for(request_id: str) -> Callable[[BaseException], AnthropicError]:
+    return functools.partial(anthropic_error, request_id=request_id)
 
 
 async def _events(
@@ -158,6 +166,7 @@ async def _events(
     start: Event,
     builder: MessageBuilder,
     request_metrics: metrics.GenerateMetrics,
+    request_id: str,
 ) -> AsyncIterator[bytes]:
     """The stream's bytes: message_start with the first delta's events, then one write per
     delta (the last ends with message_stop)."""
@@ -178,7 +187,7 @@ async def _events(
                 yield out
             delta = await anext(deltas, None)
     except LLMServeError as exc:
-        error = anthropic_error(exc)
+        error = anthropic_error(exc, request_id)
         code = error.grpc_code_name
         log.info("stream failed", extra={"request_id": builder.message_id, "error": str(exc)})
         yield sse(("error", error.body()))
@@ -206,3 +215,17 @@ def add_anthropic_routes(app: FastAPI, door: AnthropicDoor) -> None:
     @app.post(f"{PATH_PREFIX}/count_tokens")
     async def count_tokens(request: Request) -> Response:
         return await door.count_tokens(request)
+
+    # An unknown route or method under this door's path answers in Anthropic's error shape;
+    # any other path keeps the app's own answer (the OpenAI door's).
+    app_handler = app.exception_handlers[HTTPException]
+
+    async def route_refused(request: Request, exc: Exception) -> Response:
+        if not isinstance(exc, HTTPException) or not serves(request.url.path):
+            return await app_handler(request, exc)
+        error = route_error(
+            exc.status_code, request.method, request.url.path, dict(exc.headers or {})
+        )
+        return error_response(error)
+
+    app.add_exception_handler(HTTPException, route_refused)

@@ -25,6 +25,10 @@ kind or the end comes first (the newlines a model writes before a tool call are 
 Usage is Anthropic's: `input_tokens` counts the prompt tokens not read from the prefix cache,
 `cache_read_input_tokens` those that were (their sum is the prompt); `output_tokens` all the
 generated tokens, thinking and tool calls included.
+
+Every object carries every key Anthropic's published schema requires, those we have nothing
+for as null (a text block's `citations`, a message's `stop_details` and `container`, usage's
+`server_tool_use`...): strict clients and validators read our answers as Anthropic's.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ Event = tuple[str, dict[str, Any]]
 
 OUR_CALL_PREFIX = "call_"
 TOOL_USE_PREFIX = "toolu_"
+DIRECT_CALLER = {"type": "direct"}
+"""Who made a tool call: the model itself (Anthropic's other callers are its server tools)."""
 
 
 def sse(event: Event) -> bytes:
@@ -57,12 +63,26 @@ def tool_use_id(call_id: str) -> str:
     return TOOL_USE_PREFIX + call_id.removeprefix(OUR_CALL_PREFIX)
 
 
-def usage_body(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+def usage_body(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """A message's `usage` (Anthropic's Usage: every key present, the ones we have no use
+    for null; nothing is written to a cache with a TTL, so its breakdown is zeros)."""
+    return {
+        **delta_usage_body(prompt_tokens, cached_tokens, output_tokens),
+        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+        "inference_geo": None,
+        "service_tier": "standard",
+    }
+
+
+def delta_usage_body(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """message_delta's `usage` (Anthropic's MessageDeltaUsage, cumulative)."""
     return {
         "input_tokens": prompt_tokens - cached_tokens,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached_tokens,
         "output_tokens": output_tokens,
+        "output_tokens_details": None,
+        "server_tool_use": None,
     }
 
 
@@ -93,10 +113,16 @@ class _Block:
 
     def start(self) -> dict[str, Any]:
         if self.kind == "text":
-            return {"type": "text", "text": ""}
+            return {"type": "text", "text": "", "citations": None}
         if self.kind == "thinking":
             return {"type": "thinking", "thinking": "", "signature": ""}
-        return {"type": "tool_use", "id": self.id, "name": self.name, "input": {}}
+        return {
+            "type": "tool_use",
+            "id": self.id,
+            "name": self.name,
+            "input": {},
+            "caller": DIRECT_CALLER,
+        }
 
     def delta(self, piece: str) -> dict[str, Any]:
         if self.kind == "text":
@@ -108,12 +134,18 @@ class _Block:
     def whole(self) -> dict[str, Any]:
         text = "".join(self.parts)
         if self.kind == "text":
-            return {"type": "text", "text": text}
+            return {"type": "text", "text": text, "citations": None}
         if self.kind == "thinking":
             # No signature: nothing here verifies a thinking block sent back (schemas.py
             # drops them), so there is nothing to sign.
             return {"type": "thinking", "thinking": text, "signature": ""}
-        return {"type": "tool_use", "id": self.id, "name": self.name, "input": _input(text)}
+        return {
+            "type": "tool_use",
+            "id": self.id,
+            "name": self.name,
+            "input": _input(text),
+            "caller": DIRECT_CALLER,
+        }
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -146,7 +178,7 @@ class MessageBuilder:
     """A tool call's index among the answer's calls → its block's index."""
     _held_space: str = ""
     _stop: tuple[str, str | None] | None = None
-    _usage: dict[str, int] | None = None
+    _usage: dict[str, Any] | None = None
 
     # ---- streaming ----
 
@@ -176,18 +208,19 @@ class MessageBuilder:
         self._stop = stop_reason(
             delta.finish_reason, delta.matched_stop, usage, self.max_tokens, called
         )
-        self._usage = usage_body(
-            usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens
-        )
+        counts = (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
+        self._usage = usage_body(*counts)
         reason, sequence = self._stop
+        delta_body = {
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "stop_details": None,
+            "container": None,
+        }
         events.append(
             (
                 "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": self._usage,
-                },
+                {"type": "message_delta", "delta": delta_body, "usage": delta_usage_body(*counts)},
             )
         )
         events.append(("message_stop", {"type": "message_stop"}))
@@ -262,4 +295,6 @@ class MessageBuilder:
             "role": "assistant",
             "model": self.model,
             "content": content,
+            "stop_details": None,
+            "container": None,
         }

@@ -18,13 +18,17 @@ The conversation becomes our chat messages:
     assistant text + tool_use blocks     → an assistant message with its tool calls
                                            (arguments = the input as JSON text)
 
-A conversation ending with an assistant message (a prefill to continue) is refused: the chat
-template would close that turn and open a new one, which is not what the client asked for.
+A conversation ending with an assistant message is a prefill: the answer continues that
+message's text (services/text/chat_continuation.py), as Anthropic's API does; the response
+holds only what the model added. An empty final assistant message is no prefill (left out);
+one with tool_use blocks is refused (a call cannot be continued).
 
 Sampling follows Anthropic's ranges (temperature 0..1, top_p 0..1, top_k >= 0) and its
-required max_tokens. `thinking` {"type": "enabled" | "adaptive"} needs a server started
-with --reasoning-parser: the model's thinking then comes back as thinking blocks
-(`budget_tokens` is not enforced; max_tokens bounds thinking and answer together).
+required max_tokens. `thinking` {"type": "enabled" | "adaptive"} shows the model's thinking
+as thinking blocks on a server started with --reasoning-parser (`budget_tokens` is not
+enforced; max_tokens bounds thinking and answer together; `display: "omitted"` leaves the
+blocks out). Without one the server cannot tell thinking from answer, and answers with text
+blocks only, as llama.cpp's server does.
 """
 
 from __future__ import annotations
@@ -69,12 +73,19 @@ class TextBlock(_Body):
     """Accepted only absent or null: we have no documents to cite."""
 
 
+class DirectCaller(_Body):
+    type: Literal["direct"]
+
+
 class ToolUseBlock(_Body):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    caller: DirectCaller | None = None
+    """As our responses carry it (the model called): handed back with the block. Calls by
+    Anthropic's server tools are refused, naming `caller.type`."""
 
 
 class ToolResultBlock(_Body):
@@ -138,6 +149,7 @@ class ToolChoice(_Body):
 class ThinkingConfig(_Body):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Field(ge=1)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
 
 
 class Metadata(_Body):
@@ -183,14 +195,12 @@ def parse_count_tokens(body: bytes) -> CountTokensBody:
 # ---- → GenerateInput --------------------------------------------------------------------
 
 
-def messages_input(
-    body: MessagesBody, request_id: str, reasoning_parser: str | None
-) -> GenerateInput:
-    """The generation request; `reasoning_parser`: the server's (thinking needs one)."""
-    thinking_enabled(body, reasoning_parser)
+def messages_input(body: MessagesBody, request_id: str) -> GenerateInput:
+    """The generation request."""
+    messages = chat_messages(body)
     return GenerateInput(
         request_id=request_id,
-        messages=chat_messages(body),
+        messages=messages,
         sampling=SamplingInput(
             temperature=body.temperature,
             top_p=body.top_p,
@@ -200,29 +210,34 @@ def messages_input(
         ),
         model=body.model,
         tool_request=tool_request(body),
+        continue_final_message=is_prefill(messages),
     )
 
 
-def count_tokens_input(body: CountTokensBody, reasoning_parser: str | None) -> GenerateInput:
+def count_tokens_input(body: CountTokensBody) -> GenerateInput:
     """The prompt alone, as /v1/messages would build it for the same conversation."""
-    thinking_enabled(body, reasoning_parser)
+    messages = chat_messages(body)
     return GenerateInput(
-        messages=chat_messages(body), model=body.model, tool_request=tool_request(body)
+        messages=messages,
+        model=body.model,
+        tool_request=tool_request(body),
+        continue_final_message=is_prefill(messages),
     )
+
+
+def is_prefill(messages: tuple[ChatMessage, ...]) -> bool:
+    """Whether the answer continues the conversation's last message (chat_messages has
+    left out an empty final assistant message)."""
+    return bool(messages) and messages[-1].role == "assistant"
 
 
 def thinking_enabled(body: _Conversation, reasoning_parser: str | None) -> bool:
-    """Whether the answer shows the model's thinking (as thinking blocks): asked for, and the
-    server can tell thinking from the answer."""
+    """Whether the answer shows the model's thinking (as thinking blocks): asked for, not
+    hidden (`display: omitted`), and the server can tell thinking from the answer (without a
+    reasoning parser all of it is answer, as llama.cpp's server answers)."""
     if body.thinking is None or body.thinking.type == "disabled":
         return False
-    if reasoning_parser is None:
-        raise InvalidRequestError(
-            "thinking",
-            "this server does not separate a model's thinking from its answer (start it with "
-            "--reasoning-parser); send {'type': 'disabled'} or leave thinking out",
-        )
-    return True
+    return reasoning_parser is not None and body.thinking.display != "omitted"
 
 
 def chat_messages(body: _Conversation) -> tuple[ChatMessage, ...]:
@@ -236,11 +251,15 @@ def chat_messages(body: _Conversation) -> tuple[ChatMessage, ...]:
             messages.append(_assistant_message(message, index))
     last = len(body.messages) - 1
     if body.messages[last].role == "assistant":
-        raise InvalidRequestError(
-            f"messages[{last}].role",
-            "the conversation must end with a user message: continuing an assistant "
-            "message (a prefill) is not supported",
-        )
+        final = messages[-1]
+        if final.tool_calls:
+            raise InvalidRequestError(
+                f"messages[{last}].content",
+                "a final assistant message is continued (a prefill): it cannot hold tool_use "
+                "blocks; send their tool_result in a user message",
+            )
+        if not final.text.strip():
+            messages.pop()  # nothing to continue: an ordinary answer
     return tuple(messages)
 
 
