@@ -233,6 +233,23 @@ def test_tool_calls_stream_as_tool_use_blocks_with_json_fragments() -> None:
     assert whole["stop_reason"] == "tool_use"
 
 
+def test_a_call_cut_by_max_tokens_ends_the_message_at_max_tokens() -> None:
+    """As Anthropic's API answers: the cut tool_use block stays (its stream showed its
+    fragments) and stop_reason max_tokens tells the client the call is not whole; its input
+    is no made-up object but {}."""
+    usage = Usage(prompt_tokens=20, completion_tokens=64, cached_prompt_tokens=0)
+    deltas = [
+        OutputDelta("", tool_calls=(ToolCallDelta(0, "call_abc", "get_weather", '{"city": "Pa'),)),
+        OutputDelta("", finish_reason="length", usage=usage),
+    ]
+    events, whole = streamed(deltas)
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+    fragments = [d["delta"]["partial_json"] for n, d in events if n == "content_block_delta"]
+    assert fragments == ['{"city": "Pa']
+    assert whole["stop_reason"] == "max_tokens"
+    assert [(b["type"], b["input"]) for b in whole["content"]] == [("tool_use", {})]
+
+
 def test_whitespace_before_a_call_is_no_block_but_leads_text_that_follows() -> None:
     call = OutputDelta("", tool_calls=(ToolCallDelta(0, "call_1", "f", "{}"),))
     _, whole = streamed([OutputDelta("\n\n"), call, last(finish_reason="tool_calls")])
