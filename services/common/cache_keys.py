@@ -56,7 +56,7 @@ class CacheKeys:
 
 @dataclass(frozen=True, slots=True)
 class RateLimitKeys:
-    """The counts of one API key's limits (services/tokenizer/key_limiter.py)."""
+    """The counts of one API key's limits (services/tokenizer/access/limiter.py)."""
 
     key_id: str
 

@@ -1,5 +1,5 @@
 """Secrets checked by digest, one way for every door: the public API keys
-(services/tokenizer/access.py) and the stack's internal secret (internal_auth.py).
+(services/tokenizer/access/keys.py) and the stack's internal secret (internal_auth.py).
 
 A presented value is hashed (SHA-256) and compared with hmac.compare_digest against every known
 digest, with no early exit: neither the time taken nor the value's length says how much of a

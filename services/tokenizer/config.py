@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.serving_config import ChatConfig, InternalConfig, PublicConfig
-from services.tokenizer.membership import SchedulerEntry, parse_scheduler_entries
-from services.tokenizer.routing import ROUTING_POLICIES, RoutingPolicy
+from services.tokenizer.routing.membership import SchedulerEntry, parse_scheduler_entries
+from services.tokenizer.routing.policy import ROUTING_POLICIES, RoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)

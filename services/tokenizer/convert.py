@@ -14,9 +14,9 @@ from services.common.public_sampling_fields import OPTIONAL_SAMPLING_FIELDS
 from services.common.sampling_proto import sampling_to_proto, structured_output_from_proto
 from services.contracts.errors import InvalidRequestError
 from services.text.chat_template import ChatMessage, MessageToolCall
-from services.tokenizer.lora_adapter_info import AdapterInfo
 from services.tokenizer.output import OutputDelta, SchedulerOutput, TokenLogprob
-from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
+from services.tokenizer.routing.adapter_info import AdapterInfo
+from services.tokenizer.routing.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest
 from services.tokenizer.validation import GenerateInput, SamplingInput, ValidatedRequest
 

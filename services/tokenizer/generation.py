@@ -34,16 +34,16 @@ from services.contracts.errors import (
     InvalidRequestError,
 )
 from services.text.reasoning import prompt_closes_reasoning
-from services.tokenizer.access import Caller
+from services.tokenizer.access.keys import Caller
+from services.tokenizer.access.limiter import Admission, KeyLimiter
+from services.tokenizer.access.limits import Quota
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.key_limiter import Admission, KeyLimiter
-from services.tokenizer.key_limits import Quota
-from services.tokenizer.lora_adapters import PoolAdapters
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline
-from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
+from services.tokenizer.routing.adapters import PoolAdapters
+from services.tokenizer.routing.pool import SchedulerClient, SchedulerPool
+from services.tokenizer.routing.submit_stream import SubmitStream
 from services.tokenizer.served_model import ServedModel
-from services.tokenizer.submit_stream import SubmitStream
 from services.tokenizer.tool_request import strict_call_grammar
 from services.tokenizer.validation import GenerateInput, Limits, ValidatedRequest, validate_generate
 

@@ -23,25 +23,25 @@ from services.common.prompt_store import PromptStore
 from services.common.redis_store import open_store
 from services.text.builtin_chat_templates import chat_template_option
 from services.tokenizer import metrics
-from services.tokenizer.access import AccessPolicy
-from services.tokenizer.anthropic_http import door as anthropic_door
-from services.tokenizer.anthropic_http import errors as anthropic_errors
-from services.tokenizer.anthropic_http.door import AnthropicDoor, add_anthropic_routes
+from services.tokenizer.access.keys import AccessPolicy
+from services.tokenizer.access.limiter import KeyLimiter
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.decoding_handlers import add_text_generation_servicer
 from services.tokenizer.generation import Generator
-from services.tokenizer.http_body_limits import BodyLimits
-from services.tokenizer.http_common import ErrorAnswer
-from services.tokenizer.key_limiter import KeyLimiter
-from services.tokenizer.openai_http import errors as openai_errors
-from services.tokenizer.openai_http.app import OpenAIDoor, create_app
-from services.tokenizer.openai_http.lora_routes import LoraRoutes, add_lora_routes
-from services.tokenizer.openai_http.responses_api.door import ResponsesDoor
-from services.tokenizer.openai_http.responses_api.routes import add_responses_routes
-from services.tokenizer.openai_http.responses_api.store import open_response_store
-from services.tokenizer.openai_http.server import HttpServer
-from services.tokenizer.prefix_locator import PrefixLocator
-from services.tokenizer.scheduler_pool import Resolve, SchedulerPool, resolve_ips
+from services.tokenizer.http.anthropic import door as anthropic_door
+from services.tokenizer.http.anthropic import errors as anthropic_errors
+from services.tokenizer.http.anthropic.door import AnthropicDoor, add_anthropic_routes
+from services.tokenizer.http.body_limits import BodyLimits
+from services.tokenizer.http.common import ErrorAnswer
+from services.tokenizer.http.openai import errors as openai_errors
+from services.tokenizer.http.openai.app import OpenAIDoor, create_app
+from services.tokenizer.http.openai.lora_routes import LoraRoutes, add_lora_routes
+from services.tokenizer.http.openai.responses_api.door import ResponsesDoor
+from services.tokenizer.http.openai.responses_api.routes import add_responses_routes
+from services.tokenizer.http.openai.responses_api.store import open_response_store
+from services.tokenizer.http.openai.server import HttpServer
+from services.tokenizer.routing.pool import Resolve, SchedulerPool, resolve_ips
+from services.tokenizer.routing.prefix_locator import PrefixLocator
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.servicer import SERVICE_NAME, TextGenerationServicer
 

@@ -22,7 +22,7 @@ from services.common.named_prompt import NamedPrompt
 from services.common.prompt_checks import check_token_ids
 from services.contracts.errors import InvalidRequestError, LLMServeError, shortened
 from services.tokenizer import convert, metrics
-from services.tokenizer.access import (
+from services.tokenizer.access.keys import (
     OPEN_CALLER,
     AccessPolicy,
     Caller,
@@ -31,7 +31,7 @@ from services.tokenizer.access import (
     tenant_for,
 )
 from services.tokenizer.generation import Generator
-from services.tokenizer.scheduler_pool import SchedulerClient
+from services.tokenizer.routing.pool import SchedulerClient
 from services.tokenizer.validation import (
     MAX_REQUEST_ID_LEN,
     GenerateInput,

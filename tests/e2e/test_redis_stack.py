@@ -18,7 +18,7 @@ from services.common.prefix_hash import prefix_block_hashes
 from services.common.redis_store import RedisStore
 from services.launcher import free_port
 from services.stack import RunningStack, running_service, wait_until
-from services.tokenizer.prefix_locator import PrefixLocator
+from services.tokenizer.routing.prefix_locator import PrefixLocator
 from tests.e2e.conftest import e2e_stack
 from tests.redis_server import RedisServer
 

@@ -10,14 +10,14 @@ import pytest
 from services.common import shared_secret
 from services.contracts.errors import PermissionDeniedError, UnauthenticatedError
 from services.tokenizer import access
-from services.tokenizer.access import (
+from services.tokenizer.access.keys import (
     AccessPolicy,
     Caller,
     parse_key_file,
     require_admin,
     tenant_for,
 )
-from services.tokenizer.key_limits import KeyLimits
+from services.tokenizer.access.limits import KeyLimits
 
 USER_KEY = "sk-user-0123456789"
 ADMIN_KEY = "sk-admin-abcdefghij"

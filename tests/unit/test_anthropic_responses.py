@@ -12,7 +12,7 @@ import pytest
 
 from services.contracts.usage import Usage
 from services.text.tool_call_parsers import ToolCallDelta
-from services.tokenizer.anthropic_http.responses import Event, MessageBuilder, sse
+from services.tokenizer.http.anthropic.responses import Event, MessageBuilder, sse
 from services.tokenizer.output import OutputDelta
 
 USAGE = Usage(prompt_tokens=20, completion_tokens=6, cached_prompt_tokens=16)

@@ -11,8 +11,8 @@ import pytest
 
 from services.contracts.errors import InvalidRequestError
 from services.text.chat_template import ChatMessage, MessageToolCall, TextPart
-from services.tokenizer.anthropic_http.errors import anthropic_error
-from services.tokenizer.anthropic_http.schemas import (
+from services.tokenizer.http.anthropic.errors import anthropic_error
+from services.tokenizer.http.anthropic.schemas import (
     count_tokens_input,
     messages_input,
     parse_count_tokens,

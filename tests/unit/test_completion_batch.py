@@ -14,8 +14,8 @@ import pytest
 from services.contracts.errors import DependencyUnavailableError, InvalidRequestError
 from services.contracts.usage import Usage
 from services.tokenizer.generation import GenerationStream, Prepared
-from services.tokenizer.openai_http.prompt_batch import BatchStream, prepare_batch
-from services.tokenizer.openai_http.responses import CompletionPrompt, ResponseBuilder
+from services.tokenizer.http.openai.prompt_batch import BatchStream, prepare_batch
+from services.tokenizer.http.openai.responses import CompletionPrompt, ResponseBuilder
 from services.tokenizer.output import OutputDelta, TokenLogprob
 from services.tokenizer.validation import GenerateInput
 

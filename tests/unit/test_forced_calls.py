@@ -12,7 +12,7 @@ import pytest
 
 from services.text.forced_calls import RequiredCallsReader
 from services.text.tool_call_parsers import CallArguments, CallStarted, ToolCallDelta, ToolEvent
-from services.tokenizer.openai_http.responses import ResponseBuilder
+from services.tokenizer.http.openai.responses import ResponseBuilder
 from services.tokenizer.output import OutputDelta
 from services.tokenizer.tool_output import ToolCallOutput
 from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest

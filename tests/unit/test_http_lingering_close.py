@@ -21,7 +21,7 @@ import httpx
 import pytest
 import uvloop
 
-from services.tokenizer.http_linger import LINGER_MAX_BYTES, LINGER_S
+from services.tokenizer.http.linger import LINGER_MAX_BYTES, LINGER_S
 from tests.tls_certs import self_signed
 from tests.unit.tokenizer_tier_harness import (
     FakeEngine,

@@ -1,4 +1,4 @@
-"""Per-key limits' rules (services/tokenizer/key_limits.py): one-minute windows, leases that
+"""Per-key limits' rules (services/tokenizer/access/limits.py): one-minute windows, leases that
 expire unless refreshed, the refusal for each limit and the rate-limit headers. Time is
 passed in."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.tokenizer.key_limits import (
+from services.tokenizer.access.limits import (
     LEASE_TTL_S,
     WINDOW_S,
     KeyLimits,

@@ -15,8 +15,8 @@ from services.contracts.errors import InvalidRequestError
 from services.contracts.sampling_params import SamplingParams, logit_bias_from_json
 from services.engine.offline import parse_sampling
 from services.tokenizer.convert import sampling_input
-from services.tokenizer.openai_http.errors import http_error
-from services.tokenizer.openai_http.schemas import (
+from services.tokenizer.http.openai.errors import http_error
+from services.tokenizer.http.openai.schemas import (
     chat_input,
     completion_input,
     parse_chat,

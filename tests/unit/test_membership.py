@@ -9,13 +9,13 @@ import socket
 import pytest
 
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.membership import (
+from services.tokenizer.routing.membership import (
     DnsName,
     Membership,
     parse_scheduler_entries,
     scheduler_address,
 )
-from services.tokenizer.scheduler_pool import resolve_ips
+from services.tokenizer.routing.pool import resolve_ips
 
 PAIRS = DnsName("pairs.llmserve.svc.cluster.local", 50060)
 

@@ -39,12 +39,12 @@ PURE_MODULES = (
     # the worker's draft proposer (prompt lookup)
     "services/worker/speculative/ngram_proposer.py",
     # the tokenizer tier's logic
-    "services/tokenizer/routing.py",
-    "services/tokenizer/membership.py",
+    "services/tokenizer/routing/policy.py",
+    "services/tokenizer/routing/membership.py",
     "services/text/detokenizer.py",
     "services/text/stop_strings.py",
     "services/tokenizer/validation.py",
-    "services/tokenizer/json_body.py",
+    "services/tokenizer/http/json_body.py",
     "services/tokenizer/output.py",
     "services/text/reasoning.py",
     "services/text/partial_tags.py",
@@ -52,11 +52,11 @@ PURE_MODULES = (
     "services/tokenizer/tool_output.py",
     "services/text/forced_calls.py",
     "services/tokenizer/tool_request.py",
-    "services/tokenizer/key_limits.py",
+    "services/tokenizer/access/limits.py",
     # the Anthropic door's bodies, responses and errors
-    "services/tokenizer/anthropic_http/schemas.py",
-    "services/tokenizer/anthropic_http/responses.py",
-    "services/tokenizer/anthropic_http/errors.py",
+    "services/tokenizer/http/anthropic/schemas.py",
+    "services/tokenizer/http/anthropic/responses.py",
+    "services/tokenizer/http/anthropic/errors.py",
     # strict decoding of public requests
     "services/common/request_decoding.py",
     # a GGUF file's tokenizer, as llama.cpp builds it

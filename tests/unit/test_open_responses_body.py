@@ -9,8 +9,8 @@ import pytest
 
 from services.common.cache_keys import stored_response_key
 from services.contracts.errors import InvalidRequestError
-from services.tokenizer.openai_http.responses_api import body as responses_body
-from services.tokenizer.openai_http.responses_api.store import MemoryResponseStore, StoredResponse
+from services.tokenizer.http.openai.responses_api import body as responses_body
+from services.tokenizer.http.openai.responses_api.store import MemoryResponseStore, StoredResponse
 
 
 def parsed(**fields: object) -> responses_body.ResponsesBody:

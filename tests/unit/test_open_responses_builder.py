@@ -7,7 +7,7 @@ from pathlib import Path
 
 from services.contracts.usage import Usage
 from services.text.tool_call_parsers import ToolCallDelta
-from services.tokenizer.openai_http.responses_api.builder import ResponseObject
+from services.tokenizer.http.openai.responses_api.builder import ResponseObject
 from services.tokenizer.output import OutputDelta
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=1)

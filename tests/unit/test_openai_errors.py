@@ -19,7 +19,7 @@ from services.contracts.errors import (
     QueueFullError,
     UnauthenticatedError,
 )
-from services.tokenizer.openai_http.errors import (
+from services.tokenizer.http.openai.errors import (
     RETRY_AFTER_S,
     http_error,
     http_param,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from services.contracts.usage import Usage
-from services.tokenizer.openai_http.responses import (
+from services.tokenizer.http.openai.responses import (
     DONE_EVENT,
     ResponseBuilder,
     sse_event,

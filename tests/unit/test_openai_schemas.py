@@ -9,7 +9,7 @@ import pytest
 
 from services.contracts.errors import InvalidRequestError
 from services.text.chat_template import ChatMessage, TextPart
-from services.tokenizer.openai_http.schemas import (
+from services.tokenizer.http.openai.schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_PROMPTS,
     chat_input,

@@ -17,7 +17,7 @@ from services.common.prefix_hash import prefix_block_hashes
 from services.common.prompt_store import PromptStore
 from services.common.redis_store import RedisStore, redact_url
 from services.scheduler.prefix_index import PrefixIndexPublisher
-from services.tokenizer.prefix_locator import PrefixLocator
+from services.tokenizer.routing.prefix_locator import PrefixLocator
 from tests.redis_server import RedisServer
 
 KEYS = CacheKeys("test-model")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.tokenizer.routing import Candidate, SchedulerLoad, choose_scheduler
+from services.tokenizer.routing.policy import Candidate, SchedulerLoad, choose_scheduler
 
 
 def load(running: int = 0, waiting: int = 0, sent: int = 0) -> SchedulerLoad:
@@ -60,7 +60,7 @@ def test_a_scheduler_without_stats_is_the_last_resort() -> None:
 
 
 def test_recent_routes_follow_the_longest_shared_run_of_one_scheduler() -> None:
-    from services.tokenizer.routing import RecentRoutes
+    from services.tokenizer.routing.policy import RecentRoutes
 
     recent = RecentRoutes(capacity=4)
     both, only_a = ["a:1", "b:1"], ["a:1"]

@@ -24,7 +24,7 @@ from services.contracts.structured_output import (
     StructuredOutputKind,
 )
 from services.text.model_tokenizer import ModelTokenizer
-from services.tokenizer.openai_http.schemas import (
+from services.tokenizer.http.openai.schemas import (
     parse_chat,
     parse_completion,
     structured_output,

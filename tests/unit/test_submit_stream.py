@@ -1,7 +1,7 @@
-"""The tokenizer tier's Submit call as EngineOutputs (services/tokenizer/submit_stream.py): what
-piled up comes out merged per choice, never past a finish; the end, a failure and the
-scheduler's deadline finish come out after the outputs before them; CancelChoice names the
-choice."""
+"""The tokenizer tier's Submit call as EngineOutputs (services/tokenizer/routing/
+submit_stream.py): what piled up comes out merged per choice, never past a finish; the end,
+a failure and the scheduler's deadline finish come out after the outputs before them;
+CancelChoice names the choice."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from protos.llmserve.v1 import logprobs_pb2, scheduler_pb2
 from services.contracts.errors import DeadlineExceededError, DependencyUnavailableError
 from services.contracts.sampling_params import SamplingParams
 from services.tokenizer.output import SchedulerOutput
-from services.tokenizer.scheduler_pool import SchedulerClient
-from services.tokenizer.submit_stream import SubmitStream
+from services.tokenizer.routing.pool import SchedulerClient
+from services.tokenizer.routing.submit_stream import SubmitStream
 from services.tokenizer.validation import ValidatedRequest
 
 REQUEST = ValidatedRequest("r1", (1, 2, 3), SamplingParams(n=2), (), None)

@@ -214,5 +214,5 @@ def test_a_leaver_without_streams_closes_at_once_and_dns_failures_keep_the_rest(
             left = [r for r in caplog.records if r.getMessage().startswith("scheduler left")]
             assert len(left) == 1 and left[0].levelname == "INFO"
 
-    with caplog.at_level("INFO", logger="services.tokenizer.scheduler_pool"):
+    with caplog.at_level("INFO", logger="services.tokenizer.routing.pool"):
         run(scenario)

@@ -19,7 +19,7 @@ import pytest
 
 from protos.llmserve.v1 import scheduler_pb2, text_pb2
 from services.tokenizer import metrics
-from services.tokenizer.key_limits import WINDOW_S, window_index
+from services.tokenizer.access.limits import WINDOW_S, window_index
 from tests.redis_server import RedisServer
 from tests.unit.tokenizer_tier_harness import (
     TIMEOUT_S,

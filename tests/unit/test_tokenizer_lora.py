@@ -22,8 +22,8 @@ from services.common.prefix_hash import BlockHash, adapter_salt, prefix_block_ha
 from services.contracts.errors import (
     NotFoundError,
 )
-from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool
-from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
+from services.tokenizer.routing.pool import SchedulerClient, SchedulerPool
+from services.tokenizer.routing.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.server import ServedModel
 from tests.unit.tokenizer_tier_harness import (
     TIMEOUT_S,

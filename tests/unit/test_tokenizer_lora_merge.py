@@ -1,5 +1,5 @@
 """How the tokenizer tier merges the schedulers' answers to a fanned-out LoRA load, unload or
-list (services/tokenizer/lora_adapters.py's pure functions)."""
+list (services/tokenizer/routing/adapters.py's pure functions)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from services.contracts.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from services.tokenizer.lora_adapter_info import AdapterInfo
-from services.tokenizer.lora_adapters import Answer, merged_list, merged_load, merged_unload
+from services.tokenizer.routing.adapter_info import AdapterInfo
+from services.tokenizer.routing.adapters import Answer, merged_list, merged_load, merged_unload
 
 BASE = "SmolLM2-135M-Instruct"
 

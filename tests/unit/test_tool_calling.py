@@ -18,8 +18,8 @@ from services.contracts.structured_output import StructuredOutputKind
 from services.text.chat_template import ChatMessage, ChatTemplate, MessageToolCall
 from services.text.model_tokenizer import ModelTokenizer
 from services.text.tool_call_parsers import ToolCallDelta, parser_for_template
-from services.tokenizer.openai_http.responses import ResponseBuilder
-from services.tokenizer.openai_http.schemas import chat_input, parse_chat
+from services.tokenizer.http.openai.responses import ResponseBuilder
+from services.tokenizer.http.openai.schemas import chat_input, parse_chat
 from services.tokenizer.output import OutputDelta, OutputPipeline, SchedulerOutput
 from services.tokenizer.tool_output import ToolCallOutput
 from services.tokenizer.tool_request import (

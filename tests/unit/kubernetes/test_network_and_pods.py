@@ -220,7 +220,7 @@ def test_secret_values_are_never_committed() -> None:
 def test_the_documented_secret_recipe_renders(tmp_path: Path) -> None:
     """docs/deployment.md's Kubernetes commands that make an overlay's secret files, run as
     written."""
-    from services.tokenizer.access import parse_key_file
+    from services.tokenizer.access.keys import parse_key_file
 
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "deployment.md").read_text(), re.S)
     (recipe,) = [block for block in blocks if "secrets/stack.env" in block]

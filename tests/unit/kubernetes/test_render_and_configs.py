@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config_flags import env_name
-from services.tokenizer.membership import DnsName
+from services.tokenizer.routing.membership import DnsName
 from tests.unit.kubernetes.manifests import (
     INTERNAL_SECRET,
     KUBERNETES_VERSIONS,
@@ -144,7 +144,7 @@ def test_referenced_secrets_exist(
 def test_the_api_key_file_is_the_mounted_secret(
     rendered: dict[str, list[Obj]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.tokenizer.access import parse_key_file
+    from services.tokenizer.access.keys import parse_key_file
 
     for docs in rendered.values():
         tokenizer = processes(docs, monkeypatch)["tokenizer"]

@@ -22,8 +22,8 @@ from services.common.backlog import take_leading
 from services.contracts.errors import DeadlineExceededError
 from services.tokenizer import convert
 from services.tokenizer.output import SchedulerOutput
-from services.tokenizer.scheduler_errors import scheduler_error, scheduler_gone
-from services.tokenizer.scheduler_pool import SchedulerClient, closed_under
+from services.tokenizer.routing.pool import SchedulerClient, closed_under
+from services.tokenizer.routing.scheduler_errors import scheduler_error, scheduler_gone
 from services.tokenizer.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.tokenizer.http_common import ErrorAnswer, error_response
+from services.tokenizer.http.common import ErrorAnswer, error_response
 
 ErrorShape = Callable[[str, int, str], ErrorAnswer]
 """(path, status, message) → the error in the shape of the door that serves the path."""

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from services.contracts.errors import InvalidRequestError
 from services.text.chat_template import ChatMessage, MessageToolCall, TextPart
-from services.tokenizer.http_common import validated_body
+from services.tokenizer.http.common import validated_body
 from services.tokenizer.tool_request import (
     FunctionTool,
     ToolChoiceMode,

@@ -39,9 +39,9 @@ from services.contracts.errors import (
     quoted,
 )
 from services.tokenizer import metrics
-from services.tokenizer.access import AccessPolicy
+from services.tokenizer.access.keys import AccessPolicy
 from services.tokenizer.generation import GenerationStream, Generator, Prepared
-from services.tokenizer.http_common import (
+from services.tokenizer.http.common import (
     ClientGone,
     answer_start,
     error_response,
@@ -50,10 +50,10 @@ from services.tokenizer.http_common import (
     rate_limit_headers,
     refused,
 )
-from services.tokenizer.openai_http import schemas
-from services.tokenizer.openai_http.errors import HttpError, http_error, not_found_route
-from services.tokenizer.openai_http.prompt_batch import BatchStream, prepare_batch
-from services.tokenizer.openai_http.responses import (
+from services.tokenizer.http.openai import schemas
+from services.tokenizer.http.openai.errors import HttpError, http_error, not_found_route
+from services.tokenizer.http.openai.prompt_batch import BatchStream, prepare_batch
+from services.tokenizer.http.openai.responses import (
     DONE_EVENT,
     CompletionPrompt,
     ResponseBuilder,

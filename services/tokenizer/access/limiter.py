@@ -25,7 +25,7 @@ from typing import Any
 
 from services.common.cache_keys import RateLimitKeys
 from services.common.redis_store import RedisStore
-from services.tokenizer.key_limits import (
+from services.tokenizer.access.limits import (
     LEASE_REFRESH_S,
     LEASE_TTL_S,
     WINDOW_S,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.tokenizer.http_linger import LingeringCloseProtocol
+from services.tokenizer.http.linger import LingeringCloseProtocol
 
 MAX_HEADER_BYTES = 64 * 1024
 """Request line and headers together (nginx allows 4 x 8 KiB; an API call needs a few)."""

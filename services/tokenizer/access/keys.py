@@ -28,7 +28,7 @@ from pathlib import Path
 
 from services.common.shared_secret import digest_id, find_digest, secret_digest
 from services.contracts.errors import PermissionDeniedError, UnauthenticatedError, quoted
-from services.tokenizer.key_limits import UNLIMITED, KeyLimits
+from services.tokenizer.access.limits import UNLIMITED, KeyLimits
 from services.tokenizer.validation import GenerateInput
 
 BEARER = "bearer "

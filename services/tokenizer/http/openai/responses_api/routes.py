@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from services.tokenizer.http_common import error_response
-from services.tokenizer.openai_http.errors import not_found_route
-from services.tokenizer.openai_http.responses_api.door import ResponsesDoor
+from services.tokenizer.http.common import error_response
+from services.tokenizer.http.openai.errors import not_found_route
+from services.tokenizer.http.openai.responses_api.door import ResponsesDoor
 
 
 def add_responses_routes(app: FastAPI, door: ResponsesDoor) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.contracts.errors import InvalidRequestError, PromptTooLongError
-from services.tokenizer.openai_http.errors import http_error
+from services.tokenizer.http.openai.errors import http_error
 
 ERROR_TYPES = {
     400: "invalid_request_error",

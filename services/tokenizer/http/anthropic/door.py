@@ -27,12 +27,12 @@ from starlette.exceptions import HTTPException
 
 from services.contracts.errors import LLMServeError, UnauthenticatedError
 from services.tokenizer import metrics
-from services.tokenizer.access import AccessPolicy, Caller
-from services.tokenizer.anthropic_http import schemas
-from services.tokenizer.anthropic_http.errors import AnthropicError, anthropic_error, route_error
-from services.tokenizer.anthropic_http.responses import Event, MessageBuilder, sse
+from services.tokenizer.access.keys import AccessPolicy, Caller
 from services.tokenizer.generation import GenerationStream, Generator
-from services.tokenizer.http_common import (
+from services.tokenizer.http.anthropic import schemas
+from services.tokenizer.http.anthropic.errors import AnthropicError, anthropic_error, route_error
+from services.tokenizer.http.anthropic.responses import Event, MessageBuilder, sse
+from services.tokenizer.http.common import (
     ClientGone,
     answer_start,
     error_response,
@@ -41,7 +41,7 @@ from services.tokenizer.http_common import (
     rate_limit_headers,
     refused,
 )
-from services.tokenizer.openai_http.app import REQUEST_ID_HEADER
+from services.tokenizer.http.openai.app import REQUEST_ID_HEADER
 from services.tokenizer.output import OutputDelta
 from services.tokenizer.validation import check_prompt_size, validate_model
 

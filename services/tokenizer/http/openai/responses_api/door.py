@@ -18,9 +18,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.contracts.errors import LLMServeError, NotFoundError
 from services.tokenizer import metrics
-from services.tokenizer.access import AccessPolicy, Caller
+from services.tokenizer.access.keys import AccessPolicy, Caller
 from services.tokenizer.generation import GenerationStream, Generator
-from services.tokenizer.http_common import (
+from services.tokenizer.http.common import (
     ClientGone,
     collect,
     error_response,
@@ -31,11 +31,11 @@ from services.tokenizer.http_common import (
     refused,
     unless_gone,
 )
-from services.tokenizer.openai_http.errors import http_error
-from services.tokenizer.openai_http.responses import sse_event
-from services.tokenizer.openai_http.responses_api import body as responses_body
-from services.tokenizer.openai_http.responses_api.builder import ResponseObject, new_id
-from services.tokenizer.openai_http.responses_api.store import ResponseStore, StoredResponse
+from services.tokenizer.http.openai.errors import http_error
+from services.tokenizer.http.openai.responses import sse_event
+from services.tokenizer.http.openai.responses_api import body as responses_body
+from services.tokenizer.http.openai.responses_api.builder import ResponseObject, new_id
+from services.tokenizer.http.openai.responses_api.store import ResponseStore, StoredResponse
 from services.tokenizer.output import OutputDelta
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from services.contracts.errors import (
     NotFoundError,
     QueueFullError,
 )
-from services.tokenizer.scheduler_pool import SchedulerClient
+from services.tokenizer.routing.pool import SchedulerClient
 
 
 def scheduler_gone(scheduler: SchedulerClient) -> DependencyUnavailableError:

@@ -34,7 +34,7 @@ from services.contracts.sampling_params import logit_bias_from_json
 from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
 from services.text.chat_template import ChatMessage, MessageToolCall
 from services.text.chat_template import TextPart as ChatTextPart
-from services.tokenizer.http_common import validated_body
+from services.tokenizer.http.common import validated_body
 from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest
 from services.tokenizer.validation import (
     MAX_MODEL_NAME_LEN,

@@ -42,9 +42,9 @@ from services.contracts.errors import (
     quoted,
 )
 from services.tokenizer import convert
-from services.tokenizer.lora_adapter_info import AdapterInfo
-from services.tokenizer.scheduler_errors import scheduler_error, scheduler_gone
-from services.tokenizer.scheduler_pool import SchedulerClient, SchedulerPool, closed_under
+from services.tokenizer.routing.adapter_info import AdapterInfo
+from services.tokenizer.routing.pool import SchedulerClient, SchedulerPool, closed_under
+from services.tokenizer.routing.scheduler_errors import scheduler_error, scheduler_gone
 
 log = logging.getLogger(__name__)
 

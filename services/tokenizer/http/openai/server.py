@@ -23,7 +23,7 @@ from typing import Any
 
 import uvicorn
 
-from services.tokenizer.http_header_deadline import header_deadline_protocol
+from services.tokenizer.http.header_deadline import header_deadline_protocol
 
 log = logging.getLogger(__name__)
 

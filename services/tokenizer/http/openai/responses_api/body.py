@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from services.contracts.errors import InvalidRequestError
-from services.tokenizer.http_common import validated_body
-from services.tokenizer.openai_http import schemas
+from services.tokenizer.http.common import validated_body
+from services.tokenizer.http.openai import schemas
 from services.tokenizer.validation import GenerateInput
 
 

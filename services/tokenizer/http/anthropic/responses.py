@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from services.contracts.usage import Usage
 from services.text.tool_call_parsers import ToolCallDelta
-from services.tokenizer.openai_http.responses import json_bytes
+from services.tokenizer.http.openai.responses import json_bytes
 from services.tokenizer.output import OutputDelta
 
 BlockKind = Literal["text", "thinking", "tool_use"]

@@ -26,10 +26,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from services.contracts.errors import InvalidRequestError, LLMServeError, NotFoundError
-from services.tokenizer.access import AccessPolicy, require_admin
+from services.tokenizer.access.keys import AccessPolicy, require_admin
 from services.tokenizer.generation import Generator
-from services.tokenizer.http_common import error_response, json_response, validated_body
-from services.tokenizer.openai_http.errors import http_error
+from services.tokenizer.http.common import error_response, json_response, validated_body
+from services.tokenizer.http.openai.errors import http_error
 
 log = logging.getLogger(__name__)
 

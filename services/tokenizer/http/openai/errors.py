@@ -42,7 +42,7 @@ from services.contracts.errors import (
     RateLimitedError,
     UnauthenticatedError,
 )
-from services.tokenizer.key_limits import KeyOverLimitError
+from services.tokenizer.access.limits import KeyOverLimitError
 
 RETRY_AFTER_S = 1
 """What a 503, or a 429 without the scheduler's hint, asks the client to wait, in seconds."""

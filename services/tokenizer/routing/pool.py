@@ -38,9 +38,8 @@ from services.common.prefix_hash import BlockHash, adapter_salt, prefix_block_ha
 from services.contracts.errors import DependencyUnavailableError, NotFoundError, quoted
 from services.contracts.model_description import ModelDescription
 from services.tokenizer import convert, metrics
-from services.tokenizer.membership import MEMBER_STATES, DnsName, Membership, SchedulerEntry
-from services.tokenizer.prefix_locator import MAX_LOOKUP_BLOCKS, PrefixLocator
-from services.tokenizer.routing import (
+from services.tokenizer.routing.membership import MEMBER_STATES, DnsName, Membership, SchedulerEntry
+from services.tokenizer.routing.policy import (
     AdapterState,
     Candidate,
     RecentRoutes,
@@ -48,7 +47,8 @@ from services.tokenizer.routing import (
     SchedulerLoad,
     choose_scheduler,
 )
-from services.tokenizer.scheduler_snapshot import SchedulerSnapshot
+from services.tokenizer.routing.prefix_locator import MAX_LOOKUP_BLOCKS, PrefixLocator
+from services.tokenizer.routing.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.served_model import one_model
 
 log = logging.getLogger(__name__)

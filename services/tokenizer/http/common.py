@@ -16,10 +16,10 @@ from starlette.responses import Response
 
 from services.contracts.errors import InvalidRequestError, LLMServeError, quoted, shortened
 from services.tokenizer import metrics
-from services.tokenizer.access import Caller, acting_for
+from services.tokenizer.access.keys import Caller, acting_for
+from services.tokenizer.access.limits import Quota
 from services.tokenizer.generation import Generator, Prepared
-from services.tokenizer.json_body import parse_json_body
-from services.tokenizer.key_limits import Quota
+from services.tokenizer.http.json_body import parse_json_body
 from services.tokenizer.output import OutputDelta
 from services.tokenizer.validation import MAX_REQUEST_ID_LEN, GenerateInput
 
