@@ -6,7 +6,7 @@ Two allocation policies share this interface:
                never grows (the pre-PagedAttention baseline; no prefix caching).
 
 In a model whose every layer has a sliding window, "paged" also gives back the blocks a running
-request's future queries can no longer see (services/scheduler/sliding_window.py).
+request's future queries can no longer see (services/scheduler/features/sliding_window.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 from services.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens
 from services.scheduler.config import AllocationPolicy
+from services.scheduler.features.sliding_window import RELEASED_BLOCK, num_dead_blocks
 from services.scheduler.request import Request
-from services.scheduler.sliding_window import RELEASED_BLOCK, num_dead_blocks
 
 
 class KVCacheManager:

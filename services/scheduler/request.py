@@ -154,7 +154,7 @@ class ChoiceGroup:
     """The n sequences of one request with n > 1.
 
     Choice 0 is the submitted Request itself: it prefills the prompt up to its last token,
-    then forks choices 1..n-1, which share its blocks (services/scheduler/choices.py).
+    then forks choices 1..n-1, which share its blocks (services/scheduler/features/choices.py).
     Every choice's events go out under `request_id`, with its index.
     """
 

@@ -25,14 +25,14 @@ from services.contracts.step import (
     StepResult,
     TokenEvent,
 )
-from services.scheduler.admission import check_servable, steps_until_a_seat_frees
-from services.scheduler.choices import ChoiceForks
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.draft_slots import DraftSlots
-from services.scheduler.fair_share import FairShare
+from services.scheduler.features.admission import check_servable, steps_until_a_seat_frees
+from services.scheduler.features.choices import ChoiceForks
+from services.scheduler.features.draft_slots import DraftSlots
+from services.scheduler.features.fair_share import FairShare
+from services.scheduler.features.lora_slots import LoraSlots
+from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.lora_slots import LoraSlots
-from services.scheduler.pins import PinnedPrefixes
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.stats import SchedulerStats
 

@@ -33,8 +33,8 @@ from services.common.redis_store import RedisStore, open_store, redact_url
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.errors import InvalidRequestError, NotFoundError
 from services.scheduler import lora_metrics, metrics, tenant_metrics
-from services.scheduler.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.convert import event_to_proto, stats_to_proto
+from services.scheduler.features.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.server_config import SchedulerServerConfig

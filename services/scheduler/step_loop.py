@@ -28,11 +28,11 @@ from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
 from services.scheduler import lora_metrics, metrics, tenant_metrics
-from services.scheduler.lora_registry import LoraRegistry
-from services.scheduler.pin_keeper import PinKeeper, PromptSource
+from services.scheduler.features.lora_registry import LoraRegistry
+from services.scheduler.features.pin_keeper import PinKeeper, PromptSource
+from services.scheduler.features.retry_hint import StepTimeAverage, retry_after_ms
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
-from services.scheduler.retry_hint import StepTimeAverage, retry_after_ms
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import SchedulerServerConfig
 from services.scheduler.stats import SchedulerStats

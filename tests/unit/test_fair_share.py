@@ -10,7 +10,7 @@ import pytest
 
 from services.contracts.errors import QueueFullError
 from services.contracts.step import TokenEvent
-from services.scheduler.fair_share import MAX_TENANTS, FairShare
+from services.scheduler.features.fair_share import MAX_TENANTS, FairShare
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from tests.unit.factories import create_requests, create_scheduler, worker_of

@@ -19,7 +19,7 @@ from services.common.prefix_hash import tenant_salt
 from services.contracts.errors import LLMServeError
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import TokenEvent
-from services.scheduler.pins import PinnedPrefixes
+from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.request import Request
 
 log = logging.getLogger(__name__)

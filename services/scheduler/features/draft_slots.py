@@ -13,10 +13,10 @@ from __future__ import annotations
 from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
 from services.contracts.step import BatchPlan
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.features.plan_edits import send_blocks, send_truncation
+from services.scheduler.features.speculation_policy import SpeculationPolicy
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.plan_edits import send_blocks, send_truncation
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.speculation_policy import SpeculationPolicy
 
 
 class DraftSlots:
