@@ -3,11 +3,12 @@
 No prefill phase: every request has num_computed_tokens and num_tokens, and a step gives each
 scheduled request a slice of the token budget (a decode takes 1, a prompt takes a chunk).
 
-Features keep their state in their own modules, composed here: n > 1 choices (choices.py),
+Features live in services/scheduler/features/, one object each, called at named points and
+keeping their own state by request id: n > 1 choices (choices.py: fork, split, seats, events),
 speculative draft slots (draft_slots.py), pinned prefixes (pins.py), fair shares between
 tenants (fair_share.py: whom to admit, preempt and queue), LoRA adapters per step
-(lora_slots.py: whom to admit). Each gets the KV manager and
-the lists it edits, never the scheduler.
+(lora_slots.py: whom to admit), grammar readiness (grammar_readiness.py). Each gets the KV
+manager and the lists it edits, never the scheduler.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from services.scheduler.features.admission import check_servable, steps_until_a_
 from services.scheduler.features.choices import ChoiceForks
 from services.scheduler.features.draft_slots import DraftSlots
 from services.scheduler.features.fair_share import FairShare
+from services.scheduler.features.grammar_readiness import GrammarReadiness
 from services.scheduler.features.lora_slots import LoraSlots
 from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -79,14 +81,16 @@ class Scheduler:
         self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction)
         self.fair = FairShare(config.fair_share)
         self.loras = LoraSlots(max_loras)
+        self.grammars = GrammarReadiness()
         self.failures: dict[str, str] = {}
         """Requests (submitted ids) the worker could not run, and why: their owners hear an
         error instead of tokens (the step loop takes them after each update)."""
 
     # ---- the callers' API ---------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits)."""
+    def add_request(self, request: Request, *, grammar_pending: bool = False) -> None:
+        """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits).
+        `grammar_pending`: it waits until `set_grammar_ready` (the worker compiles it)."""
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
         check_servable(request, self.config, self.kv)
@@ -107,11 +111,9 @@ class Scheduler:
         self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
         self._num_submitted += 1
         self.waiting.append(request)
-        if request.sampling.n > 1:
-            self.choices.add(request)
-            if not self.kv.is_paged:
-                # A max-length reservation cannot be shared: each choice reserves its own.
-                self.choices.split(request, self.waiting, len(self.waiting))
+        if grammar_pending:
+            self.grammars.hold(request.request_id)
+        self.choices.on_queued(request, self.waiting)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -140,19 +142,15 @@ class Scheduler:
     def set_grammar_ready(self, request_id: str) -> bool:
         """The worker has the request's grammar compiled: it may be admitted now. False for an
         id no longer held (finished, aborted)."""
-        request = self.requests.get(request_id)
-        if request is None:
+        if request_id not in self.requests:
             return False
-        request.grammar_ready = True
+        self.grammars.ready(request_id)
         return True
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request (every choice of it); its blocks are free on return. Unknown or
         finished ids are ignored."""
-        if request_id in self.choices.groups:
-            for choice in self.choices.live_choices(request_id):
-                self._finish_early(choice, FinishReason.ABORT)
-        elif (request := self.requests.get(request_id)) is not None:
+        for request in self.choices.sequences(request_id):
             self._finish_early(request, FinishReason.ABORT)
 
     def abort_choice(self, request_id: str, index: int) -> None:
@@ -196,7 +194,7 @@ class Scheduler:
             if request is None:
                 continue  # finished, aborted or expired after this plan was made
             running = request.status is RequestStatus.RUNNING
-            request.num_unconfirmed_drafts -= plan.draft_slots.get(request_id, 0)
+            self.drafts.on_result(plan, request_id)
             token_ids = result.token_ids(request_id)
             if not token_ids:
                 if running:
@@ -223,11 +221,9 @@ class Scheduler:
                     break  # tokens after a stop are dropped; the sequence ends here
             if running:
                 self.kv.cache_full_blocks(request)
-            if reason is not None:
-                self.choices.note_finished(request)
             logprobs = result.logprobs.get(request_id)
             logprobs_list = [logprobs] if logprobs is not None else None
-            events.append(request.event(emitted, reason, logprobs_list))
+            events.append(self.choices.event(request, emitted, reason, logprobs_list))
             if reason is None:
                 continue
             if running:
@@ -294,16 +290,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_unforked = request.num_unforked_choices
-            if num_unforked and request.num_computed_tokens == request.num_prompt_tokens - 1:
-                # Its prefill was in an earlier plan, so the shared KV is written before this
-                # plan's forward. All choices start in one step, or none does.
-                if budget < 1 + num_unforked or not self._make_room_to_fork(request, index):
-                    if request.is_finished:
-                        break  # it could never fork: ended, and everyone after it is gone
-                    index += 1
-                    continue
-                self.choices.fork(request, self.running, index)
+            if self.choices.due_to_fork(request) and not self._fork(request, index, budget):
+                if request.is_finished:
+                    break  # it could never fork: ended, and everyone after it is gone
+                index += 1
+                continue
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 index += 1
@@ -311,7 +302,7 @@ class Scheduler:
             # Drafts of plans in flight may have been accepted: the worker's sequence can be
             # that much further along than this one, and the step writes there.
             new_blocks = self._allocate_or_preempt(
-                request, index, num_new + request.num_unconfirmed_drafts
+                request, index, num_new + self.drafts.num_unconfirmed(request.request_id)
             )
             if new_blocks is None:
                 break  # the request itself is gone, and so is everyone after it
@@ -348,7 +339,7 @@ class Scheduler:
             request = self.fair.next_to_admit(self.waiting, self.running, passed_over)
             if request is None:
                 break
-            if not request.grammar_ready or not self.loras.admits(request):
+            if not self.grammars.is_ready(request) or not self.loras.admits(request):
                 # Its grammar still compiles on the worker, or every LoRA slot holds another
                 # adapter: the requests behind it go first (the queue must not stall on it).
                 passed_over.add(request.request_id)
@@ -358,12 +349,8 @@ class Scheduler:
                 # with the next result, and must be part of the sequence it is resent as.
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            if request.num_unforked_choices and num_cached >= request.num_prompt_tokens - 1:
-                # No prompt token is left to compute before the last one (a one-token prompt,
-                # or a cache hit up to it): nothing to fork. The choices queue right behind as
-                # sequences of their own, and take the cached blocks by their own hits.
-                self.choices.split(request, self.waiting, self.waiting.index(request) + 1)
-            if self._num_seats_taken + 1 + request.num_unforked_choices > max_num_seqs:
+            self.choices.before_admission(request, num_cached, self.waiting)
+            if self._num_seats_taken + 1 + self.choices.num_unforked(request) > max_num_seqs:
                 break
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
             # With nothing running there is no decode to keep headroom for, and insisting on
@@ -378,7 +365,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
-            self.choices.num_reserved_seats += request.num_unforked_choices
+            self.choices.on_admitted(request)
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
             self.loras.note_admitted(request)
             self._add_to_plan(plan, request, num_new, new_blocks)
@@ -414,10 +401,13 @@ class Scheduler:
             self.drafts.note_decode(request)  # it samples this step: it may also draft
         self._advance(request, num_new)
 
-    def _make_room_to_fork(self, first: Request, position: int) -> bool:
-        """Free blocks for the fork's copies of the partial block, preempting requests after
-        `first` (later arrivals) if needed. False when they do not fit this step; a request
-        alone that cannot fork ends with "length", like one that cannot grow."""
+    def _fork(self, first: Request, position: int, budget: int) -> bool:
+        """Fork the choices of the running `first` (choices.py) if the budget holds their
+        first steps and free blocks their copies of the partial block, preempting requests
+        after `first` (later arrivals) if needed. False when they do not fit this step; a
+        request alone that cannot fork ends with "length", like one that cannot grow."""
+        if budget < self.choices.num_tokens_to_fork(first):
+            return False
         needed = self.choices.num_blocks_to_fork(first)
         while self.kv.num_free_blocks < needed:
             if len(self.running) == 1:
@@ -426,6 +416,7 @@ class Scheduler:
             if len(self.running) - 1 <= position:
                 return False  # only earlier arrivals hold blocks: wait for them to finish
             self._preempt_after(position)
+        self.choices.fork(first, self.running, position)
         return True
 
     @staticmethod
@@ -443,10 +434,7 @@ class Scheduler:
         ):
             return 0  # its last token is already being sampled: it finishes on that result
         num_new = request.num_tokens_with_pending - num_computed
-        if request.num_unforked_choices:
-            # Choice 0 stops one token short of the prompt's end: every choice computes the
-            # last token itself, and samples its own first token from it.
-            num_new = min(num_new, request.num_prompt_tokens - 1 - num_computed)
+        num_new = self.choices.limit_prefill(request, num_computed, num_new)
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
@@ -457,7 +445,7 @@ class Scheduler:
         most over theirs (fair_share.py), before this step's plan schedules anyone."""
         num_free = max(0, self.config.max_num_seqs - self._num_seats_taken)
         for victim in self.fair.seats_to_free(
-            self.waiting, self.running, self.config.max_num_seqs, num_free
+            self.waiting, self.running, self.config.max_num_seqs, num_free, self.grammars.is_ready
         ):
             self._preempt(victim)
 
@@ -471,7 +459,7 @@ class Scheduler:
         """Preempt a running request by recompute: drop its KV, requeue it at the front,
         resend it whole later. Returns it."""
         self.running.remove(request)
-        self.choices.num_reserved_seats -= request.num_unforked_choices
+        self.choices.on_preempted(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -500,8 +488,7 @@ class Scheduler:
         (self.running if was_running else self.waiting).remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.choices.note_finished(request)
-        self._pending_events.append(request.event([], reason))
+        self._pending_events.append(self.choices.event(request, [], reason))
         self._pending_events.extend(self.choices.end_unforked(request, reason, was_running))
         self._release(request)
 
@@ -513,8 +500,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            self.failures[request.public_id] = reason
-            self.abort_request(request.public_id)
+            public_id = self.choices.public_id(request)
+            self.failures[public_id] = reason
+            self.abort_request(public_id)
 
     def _release(self, request: Request) -> None:
         if request.pin_name is not None and request.finish_reason in _COMPLETED:
@@ -522,10 +510,11 @@ class Scheduler:
             self.pins.pin(request.pin_name, request)
         self.kv.free(request)
         self.drafts.forget(request.request_id)
+        self.grammars.forget(request.request_id)
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]
         del self._priority[request.request_id]
-        self.choices.release(request)
+        self.choices.on_released(request)
 
     def _drop_from_worker(self, request_id: str) -> None:
         if request_id in self._on_worker:

@@ -91,10 +91,8 @@ class StepLoop:
             raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
         self.loras.check(request.lora_name)
         spec = request.sampling.structured_output
-        if spec is not None:
-            request.grammar_ready = False
         try:
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(request, grammar_pending=spec is not None)
         except QueueFullError as exc:
             # The core counts steps; this loop knows how long they take.
             num_steps = self.scheduler.num_steps_until_a_seat_frees()

@@ -24,7 +24,7 @@ does with fair shares off.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from services.scheduler.request import Request
 
@@ -85,17 +85,22 @@ class FairShare:
     # ---- seats for tenants under their share -------------------------------------------
 
     def seats_to_free(
-        self, waiting: Sequence[Request], running: Sequence[Request], num_seats: int, num_free: int
+        self,
+        waiting: Sequence[Request],
+        running: Sequence[Request],
+        num_seats: int,
+        num_free: int,
+        is_runnable: Callable[[Request], bool] = lambda request: True,
     ) -> list[Request]:
         """Running requests to preempt so that waiting tenants under their share of the
-        `num_seats` seats get theirs: one per waiting request of such a tenant that the
-        `num_free` free seats do not cover, each taken from the tenant most over its share,
-        and only while that tenant stays at or above its share."""
+        `num_seats` seats get theirs: one per runnable waiting request of such a tenant that
+        the `num_free` free seats do not cover, each taken from the tenant most over its
+        share, and only while that tenant stays at or above its share."""
         if not self.enabled or not waiting or self._single_tenant(waiting, running):
             return []
         seats = Counter(request.tenant_id for request in running)
         shares = self._shares({r.tenant_id for r in (*waiting, *running)}, num_seats)
-        wanted = Counter(r.tenant_id for r in waiting if r.grammar_ready)
+        wanted = Counter(r.tenant_id for r in waiting if is_runnable(r))
         taken: dict[str, list[Request]] = {}
         for request in running:
             taken.setdefault(request.tenant_id, []).append(request)
