@@ -56,9 +56,6 @@ class Request:
     tenant_weight: int = 1
     lora_name: str = ""
     """The LoRA adapter it runs with ("" = the base model); in its cache salt already."""
-    pin_name: str | None = None
-    """Set on a pinning request: when it finishes, its prompt's full blocks stay pinned
-    under this name instead of becoming evictable."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -38,8 +38,6 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.stats import SchedulerStats
 
-_COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
-
 
 class Scheduler:
     def __init__(
@@ -88,9 +86,12 @@ class Scheduler:
 
     # ---- the callers' API ---------------------------------------------------------------
 
-    def add_request(self, request: Request, *, grammar_pending: bool = False) -> None:
+    def add_request(
+        self, request: Request, *, grammar_pending: bool = False, pin_name: str | None = None
+    ) -> None:
         """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits).
-        `grammar_pending`: it waits until `set_grammar_ready` (the worker compiles it)."""
+        `grammar_pending`: it waits until `set_grammar_ready` (the worker compiles it);
+        `pin_name`: once completed, its prompt's blocks stay pinned under that name."""
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
         check_servable(request, self.config, self.kv)
@@ -113,6 +114,8 @@ class Scheduler:
         self.waiting.append(request)
         if grammar_pending:
             self.grammars.hold(request.request_id)
+        if pin_name is not None:
+            self.pins.pin_on_finish(request.request_id, pin_name)
         self.choices.on_queued(request, self.waiting)
 
     @property
@@ -505,9 +508,8 @@ class Scheduler:
             self.abort_request(public_id)
 
     def _release(self, request: Request) -> None:
-        if request.pin_name is not None and request.finish_reason in _COMPLETED:
-            # Before free(): the blocks must not pass through the free queue in between.
-            self.pins.pin(request.pin_name, request)
+        # Before free(): pinned blocks must not pass through the free queue in between.
+        self.pins.on_released(request)
         self.kv.free(request)
         self.drafts.forget(request.request_id)
         self.grammars.forget(request.request_id)

@@ -83,16 +83,16 @@ class StepLoop:
 
     # ---- the server's calls --------------------------------------------------------------
 
-    def submit(self, request: Request) -> EventQueue:
+    def submit(self, request: Request, *, pin_name: str | None = None) -> EventQueue:
         """Queue a request; its events arrive on the returned queue. Raises WorkerUnavailable,
         or the scheduler's typed errors (invalid, queue full with a retry hint, can never
-        fit)."""
+        fit). `pin_name`: a pinning request's (pins.py)."""
         if self.scheduler is None or not self.connected.is_set():
             raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
         self.loras.check(request.lora_name)
         spec = request.sampling.structured_output
         try:
-            self.scheduler.add_request(request, grammar_pending=spec is not None)
+            self.scheduler.add_request(request, grammar_pending=spec is not None, pin_name=pin_name)
         except QueueFullError as exc:
             # The core counts steps; this loop knows how long they take.
             num_steps = self.scheduler.num_steps_until_a_seat_frees()
