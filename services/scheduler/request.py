@@ -51,9 +51,6 @@ class Request:
     """Tokens sampled on the worker for plans whose results have not arrived yet."""
     cache_salt: bytes = b""
     """Mixed into the first block's hash: requests with different salts share no KV."""
-    tenant_id: str = ""
-    """Whose share of the scheduler the request uses (fair_share.py); "" = no tenant named."""
-    tenant_weight: int = 1
     lora_name: str = ""
     """The LoRA adapter it runs with ("" = the base model); in its cache salt already."""
 

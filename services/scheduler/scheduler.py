@@ -30,7 +30,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.features.admission import check_servable, steps_until_a_seat_frees
 from services.scheduler.features.choices import ChoiceForks
 from services.scheduler.features.draft_slots import DraftSlots
-from services.scheduler.features.fair_share import FairShare
+from services.scheduler.features.fair_share import NO_TENANT, FairShare, Tenant
 from services.scheduler.features.grammar_readiness import GrammarReadiness
 from services.scheduler.features.lora_slots import LoraSlots
 from services.scheduler.features.pins import PinnedPrefixes
@@ -77,7 +77,7 @@ class Scheduler:
         # Speculative decoding: which decodes of the plan being made may draft, and how many.
         self.drafts = DraftSlots(config, self.kv)
         self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction)
-        self.fair = FairShare(config.fair_share)
+        self.fair = FairShare(config.fair_share, public_id=self.choices.public_id)
         self.loras = LoraSlots(max_loras)
         self.grammars = GrammarReadiness()
         self.failures: dict[str, str] = {}
@@ -87,20 +87,26 @@ class Scheduler:
     # ---- the callers' API ---------------------------------------------------------------
 
     def add_request(
-        self, request: Request, *, grammar_pending: bool = False, pin_name: str | None = None
+        self,
+        request: Request,
+        *,
+        tenant: Tenant = NO_TENANT,
+        grammar_pending: bool = False,
+        pin_name: str | None = None,
     ) -> None:
         """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits).
-        `grammar_pending`: it waits until `set_grammar_ready` (the worker compiles it);
-        `pin_name`: once completed, its prompt's blocks stay pinned under that name."""
+        `tenant`: whose fair share it uses; `grammar_pending`: it waits until
+        `set_grammar_ready` (the worker compiles it); `pin_name`: once completed, its
+        prompt's blocks stay pinned under that name."""
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
         check_servable(request, self.config, self.kv)
         if request.lora_name and not self.loras.max_loras:
             raise InvalidRequestError("lora_name", "the worker serves no LoRA adapters")
-        self.fair.note(request, itertools.chain(self.waiting, self.running))
+        self.fair.note(tenant, itertools.chain(self.waiting, self.running))
         bound = self.max_num_unfinished_requests
         if self.num_unfinished_requests >= bound and not self.fair.may_exceed_bound(
-            request, [*self.waiting, *self.running], bound
+            tenant, [*self.waiting, *self.running], bound
         ):
             raise QueueFullError(
                 f"{len(self.waiting)} requests waiting and {len(self.running)} running "
@@ -112,6 +118,7 @@ class Scheduler:
         self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
         self._num_submitted += 1
         self.waiting.append(request)
+        self.fair.on_queued(request.request_id, tenant)
         if grammar_pending:
             self.grammars.hold(request.request_id)
         if pin_name is not None:
@@ -278,11 +285,16 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.pins.tables())
-        queued = [r.request_id for r in self.waiting] + [r.request_id for r in self.running]
+        queued_requests = [*self.waiting, *self.running]
+        queued = [r.request_id for r in queued_requests]
         assert len(queued) == len(set(queued)) == len(self.requests), "request lists disagree"
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, request.request_id
         self.choices.check_integrity(self.running, self.config.max_num_seqs)
+        # Features keep per-request state only for requests held: each forgets on release.
+        for state in (self.drafts, self.grammars, self.pins):
+            assert state.request_ids() <= self.requests.keys(), type(state).__name__
+        assert self.fair.request_ids() <= {self.choices.public_id(r) for r in queued_requests}
 
     # ---- scheduling ---------------------------------------------------------------------
 
@@ -516,7 +528,8 @@ class Scheduler:
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]
         del self._priority[request.request_id]
-        self.choices.on_released(request)
+        if (public_id := self.choices.on_released(request)) is not None:
+            self.fair.forget(public_id)  # none of its sequences is left
 
     def _drop_from_worker(self, request_id: str) -> None:
         if request_id in self._on_worker:

@@ -24,6 +24,7 @@ from services.scheduler.features.coalesce import (
     merge_events,
     take_batch,
 )
+from services.scheduler.features.fair_share import NO_TENANT, Tenant
 from services.scheduler.request import Request
 from services.scheduler.server import SchedulerServicer
 from services.scheduler.server_config import SchedulerServerConfig
@@ -125,7 +126,7 @@ class FakeLoop:
     def clock(self) -> float:
         return 100.0
 
-    def submit(self, request: Request) -> EventQueue:
+    def submit(self, request: Request, *, tenant: Tenant = NO_TENANT) -> EventQueue:
         queue: EventQueue = asyncio.Queue()
         for item in self.script:
             queue.put_nowait(item)

@@ -76,8 +76,6 @@ def new_choice(first: Request, index: int) -> Request:
         arrival_time=first.arrival_time,
         deadline=first.deadline,
         cache_salt=first.cache_salt,
-        tenant_id=first.tenant_id,
-        tenant_weight=first.tenant_weight,
         lora_name=first.lora_name,
     )
 
@@ -227,11 +225,16 @@ class ChoiceForks:
             )
         return events
 
-    def on_released(self, request: Request) -> None:
-        """`request` left the scheduler: its group goes once no choice is left."""
+    def on_released(self, request: Request) -> str | None:
+        """`request` left the scheduler: its group goes once no choice is left. Returns the
+        submitted id when its last sequence left (else None)."""
         member = self._members.pop(request.request_id, None)
-        if member is not None and member[0].num_unfinished == 0:
+        if member is None:
+            return request.request_id
+        if member[0].num_unfinished == 0:
             self.groups.pop(member[0].request_id, None)
+            return member[0].request_id
+        return None
 
     # ---- what the core asks ------------------------------------------------------------
 

@@ -107,6 +107,10 @@ class DraftSlots:
             else:
                 self._num_unconfirmed.pop(request_id, None)
 
+    def request_ids(self) -> set[str]:
+        """The sequences it keeps state for (the core's integrity check)."""
+        return set(self._num_unconfirmed)
+
     def observe_drafts(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self.policy.observe_drafts(request_id, num_proposed, num_accepted)
         self.num_draft_tokens_proposed += num_proposed

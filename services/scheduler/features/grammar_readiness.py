@@ -25,6 +25,10 @@ class GrammarReadiness:
     def is_ready(self, request: Request) -> bool:
         return request.request_id not in self._compiling
 
+    def request_ids(self) -> set[str]:
+        """The sequences it keeps state for (the core's integrity check)."""
+        return set(self._compiling)
+
     def forget(self, request_id: str) -> None:
         """The request left the scheduler."""
         self._compiling.discard(request_id)

@@ -46,6 +46,10 @@ class PinnedPrefixes:
         if name is not None and request.finish_reason in _COMPLETED:
             self.pin(name, request)
 
+    def request_ids(self) -> set[str]:
+        """The pinning requests it keeps state for (the core's integrity check)."""
+        return set(self._on_finish)
+
     def pin(self, name: str, request: Request) -> int:
         """Hold the cached full blocks of `request`'s prompt under `name` (replacing an older
         pin of that name). Returns the tokens pinned: 0 when caching is off or the pin would
