@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.contracts.sampling_params import SamplingParams
-from services.contracts.step import FinishReason
+from services.contracts.step import FinishReason, NewSequence
 
 
 class RequestStatus(Enum):
@@ -83,6 +83,51 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def advance(self, num_new: int) -> None:
+        """Count `num_new` scheduled tokens as computed now, so the next plan can be made
+        before this one's result arrives; a step that reaches the sequence's end samples a
+        pending token."""
+        self.num_computed_tokens += num_new
+        if self.num_computed_tokens == self.num_tokens_with_pending:
+            self.num_pending_tokens += 1
+
+    def append_output(
+        self, token_ids: list[int], max_model_len: int
+    ) -> tuple[list[int], FinishReason | None]:
+        """Append a step's tokens up to the first that ends the sequence (those after a stop
+        are dropped). Returns the tokens appended and why the sequence ended (None: it goes
+        on)."""
+        for num_appended, token_id in enumerate(token_ids, 1):
+            self.output_token_ids.append(token_id)
+            reason = self.stop_reason(token_id, max_model_len)
+            if reason is not None:
+                return token_ids[:num_appended], reason
+        return list(token_ids), None
+
+    def stop_reason(self, token_id: int, max_model_len: int) -> FinishReason | None:
+        """Why the sequence ends with `token_id` just appended (None: it goes on)."""
+        sampling = self.sampling
+        if self.num_output_tokens > sampling.min_new_tokens and (
+            token_id in sampling.stop_token_ids
+            or (not sampling.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return FinishReason.STOP
+        if self.num_output_tokens >= sampling.max_new_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def new_sequence(self, block_table: list[int]) -> NewSequence:
+        """The sequence whole, as a worker that has not seen it (or dropped it) gets it."""
+        return NewSequence(
+            request_id=self.request_id,
+            token_ids=self.all_token_ids,
+            num_prompt_tokens=self.num_prompt_tokens,
+            block_ids=list(block_table),
+            num_computed_tokens=self.num_computed_tokens,
+            sampling=self.sampling,
+            lora_name=self.lora_name,
+        )
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) across the prompt/output boundary, without copying both."""

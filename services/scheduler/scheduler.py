@@ -17,17 +17,10 @@ import bisect
 import itertools
 from collections import deque
 
-from services.contracts.errors import InvalidRequestError, QueueFullError
-from services.contracts.step import (
-    BatchPlan,
-    FinishReason,
-    NewSequence,
-    SequenceDelta,
-    StepResult,
-    TokenEvent,
-)
+from services.contracts.errors import InvalidRequestError
+from services.contracts.step import BatchPlan, FinishReason, SequenceDelta, StepResult, TokenEvent
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.features.admission import check_servable, steps_until_a_seat_frees
+from services.scheduler.features import admission
 from services.scheduler.features.choices import ChoiceForks
 from services.scheduler.features.draft_slots import DraftSlots
 from services.scheduler.features.fair_share import NO_TENANT, FairShare, Tenant
@@ -52,15 +45,7 @@ class Scheduler:
         the window every layer of its model attends through (0: some layer sees the whole
         context), and the LoRA adapters one of its steps may mix."""
         self.config = config
-        self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            allocation_policy=config.allocation_policy,
-            max_model_len=config.max_model_len,
-            watermark=config.watermark,
-            sliding_window=sliding_window,
-        )
+        self.kv = KVCacheManager.from_config(config, num_blocks, sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         # Sorted by priority (arrival, then submission order), so the preemption victim, the
@@ -100,7 +85,7 @@ class Scheduler:
         prompt's blocks stay pinned under that name."""
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
-        check_servable(request, self.config, self.kv)
+        admission.check_servable(request, self.config, self.kv)
         if request.lora_name and not self.loras.max_loras:
             raise InvalidRequestError("lora_name", "the worker serves no LoRA adapters")
         self.fair.note(tenant, itertools.chain(self.waiting, self.running))
@@ -108,11 +93,7 @@ class Scheduler:
         if self.num_unfinished_requests >= bound and not self.fair.may_exceed_bound(
             tenant, [*self.waiting, *self.running], bound
         ):
-            raise QueueFullError(
-                f"{len(self.waiting)} requests waiting and {len(self.running)} running "
-                f"(at most {self.config.max_waiting_requests} waiting beyond "
-                f"{self.config.max_num_seqs} seats)"
-            )
+            raise admission.queue_full(len(self.waiting), len(self.running), self.config)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
@@ -132,30 +113,18 @@ class Scheduler:
 
     @property
     def max_num_unfinished_requests(self) -> int:
-        """The admission bound: every seat taken and max_waiting_requests waiting behind them.
-
-        Free seats count as queue room: a burst queues whole in `waiting` until the next step
-        admits it, and a bound on `waiting` alone would refuse part of a burst smaller than
-        seats + queue while the seats stand empty. Equivalently: refuse when waiting would
-        exceed max_waiting_requests + (max_num_seqs - running). Admission and preemption move
-        requests between the two lists and leave the count as it is: only a finish makes
-        room. A free seat counts even when the KV blocks for it are not free: its request
-        waits for blocks as any queued one does, and the bound still holds the queue to
-        max_waiting_requests + max_num_seqs.
-        """
-        return self.config.max_num_seqs + self.config.max_waiting_requests
+        """The admission bound: seats plus queue (admission.py says why)."""
+        return admission.max_num_unfinished_requests(self.config)
 
     def num_steps_until_a_seat_frees(self) -> int:
         """For the retry hint of a refusal at the admission bound (retry_hint.py)."""
-        return steps_until_a_seat_frees(self.running, self.waiting, self.config)
+        return admission.steps_until_a_seat_frees(self.running, self.waiting, self.config)
 
     def set_grammar_ready(self, request_id: str) -> bool:
         """The worker has the request's grammar compiled: it may be admitted now. False for an
         id no longer held (finished, aborted)."""
-        if request_id not in self.requests:
-            return False
         self.grammars.ready(request_id)
-        return True
+        return request_id in self.requests
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request (every choice of it); its blocks are free on return. Unknown or
@@ -204,7 +173,7 @@ class Scheduler:
             if request is None:
                 continue  # finished, aborted or expired after this plan was made
             running = request.status is RequestStatus.RUNNING
-            self.drafts.on_result(plan, request_id)
+            self.drafts.on_result(plan, result, request_id)
             token_ids = result.token_ids(request_id)
             if not token_ids:
                 if running:
@@ -213,37 +182,22 @@ class Scheduler:
             # Also for a request preempted after this plan was made: the tokens were computed
             # from its full context, so they stand (the resumed request recomputes its KV).
             request.num_pending_tokens -= 1
-            num_accepted = len(token_ids) - 1
-            num_proposed = result.num_proposed_drafts.get(request_id)
-            if num_proposed is not None:
-                self.drafts.observe_drafts(request_id, num_proposed, num_accepted)
             if running:
                 # Accepted drafts' KV was written in this step; a rejected draft's lies past
                 # the end, where the next tokens overwrite it.
-                request.num_computed_tokens += num_accepted
-            reason = None
-            emitted: list[int] = []
-            for token_id in token_ids:
-                request.output_token_ids.append(token_id)
-                emitted.append(token_id)
-                reason = self._stop_reason(request, token_id)
-                if reason is not None:
-                    break  # tokens after a stop are dropped; the sequence ends here
+                request.num_computed_tokens += len(token_ids) - 1
+            emitted, reason = request.append_output(token_ids, self.config.max_model_len)
             if running:
                 self.kv.cache_full_blocks(request)
-            logprobs = result.logprobs.get(request_id)
-            logprobs_list = [logprobs] if logprobs is not None else None
-            events.append(self.choices.event(request, emitted, reason, logprobs_list))
+            logprobs = [lp] if (lp := result.logprobs.get(request_id)) is not None else None
+            events.append(self.choices.event(request, emitted, reason, logprobs))
             if reason is None:
                 continue
+            request.finish_reason, request.status = reason, RequestStatus.FINISHED
             if running:
-                request.finish_reason = reason
-                request.status = RequestStatus.FINISHED
                 finished.append(request)
             else:
                 self.waiting.remove(request)
-                request.finish_reason = reason
-                request.status = RequestStatus.FINISHED
                 self._release(request)
         if finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -259,29 +213,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self._finished_ids or self._pending_events)
 
     def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
-            num_free_blocks=self.kv.num_free_blocks,
-            num_total_blocks=self.kv.num_total_blocks,
-            prefix_queried_tokens=self.kv.prefix_queried_tokens,
-            prefix_hit_tokens=self.kv.prefix_hit_tokens,
-            num_preemptions=self.num_preemptions,
-            num_pinned_blocks=self.pins.num_pinned_blocks,
-            num_forked_block_refs=self.kv.num_forked_block_refs,
-            num_block_copies=self.kv.num_block_copies,
-            num_draft_tokens_proposed=self.drafts.num_draft_tokens_proposed,
-            num_draft_tokens_accepted=self.drafts.num_draft_tokens_accepted,
-            num_speculative_steps=self.drafts.num_speculative_steps,
-            active_lora_adapters=self.loras.in_use(self.running),
-        )
+        return SchedulerStats.of(self)
 
     def observe_step(self, plan: BatchPlan, result: StepResult, seconds: float) -> None:
-        """The worker took `seconds` for this plan: what speculation learns its step cost
-        from (tokens computed: scheduled, plus the drafts verified)."""
-        if plan.num_scheduled_tokens:
-            num_drafts = sum(result.num_proposed_drafts.values())
-            self.drafts.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)
+        """The worker took `seconds` for this plan (speculation learns its step cost)."""
+        self.drafts.observe_step(plan, result, seconds)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.pins.tables())
@@ -400,21 +336,12 @@ class Scheduler:
                 plan.block_deltas.append(SequenceDelta(request.request_id, new_blocks))
         else:
             self._on_worker.add(request.request_id)
-            plan.new_sequences.append(
-                NewSequence(
-                    request_id=request.request_id,
-                    token_ids=request.all_token_ids,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    block_ids=list(self.kv.get_block_table(request.request_id)),
-                    num_computed_tokens=request.num_computed_tokens,
-                    sampling=request.sampling,
-                    lora_name=request.lora_name,
-                )
-            )
+            block_table = self.kv.get_block_table(request.request_id)
+            plan.new_sequences.append(request.new_sequence(block_table))
         plan.num_scheduled_tokens[request.request_id] = num_new
         if num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens_with_pending:
             self.drafts.note_decode(request)  # it samples this step: it may also draft
-        self._advance(request, num_new)
+        request.advance(num_new)
 
     def _fork(self, first: Request, position: int, budget: int) -> bool:
         """Fork the choices of the running `first` (choices.py) if the budget holds their
@@ -433,14 +360,6 @@ class Scheduler:
             self._preempt_after(position)
         self.choices.fork(first, self.running, position)
         return True
-
-    @staticmethod
-    def _advance(request: Request, num_new: int) -> None:
-        """Count scheduled tokens as computed now, so the next plan can be made before this
-        one's result arrives; a step that reaches the sequence's end samples a pending token."""
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens_with_pending:
-            request.num_pending_tokens += 1
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         if (
@@ -485,13 +404,8 @@ class Scheduler:
         return request
 
     def _expire_deadlines(self, now: float) -> None:
-        expired = [
-            r
-            for queue in (self.waiting, self.running)
-            for r in queue
-            if r.deadline is not None and r.deadline <= now
-        ]
-        for request in expired:
+        held = [*self.waiting, *self.running]
+        for request in [r for r in held if r.deadline is not None and r.deadline <= now]:
             self._finish_early(request, FinishReason.DEADLINE)
 
     # ---- finishing ----------------------------------------------------------------------
@@ -512,8 +426,7 @@ class Scheduler:
         every choice of their request with them. Before their results are read: KV they were
         to compute is not cached."""
         for request_id, reason in failed.items():
-            request = self.requests.get(request_id)
-            if request is None:
+            if (request := self.requests.get(request_id)) is None:
                 continue
             public_id = self.choices.public_id(request)
             self.failures[public_id] = reason
@@ -535,17 +448,3 @@ class Scheduler:
         if request_id in self._on_worker:
             self._on_worker.discard(request_id)
             self._finished_ids.append(request_id)
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        sampling = request.sampling
-        if request.num_output_tokens > sampling.min_new_tokens and (
-            token_id in sampling.stop_token_ids
-            or (not sampling.ignore_eos and token_id in request.eos_token_ids)
-        ):
-            return FinishReason.STOP
-        if (
-            request.num_output_tokens >= sampling.max_new_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
-            return FinishReason.LENGTH
-        return None

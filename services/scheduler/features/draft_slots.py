@@ -12,7 +12,7 @@ in flight are counted here, by sequence id.
 from __future__ import annotations
 
 from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
-from services.contracts.step import BatchPlan
+from services.contracts.step import BatchPlan, StepResult
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.features.plan_edits import send_blocks, send_truncation
 from services.scheduler.features.speculation_policy import SpeculationPolicy
@@ -97,8 +97,13 @@ class DraftSlots:
         that much further along than the scheduler's."""
         return self._num_unconfirmed.get(request_id, 0)
 
-    def on_result(self, plan: BatchPlan, request_id: str) -> None:
-        """`plan`'s result arrived for a sequence still held: its drafts are known now."""
+    def on_result(self, plan: BatchPlan, result: StepResult, request_id: str) -> None:
+        """`plan`'s result arrived for a sequence still held: its drafts are known now, and
+        what it accepted of those it proposed (a sampled sequence's) is learnt."""
+        num_proposed = result.num_proposed_drafts.get(request_id)
+        if num_proposed is not None and request_id in result.sampled_token_ids:
+            num_accepted = len(result.accepted_draft_ids.get(request_id, ()))
+            self.observe_drafts(request_id, num_proposed, num_accepted)
         num_slots = plan.draft_slots.get(request_id, 0)
         if num_slots:
             num_left = self.num_unconfirmed(request_id) - num_slots
@@ -122,6 +127,9 @@ class DraftSlots:
         self.policy.forget(request_id)
         self._num_unconfirmed.pop(request_id, None)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step computed `num_tokens` (scheduled plus drafts verified) in `seconds`."""
-        self.policy.observe_step(num_tokens, seconds)
+    def observe_step(self, plan: BatchPlan, result: StepResult, seconds: float) -> None:
+        """The worker took `seconds` for `plan`: tokens computed are the scheduled ones plus
+        the drafts verified (a plan of drops only is no step)."""
+        if plan.num_scheduled_tokens:
+            num_drafts = sum(result.num_proposed_drafts.values())
+            self.policy.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)
