@@ -86,8 +86,7 @@ class Scheduler:
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
         admission.check_servable(request, self.config, self.kv)
-        if request.lora_name and not self.loras.max_loras:
-            raise InvalidRequestError("lora_name", "the worker serves no LoRA adapters")
+        self.loras.check_servable(request)
         self.fair.note(tenant, itertools.chain(self.waiting, self.running))
         bound = self.max_num_unfinished_requests
         if self.num_unfinished_requests >= bound and not self.fair.may_exceed_bound(
