@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # the scheduler builds its stats; this module only reads it
-    from services.scheduler.scheduler import Scheduler
+from services.scheduler.features.draft_slots import DraftSlots
+from services.scheduler.features.lora_slots import LoraSlots
+from services.scheduler.features.pins import PinnedPrefixes
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request
+
+
+class StatsSource(Protocol):
+    """What the stats read of a scheduler: its queues, KV manager and the features that count
+    (a protocol, so that this module need not import the scheduler that imports it)."""
+
+    @property
+    def waiting(self) -> Sized: ...
+    @property
+    def running(self) -> Sequence[Request]: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def kv(self) -> KVCacheManager: ...
+    @property
+    def pins(self) -> PinnedPrefixes: ...
+    @property
+    def drafts(self) -> DraftSlots: ...
+    @property
+    def loras(self) -> LoraSlots: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +57,7 @@ class SchedulerStats:
     """LoRA adapters the running requests use (in the worker's slots)."""
 
     @classmethod
-    def of(cls, scheduler: Scheduler) -> SchedulerStats:
+    def of(cls, scheduler: StatsSource) -> SchedulerStats:
         kv, drafts = scheduler.kv, scheduler.drafts
         return cls(
             num_waiting=len(scheduler.waiting),
