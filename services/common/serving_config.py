@@ -115,7 +115,7 @@ class BatchingConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose chained token hash is already cached."""
     fair_share: bool = True
-    """Share a busy scheduler between tenants by weight (services/scheduler/fair_share.py):
+    """Share a busy scheduler between tenants by weight (services/scheduler/features/fair_share.py):
     admission in fair order, seats taken back from tenants over their share for tenants under
     it, queue room kept for them. Off: first come first served whoever sends."""
 

@@ -6,7 +6,7 @@ Two allocation policies share this interface:
                never grows (the pre-PagedAttention baseline; no prefix caching).
 
 In a model whose every layer has a sliding window, "paged" also gives back the blocks a running
-request's future queries can no longer see (services/scheduler/sliding_window.py).
+request's future queries can no longer see (services/scheduler/features/sliding_window.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens
-from services.scheduler.config import AllocationPolicy
+from services.scheduler.config import AllocationPolicy, SchedulerConfig
+from services.scheduler.features.sliding_window import RELEASED_BLOCK, num_dead_blocks
 from services.scheduler.request import Request
-from services.scheduler.sliding_window import RELEASED_BLOCK, num_dead_blocks
 
 
 class KVCacheManager:
@@ -51,6 +51,21 @@ class KVCacheManager:
         """Block references forks gave away instead of allocating (running total)."""
         self.num_block_copies = 0
         """Shared blocks copied on a write (running total)."""
+
+    @classmethod
+    def from_config(
+        cls, config: SchedulerConfig, num_blocks: int, sliding_window: int = 0
+    ) -> KVCacheManager:
+        """The scheduler's: `num_blocks` and `sliding_window` are its worker's."""
+        return cls(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            allocation_policy=config.allocation_policy,
+            max_model_len=config.max_model_len,
+            watermark=config.watermark,
+            sliding_window=sliding_window,
+        )
 
     @property
     def num_free_blocks(self) -> int:

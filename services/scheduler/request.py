@@ -1,4 +1,7 @@
-"""A request as the scheduler tracks it: prompt, outputs so far, and how much KV is computed."""
+"""A request as the scheduler core tracks it: prompt, outputs so far, and how much KV is computed.
+
+What a feature knows of a request (its choices, drafts in flight, grammar, ...) is kept by that
+feature, by request id (services/scheduler/features/)."""
 
 from __future__ import annotations
 
@@ -6,15 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.contracts.sampling_params import SamplingParams
-from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
-
-# Joins a request's id and a choice index into the forked sequence's id. A control character:
-# the public doors refuse it in request ids, so a forked id never collides with a submitted one.
-CHOICE_ID_SEPARATOR = "\x1f"
-
-
-def choice_request_id(request_id: str, index: int) -> str:
-    return f"{request_id}{CHOICE_ID_SEPARATOR}{index}"
+from services.contracts.step import FinishReason, NewSequence
 
 
 class RequestStatus(Enum):
@@ -54,38 +49,10 @@ class Request:
     num_preemptions: int = 0
     num_pending_tokens: int = 0
     """Tokens sampled on the worker for plans whose results have not arrived yet."""
-    num_unconfirmed_drafts: int = 0
-    """Draft slots granted in plans whose results have not arrived: the worker may have
-    accepted up to that many tokens more than num_pending_tokens, so KV reserved ahead must
-    cover them too."""
     cache_salt: bytes = b""
     """Mixed into the first block's hash: requests with different salts share no KV."""
-    tenant_id: str = ""
-    """Whose share of the scheduler the request uses (fair_share.py); "" = no tenant named."""
-    tenant_weight: int = 1
     lora_name: str = ""
     """The LoRA adapter it runs with ("" = the base model); in its cache salt already."""
-    pin_name: str | None = None
-    """Set on a pinning request: when it finishes, its prompt's full blocks stay pinned
-    under this name instead of becoming evictable."""
-    grammar_ready: bool = True
-    """False while the worker compiles the request's structured-output grammar: it stays
-    waiting (the requests behind it may go first) so that no step waits for a compile."""
-    group: ChoiceGroup | None = None
-    """The choices this sequence is one of (a request with n > 1); None for n = 1."""
-    choice_index: int = 0
-
-    @property
-    def public_id(self) -> str:
-        """The id its owner submitted: a forked choice's events go out under it."""
-        return self.group.request_id if self.group is not None else self.request_id
-
-    @property
-    def num_unforked_choices(self) -> int:
-        """Choices still to fork off this sequence (only choice 0 forks; 0 once forked)."""
-        if self.group is None or self.choice_index != 0:
-            return 0
-        return self.group.n - len(self.group.choices)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -117,26 +84,49 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def event(
-        self,
-        token_ids: list[int],
-        reason: FinishReason | None,
-        logprobs: list[TokenLogprobs] | None = None,
-    ) -> TokenEvent:
-        """What its owner hears: new tokens and/or the finish, under the submitted id."""
-        if self.group is not None:
-            num_unfinished = self.group.num_unfinished
-        else:
-            num_unfinished = 0 if reason is not None else 1
-        return TokenEvent(
-            request_id=self.public_id,
-            new_token_ids=token_ids,
-            finish_reason=reason,
-            logprobs=logprobs or [],
+    def advance(self, num_new: int) -> None:
+        """Count `num_new` scheduled tokens as computed now, so the next plan can be made
+        before this one's result arrives; a step that reaches the sequence's end samples a
+        pending token."""
+        self.num_computed_tokens += num_new
+        if self.num_computed_tokens == self.num_tokens_with_pending:
+            self.num_pending_tokens += 1
+
+    def append_output(
+        self, token_ids: list[int], max_model_len: int
+    ) -> tuple[list[int], FinishReason | None]:
+        """Append a step's tokens up to the first that ends the sequence (those after a stop
+        are dropped). Returns the tokens appended and why the sequence ended (None: it goes
+        on)."""
+        for num_appended, token_id in enumerate(token_ids, 1):
+            self.output_token_ids.append(token_id)
+            reason = self.stop_reason(token_id, max_model_len)
+            if reason is not None:
+                return token_ids[:num_appended], reason
+        return list(token_ids), None
+
+    def stop_reason(self, token_id: int, max_model_len: int) -> FinishReason | None:
+        """Why the sequence ends with `token_id` just appended (None: it goes on)."""
+        sampling = self.sampling
+        if self.num_output_tokens > sampling.min_new_tokens and (
+            token_id in sampling.stop_token_ids
+            or (not sampling.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return FinishReason.STOP
+        if self.num_output_tokens >= sampling.max_new_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def new_sequence(self, block_table: list[int]) -> NewSequence:
+        """The sequence whole, as a worker that has not seen it (or dropped it) gets it."""
+        return NewSequence(
+            request_id=self.request_id,
+            token_ids=self.all_token_ids,
             num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            index=self.choice_index,
-            num_unfinished_choices=num_unfinished,
+            block_ids=list(block_table),
+            num_computed_tokens=self.num_computed_tokens,
+            sampling=self.sampling,
+            lora_name=self.lora_name,
         )
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
@@ -147,20 +137,3 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
-
-
-@dataclass(slots=True, eq=False)
-class ChoiceGroup:
-    """The n sequences of one request with n > 1.
-
-    Choice 0 is the submitted Request itself: it prefills the prompt up to its last token,
-    then forks choices 1..n-1, which share its blocks (services/scheduler/choices.py).
-    Every choice's events go out under `request_id`, with its index.
-    """
-
-    request_id: str
-    n: int
-    choices: list[Request] = field(default_factory=list)
-    """The choices created so far, in index order (choice 0 first)."""
-    num_unfinished: int = 0
-    """Choices not finished yet, forked or not: the request ends when it reaches 0."""

@@ -3,11 +3,12 @@
 No prefill phase: every request has num_computed_tokens and num_tokens, and a step gives each
 scheduled request a slice of the token budget (a decode takes 1, a prompt takes a chunk).
 
-Features keep their state in their own modules, composed here: n > 1 choices (choices.py),
+Features live in services/scheduler/features/, one object each, called at named points and
+keeping their own state by request id: n > 1 choices (choices.py: fork, split, seats, events),
 speculative draft slots (draft_slots.py), pinned prefixes (pins.py), fair shares between
 tenants (fair_share.py: whom to admit, preempt and queue), LoRA adapters per step
-(lora_slots.py: whom to admit). Each gets the KV manager and
-the lists it edits, never the scheduler.
+(lora_slots.py: whom to admit), grammar readiness (grammar_readiness.py). Each gets the KV
+manager and the lists it edits, never the scheduler.
 """
 
 from __future__ import annotations
@@ -16,27 +17,19 @@ import bisect
 import itertools
 from collections import deque
 
-from services.contracts.errors import InvalidRequestError, QueueFullError
-from services.contracts.step import (
-    BatchPlan,
-    FinishReason,
-    NewSequence,
-    SequenceDelta,
-    StepResult,
-    TokenEvent,
-)
-from services.scheduler.admission import check_servable, steps_until_a_seat_frees
-from services.scheduler.choices import ChoiceForks
+from services.contracts.errors import InvalidRequestError
+from services.contracts.step import BatchPlan, FinishReason, SequenceDelta, StepResult, TokenEvent
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.draft_slots import DraftSlots
-from services.scheduler.fair_share import FairShare
+from services.scheduler.features import admission
+from services.scheduler.features.choices import ChoiceForks
+from services.scheduler.features.draft_slots import DraftSlots
+from services.scheduler.features.fair_share import NO_TENANT, FairShare, Tenant
+from services.scheduler.features.grammar_readiness import GrammarReadiness
+from services.scheduler.features.lora_slots import LoraSlots
+from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.lora_slots import LoraSlots
-from services.scheduler.pins import PinnedPrefixes
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.stats import SchedulerStats
-
-_COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 class Scheduler:
@@ -52,15 +45,7 @@ class Scheduler:
         the window every layer of its model attends through (0: some layer sees the whole
         context), and the LoRA adapters one of its steps may mix."""
         self.config = config
-        self.kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            allocation_policy=config.allocation_policy,
-            max_model_len=config.max_model_len,
-            watermark=config.watermark,
-            sliding_window=sliding_window,
-        )
+        self.kv = KVCacheManager.from_config(config, num_blocks, sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         # Sorted by priority (arrival, then submission order), so the preemption victim, the
@@ -77,41 +62,48 @@ class Scheduler:
         # Speculative decoding: which decodes of the plan being made may draft, and how many.
         self.drafts = DraftSlots(config, self.kv)
         self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction)
-        self.fair = FairShare(config.fair_share)
+        self.fair = FairShare(config.fair_share, public_id=self.choices.public_id)
         self.loras = LoraSlots(max_loras)
+        self.grammars = GrammarReadiness()
         self.failures: dict[str, str] = {}
         """Requests (submitted ids) the worker could not run, and why: their owners hear an
         error instead of tokens (the step loop takes them after each update)."""
 
     # ---- the callers' API ---------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits)."""
+    def add_request(
+        self,
+        request: Request,
+        *,
+        tenant: Tenant = NO_TENANT,
+        grammar_pending: bool = False,
+        pin_name: str | None = None,
+    ) -> None:
+        """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits).
+        `tenant`: whose fair share it uses; `grammar_pending`: it waits until
+        `set_grammar_ready` (the worker compiles it); `pin_name`: once completed, its
+        prompt's blocks stay pinned under that name."""
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
-        check_servable(request, self.config, self.kv)
-        if request.lora_name and not self.loras.max_loras:
-            raise InvalidRequestError("lora_name", "the worker serves no LoRA adapters")
-        self.fair.note(request, itertools.chain(self.waiting, self.running))
+        admission.check_servable(request, self.config, self.kv)
+        self.loras.check_servable(request)
+        self.fair.note(tenant, itertools.chain(self.waiting, self.running))
         bound = self.max_num_unfinished_requests
         if self.num_unfinished_requests >= bound and not self.fair.may_exceed_bound(
-            request, [*self.waiting, *self.running], bound
+            tenant, [*self.waiting, *self.running], bound
         ):
-            raise QueueFullError(
-                f"{len(self.waiting)} requests waiting and {len(self.running)} running "
-                f"(at most {self.config.max_waiting_requests} waiting beyond "
-                f"{self.config.max_num_seqs} seats)"
-            )
+            raise admission.queue_full(len(self.waiting), len(self.running), self.config)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
         self._num_submitted += 1
         self.waiting.append(request)
-        if request.sampling.n > 1:
-            self.choices.add(request)
-            if not self.kv.is_paged:
-                # A max-length reservation cannot be shared: each choice reserves its own.
-                self.choices.split(request, self.waiting, len(self.waiting))
+        self.fair.on_queued(request.request_id, tenant)
+        if grammar_pending:
+            self.grammars.hold(request.request_id)
+        if pin_name is not None:
+            self.pins.pin_on_finish(request.request_id, pin_name)
+        self.choices.on_queued(request, self.waiting)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -120,39 +112,23 @@ class Scheduler:
 
     @property
     def max_num_unfinished_requests(self) -> int:
-        """The admission bound: every seat taken and max_waiting_requests waiting behind them.
-
-        Free seats count as queue room: a burst queues whole in `waiting` until the next step
-        admits it, and a bound on `waiting` alone would refuse part of a burst smaller than
-        seats + queue while the seats stand empty. Equivalently: refuse when waiting would
-        exceed max_waiting_requests + (max_num_seqs - running). Admission and preemption move
-        requests between the two lists and leave the count as it is: only a finish makes
-        room. A free seat counts even when the KV blocks for it are not free: its request
-        waits for blocks as any queued one does, and the bound still holds the queue to
-        max_waiting_requests + max_num_seqs.
-        """
-        return self.config.max_num_seqs + self.config.max_waiting_requests
+        """The admission bound: seats plus queue (admission.py says why)."""
+        return admission.max_num_unfinished_requests(self.config)
 
     def num_steps_until_a_seat_frees(self) -> int:
         """For the retry hint of a refusal at the admission bound (retry_hint.py)."""
-        return steps_until_a_seat_frees(self.running, self.waiting, self.config)
+        return admission.steps_until_a_seat_frees(self.running, self.waiting, self.config)
 
     def set_grammar_ready(self, request_id: str) -> bool:
         """The worker has the request's grammar compiled: it may be admitted now. False for an
         id no longer held (finished, aborted)."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        request.grammar_ready = True
-        return True
+        self.grammars.ready(request_id)
+        return request_id in self.requests
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request (every choice of it); its blocks are free on return. Unknown or
         finished ids are ignored."""
-        if request_id in self.choices.groups:
-            for choice in self.choices.live_choices(request_id):
-                self._finish_early(choice, FinishReason.ABORT)
-        elif (request := self.requests.get(request_id)) is not None:
+        for request in self.choices.sequences(request_id):
             self._finish_early(request, FinishReason.ABORT)
 
     def abort_choice(self, request_id: str, index: int) -> None:
@@ -196,7 +172,7 @@ class Scheduler:
             if request is None:
                 continue  # finished, aborted or expired after this plan was made
             running = request.status is RequestStatus.RUNNING
-            request.num_unconfirmed_drafts -= plan.draft_slots.get(request_id, 0)
+            self.drafts.on_result(plan, result, request_id)
             token_ids = result.token_ids(request_id)
             if not token_ids:
                 if running:
@@ -205,39 +181,22 @@ class Scheduler:
             # Also for a request preempted after this plan was made: the tokens were computed
             # from its full context, so they stand (the resumed request recomputes its KV).
             request.num_pending_tokens -= 1
-            num_accepted = len(token_ids) - 1
-            num_proposed = result.num_proposed_drafts.get(request_id)
-            if num_proposed is not None:
-                self.drafts.observe_drafts(request_id, num_proposed, num_accepted)
             if running:
                 # Accepted drafts' KV was written in this step; a rejected draft's lies past
                 # the end, where the next tokens overwrite it.
-                request.num_computed_tokens += num_accepted
-            reason = None
-            emitted: list[int] = []
-            for token_id in token_ids:
-                request.output_token_ids.append(token_id)
-                emitted.append(token_id)
-                reason = self._stop_reason(request, token_id)
-                if reason is not None:
-                    break  # tokens after a stop are dropped; the sequence ends here
+                request.num_computed_tokens += len(token_ids) - 1
+            emitted, reason = request.append_output(token_ids, self.config.max_model_len)
             if running:
                 self.kv.cache_full_blocks(request)
-            if reason is not None:
-                self.choices.note_finished(request)
-            logprobs = result.logprobs.get(request_id)
-            logprobs_list = [logprobs] if logprobs is not None else None
-            events.append(request.event(emitted, reason, logprobs_list))
+            logprobs = [lp] if (lp := result.logprobs.get(request_id)) is not None else None
+            events.append(self.choices.event(request, emitted, reason, logprobs))
             if reason is None:
                 continue
+            request.finish_reason, request.status = reason, RequestStatus.FINISHED
             if running:
-                request.finish_reason = reason
-                request.status = RequestStatus.FINISHED
                 finished.append(request)
             else:
                 self.waiting.remove(request)
-                request.finish_reason = reason
-                request.status = RequestStatus.FINISHED
                 self._release(request)
         if finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -253,37 +212,24 @@ class Scheduler:
         return bool(self.waiting or self.running or self._finished_ids or self._pending_events)
 
     def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
-            num_free_blocks=self.kv.num_free_blocks,
-            num_total_blocks=self.kv.num_total_blocks,
-            prefix_queried_tokens=self.kv.prefix_queried_tokens,
-            prefix_hit_tokens=self.kv.prefix_hit_tokens,
-            num_preemptions=self.num_preemptions,
-            num_pinned_blocks=self.pins.num_pinned_blocks,
-            num_forked_block_refs=self.kv.num_forked_block_refs,
-            num_block_copies=self.kv.num_block_copies,
-            num_draft_tokens_proposed=self.drafts.num_draft_tokens_proposed,
-            num_draft_tokens_accepted=self.drafts.num_draft_tokens_accepted,
-            num_speculative_steps=self.drafts.num_speculative_steps,
-            active_lora_adapters=self.loras.in_use(self.running),
-        )
+        return SchedulerStats.of(self)
 
     def observe_step(self, plan: BatchPlan, result: StepResult, seconds: float) -> None:
-        """The worker took `seconds` for this plan: what speculation learns its step cost
-        from (tokens computed: scheduled, plus the drafts verified)."""
-        if plan.num_scheduled_tokens:
-            num_drafts = sum(result.num_proposed_drafts.values())
-            self.drafts.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)
+        """The worker took `seconds` for this plan (speculation learns its step cost)."""
+        self.drafts.observe_step(plan, result, seconds)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.pins.tables())
-        queued = [r.request_id for r in self.waiting] + [r.request_id for r in self.running]
+        queued_requests = [*self.waiting, *self.running]
+        queued = [r.request_id for r in queued_requests]
         assert len(queued) == len(set(queued)) == len(self.requests), "request lists disagree"
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, request.request_id
         self.choices.check_integrity(self.running, self.config.max_num_seqs)
+        # Features keep per-request state only for requests held: each forgets on release.
+        for state in (self.drafts, self.grammars, self.pins):
+            assert state.request_ids() <= self.requests.keys(), type(state).__name__
+        assert self.fair.request_ids() <= {self.choices.public_id(r) for r in queued_requests}
 
     # ---- scheduling ---------------------------------------------------------------------
 
@@ -294,16 +240,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_unforked = request.num_unforked_choices
-            if num_unforked and request.num_computed_tokens == request.num_prompt_tokens - 1:
-                # Its prefill was in an earlier plan, so the shared KV is written before this
-                # plan's forward. All choices start in one step, or none does.
-                if budget < 1 + num_unforked or not self._make_room_to_fork(request, index):
-                    if request.is_finished:
-                        break  # it could never fork: ended, and everyone after it is gone
-                    index += 1
-                    continue
-                self.choices.fork(request, self.running, index)
+            if self.choices.due_to_fork(request) and not self._fork(request, index, budget):
+                if request.is_finished:
+                    break  # it could never fork: ended, and everyone after it is gone
+                index += 1
+                continue
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new <= 0:
                 index += 1
@@ -311,7 +252,7 @@ class Scheduler:
             # Drafts of plans in flight may have been accepted: the worker's sequence can be
             # that much further along than this one, and the step writes there.
             new_blocks = self._allocate_or_preempt(
-                request, index, num_new + request.num_unconfirmed_drafts
+                request, index, num_new + self.drafts.num_unconfirmed(request.request_id)
             )
             if new_blocks is None:
                 break  # the request itself is gone, and so is everyone after it
@@ -348,7 +289,7 @@ class Scheduler:
             request = self.fair.next_to_admit(self.waiting, self.running, passed_over)
             if request is None:
                 break
-            if not request.grammar_ready or not self.loras.admits(request):
+            if not self.grammars.is_ready(request) or not self.loras.admits(request):
                 # Its grammar still compiles on the worker, or every LoRA slot holds another
                 # adapter: the requests behind it go first (the queue must not stall on it).
                 passed_over.add(request.request_id)
@@ -358,12 +299,8 @@ class Scheduler:
                 # with the next result, and must be part of the sequence it is resent as.
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            if request.num_unforked_choices and num_cached >= request.num_prompt_tokens - 1:
-                # No prompt token is left to compute before the last one (a one-token prompt,
-                # or a cache hit up to it): nothing to fork. The choices queue right behind as
-                # sequences of their own, and take the cached blocks by their own hits.
-                self.choices.split(request, self.waiting, self.waiting.index(request) + 1)
-            if self._num_seats_taken + 1 + request.num_unforked_choices > max_num_seqs:
+            self.choices.before_admission(request, num_cached, self.waiting)
+            if self._num_seats_taken + 1 + self.choices.num_unforked(request) > max_num_seqs:
                 break
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
             # With nothing running there is no decode to keep headroom for, and insisting on
@@ -378,7 +315,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
-            self.choices.num_reserved_seats += request.num_unforked_choices
+            self.choices.on_admitted(request)
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
             self.loras.note_admitted(request)
             self._add_to_plan(plan, request, num_new, new_blocks)
@@ -398,26 +335,20 @@ class Scheduler:
                 plan.block_deltas.append(SequenceDelta(request.request_id, new_blocks))
         else:
             self._on_worker.add(request.request_id)
-            plan.new_sequences.append(
-                NewSequence(
-                    request_id=request.request_id,
-                    token_ids=request.all_token_ids,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    block_ids=list(self.kv.get_block_table(request.request_id)),
-                    num_computed_tokens=request.num_computed_tokens,
-                    sampling=request.sampling,
-                    lora_name=request.lora_name,
-                )
-            )
+            block_table = self.kv.get_block_table(request.request_id)
+            plan.new_sequences.append(request.new_sequence(block_table))
         plan.num_scheduled_tokens[request.request_id] = num_new
         if num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens_with_pending:
             self.drafts.note_decode(request)  # it samples this step: it may also draft
-        self._advance(request, num_new)
+        request.advance(num_new)
 
-    def _make_room_to_fork(self, first: Request, position: int) -> bool:
-        """Free blocks for the fork's copies of the partial block, preempting requests after
-        `first` (later arrivals) if needed. False when they do not fit this step; a request
-        alone that cannot fork ends with "length", like one that cannot grow."""
+    def _fork(self, first: Request, position: int, budget: int) -> bool:
+        """Fork the choices of the running `first` (choices.py) if the budget holds their
+        first steps and free blocks their copies of the partial block, preempting requests
+        after `first` (later arrivals) if needed. False when they do not fit this step; a
+        request alone that cannot fork ends with "length", like one that cannot grow."""
+        if budget < self.choices.num_tokens_to_fork(first):
+            return False
         needed = self.choices.num_blocks_to_fork(first)
         while self.kv.num_free_blocks < needed:
             if len(self.running) == 1:
@@ -426,15 +357,8 @@ class Scheduler:
             if len(self.running) - 1 <= position:
                 return False  # only earlier arrivals hold blocks: wait for them to finish
             self._preempt_after(position)
+        self.choices.fork(first, self.running, position)
         return True
-
-    @staticmethod
-    def _advance(request: Request, num_new: int) -> None:
-        """Count scheduled tokens as computed now, so the next plan can be made before this
-        one's result arrives; a step that reaches the sequence's end samples a pending token."""
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens_with_pending:
-            request.num_pending_tokens += 1
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         if (
@@ -443,10 +367,7 @@ class Scheduler:
         ):
             return 0  # its last token is already being sampled: it finishes on that result
         num_new = request.num_tokens_with_pending - num_computed
-        if request.num_unforked_choices:
-            # Choice 0 stops one token short of the prompt's end: every choice computes the
-            # last token itself, and samples its own first token from it.
-            num_new = min(num_new, request.num_prompt_tokens - 1 - num_computed)
+        num_new = self.choices.limit_prefill(request, num_computed, num_new)
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
@@ -457,7 +378,7 @@ class Scheduler:
         most over theirs (fair_share.py), before this step's plan schedules anyone."""
         num_free = max(0, self.config.max_num_seqs - self._num_seats_taken)
         for victim in self.fair.seats_to_free(
-            self.waiting, self.running, self.config.max_num_seqs, num_free
+            self.waiting, self.running, self.config.max_num_seqs, num_free, self.grammars.is_ready
         ):
             self._preempt(victim)
 
@@ -471,7 +392,7 @@ class Scheduler:
         """Preempt a running request by recompute: drop its KV, requeue it at the front,
         resend it whole later. Returns it."""
         self.running.remove(request)
-        self.choices.num_reserved_seats -= request.num_unforked_choices
+        self.choices.on_preempted(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -482,13 +403,8 @@ class Scheduler:
         return request
 
     def _expire_deadlines(self, now: float) -> None:
-        expired = [
-            r
-            for queue in (self.waiting, self.running)
-            for r in queue
-            if r.deadline is not None and r.deadline <= now
-        ]
-        for request in expired:
+        held = [*self.waiting, *self.running]
+        for request in [r for r in held if r.deadline is not None and r.deadline <= now]:
             self._finish_early(request, FinishReason.DEADLINE)
 
     # ---- finishing ----------------------------------------------------------------------
@@ -500,8 +416,7 @@ class Scheduler:
         (self.running if was_running else self.waiting).remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.choices.note_finished(request)
-        self._pending_events.append(request.event([], reason))
+        self._pending_events.append(self.choices.event(request, [], reason))
         self._pending_events.extend(self.choices.end_unforked(request, reason, was_running))
         self._release(request)
 
@@ -510,38 +425,25 @@ class Scheduler:
         every choice of their request with them. Before their results are read: KV they were
         to compute is not cached."""
         for request_id, reason in failed.items():
-            request = self.requests.get(request_id)
-            if request is None:
+            if (request := self.requests.get(request_id)) is None:
                 continue
-            self.failures[request.public_id] = reason
-            self.abort_request(request.public_id)
+            public_id = self.choices.public_id(request)
+            self.failures[public_id] = reason
+            self.abort_request(public_id)
 
     def _release(self, request: Request) -> None:
-        if request.pin_name is not None and request.finish_reason in _COMPLETED:
-            # Before free(): the blocks must not pass through the free queue in between.
-            self.pins.pin(request.pin_name, request)
+        # Before free(): pinned blocks must not pass through the free queue in between.
+        self.pins.on_released(request)
         self.kv.free(request)
         self.drafts.forget(request.request_id)
+        self.grammars.forget(request.request_id)
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]
         del self._priority[request.request_id]
-        self.choices.release(request)
+        if (public_id := self.choices.on_released(request)) is not None:
+            self.fair.forget(public_id)  # none of its sequences is left
 
     def _drop_from_worker(self, request_id: str) -> None:
         if request_id in self._on_worker:
             self._on_worker.discard(request_id)
             self._finished_ids.append(request_id)
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        sampling = request.sampling
-        if request.num_output_tokens > sampling.min_new_tokens and (
-            token_id in sampling.stop_token_ids
-            or (not sampling.ignore_eos and token_id in request.eos_token_ids)
-        ):
-            return FinishReason.STOP
-        if (
-            request.num_output_tokens >= sampling.max_new_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
-            return FinishReason.LENGTH
-        return None

@@ -33,8 +33,9 @@ from services.common.redis_store import RedisStore, open_store, redact_url
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.errors import InvalidRequestError, NotFoundError
 from services.scheduler import lora_metrics, metrics, tenant_metrics
-from services.scheduler.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.convert import event_to_proto, stats_to_proto
+from services.scheduler.features.coalesce import QueueItem, merge_by_choice, take_batch
+from services.scheduler.features.fair_share import Tenant
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.server_config import SchedulerServerConfig
@@ -78,11 +79,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 arrival_time=now,
                 deadline=None if remaining is None else now + remaining,
                 cache_salt=adapter_salt(bytes(request.cache_salt), request.lora_name),
-                tenant_id=request.tenant_id,
-                tenant_weight=max(1, request.tenant_weight),
                 lora_name=request.lora_name,
             )
-            queue = self.loop.submit(scheduled)
+            tenant = Tenant(request.tenant_id, max(1, request.tenant_weight))
+            queue = self.loop.submit(scheduled, tenant=tenant)
             metrics.on_admitted(scheduled)
             lora_metrics.on_admitted(request.lora_name)
             log.info(
@@ -147,7 +147,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     if first:
                         queued = self.loop.queue_seconds(scheduled)
                         metrics.on_first_scheduled(queued)
-                        tenant_metrics.on_first_scheduled(scheduled.tenant_id, queued)
+                        tenant_metrics.on_first_scheduled(request.tenant_id, queued)
                         response.queue_ms = (queued or 0.0) * 1000
                         first = False
                     yield response

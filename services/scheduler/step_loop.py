@@ -28,11 +28,12 @@ from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.contracts.structured_output import StructuredOutput
 from services.contracts.worker_description import WorkerDescription
 from services.scheduler import lora_metrics, metrics, tenant_metrics
-from services.scheduler.lora_registry import LoraRegistry
-from services.scheduler.pin_keeper import PinKeeper, PromptSource
+from services.scheduler.features.fair_share import NO_TENANT, Tenant
+from services.scheduler.features.lora_registry import LoraRegistry
+from services.scheduler.features.pin_keeper import PinKeeper, PromptSource
+from services.scheduler.features.retry_hint import StepTimeAverage, retry_after_ms
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
-from services.scheduler.retry_hint import StepTimeAverage, retry_after_ms
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import SchedulerServerConfig
 from services.scheduler.stats import SchedulerStats
@@ -83,18 +84,20 @@ class StepLoop:
 
     # ---- the server's calls --------------------------------------------------------------
 
-    def submit(self, request: Request) -> EventQueue:
+    def submit(
+        self, request: Request, *, tenant: Tenant = NO_TENANT, pin_name: str | None = None
+    ) -> EventQueue:
         """Queue a request; its events arrive on the returned queue. Raises WorkerUnavailable,
         or the scheduler's typed errors (invalid, queue full with a retry hint, can never
-        fit)."""
+        fit). `tenant`: whose fair share it uses; `pin_name`: a pinning request's (pins.py)."""
         if self.scheduler is None or not self.connected.is_set():
             raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
         self.loras.check(request.lora_name)
         spec = request.sampling.structured_output
-        if spec is not None:
-            request.grammar_ready = False
         try:
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(
+                request, tenant=tenant, grammar_pending=spec is not None, pin_name=pin_name
+            )
         except QueueFullError as exc:
             # The core counts steps; this loop knows how long they take.
             num_steps = self.scheduler.num_steps_until_a_seat_frees()

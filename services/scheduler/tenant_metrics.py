@@ -50,8 +50,9 @@ tenant_label = BoundedLabels(MAX_TENANT_LABELS)
 def on_step(scheduler: Scheduler) -> None:
     """Seats and queue per tenant; tenants that held something before and nothing now go to
     0 (their series stay, as labels are bounded)."""
-    running = Counter(tenant_label(r.tenant_id) for r in scheduler.running)
-    waiting = Counter(tenant_label(r.tenant_id) for r in scheduler.waiting)
+    tenant_of = scheduler.fair.tenant_of
+    running = Counter(tenant_label(tenant_of(r)) for r in scheduler.running)
+    waiting = Counter(tenant_label(tenant_of(r)) for r in scheduler.waiting)
     for label in {*tenant_label.labels.values(), *running, *waiting}:
         TENANT_RUNNING.labels(label).set(running[label])
         TENANT_WAITING.labels(label).set(waiting[label])

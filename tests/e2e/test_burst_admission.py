@@ -15,7 +15,7 @@ import pytest
 
 from protos.llmserve.v1 import text_pb2, text_pb2_grpc
 from services.common.grpc_server import REASON_METADATA_KEY, RETRY_PUSHBACK_METADATA_KEY
-from services.scheduler.retry_hint import MAX_RETRY_AFTER_MS
+from services.scheduler.features.retry_hint import MAX_RETRY_AFTER_MS
 from services.stack import RunningStack
 from tests.e2e.conftest import e2e_stack
 

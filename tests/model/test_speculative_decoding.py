@@ -15,7 +15,7 @@ from benchmarks.speculative_workload import grounded_messages
 from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
-from services.scheduler.speculation_policy import SpeculationPolicy
+from services.scheduler.features.speculation_policy import SpeculationPolicy
 from services.text.chat_template import ChatMessage
 from services.worker.loaded_model import LoadedModel
 from tests.model.conftest import PROMPTS

@@ -11,9 +11,9 @@ from typing import Any
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.features.sliding_window import RELEASED_BLOCK
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.sliding_window import RELEASED_BLOCK
 
 EOS_TOKEN_ID = 2
 BLOCK_SIZE = 16

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.contracts.sampling_params import SamplingParams
+from services.scheduler.features.sliding_window import RELEASED_BLOCK, num_dead_blocks
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
-from services.scheduler.sliding_window import RELEASED_BLOCK, num_dead_blocks
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

@@ -4,16 +4,18 @@ them, driven by the fake worker (every plan checked against the KV it reads)."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 
 from services.contracts.errors import QueueFullError
 from services.contracts.step import TokenEvent
-from services.scheduler.fair_share import MAX_TENANTS, FairShare
+from services.scheduler.features.fair_share import MAX_TENANTS, FairShare, Tenant
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from tests.unit.factories import create_requests, create_scheduler, worker_of
+
+TENANTS: dict[str, Tenant] = {}
+"""Each request tenant_requests made, by id: the tenant it is submitted as."""
 
 
 def tenant_requests(
@@ -27,12 +29,25 @@ def tenant_requests(
         arrival_time=start,
         ignore_eos=True,
     )
-    return [replace(r, tenant_id=tenant, tenant_weight=weight) for r in requests]
+    for request in requests:
+        TENANTS[request.request_id] = Tenant(tenant, weight)
+    return requests
+
+
+def tenant(request: Request) -> Tenant:
+    return TENANTS[request.request_id]
+
+
+def note_all(fair: FairShare, requests: list[Request]) -> None:
+    """As the scheduler does when it queues them."""
+    for request in requests:
+        fair.note(tenant(request), [])
+        fair.on_queued(request.request_id, tenant(request))
 
 
 def add_all(scheduler: Scheduler, requests: list[Request]) -> None:
     for request in requests:
-        scheduler.add_request(request)
+        scheduler.add_request(request, tenant=tenant(request))
 
 
 def run_steps(scheduler: Scheduler, num_steps: int, start: float = 0.0) -> list[TokenEvent]:
@@ -45,7 +60,7 @@ def run_steps(scheduler: Scheduler, num_steps: int, start: float = 0.0) -> list[
 
 
 def running_by_tenant(scheduler: Scheduler) -> Counter[str]:
-    return Counter(r.tenant_id for r in scheduler.running)
+    return Counter(scheduler.fair.tenant_of(r) for r in scheduler.running)
 
 
 def tokens_by_tenant(events: list[TokenEvent], scheduler_requests: dict[str, str]) -> Counter[str]:
@@ -61,23 +76,24 @@ def tokens_by_tenant(events: list[TokenEvent], scheduler_requests: dict[str, str
 def test_one_tenant_is_first_come_first_served() -> None:
     fair = FairShare()
     waiting = tenant_requests("a", 3)
-    for r in waiting:
-        fair.note(r, [])
+    note_all(fair, waiting)
     assert fair.next_to_admit(waiting, [], set()) is waiting[0]
     assert fair.next_to_admit(waiting, [], {waiting[0].request_id}) is waiting[1]
-    assert fair.seats_to_free(waiting, tenant_requests("a", 4, start=10), 4, 0) == []
+    running = tenant_requests("a", 4, start=10)
+    note_all(fair, running)
+    assert fair.seats_to_free(waiting, running, 4, 0) == []
 
 
 def test_admission_goes_to_the_tenant_with_fewest_seats_per_weight() -> None:
     fair = FairShare()
     a_waiting, b_waiting = tenant_requests("a", 3), tenant_requests("b", 2, start=5)
     running = tenant_requests("a", 2, start=100)
-    for r in (*a_waiting, *b_waiting, *running):
-        fair.note(r, [])
+    note_all(fair, [*a_waiting, *b_waiting, *running])
     # a holds 2 seats, b none: b goes first although a came first.
     assert fair.next_to_admit([*a_waiting, *b_waiting], running, set()) is b_waiting[0]
     # Equal seats: the tenant whose request is first in the queue.
     both_running = [*running, *tenant_requests("b", 2, start=200)]
+    note_all(fair, both_running)
     assert fair.next_to_admit([*a_waiting, *b_waiting], both_running, set()) is a_waiting[0]
 
 
@@ -86,8 +102,7 @@ def test_weights_decide_the_order() -> None:
     heavy = tenant_requests("heavy", 4, weight=3)
     light = tenant_requests("light", 4, start=50)
     running = [*tenant_requests("heavy", 2, weight=3, start=100), *light[:1]]
-    for r in (*heavy, *light, *running):
-        fair.note(r, [])
+    note_all(fair, [*heavy, *light, *running])
     # heavy: (2 + 1) / 3 = 1 seat per weight with one more; light: (1 + 1) / 1 = 2.
     assert fair.next_to_admit([*heavy, *light[1:]], running, set()) is heavy[0]
 
@@ -96,8 +111,7 @@ def test_seats_to_free_takes_from_the_tenant_over_its_share_only_down_to_it() ->
     fair = FairShare()
     running = tenant_requests("a", 8, start=100)
     waiting = tenant_requests("b", 6)
-    for r in (*running, *waiting):
-        fair.note(r, [])
+    note_all(fair, [*running, *waiting])
     victims = fair.seats_to_free(waiting, running, num_seats=8, num_free=0)
     # Shares 4 and 4: four of a's latest arrivals give way, no more although b has six.
     assert victims == running[-1:-5:-1]
@@ -112,8 +126,7 @@ def test_no_seat_swings_between_tenants_at_their_shares() -> None:
     running = [*tenant_requests("a", 6, start=100), *tenant_requests("b", 5, start=200)]
     running += tenant_requests("c", 5, start=300)
     waiting = tenant_requests("c", 3)
-    for r in (*running, *waiting):
-        fair.note(r, [])
+    note_all(fair, [*running, *waiting])
     # 16 seats, three equal tenants: 5.33 each. c (5) may not take a's sixth: a would drop
     # to 5, under its share, and take it back.
     assert fair.seats_to_free(waiting, running, num_seats=16, num_free=0) == []
@@ -124,8 +137,7 @@ def test_victim_under_memory_pressure_is_from_the_tenant_most_over_its_share() -
     a = tenant_requests("a", 6, start=0)
     b = tenant_requests("b", 2, start=10)
     running = [*a[:3], *b, *a[3:]]
-    for r in running:
-        fair.note(r, [])
+    note_all(fair, running)
     # Candidates after position 2: b0, b1, a3, a4, a5; a holds 6 seats for weight 1.
     assert fair.victim(running, running[3:]) is a[5]
     assert fair.victim(running, [b[0], b[1]]) is b[1]
@@ -136,15 +148,15 @@ def test_victim_under_memory_pressure_is_from_the_tenant_most_over_its_share() -
 def test_queue_room_kept_for_a_tenant_under_its_share() -> None:
     fair = FairShare()
     held = tenant_requests("a", 10)
-    for r in held:
-        fair.note(r, [])
+    note_all(fair, held)
     b = tenant_requests("b", 6)
-    assert fair.may_exceed_bound(b[0], held, bound=10)
-    assert not fair.may_exceed_bound(tenant_requests("a", 1, start=50)[0], held, bound=10)
+    assert fair.may_exceed_bound(tenant(b[0]), held, bound=10)
+    assert not fair.may_exceed_bound(Tenant("a"), held, bound=10)
     # b already holds its share (5 of 10): no more room for it.
-    assert not fair.may_exceed_bound(b[5], [*held, *b[:5]], bound=10)
-    assert not fair.may_exceed_bound(b[0], held * 2, bound=10)  # twice the bound: never
-    assert not FairShare(enabled=False).may_exceed_bound(b[0], held, bound=10)
+    note_all(fair, b[:5])
+    assert not fair.may_exceed_bound(tenant(b[5]), [*held, *b[:5]], bound=10)
+    assert not fair.may_exceed_bound(tenant(b[0]), held * 2, bound=10)  # twice the bound: never
+    assert not FairShare(enabled=False).may_exceed_bound(tenant(b[0]), held, bound=10)
 
 
 # ---- the scheduler core with fair shares ------------------------------------------------
@@ -176,7 +188,7 @@ def test_saturating_tenants_split_output_tokens_by_weight(weight_a: int, weight_
     scheduler = create_scheduler(max_num_seqs=8, max_num_batched_tokens=256)
     a = tenant_requests("a", 60, weight=weight_a, max_new_tokens=24)
     b = tenant_requests("b", 60, weight=weight_b, max_new_tokens=24, start=0.5)
-    owner = {r.request_id: r.tenant_id for r in (*a, *b)}
+    owner = {r.request_id: tenant(r).tenant_id for r in (*a, *b)}
     add_all(scheduler, [r for pair in zip(a, b, strict=True) for r in pair])
     run_steps(scheduler, 20)  # both tenants still have plenty waiting after these
     events = run_steps(scheduler, 100, start=20)
@@ -191,10 +203,10 @@ def test_the_queue_bound_keeps_room_for_another_tenant() -> None:
     scheduler = create_scheduler(max_num_seqs=4, max_waiting_requests=4)
     add_all(scheduler, tenant_requests("a", 8))
     with pytest.raises(QueueFullError):
-        scheduler.add_request(tenant_requests("a", 1, start=100)[0])
+        add_all(scheduler, tenant_requests("a", 1, start=100))
     add_all(scheduler, tenant_requests("b", 4, start=200))  # its share of the bound: 4 of 8
     with pytest.raises(QueueFullError):
-        scheduler.add_request(tenant_requests("b", 5, start=300)[4])
+        add_all(scheduler, tenant_requests("b", 5, start=300)[4:])
     run_steps(scheduler, 200)
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_total_blocks
@@ -217,9 +229,9 @@ def test_memory_pressure_preempts_the_tenant_over_its_share() -> None:
 def test_idle_tenants_are_forgotten_past_the_table_size() -> None:
     fair = FairShare()
     held = tenant_requests("busy", 1, weight=5)
-    fair.note(held[0], [])
+    note_all(fair, held)
     for index in range(MAX_TENANTS + 10):
-        fair.note(tenant_requests(f"t{index}", 1, weight=2)[0], held)
+        fair.note(Tenant(f"t{index}", weight=2), held)
     assert len(fair._weights) <= MAX_TENANTS
     assert fair.weight("busy") == 5
 
@@ -230,3 +242,17 @@ def test_the_flag_reaches_the_scheduler_core(enabled: bool) -> None:
 
     config = SchedulerServerConfig(fair_share=enabled).scheduler_config(16, 2048)
     assert config.fair_share is enabled
+
+
+def test_every_choice_is_of_its_requests_tenant_until_the_last_one_leaves() -> None:
+    scheduler = create_scheduler(max_num_seqs=8, max_num_batched_tokens=256)
+    for unnamed in create_requests(4, 10, 8, id_prefix="none-", ignore_eos=True):
+        scheduler.add_request(unnamed)
+    (request,) = create_requests(1, 24, 8, id_prefix="b-n3-", n=3, ignore_eos=True)
+    scheduler.add_request(request, tenant=Tenant("b", 2))
+    run_steps(scheduler, 3)
+    assert running_by_tenant(scheduler) == {"": 4, "b": 3}
+    assert scheduler.fair.request_ids() == {"b-n3-0"}  # only named tenants are kept
+    run_steps(scheduler, 40, start=3)
+    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.fair.request_ids()

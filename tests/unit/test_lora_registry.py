@@ -13,7 +13,7 @@ import pytest
 
 from services.contracts.errors import InvalidRequestError, NotFoundError
 from services.contracts.lora import LoraAdapterInfo
-from services.scheduler.lora_registry import LoraRegistry
+from services.scheduler.features.lora_registry import LoraRegistry
 from services.scheduler.worker_client import LoraAdapterBusy
 
 

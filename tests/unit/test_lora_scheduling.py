@@ -12,7 +12,7 @@ import pytest
 from services.common.prefix_hash import adapter_salt, tenant_salt
 from services.contracts.errors import InvalidRequestError
 from services.contracts.step import TokenEvent
-from services.scheduler.lora_slots import LoraSlots
+from services.scheduler.features.lora_slots import LoraSlots
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from tests.unit.factories import create_requests, create_scheduler, worker_of

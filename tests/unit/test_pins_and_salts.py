@@ -16,7 +16,6 @@ def pin_request(name: str, token_ids: list[int], salt: bytes = b"") -> Request:
         prompt_token_ids=list(token_ids),
         sampling=SamplingParams(temperature=0.0, max_new_tokens=1),
         cache_salt=salt,
-        pin_name=name,
     )
 
 
@@ -32,7 +31,7 @@ def test_prefix_block_hashes_chain_like_the_block_pool() -> None:
 
 def test_pinned_prefix_survives_memory_pressure_and_is_hit() -> None:
     scheduler = create_scheduler(num_blocks=12, max_pinned_fraction=0.5)
-    scheduler.add_request(pin_request("sys", SYSTEM))
+    scheduler.add_request(pin_request("sys", SYSTEM), pin_name="sys")
     run_until_done(scheduler)
     assert scheduler.pins.pinned_tokens("sys") == 48
     assert scheduler.get_stats().num_pinned_blocks == 3
@@ -53,7 +52,7 @@ def test_pinned_prefix_survives_memory_pressure_and_is_hit() -> None:
 
 def test_pin_beyond_the_budget_pins_nothing() -> None:
     scheduler = create_scheduler(num_blocks=20, max_pinned_fraction=0.1)  # 2 blocks
-    scheduler.add_request(pin_request("big", SYSTEM))
+    scheduler.add_request(pin_request("big", SYSTEM), pin_name="big")
     run_until_done(scheduler)
     assert scheduler.pins.pinned_tokens("big") == 0
     assert scheduler.kv.num_free_blocks == 20
@@ -61,7 +60,7 @@ def test_pin_beyond_the_budget_pins_nothing() -> None:
 
 def test_an_aborted_pin_request_pins_nothing() -> None:
     scheduler = create_scheduler()
-    scheduler.add_request(pin_request("sys", SYSTEM))
+    scheduler.add_request(pin_request("sys", SYSTEM), pin_name="sys")
     scheduler.abort_request("pin-sys")
     run_until_done(scheduler)
     assert scheduler.pins.num_pinned_blocks == 0

@@ -14,13 +14,13 @@ from services.common.grpc_server import (
     retry_pushback_ms,
 )
 from services.contracts.errors import CapacityError, QueueFullError
-from services.scheduler.request import Request
-from services.scheduler.retry_hint import (
+from services.scheduler.features.retry_hint import (
     DEFAULT_RETRY_AFTER_MS,
     MAX_RETRY_AFTER_MS,
     StepTimeAverage,
     retry_after_ms,
 )
+from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import SchedulerServerConfig
 from services.scheduler.step_loop import StepLoop

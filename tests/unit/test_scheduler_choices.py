@@ -9,7 +9,7 @@ import pytest
 
 from services.contracts.errors import InvalidRequestError
 from services.contracts.step import FinishReason, TokenEvent
-from services.scheduler.request import choice_request_id
+from services.scheduler.features.choices import choice_request_id
 from services.scheduler.scheduler import Scheduler
 from tests.unit.factories import (
     BLOCK_SIZE,

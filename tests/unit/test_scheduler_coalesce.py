@@ -1,6 +1,7 @@
-"""Coalescing a request's queued token events into Submit messages (services/scheduler/coalesce.py):
-the pure merge, and the scheduler's Submit stream over real gRPC against a fake step loop whose
-events are all queued before the reader asks (a reader that fell behind)."""
+"""Coalescing a request's queued token events into Submit messages
+(services/scheduler/features/coalesce.py): the pure merge, and the scheduler's Submit stream
+over real gRPC against a fake step loop whose events are all queued before the reader asks (a
+reader that fell behind)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ from protos.llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.sampling_proto import sampling_to_proto
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason, TokenEvent, TokenLogprobs
-from services.scheduler.coalesce import QueueItem, merge_by_choice, merge_events, take_batch
+from services.scheduler.features.coalesce import (
+    QueueItem,
+    merge_by_choice,
+    merge_events,
+    take_batch,
+)
+from services.scheduler.features.fair_share import NO_TENANT, Tenant
 from services.scheduler.request import Request
 from services.scheduler.server import SchedulerServicer
 from services.scheduler.server_config import SchedulerServerConfig
@@ -119,7 +126,7 @@ class FakeLoop:
     def clock(self) -> float:
         return 100.0
 
-    def submit(self, request: Request) -> EventQueue:
+    def submit(self, request: Request, *, tenant: Tenant = NO_TENANT) -> EventQueue:
         queue: EventQueue = asyncio.Queue()
         for item in self.script:
             queue.put_nowait(item)

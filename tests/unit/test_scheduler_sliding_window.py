@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.scheduler.features.sliding_window import RELEASED_BLOCK
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.sliding_window import RELEASED_BLOCK
 from tests.unit.factories import (
     BLOCK_SIZE,
     FakeWorker,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.scheduler.features.sliding_window import RELEASED_BLOCK, num_dead_blocks
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
-from services.scheduler.sliding_window import RELEASED_BLOCK, num_dead_blocks
 from tests.unit.factories import create_requests
 
 BS = 4

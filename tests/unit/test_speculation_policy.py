@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.scheduler.speculation_policy import SpeculationPolicy, StepCostModel
+from services.scheduler.features.speculation_policy import SpeculationPolicy, StepCostModel
 
 
 def trained(fixed_s: float, per_token_s: float, max_draft_tokens: int = 4) -> SpeculationPolicy:

@@ -343,8 +343,7 @@ def test_the_sampler_masks_only_the_constrained_rows(
 def test_a_request_waits_for_its_grammar_while_the_ones_behind_go_first() -> None:
     scheduler = create_scheduler(max_num_seqs=4)
     first, second = create_requests(2, num_tokens=8, max_new_tokens=2)
-    first.grammar_ready = False
-    scheduler.add_request(first)
+    scheduler.add_request(first, grammar_pending=True)
     scheduler.add_request(second)
     plan = scheduler.schedule(0.0)
     assert list(plan.num_scheduled_tokens) == ["req1"]
@@ -364,12 +363,13 @@ def test_a_request_waits_for_its_grammar_while_the_ones_behind_go_first() -> Non
 def test_an_unready_request_counts_toward_the_queue_bound_and_can_be_aborted() -> None:
     scheduler = create_scheduler(max_num_seqs=1, max_waiting_requests=0)
     (request,) = create_requests(1, num_tokens=8)
-    request.grammar_ready = False
-    scheduler.add_request(request)
+    scheduler.add_request(request, grammar_pending=True)
     assert scheduler.num_unfinished_requests == 1
+    assert not scheduler.grammars.is_ready(request)
     scheduler.abort_request("req0")
     plan = scheduler.schedule(0.0)
     assert plan.is_empty and not scheduler.requests
+    assert scheduler.grammars.is_ready(request)  # its feature state left with it
     scheduler.check_integrity()
 
 

@@ -131,7 +131,7 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadLoraAdapter(self, request, context):
-        """LoRA adapters on this scheduler's worker (services/scheduler/lora_registry.py). Load:
+        """LoRA adapters on this scheduler's worker (services/scheduler/features/lora_registry.py). Load:
         ALREADY_EXISTS for a loaded name, INVALID_ARGUMENT naming what does not fit the model.
         Unload: new requests naming it get NOT_FOUND at once; the call returns once the requests
         that hold it have finished and the worker has dropped it. Reloaded onto a restarted worker.

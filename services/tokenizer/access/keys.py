@@ -7,7 +7,7 @@ gRPC, no HTTP; each door passes the `Authorization` value it received.
     key file "K tenant=acme"    K acts for tenant acme only: a request naming another tenant
                                 is refused, one naming none is acme's
     key file "K weight=3"       K's requests count 3 times as much as a weight-1 key's in the
-                                schedulers' fair shares (services/scheduler/fair_share.py)
+                                schedulers' fair shares (services/scheduler/features/fair_share.py)
     key file "K max_concurrent=4 rpm=60 tpm=100000"
                                 K's limits: requests in flight at once, requests and tokens
                                 (prompt + output) per minute, counted across the replicas

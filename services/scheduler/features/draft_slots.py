@@ -5,18 +5,19 @@ The scheduler core tells it each decode it plans (`note_decode`), asks it to gra
 the plan's other work is in (`grant`), and reports what the worker proposed and how long a
 step took (`observe_drafts`, `observe_step`); the back-off policy itself is
 SpeculationPolicy's. Drafts never preempt: a slot is granted only where free blocks hold its
-KV, and blocks reserved for drafts no longer granted are freed.
+KV, and blocks reserved for drafts no longer granted are freed. The drafts each sequence has
+in flight are counted here, by sequence id.
 """
 
 from __future__ import annotations
 
 from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
-from services.contracts.step import BatchPlan
+from services.contracts.step import BatchPlan, StepResult
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.features.plan_edits import send_blocks, send_truncation
+from services.scheduler.features.speculation_policy import SpeculationPolicy
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.plan_edits import send_blocks, send_truncation
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.speculation_policy import SpeculationPolicy
 
 
 class DraftSlots:
@@ -25,6 +26,10 @@ class DraftSlots:
         self.kv = kv
         self.policy = SpeculationPolicy(MAX_SPECULATIVE_TOKENS)
         self._plan_decodes: list[Request] = []
+        self._num_unconfirmed: dict[str, int] = {}
+        """Draft slots granted per sequence in plans whose results have not arrived: the
+        worker may have accepted up to that many tokens more than the scheduler has heard of,
+        so KV reserved ahead must cover them too (no entry: none)."""
         self.num_draft_tokens_proposed = 0
         self.num_draft_tokens_accepted = 0
         self.num_speculative_steps = 0
@@ -57,18 +62,18 @@ class DraftSlots:
                     break
                 request = requests[request_id]
                 new_blocks = self.kv.reserve_lookahead(
-                    request, num_slots + request.num_unconfirmed_drafts
+                    request, num_slots + self.num_unconfirmed(request_id)
                 )
                 if new_blocks is None:
                     continue
                 send_blocks(plan, request_id, new_blocks)
                 plan.draft_slots[request_id] = num_slots
-                request.num_unconfirmed_drafts += num_slots
+                self._num_unconfirmed[request_id] = self.num_unconfirmed(request_id) + num_slots
                 budget -= num_slots
         for request in decodes:
             # What the worker may still write: this step's token and drafts, and the drafts
             # of plans in flight whose outcome is not known yet.
-            keep = request.num_computed_tokens + request.num_unconfirmed_drafts
+            keep = request.num_computed_tokens + self.num_unconfirmed(request.request_id)
             num_kept = self.kv.trim(request, keep)
             if num_kept is not None:
                 send_truncation(plan, request.request_id, num_kept)
@@ -82,10 +87,34 @@ class DraftSlots:
             cap = self.config.speculative_ngram
         if cap <= 0 or not sampling.can_speculate:
             return 0
-        ahead = request.num_unconfirmed_drafts
+        ahead = self.num_unconfirmed(request.request_id)
         room_output = sampling.max_new_tokens - request.num_output_tokens_with_pending - ahead
         room_context = self.config.max_model_len - request.num_tokens_with_pending - ahead
         return max(0, min(cap, room_output, room_context))
+
+    def num_unconfirmed(self, request_id: str) -> int:
+        """Drafts of plans in flight that may have been accepted: the worker's sequence can be
+        that much further along than the scheduler's."""
+        return self._num_unconfirmed.get(request_id, 0)
+
+    def on_result(self, plan: BatchPlan, result: StepResult, request_id: str) -> None:
+        """`plan`'s result arrived for a sequence still held: its drafts are known now, and
+        what it accepted of those it proposed (a sampled sequence's) is learnt."""
+        num_proposed = result.num_proposed_drafts.get(request_id)
+        if num_proposed is not None and request_id in result.sampled_token_ids:
+            num_accepted = len(result.accepted_draft_ids.get(request_id, ()))
+            self.observe_drafts(request_id, num_proposed, num_accepted)
+        num_slots = plan.draft_slots.get(request_id, 0)
+        if num_slots:
+            num_left = self.num_unconfirmed(request_id) - num_slots
+            if num_left:
+                self._num_unconfirmed[request_id] = num_left
+            else:
+                self._num_unconfirmed.pop(request_id, None)
+
+    def request_ids(self) -> set[str]:
+        """The sequences it keeps state for (the core's integrity check)."""
+        return set(self._num_unconfirmed)
 
     def observe_drafts(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self.policy.observe_drafts(request_id, num_proposed, num_accepted)
@@ -94,9 +123,13 @@ class DraftSlots:
         self.num_speculative_steps += 1
 
     def forget(self, request_id: str) -> None:
-        """The request left: drop what the policy learnt of it."""
+        """The request left: drop what the policy learnt of it and its drafts in flight."""
         self.policy.forget(request_id)
+        self._num_unconfirmed.pop(request_id, None)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step computed `num_tokens` (scheduled plus drafts verified) in `seconds`."""
-        self.policy.observe_step(num_tokens, seconds)
+    def observe_step(self, plan: BatchPlan, result: StepResult, seconds: float) -> None:
+        """The worker took `seconds` for `plan`: tokens computed are the scheduled ones plus
+        the drafts verified (a plan of drops only is no step)."""
+        if plan.num_scheduled_tokens:
+            num_drafts = sum(result.num_proposed_drafts.values())
+            self.policy.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)

@@ -13,13 +13,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.common.named_prompt import NamedPrompt, pin_name
 from services.common.prefix_hash import tenant_salt
 from services.contracts.errors import LLMServeError
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import TokenEvent
-from services.scheduler.pins import PinnedPrefixes
+from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.request import Request
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,12 @@ EventQueue = asyncio.Queue[TokenEvent | BaseException]
 
 # Named prompts registered for a model (by name); None when Redis did not answer.
 PromptSource = Callable[[str], Awaitable[list[NamedPrompt] | None]]
+
+
+class Submit(Protocol):
+    """Queues a request in the loop; a pinning request names its pin."""
+
+    def __call__(self, request: Request, *, pin_name: str | None = None) -> EventQueue: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +49,7 @@ class PinSpec:
 class PinKeeper:
     def __init__(
         self,
-        submit: Callable[[Request], EventQueue],
+        submit: Submit,
         current_pins: Callable[[], PinnedPrefixes | None],
         clock: Callable[[], float],
         registered_prompts: PromptSource | None = None,
@@ -111,9 +118,8 @@ class PinKeeper:
             sampling=SamplingParams(temperature=0.0, max_new_tokens=1),
             arrival_time=self.clock(),
             cache_salt=spec.cache_salt,
-            pin_name=name,
         )
-        queue = self.submit(request)
+        queue = self.submit(request, pin_name=name)
         while True:
             item = await queue.get()
             if isinstance(item, BaseException):

@@ -1,12 +1,13 @@
-"""Admission's pure rules: which requests this scheduler can ever serve, and how soon a seat
-frees for one refused at the queue bound (what its retry hint is made from)."""
+"""Admission's pure rules: which requests this scheduler can ever serve, how many it holds at
+most, and how soon a seat frees for one refused at that bound (what its retry hint is made
+from)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
 
-from services.contracts.errors import CapacityError, InvalidRequestError
+from services.contracts.errors import CapacityError, InvalidRequestError, QueueFullError
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
@@ -34,6 +35,29 @@ def check_servable(request: Request, config: SchedulerConfig, kv: KVCacheManager
             f"prompt of {request.num_prompt_tokens} tokens needs more KV blocks than exist "
             f"({kv.num_total_blocks})"
         )
+
+
+def max_num_unfinished_requests(config: SchedulerConfig) -> int:
+    """The admission bound: every seat taken and max_waiting_requests waiting behind them.
+
+    Free seats count as queue room: a burst queues whole in `waiting` until the next step
+    admits it, and a bound on `waiting` alone would refuse part of a burst smaller than
+    seats + queue while the seats stand empty. Equivalently: refuse when waiting would
+    exceed max_waiting_requests + (max_num_seqs - running). Admission and preemption move
+    requests between the two lists and leave the count as it is: only a finish makes
+    room. A free seat counts even when the KV blocks for it are not free: its request
+    waits for blocks as any queued one does, and the bound still holds the queue to
+    max_waiting_requests + max_num_seqs.
+    """
+    return config.max_num_seqs + config.max_waiting_requests
+
+
+def queue_full(num_waiting: int, num_running: int, config: SchedulerConfig) -> QueueFullError:
+    """The refusal of a request at the bound (the step loop adds the retry hint)."""
+    return QueueFullError(
+        f"{num_waiting} requests waiting and {num_running} running "
+        f"(at most {config.max_waiting_requests} waiting beyond {config.max_num_seqs} seats)"
+    )
 
 
 def steps_until_a_seat_frees(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from services.contracts.errors import InvalidRequestError
 from services.scheduler.request import Request
 
 
@@ -19,6 +20,11 @@ class LoraSlots:
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self._in_use: set[str] = set()
+
+    def check_servable(self, request: Request) -> None:
+        """Raises InvalidRequestError for an adapter on a worker that serves none."""
+        if request.lora_name and not self.max_loras:
+            raise InvalidRequestError("lora_name", "the worker serves no LoRA adapters")
 
     def start_admission(self, running: Iterable[Request]) -> None:
         """The adapters the running requests hold, before this step admits anyone."""

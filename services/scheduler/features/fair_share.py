@@ -15,6 +15,9 @@ used by one hook in the scheduler core:
 - queue room: a full queue still takes a request whose tenant holds less than its share of
   it, up to twice the bound.
 
+Which tenant each request is of is kept here, by the id its owner submitted (every choice of
+a request with n > 1 is of its tenant), from when it is queued until it leaves.
+
 Seats are what a decode step shares: a seat produces one token per step, so a tenant's share
 of seats is its share of output tokens while its requests run. With a single tenant every rule
 reduces to first come first served (the order of the lists), which is also what the scheduler
@@ -24,26 +27,63 @@ does with fair shares off.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from services.scheduler.request import Request
 
 MAX_TENANTS = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Whose share of the scheduler a request uses, and that tenant's weight (its key's)."""
+
+    tenant_id: str = ""
+    """"" = no tenant named: every such request is of one tenant."""
+    weight: int = 1
+
+
+NO_TENANT = Tenant()
+
+
+def _own_id(request: Request) -> str:
+    return request.request_id
+
+
 class FairShare:
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, public_id: Callable[[Request], str] = _own_id) -> None:
+        """`public_id`: the id a sequence's owner submitted (a forked choice's request's)."""
         self.enabled = enabled
         self._weights: dict[str, int] = {}
+        self._tenants: dict[str, str] = {}
+        """Submitted request id -> its tenant, for requests held that named one."""
+        self._public_id = public_id
 
-    def note(self, request: Request, held: Iterable[Request]) -> None:
+    def note(self, tenant: Tenant, held: Iterable[Request]) -> None:
         """A request arrived: its tenant's weight is the latest its key carried. Requests
         may name any tenant, so past MAX_TENANTS the tenants holding nothing in `held` (read
         only then) are forgotten."""
-        if len(self._weights) >= MAX_TENANTS and request.tenant_id not in self._weights:
-            active = {r.tenant_id for r in held}
+        if len(self._weights) >= MAX_TENANTS and tenant.tenant_id not in self._weights:
+            active = {self.tenant_of(r) for r in held}
             self._weights = {t: w for t, w in self._weights.items() if t in active}
-        self._weights[request.tenant_id] = max(1, request.tenant_weight)
+        self._weights[tenant.tenant_id] = max(1, tenant.weight)
+
+    def on_queued(self, request_id: str, tenant: Tenant) -> None:
+        """The request (a submitted id) was queued: its sequences are `tenant`'s."""
+        if tenant.tenant_id:
+            self._tenants[request_id] = tenant.tenant_id
+
+    def forget(self, request_id: str) -> None:
+        """The request (a submitted id) left: none of its sequences is held."""
+        self._tenants.pop(request_id, None)
+
+    def request_ids(self) -> set[str]:
+        """The submitted ids it keeps a tenant for (the core's integrity check)."""
+        return set(self._tenants)
+
+    def tenant_of(self, request: Request) -> str:
+        return self._tenants.get(self._public_id(request), "")
 
     def weight(self, tenant_id: str) -> int:
         return self._weights.get(tenant_id, 1)
@@ -51,7 +91,7 @@ class FairShare:
     def _single_tenant(self, *queues: Iterable[Request]) -> bool:
         if len(self._weights) <= 1:
             return True  # every request so far named the same tenant: nothing to scan
-        tenants = {request.tenant_id for queue in queues for request in queue}
+        tenants = {self.tenant_of(request) for queue in queues for request in queue}
         return len(tenants) <= 1
 
     def _shares(self, tenants: Iterable[str], total: int) -> dict[str, float]:
@@ -75,30 +115,35 @@ class FairShare:
             return None
         if self._single_tenant(candidates, running):
             return candidates[0]
-        seats = Counter(request.tenant_id for request in running)
+        seats = Counter(self.tenant_of(request) for request in running)
         firsts: dict[str, Request] = {}
         for request in candidates:
-            firsts.setdefault(request.tenant_id, request)
+            firsts.setdefault(self.tenant_of(request), request)
         tenant = min(firsts, key=lambda t: (seats[t] + 1) / self.weight(t))  # dicts keep order
         return firsts[tenant]
 
     # ---- seats for tenants under their share -------------------------------------------
 
     def seats_to_free(
-        self, waiting: Sequence[Request], running: Sequence[Request], num_seats: int, num_free: int
+        self,
+        waiting: Sequence[Request],
+        running: Sequence[Request],
+        num_seats: int,
+        num_free: int,
+        is_runnable: Callable[[Request], bool] = lambda request: True,
     ) -> list[Request]:
         """Running requests to preempt so that waiting tenants under their share of the
-        `num_seats` seats get theirs: one per waiting request of such a tenant that the
-        `num_free` free seats do not cover, each taken from the tenant most over its share,
-        and only while that tenant stays at or above its share."""
+        `num_seats` seats get theirs: one per runnable waiting request of such a tenant that
+        the `num_free` free seats do not cover, each taken from the tenant most over its
+        share, and only while that tenant stays at or above its share."""
         if not self.enabled or not waiting or self._single_tenant(waiting, running):
             return []
-        seats = Counter(request.tenant_id for request in running)
-        shares = self._shares({r.tenant_id for r in (*waiting, *running)}, num_seats)
-        wanted = Counter(r.tenant_id for r in waiting if r.grammar_ready)
+        seats = Counter(self.tenant_of(request) for request in running)
+        shares = self._shares({self.tenant_of(r) for r in (*waiting, *running)}, num_seats)
+        wanted = Counter(self.tenant_of(r) for r in waiting if is_runnable(r))
         taken: dict[str, list[Request]] = {}
         for request in running:
-            taken.setdefault(request.tenant_id, []).append(request)
+            taken.setdefault(self.tenant_of(request), []).append(request)
         victims: list[Request] = []
         while True:
             under = [t for t in wanted if wanted[t] > 0 and seats[t] + 1 <= shares[t]]
@@ -124,24 +169,24 @@ class FairShare:
         arrival order): the latest of the tenant most over its share of the running seats."""
         if not self.enabled or self._single_tenant(running):
             return candidates[-1]
-        seats = Counter(request.tenant_id for request in running)
-        tenants = {request.tenant_id for request in candidates}
+        seats = Counter(self.tenant_of(request) for request in running)
+        tenants = {self.tenant_of(request) for request in candidates}
         most_over = max(tenants, key=lambda t: seats[t] / self.weight(t))
-        return next(r for r in reversed(candidates) if r.tenant_id == most_over)
+        return next(r for r in reversed(candidates) if self.tenant_of(r) == most_over)
 
     # ---- queue room --------------------------------------------------------------------
 
-    def may_exceed_bound(self, request: Request, held: Sequence[Request], bound: int) -> bool:
-        """Whether a request may be queued although `bound` requests are held: its tenant
-        holds less than its share of the bound, and the overflow stays under the bound
-        itself (at most twice the bound held in all)."""
+    def may_exceed_bound(self, tenant: Tenant, held: Sequence[Request], bound: int) -> bool:
+        """Whether a request of `tenant` may be queued although `bound` requests are held:
+        the tenant holds less than its share of the bound, and the overflow stays under the
+        bound itself (at most twice the bound held in all)."""
         if not self.enabled or len(held) >= 2 * bound:
             return False
-        counts = Counter(r.tenant_id for r in held)
-        tenants = {*counts, request.tenant_id}
+        counts = Counter(self.tenant_of(r) for r in held)
+        tenants = {*counts, tenant.tenant_id}
         if len(tenants) <= 1:
             return False
         weights = {t: self.weight(t) for t in tenants}
-        weights[request.tenant_id] = max(1, request.tenant_weight)
-        share = bound * weights[request.tenant_id] / sum(weights.values())
-        return counts[request.tenant_id] + 1 <= share
+        weights[tenant.tenant_id] = max(1, tenant.weight)
+        share = bound * weights[tenant.tenant_id] / sum(weights.values())
+        return counts[tenant.tenant_id] + 1 <= share
