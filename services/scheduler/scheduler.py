@@ -7,7 +7,7 @@ Features live in services/scheduler/features/, one object each, called at named 
 keeping their own state by request id: n > 1 choices (choices.py: fork, split, seats, events),
 speculative draft slots (draft_slots.py), pinned prefixes (pins.py), fair shares between
 tenants (fair_share.py: whom to admit, preempt and queue), LoRA adapters per step
-(lora_slots.py: whom to admit), grammar readiness (grammar_readiness.py). Each gets the KV
+(lora_admission.py: whom to admit), grammar readiness (grammar_readiness.py). Each gets the KV
 manager and the lists it edits, never the scheduler.
 """
 
@@ -25,7 +25,7 @@ from services.scheduler.features.choices import ChoiceForks
 from services.scheduler.features.draft_slots import DraftSlots
 from services.scheduler.features.fair_share import NO_TENANT, FairShare, Tenant
 from services.scheduler.features.grammar_readiness import GrammarReadiness
-from services.scheduler.features.lora_slots import LoraSlots
+from services.scheduler.features.lora_admission import LoraAdmission
 from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
@@ -63,7 +63,7 @@ class Scheduler:
         self.drafts = DraftSlots(config, self.kv)
         self.pins = PinnedPrefixes(self.kv, config.max_pinned_fraction)
         self.fair = FairShare(config.fair_share, public_id=self.choices.public_id)
-        self.loras = LoraSlots(max_loras)
+        self.loras = LoraAdmission(max_loras)
         self.grammars = GrammarReadiness()
         self.failures: dict[str, str] = {}
         """Requests (submitted ids) the worker could not run, and why: their owners hear an

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.scheduler.features.draft_slots import DraftSlots
-from services.scheduler.features.lora_slots import LoraSlots
+from services.scheduler.features.lora_admission import LoraAdmission
 from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
@@ -30,7 +30,7 @@ class StatsSource(Protocol):
     @property
     def drafts(self) -> DraftSlots: ...
     @property
-    def loras(self) -> LoraSlots: ...
+    def loras(self) -> LoraAdmission: ...
 
 
 @dataclass(frozen=True, slots=True)

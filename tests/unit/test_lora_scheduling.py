@@ -1,5 +1,5 @@
 """LoRA adapters in the scheduler core: a step never mixes more adapters than the worker has
-slots (lora_slots.py), a sequence the worker cannot run fails alone and caches nothing, and
+slots (lora_admission.py), a sequence the worker cannot run fails alone and caches nothing, and
 the cache salt keeps adapters' blocks apart. Driven by the fake worker, which holds each plan
 to its slots (tests/unit/factories.py)."""
 
@@ -12,7 +12,7 @@ import pytest
 from services.common.prefix_hash import adapter_salt, tenant_salt
 from services.contracts.errors import InvalidRequestError
 from services.contracts.step import TokenEvent
-from services.scheduler.features.lora_slots import LoraSlots
+from services.scheduler.features.lora_admission import LoraAdmission
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from tests.unit.factories import create_requests, create_scheduler, worker_of
@@ -48,7 +48,7 @@ def running_adapters(scheduler: Scheduler) -> set[str]:
 
 
 def test_slots_admit_adapters_in_use_and_new_ones_while_slots_last() -> None:
-    slots = LoraSlots(2)
+    slots = LoraAdmission(2)
     running = adapter_requests("a", 1) + adapter_requests("", 1, start=5)
     slots.start_admission(running)
     assert slots.admits(adapter_requests("a", 1, start=10)[0])
@@ -58,7 +58,7 @@ def test_slots_admit_adapters_in_use_and_new_ones_while_slots_last() -> None:
     slots.note_admitted(b)
     assert not slots.admits(adapter_requests("c", 1, start=10)[0])
     assert slots.admits(adapter_requests("b", 1, start=20)[0])
-    assert LoraSlots.in_use([*running, b]) == {"a", "b"}
+    assert LoraAdmission.in_use([*running, b]) == {"a", "b"}
 
 
 def test_a_step_never_mixes_more_adapters_than_slots() -> None:

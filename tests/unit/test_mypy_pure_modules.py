@@ -31,7 +31,7 @@ PURE_MODULES = (
     "services/scheduler/features/admission.py",
     "services/scheduler/stats.py",
     "services/scheduler/features/fair_share.py",
-    "services/scheduler/features/lora_slots.py",
+    "services/scheduler/features/lora_admission.py",
     "services/scheduler/features/grammar_readiness.py",
     # the model registry: architectures and what each family reads from its files
     "services/worker/model/architecture.py",

@@ -16,7 +16,7 @@ from services.contracts.errors import InvalidRequestError
 from services.scheduler.request import Request
 
 
-class LoraSlots:
+class LoraAdmission:
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self._in_use: set[str] = set()
