@@ -18,7 +18,7 @@ from services.tokenizer.convert import sampling_input
 from services.tokenizer.http.openai.errors import http_error
 from services.tokenizer.http.openai.schemas import (
     chat_input,
-    completion_input,
+    completion_inputs,
     parse_chat,
     parse_completion,
 )
@@ -155,7 +155,8 @@ def http_input(chat: bool, **fields: Any) -> GenerateInput:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
         return chat_input(parse_chat(json.dumps(body).encode()), "r", 32)
     body = {"model": "m", "prompt": "hi", **fields}
-    return completion_input(parse_completion(json.dumps(body).encode()), "r")
+    (only,) = completion_inputs(parse_completion(json.dumps(body).encode()), "r")
+    return only
 
 
 def http_param(chat: bool, **fields: Any) -> str | None:
