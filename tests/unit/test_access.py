@@ -9,7 +9,7 @@ import pytest
 
 from services.common import shared_secret
 from services.contracts.errors import PermissionDeniedError, UnauthenticatedError
-from services.tokenizer import access
+from services.tokenizer.access import keys as access
 from services.tokenizer.access.keys import (
     AccessPolicy,
     Caller,
