@@ -48,6 +48,7 @@ from services.common.metrics_aggregate import ScrapeTarget, start_aggregate_serv
 from services.common.metrics_http import MetricsServer
 from services.common.redis_store import redact_url
 from services.common.serving_config import (
+    SERVICE_GROUPS,
     BatchingConfig,
     ChatConfig,
     DebugConfig,
@@ -120,23 +121,9 @@ class StackConfig(
         self.check_lora()
 
 
-CHILD_GROUPS: dict[str, tuple[type, ...]] = {
-    "worker": (
-        ModelConfig,
-        WeightsConfig,
-        DeviceConfig,
-        BatchingConfig,
-        RuntimeConfig,
-        SpeculationConfig,
-        LoraConfig,
-        InternalConfig,
-    ),
-    "scheduler": (BatchingConfig, StepLoopConfig, SpeculationConfig, InternalConfig, DebugConfig),
-    # The model reaches the tokenizer tier through the schedulers.
-    "tokenizer": (PublicConfig, ChatConfig, InternalConfig),
-}
-"""The shared groups each kind of child is given from the stack's config: as flags, and its
-secret fields as environment (secret_env)."""
+CHILD_GROUPS = SERVICE_GROUPS
+"""The shared groups each kind of child is given from the stack's config (the ones its own
+config is made of): as flags, and its secret fields as environment (secret_env)."""
 
 
 def with_internal_secret(config: StackConfig) -> StackConfig:

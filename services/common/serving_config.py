@@ -318,3 +318,24 @@ class InternalConfig:
     the scheduler and worker ports require (UNAUTHENTICATED without it; health and reflection
     stay open). Unset = those ports trust anyone who reaches them. `llmserve up` makes one per
     stack; give every service the same one through LLMSERVE_INTERNAL_SECRET, never a flag."""
+
+
+# The shared groups each service's config is made of, declared once: the service configs
+# inherit exactly these (services/worker/config.py, services/scheduler/server_config.py,
+# services/tokenizer/config.py, each adding only its own fields), and the launcher hands a
+# child these groups of the stack's config as flags.
+SERVICE_GROUPS: dict[str, tuple[type, ...]] = {
+    "worker": (
+        ModelConfig,
+        WeightsConfig,
+        DeviceConfig,
+        BatchingConfig,
+        RuntimeConfig,
+        SpeculationConfig,
+        LoraConfig,
+        InternalConfig,
+    ),
+    "scheduler": (BatchingConfig, StepLoopConfig, SpeculationConfig, InternalConfig, DebugConfig),
+    # The model reaches the tokenizer tier through the schedulers.
+    "tokenizer": (PublicConfig, ChatConfig, InternalConfig),
+}

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.serving_config import (
-    BatchingConfig,
-    DebugConfig,
-    InternalConfig,
-    SpeculationConfig,
-    StepLoopConfig,
-)
+from services.common.serving_config import SERVICE_GROUPS
 from services.scheduler.config import AdmissionConfig, SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerServerConfig(
-    BatchingConfig, StepLoopConfig, AdmissionConfig, SpeculationConfig, InternalConfig, DebugConfig
-):
+class SchedulerServerConfig(*SERVICE_GROUPS["scheduler"], AdmissionConfig):  # type: ignore[misc]
     """The batching and step-loop groups (services.common.serving_config) and the core's
     admission settings, plus how the server listens and whom it talks to."""
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.serving_config import ChatConfig, InternalConfig, PublicConfig
+from services.common.serving_config import SERVICE_GROUPS
 from services.tokenizer.routing.membership import SchedulerEntry, parse_scheduler_entries
 from services.tokenizer.routing.policy import ROUTING_POLICIES, RoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizerConfig(PublicConfig, ChatConfig, InternalConfig):
+class TokenizerConfig(*SERVICE_GROUPS["tokenizer"]):  # type: ignore[misc]
     """How the tokenizer tier listens, which schedulers it calls and which limits it enforces.
     The model and its context length are the workers': the schedulers pass them on."""
 

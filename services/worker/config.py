@@ -6,16 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.serving_config import (
-    BatchingConfig,
-    DeviceConfig,
-    InternalConfig,
-    LoraConfig,
-    ModelConfig,
-    RuntimeConfig,
-    SpeculationConfig,
-    WeightsConfig,
-)
+from services.common.serving_config import SERVICE_GROUPS
 from services.worker.quantization.formats import (
     check_kv_cache_dtype,
     check_kv_cache_group_size,
@@ -26,16 +17,7 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerConfig(
-    ModelConfig,
-    WeightsConfig,
-    DeviceConfig,
-    BatchingConfig,
-    RuntimeConfig,
-    SpeculationConfig,
-    LoraConfig,
-    InternalConfig,
-):
+class WorkerConfig(*SERVICE_GROUPS["worker"]):  # type: ignore[misc]
     """The shared groups (services.common.serving_config) plus what only the worker has. Of
     the batching group the worker reads max_num_seqs (its largest compiled step graph)."""
 

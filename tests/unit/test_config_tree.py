@@ -91,3 +91,20 @@ def test_group_docs_are_flag_help() -> None:
     assert not {f.name for f in dataclasses.fields(ModelConfig)} & {
         f.name for f in dataclasses.fields(TokenizerConfig)
     }
+
+
+@pytest.mark.parametrize(
+    ("kind", "config"),
+    [
+        ("worker", WorkerConfig),
+        ("scheduler", SchedulerServerConfig),
+        ("tokenizer", TokenizerConfig),
+    ],
+)
+def test_each_service_config_is_made_of_the_groups_the_stack_hands_it(
+    kind: str, config: type
+) -> None:
+    """The launcher's groups are the service's own: a group added to a service reaches it
+    from `llmserve up` too."""
+    shared = {group for groups in CHILD_GROUPS.values() for group in groups}
+    assert [base for base in config.__mro__ if base in shared] == list(CHILD_GROUPS[kind])
