@@ -94,12 +94,12 @@ def generate_input(request: text_pb2.GenerateRequest) -> GenerateInput:
         prompt=request.prompt,
         messages=chat_messages(request.messages),
         prompt_token_ids=tuple(request.prompt_token_ids),
-        sampling=sampling_input(request.sampling),
+        tool_request=tool_request(request),
         deadline_ms=request.deadline_ms,
         model=request.model,
         prompt_name=request.prompt_name,
         tenant_id=request.tenant_id,
-        tool_request=tool_request(request),
+        sampling=sampling_input(request.sampling),
     )
 
 

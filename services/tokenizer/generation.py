@@ -1,20 +1,23 @@
-"""One Generate call, whichever door it came in by (gRPC TextGeneration or OpenAI HTTP).
+"""One Generate call, whichever door it came in by (gRPC TextGeneration or the HTTP doors).
 
-    prepare: validate (no scheduler call for a bad request; `model` may name a LoRA adapter
-             a scheduler holds: lora_adapters.py) → token ids (chat template for messages, a
-             named prompt first) → a scheduler (one holding the adapter)
-    stream:  Scheduler.Submit (submit_stream.py: the call, as EngineOutputs), timeout = the
-             remaining budget
+    prepare: the caller's named prompt and the adapters `model` may name (routing/adapters.py)
+             → validate (fields, sampling, then token ids: chat template for messages, a
+             named prompt first; no scheduler call for a bad request) → the features' steps
+             (preparation.py: strict tools, the grammar after the thinking, the grammar's
+             compile) → the deadline → a scheduler (routing/pool.py: one holding the prefix
+             and the adapter) → the caller's key limits (access/limiter.py), last
+    stream:  Scheduler.Submit (routing/submit_stream.py: the call, as EngineOutputs), timeout
+             = the remaining budget
              → per SchedulerOutput: output.OutputPipeline (detokenize, stop strings, finish,
                usage); responses a slow client let pile up arrive merged, one per choice
              → OutputDelta, each choice's last one with its finish reason; the stream ends
                when every choice has finished (n > 1: the choices share one scheduler call)
 
 Failures are our typed errors (services.contracts.errors; a scheduler's status becomes one in
-scheduler_errors.py), so each door maps them to its own status in one place: a gRPC code
-(grpc_server.status_for) or an HTTP status (openai_http.errors). Leaving a stream early (a stop
-string matched, the client went away, an error) cancels the scheduler call, which is how the
-scheduler learns to free the KV blocks.
+routing/scheduler_errors.py), so each door maps them to its own status in one place: a gRPC
+code (grpc_server.status_for) or an HTTP status (http/openai/errors.py). Leaving a stream
+early (a stop string matched, the client went away, an error) cancels the scheduler call,
+which is how the scheduler learns to free the KV blocks.
 """
 
 from __future__ import annotations
@@ -24,32 +27,27 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from services.common.grammar import GrammarCompiler
 from services.common.prompt_store import PromptStore
 from services.contracts.errors import (
     DeadlineExceededError,
     DependencyUnavailableError,
-    InvalidRequestError,
 )
-from services.text.reasoning import prompt_closes_reasoning
 from services.tokenizer.access.keys import Caller
 from services.tokenizer.access.limiter import Admission, KeyLimiter
 from services.tokenizer.access.limits import Quota
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.named_prompts import PromptRegistry, system_turn
 from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, OutputPipeline
+from services.tokenizer.preparation import PreparationStep, preparation_steps
 from services.tokenizer.routing.adapters import PoolAdapters
 from services.tokenizer.routing.pool import SchedulerClient, SchedulerPool
 from services.tokenizer.routing.submit_stream import SubmitStream
 from services.tokenizer.served_model import ServedModel
-from services.tokenizer.tool_request import strict_call_grammar
 from services.tokenizer.validation import GenerateInput, Limits, ValidatedRequest, validate_generate
 
-# Prompt tokens read to see whether the template already closed the thinking (`<think>\n\n
-# </think>\n\n` and what follows it: a handful of tokens).
-REASONING_PROMPT_TAIL = 32
 # Compiled specs a tokenizer replica keeps: it compiles only to validate, so a repeated schema
 # skips the compile; the workers keep their own.
 GRAMMAR_CACHE_SIZE = 64
@@ -96,7 +94,7 @@ class Generator:
         self._model: ServedModel | None = None
         self._limits: Limits | None = None
         self._prompts: PromptRegistry | None = None
-        self._grammars: GrammarCompiler | None = None
+        self._steps: tuple[PreparationStep, ...] = ()
 
     def set_model(self, model: ServedModel, prompt_store: PromptStore | None = None) -> None:
         """Ready to serve `model`; named prompts live in `prompt_store` (None: this replica)."""
@@ -112,9 +110,10 @@ class Generator:
             max_model_len=model.max_model_len,
             max_prompt_chars=model.max_prompt_chars,
         )
-        self._grammars = GrammarCompiler.from_description(
+        grammars = GrammarCompiler.from_description(
             model.description, cache_size=GRAMMAR_CACHE_SIZE
         )
+        self._steps = preparation_steps(model, grammars)
         self._model = model
 
     @property
@@ -165,9 +164,8 @@ class Generator:
         validated = validate_generate(
             generate_input, limits, model.tokenizer, named_prompt, lora_adapters
         )
-        validated = self._strict_tools(validated)
-        validated = self._grammar_after_reasoning(validated)
-        await self.check_structured_output(validated)
+        for step in self._steps:  # the features' own steps (preparation.py)
+            validated = await step.apply(validated)
         timeout = remaining_budget(time_remaining_s, validated.deadline_s)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceededError("deadline passed on arrival")
@@ -180,50 +178,6 @@ class Generator:
             num_prompt_tokens = len(validated.prompt_token_ids)
             admission = await self.limiter.admit(caller.key_id, caller.limits, num_prompt_tokens)
         return Prepared(validated, scheduler, timeout, arrival_unix_s, started, admission)
-
-    def _strict_tools(self, request: ValidatedRequest) -> ValidatedRequest:
-        """Strict tools under auto: their calls, in the model's own syntax, follow their
-        schemas (tool_request.strict_call_grammar)."""
-        tools = request.tool_request
-        grammar = strict_call_grammar(tools, self.model.tool_call_parser) if tools else None
-        if grammar is None:
-            return request
-        if request.sampling.structured_output is not None:
-            raise InvalidRequestError(
-                "tools",
-                f"strict tools hold calls to their schemas by a grammar, which "
-                f"{request.structured_output_param} would replace: send one",
-            )
-        sampling = replace(request.sampling, structured_output=grammar)
-        return replace(request, sampling=sampling, structured_output_param="tools")
-
-    def _grammar_after_reasoning(self, request: ValidatedRequest) -> ValidatedRequest:
-        """A reasoning model's grammar (structured output, a forced tool call) applies to
-        the answer only: it starts after the end-of-thinking tag, unless the prompt already
-        ended the thinking."""
-        model = self.model
-        spec = request.sampling.structured_output
-        if spec is None or not request.is_chat or model.reasoning_parser is None:
-            return request
-        tail = model.tokenizer.decode(
-            list(request.prompt_token_ids[-REASONING_PROMPT_TAIL:]), skip_special_tokens=False
-        )
-        if prompt_closes_reasoning(tail):
-            return request
-        gated = replace(spec, starts_after=model.reasoning_end_ids)
-        return replace(request, sampling=replace(request.sampling, structured_output=gated))
-
-    async def check_structured_output(self, request: ValidatedRequest) -> None:
-        """Compile the request's grammar (once per distinct spec, on a thread: a compile takes
-        10-100 ms), so that a spec xgrammar refuses never reaches a scheduler. Raises
-        InvalidRequestError naming the parameter that carried it."""
-        spec = request.sampling.structured_output
-        if spec is None or self._grammars is None:
-            return
-        try:
-            await asyncio.to_thread(self._grammars.compile, spec)
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(request.structured_output_param, exc.message) from None
 
     def stream(self, prepared: Prepared) -> GenerationStream:
         """Submit the request; its deltas come from the returned stream."""

@@ -379,23 +379,21 @@ def test_an_unready_request_counts_toward_the_queue_bound_and_can_be_aborted() -
 def test_the_tier_compiles_off_the_loop_and_names_the_parameter(tokenizer: ModelTokenizer) -> None:
     import asyncio
 
-    from services.tokenizer.config import TokenizerConfig
-    from services.tokenizer.generation import Generator
-    from services.tokenizer.served_model import ServedModel
+    from services.common.grammar import GrammarCompiler
+    from services.tokenizer.grammar_check import GrammarCheck
     from services.tokenizer.validation import ValidatedRequest
 
     description = tokenizer.describe(
         model_name="m", vocab_size=tokenizer.vocab_size, max_model_len=512, eos_token_ids=()
     )
-    generator = Generator(TokenizerConfig(), pool=None)  # type: ignore[arg-type]
-    generator.set_model(ServedModel.from_description(description))
+    check_step = GrammarCheck(GrammarCompiler.from_description(description, cache_size=4))
 
     def request(spec: StructuredOutput, param: str) -> ValidatedRequest:
         sampling = SamplingParams(structured_output=spec)
         return ValidatedRequest("r", (1, 2), sampling, (), None, b"", param)
 
     async def check(spec: StructuredOutput, param: str) -> None:
-        await generator.check_structured_output(request(spec, param))
+        await check_step.apply(request(spec, param))
 
     asyncio.run(check(JSON_SPEC, "response_format"))  # compiles: no error
     with pytest.raises(InvalidRequestError) as caught:
