@@ -270,6 +270,8 @@ class ModelRunner:
         if plan.is_empty:
             return result
         drafts = self.batch.propose_drafts(plan) if plan.draft_slots else {}
+        if drafts and grammars is not None:
+            drafts = grammars.cut_drafts(drafts)
         inputs = self.batch.prepare(plan, drafts)
         if self.adapters.num_running:
             inputs.forward.lora = self.adapters.batch_for(
@@ -318,7 +320,7 @@ class ModelRunner:
                 self.model(inputs.forward, self.kv_cache.layers)
         self.batch.advance(plan, sampled, accepted)
         if grammars is not None:
-            grammars.accept(sampled)
+            grammars.accept(sampled, accepted)
         result.sampled_token_ids = sampled
         return result
 
