@@ -80,3 +80,11 @@ def test_worker_description_round_trip() -> None:
     message = worker_description_to_proto(description)
     assert not message.model.HasField("chat_template")
     assert worker_description_from_proto(message) == description
+
+
+def test_the_worker_reads_a_new_sequences_cache_salt() -> None:
+    """Suffix decoding scopes drafts by it (the scheduler's converter fills it in)."""
+    plan = BatchPlan(step_id=1, new_sequences=[NewSequence("a", [1], 1, [0], 0, SamplingParams())])
+    message = plan_to_proto(plan)
+    message.new_sequences[0].cache_salt = b"tenant"
+    assert plan_from_proto(message).new_sequences[0].cache_salt == b"tenant"
