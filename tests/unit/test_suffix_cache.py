@@ -190,3 +190,13 @@ def _contains(tokens: list[int], part: list[int]) -> bool:
 
 SuffixCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30)
 test_suffix_cache_state_machine = SuffixCacheMachine.TestCase
+
+
+def test_bad_config_values_name_the_flag() -> None:
+    from services.worker.config import WorkerConfig
+
+    with pytest.raises(ValueError, match="speculative_suffix_cache_tokens"):
+        WorkerConfig(speculative_suffix_cache_tokens=-5)
+    with pytest.raises(ValueError, match="speculative_suffix_min_prob"):
+        WorkerConfig(speculative_suffix_min_prob=2.0)
+    assert WorkerConfig(speculative_suffix_cache_tokens=1024).speculative_suffix_cache_tokens
