@@ -177,12 +177,30 @@ class SpeculationConfig:
     """Shortest suffix of the context that prompt lookup matches."""
     speculative_ngram_max_n: int = 4
     """Longest suffix tried first (a longer match guesses better)."""
+    speculative_suffix_cache_tokens: int = 0
+    """Suffix decoding: tokens of recent prompts and outputs (finished and running requests)
+    the worker keeps to draft from, besides each sequence's own context; the oldest requests
+    are evicted past it. Drafts come only from the same tenant (cache salt) and LoRA adapter.
+    0 = off (prompt lookup alone)."""
+    speculative_suffix_min_prob: float = 0.1
+    """Suffix decoding cuts a draft where its continuation's frequency among the matched
+    earlier text (the product along the draft) falls below this."""
 
     def check_speculation(self) -> None:
         if not 0 <= self.speculative_ngram <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"speculative_ngram must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {self.speculative_ngram}"
+            )
+        if self.speculative_suffix_cache_tokens < 0:
+            raise ValueError(
+                "speculative_suffix_cache_tokens must be >= 0, got "
+                f"{self.speculative_suffix_cache_tokens}"
+            )
+        if not 0.0 <= self.speculative_suffix_min_prob <= 1.0:
+            raise ValueError(
+                "speculative_suffix_min_prob must be in [0, 1], got "
+                f"{self.speculative_suffix_min_prob}"
             )
         if not 1 <= self.speculative_ngram_min_n <= self.speculative_ngram_max_n:
             raise ValueError(

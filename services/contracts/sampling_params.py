@@ -99,14 +99,10 @@ class SamplingParams:
     @property
     def can_speculate(self) -> bool:
         """Whether drafts may be verified for this request at all. Not with logprobs (one
-        token's alternatives per step), structured output (the grammar would have to follow
-        and roll back every draft) or a seeded sampled request (its draws are reproducible
-        only one token per step)."""
-        return (
-            self.logprobs == 0
-            and self.structured_output is None
-            and (self.seed is None or self.is_greedy)
-        )
+        token's alternatives per step) or a seeded sampled request (its draws are reproducible
+        only one token per step). Structured output may: the worker cuts a draft where the
+        grammar refuses it and masks every verified row."""
+        return self.logprobs == 0 and (self.seed is None or self.is_greedy)
 
     @property
     def has_penalties(self) -> bool:

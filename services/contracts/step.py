@@ -57,6 +57,9 @@ class NewSequence:
     """The LoRA adapter the sequence runs with (loaded on the worker); empty = the base
     model. An adapter the worker cannot serve fails this sequence alone
     (StepResult.failed_sequences)."""
+    cache_salt: bytes = b""
+    """The request's prefix-cache salt (its tenant): the worker's suffix decoding drafts a
+    sequence only from text of the same salt and adapter."""
 
 
 @dataclass(slots=True)

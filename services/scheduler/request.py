@@ -127,6 +127,7 @@ class Request:
             num_computed_tokens=self.num_computed_tokens,
             sampling=self.sampling,
             lora_name=self.lora_name,
+            cache_salt=self.cache_salt,
         )
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:

@@ -55,6 +55,7 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
                 num_computed_tokens=seq.num_computed_tokens,
                 sampling=sampling_to_proto(seq.sampling),
                 lora_name=seq.lora_name,
+                cache_salt=seq.cache_salt,
             )
             for seq in plan.new_sequences
         ],

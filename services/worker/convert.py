@@ -53,6 +53,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
                 num_computed_tokens=seq.num_computed_tokens,
                 sampling=sampling_from_proto(seq.sampling),
                 lora_name=seq.lora_name,
+                cache_salt=seq.cache_salt,
             )
             for seq in message.new_sequences
         ],

@@ -14,6 +14,7 @@ from services.contracts.step import BatchPlan
 from services.worker.forward_batch import ForwardBatch
 from services.worker.sampling_metadata import SamplerRow
 from services.worker.speculative.ngram_proposer import NgramIndex
+from services.worker.speculative.suffix_cache import SuffixCache
 
 
 @dataclass(slots=True)
@@ -26,6 +27,8 @@ class CachedSequence:
     sampling: SamplingParams
     ngrams: NgramIndex | None = None
     """Prompt-lookup index of token_ids, built the first time the sequence may speculate."""
+    scope: tuple[bytes, str] = (b"", "")
+    """(cache salt, LoRA adapter): the text suffix decoding may draft this sequence from."""
 
     def sampler_row(self, eos_token_ids: tuple[int, ...], drafts: Sequence[int] = ()) -> SamplerRow:
         """The sampling inputs at the sequence's end, or after `drafts` (a verification row:
@@ -66,10 +69,14 @@ class InputBatch:
         *,
         per_token_attention: bool = False,
         ngram_sizes: tuple[int, int] = (2, 4),
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
         self.block_size = block_size
         self.ngram_sizes = ngram_sizes
         """(min n, max n) of the suffixes prompt lookup matches."""
+        self.suffix_cache = suffix_cache
+        """Suffix decoding's store of recent prompts and outputs (None: prompt lookup alone).
+        It outlives the batch: finished sequences stay in it until the budget evicts them."""
         self.device = torch.device(device)
         self.per_token_attention = per_token_attention
         """Give every token its own block table row and context length (batch-invariant
@@ -90,13 +97,20 @@ class InputBatch:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
+                scope=(new.cache_salt, new.lora_name),
             )
+            if self.suffix_cache is not None:
+                self.suffix_cache.add(
+                    new.request_id, (new.cache_salt, new.lora_name), new.token_ids
+                )
         for delta in plan.block_deltas:
             self.sequences[delta.request_id].block_ids.extend(delta.new_block_ids)
 
     def propose_drafts(self, plan: BatchPlan) -> dict[str, list[int]]:
-        """Draft tokens by prompt lookup for the decoding sequences the plan gave slots (up to
-        their slots; a sequence whose context offers no guess gets none)."""
+        """Draft tokens for the decoding sequences the plan gave slots (up to their slots; a
+        sequence whose context offers no guess gets none): by prompt lookup in the sequence's
+        own tokens and, with a suffix cache, from the recent text of its scope; the longer
+        draft wins (a tie goes to the sequence's own context)."""
         drafts: dict[str, list[int]] = {}
         for request_id, num_slots in plan.draft_slots.items():
             seq = self.sequences.get(request_id)
@@ -111,6 +125,10 @@ class InputBatch:
             if seq.ngrams is None:
                 seq.ngrams = NgramIndex(*self.ngram_sizes, seq.token_ids)
             proposed = seq.ngrams.propose(num_slots)
+            if self.suffix_cache is not None and len(proposed) < num_slots:
+                suffix = self.suffix_cache.propose(seq.scope, seq.token_ids, num_slots)
+                if len(suffix) > len(proposed):
+                    proposed = suffix
             if proposed:
                 drafts[request_id] = proposed
         return drafts
@@ -233,10 +251,11 @@ class InputBatch:
                 seq.num_computed_tokens += len(accepted)
                 seq.token_ids.extend(accepted)
             seq.token_ids.append(token_id)
+            new_tokens = [*accepted, token_id] if accepted else [token_id]
             if seq.ngrams is not None:
-                if accepted:
-                    seq.ngrams.extend(accepted)
-                seq.ngrams.extend((token_id,))
+                seq.ngrams.extend(new_tokens)
+            if self.suffix_cache is not None:
+                self.suffix_cache.extend(request_id, new_tokens)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

@@ -24,6 +24,7 @@ from services.worker.python_gc import freeze_loaded_objects
 from services.worker.quantization.formats import check_kv_cache_group_size
 from services.worker.sampler import Sampler
 from services.worker.sampling_metadata import build_sampling_metadata
+from services.worker.speculative.suffix_cache import SuffixCache
 from services.worker.speculative.verify_step import sample_and_verify
 from services.worker.step_graphs import DEFAULT_BATCH_BUCKETS, DecodeGraphs, buckets_up_to
 from services.worker.structured_output.matchers import GrammarMatchers
@@ -47,6 +48,8 @@ class RunnerSettings(Protocol):
     deterministic: bool | None
     speculative_ngram_min_n: int
     speculative_ngram_max_n: int
+    speculative_suffix_cache_tokens: int
+    speculative_suffix_min_prob: float
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
@@ -67,6 +70,7 @@ class ModelRunner:
         grammar_compiler: GrammarCompiler | None = None,
         ngram_sizes: tuple[int, int] = (2, 4),
         adapters: LoraAdapters | None = None,
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
         if kv_cache.storage.device.type == "cpu":
             keep_freed_memory()
@@ -84,6 +88,9 @@ class ModelRunner:
         with; set up by services/worker/batch_invariance.py."""
         self.ngram_sizes = ngram_sizes
         """(min n, max n) of prompt lookup's matches, for the drafts plans ask for."""
+        self.suffix_cache = suffix_cache
+        """Suffix decoding's recent text (None: off); kept across resets, as the text it
+        holds stays good to draft from."""
         self.batch = self._new_batch()
         self.sampler = Sampler(seed=seed)
         self.vocab_size = model.architecture.vocab_size
@@ -117,6 +124,8 @@ class ModelRunner:
         fused_decode: bool = True,
         batch_invariant: bool | None = False,
         ngram_sizes: tuple[int, int] = (2, 4),
+        suffix_cache_tokens: int = 0,
+        suffix_min_prob: float = 0.1,
         max_loras: int = 0,
         max_lora_rank: int = 16,
         max_cpu_loras: int = 0,
@@ -185,6 +194,9 @@ class ModelRunner:
             batch_invariant=batch_invariant,
             ngram_sizes=ngram_sizes,
             adapters=adapters,
+            suffix_cache=(
+                SuffixCache(suffix_cache_tokens, suffix_min_prob) if suffix_cache_tokens else None
+            ),
             grammar_compiler=GrammarCompiler(
                 loaded.tokenizer.tokenizer.to_str(),
                 loaded.model.architecture.vocab_size,
@@ -210,6 +222,8 @@ class ModelRunner:
             fused_decode=settings.fused_decode,
             batch_invariant=settings.deterministic,
             ngram_sizes=(settings.speculative_ngram_min_n, settings.speculative_ngram_max_n),
+            suffix_cache_tokens=settings.speculative_suffix_cache_tokens,
+            suffix_min_prob=settings.speculative_suffix_min_prob,
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
             max_cpu_loras=settings.max_cpu_loras,
@@ -239,6 +253,7 @@ class ModelRunner:
             self.device,
             per_token_attention=self.batch_invariant,
             ngram_sizes=self.ngram_sizes,
+            suffix_cache=self.suffix_cache,
         )
 
     @torch.inference_mode()
@@ -255,6 +270,8 @@ class ModelRunner:
         if plan.is_empty:
             return result
         drafts = self.batch.propose_drafts(plan) if plan.draft_slots else {}
+        if drafts and grammars is not None:
+            drafts = grammars.cut_drafts(drafts)
         inputs = self.batch.prepare(plan, drafts)
         if self.adapters.num_running:
             inputs.forward.lora = self.adapters.batch_for(
@@ -303,7 +320,7 @@ class ModelRunner:
                 self.model(inputs.forward, self.kv_cache.layers)
         self.batch.advance(plan, sampled, accepted)
         if grammars is not None:
-            grammars.accept(sampled)
+            grammars.accept(sampled, accepted)
         result.sampled_token_ids = sampled
         return result
 

@@ -80,3 +80,15 @@ def test_worker_description_round_trip() -> None:
     message = worker_description_to_proto(description)
     assert not message.model.HasField("chat_template")
     assert worker_description_from_proto(message) == description
+
+
+def test_a_new_sequences_cache_salt_reaches_the_worker() -> None:
+    """Suffix decoding scopes drafts by it: the scheduler's request puts it in the sequence,
+    the plan's wire form carries it, the worker reads it."""
+    from services.scheduler.request import Request
+
+    request = Request("a", [1, 2], SamplingParams(), eos_token_ids=(), cache_salt=b"tenant")
+    sequence = request.new_sequence([0])
+    assert sequence.cache_salt == b"tenant"
+    plan = BatchPlan(step_id=1, new_sequences=[sequence])
+    assert plan_from_proto(plan_to_proto(plan)).new_sequences[0].cache_salt == b"tenant"

@@ -7,7 +7,7 @@ import torch
 
 from services.worker.input_batch import CachedSequence, StepInputs
 from services.worker.sampler import Sampler, filtered_probs
-from services.worker.sampling_metadata import build_sampling_metadata
+from services.worker.sampling_metadata import GrammarMask, build_sampling_metadata
 from services.worker.speculative.draft_verification import verify_greedy, verify_sampled
 from services.worker.structured_output.matchers import GrammarMatchers
 
@@ -27,18 +27,16 @@ def sample_and_verify(
     the row's final distribution. Returns (sampled token, accepted drafts) per id."""
     device = logits.device
     rows = []
-    row_ids: list[str] = []
     first_row: dict[str, int] = {}
     for request_id in inputs.sampled_request_ids:
         seq = sequences[request_id]
         draft = inputs.drafts.get(request_id, ())
         first_row[request_id] = len(rows)
         rows.extend(seq.sampler_row(eos_token_ids, draft[:j]) for j in range(len(draft) + 1))
-        row_ids.extend([request_id] * (len(draft) + 1))
     metadata = build_sampling_metadata(rows, vocab_size, device)
     if grammars is not None:
-        # Sequences with a grammar never draft (SamplingParams.can_speculate): one row.
-        metadata.grammar_mask = grammars.fill(row_ids)
+        # Each draft row is masked by the grammar's state after the drafts before it.
+        metadata.grammar_mask = grammars.fill(inputs.sampled_request_ids, inputs.drafts)
     # A sampled (not greedy) speculating sequence verifies against its rows' final
     # distributions, taken before the sampler consumes the logits.
     probs: dict[str, torch.Tensor] = {}
@@ -46,6 +44,7 @@ def sample_and_verify(
         if not sequences[request_id].sampling.is_greedy:
             start, end = first_row[request_id], first_row[request_id] + len(draft) + 1
             own = build_sampling_metadata(rows[start:end], vocab_size, device)
+            own.grammar_mask = _rows_of(metadata.grammar_mask, start, end)
             probs[request_id] = filtered_probs(logits[start:end].float().clone(), own)
     output = sampler(logits, metadata)
     token_ids = output.token_ids.tolist()
@@ -65,3 +64,11 @@ def sample_and_verify(
         accepted[request_id] = verified.token_ids[:-1]
         sampled[request_id] = verified.token_ids[-1]
     return sampled, accepted
+
+
+def _rows_of(mask: GrammarMask | None, start: int, end: int) -> GrammarMask | None:
+    """The grammar mask of rows [start, end), renumbered from 0."""
+    if mask is None:
+        return None
+    rows = [row - start for row in mask.rows if start <= row < end]
+    return GrammarMask(mask.bitmask[start:end], rows) if rows else None

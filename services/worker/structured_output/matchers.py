@@ -16,6 +16,13 @@ A grammar with `starts_after` (a reasoning model's `</think>`) waits behind a ga
 sequence samples freely, its tokens go to the gate, and the matcher takes over from the token
 after the gate's ids have all come out, in a row.
 
+Speculation: a draft is cut where the grammar refuses it (cut_drafts: the matcher accepts the
+draft's tokens, then rolls back), so every draft token is one the grammar allows; a step that
+verifies d drafts fills d + 1 rows for the sequence, row j with the mask after drafts 1..j
+(the matcher steps through the drafts and rolls back), and the accepted drafts then the sampled
+token are fed back in order. A gated sequence drafts up to, not including, the token that
+would open its gate (its rows all stay unmasked).
+
 A sequence that comes back after a preemption (a NewSequence with output tokens) gets a new
 matcher that replays its output. Once the output is complete the grammar allows only the stop
 tokens (the model's EOS); the matcher terminates on it, and a step the scheduler planned
@@ -112,43 +119,109 @@ class GrammarMatchers:
                 )
                 break
 
-    def fill(self, sampled_request_ids: Sequence[str]) -> GrammarMask | None:
-        """The bitmask of this step's constrained rows (row i = sampled_request_ids[i]); None
+    def cut_drafts(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        """`drafts` with each constrained sequence's draft cut before the first token its
+        grammar refuses (and after one that completes it); sequences left without a draft
+        are dropped. The matchers end as they started."""
+        if not self._matchers:
+            return drafts
+        kept: dict[str, list[int]] = {}
+        for request_id, draft in drafts.items():
+            matcher = self._matchers.get(request_id)
+            if matcher is None:
+                kept[request_id] = draft
+                continue
+            gate = self._gates.get(request_id)
+            if gate is not None:
+                draft = draft[: gate.tokens_before_opening(draft)]
+            elif matcher.is_terminated():
+                draft = []
+            else:
+                num_allowed = 0
+                for token_id in draft:
+                    if matcher.is_terminated() or not matcher.accept_token(token_id):
+                        break
+                    num_allowed += 1
+                if num_allowed:
+                    matcher.rollback(num_allowed)
+                draft = draft[:num_allowed]
+            if draft:
+                kept[request_id] = draft
+        return kept
+
+    def fill(
+        self, sampled_request_ids: Sequence[str], drafts: dict[str, list[int]] | None = None
+    ) -> GrammarMask | None:
+        """The bitmask of this step's constrained rows, in logits order: each sequence's row,
+        then one more per draft (cut_drafts made every draft one its grammar allows); None
         when no row is constrained, so an unconstrained batch pays one dict check."""
         if not self._matchers:
             return None
+        drafts = drafts or {}
         rows: list[int] = []
         matchers: list[Any] = []
-        for row, request_id in enumerate(sampled_request_ids):
+        drafting: list[tuple[Any, int, list[int]]] = []  # (matcher, first row, draft)
+        row = 0
+        for request_id in sampled_request_ids:
+            draft = drafts.get(request_id, [])
             matcher = self._matchers.get(request_id)
-            if matcher is not None and not matcher.is_terminated():
-                if request_id in self._gates:
-                    continue
+            if (
+                matcher is not None
+                and not matcher.is_terminated()
+                and request_id not in self._gates
+            ):
                 rows.append(row)
                 matchers.append(matcher)
+                if draft:
+                    drafting.append((matcher, row, draft))
+            row += 1 + len(draft)
         if not rows:
             return None
-        bitmask = self._bitmask_for(len(sampled_request_ids))
-        # One call for every row: xgrammar walks the matchers in C++ (its own threads when
-        # the batch is large), instead of a Python call per row.
+        bitmask = self._bitmask_for(row)
+        # One call for every first row: xgrammar walks the matchers in C++ (its own threads
+        # when the batch is large), instead of a Python call per row.
         self._batch().batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        return GrammarMask(bitmask, rows)
+        for matcher, first_row, draft in drafting:
+            num_accepted = 0
+            for offset, token_id in enumerate(draft, start=1):
+                if not matcher.accept_token(token_id):
+                    break
+                num_accepted += 1
+                if matcher.is_terminated():
+                    break  # the rows after a completing token stay unmasked (discarded)
+                matcher.fill_next_token_bitmask(bitmask, first_row + offset)
+                rows.append(first_row + offset)
+            if num_accepted:
+                matcher.rollback(num_accepted)
+        return GrammarMask(bitmask, sorted(rows))
 
-    def accept(self, sampled: dict[str, int]) -> None:
-        """Advance each constrained sequence's matcher by its sampled token."""
+    def accept(
+        self, sampled: dict[str, int], accepted_drafts: dict[str, list[int]] | None = None
+    ) -> None:
+        """Advance each constrained sequence's matcher by its accepted drafts, then its
+        sampled token."""
         if not self._matchers:
             return
         matchers: list[Any] = []
         tokens: list[int] = []
         ids: list[str] = []
         for request_id, token_id in sampled.items():
+            if request_id not in self._matchers:
+                continue
+            drafted = accepted_drafts.get(request_id) if accepted_drafts else None
+            if drafted:
+                # Drafts go one by one (rare: only speculating constrained sequences).
+                for draft_id in drafted:
+                    self._accept_one(request_id, draft_id)
+                self._accept_one(request_id, token_id)
+                continue
             gate = self._gates.get(request_id)
             if gate is not None:
                 if gate.feed(token_id):
                     del self._gates[request_id]  # the grammar starts at the next token
                 continue
-            matcher = self._matchers.get(request_id)
-            if matcher is not None and not matcher.is_terminated():
+            matcher = self._matchers[request_id]
+            if not matcher.is_terminated():
                 matchers.append(matcher)
                 tokens.append(token_id)
                 ids.append(request_id)
@@ -159,12 +232,17 @@ class GrammarMatchers:
         accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
         for request_id, token_id, ok in zip(ids, tokens, accepted, strict=True):
             if not ok:
-                # Cannot happen for a masked row; logged rather than raised: the step's
-                # other sequences must go on.
-                log.warning(
-                    "sampled token refused by the grammar",
-                    extra={"request_id": request_id, "token": token_id},
-                )
+                _refused(request_id, token_id)
+
+    def _accept_one(self, request_id: str, token_id: int) -> None:
+        gate = self._gates.get(request_id)
+        if gate is not None:
+            if gate.feed(token_id):
+                del self._gates[request_id]
+            return
+        matcher = self._matchers[request_id]
+        if not matcher.is_terminated() and not matcher.accept_token(token_id):
+            _refused(request_id, token_id)
 
     def is_terminated(self, request_id: str) -> bool:
         matcher = self._matchers.get(request_id)
@@ -186,6 +264,14 @@ class GrammarMatchers:
         return self._batch_matcher
 
 
+def _refused(request_id: str, token_id: int) -> None:
+    # Cannot happen for a masked row; logged rather than raised: the step's other sequences
+    # must go on.
+    log.warning(
+        "sampled token refused by the grammar", extra={"request_id": request_id, "token": token_id}
+    )
+
+
 class GrammarGate:
     """Waits for `ids` to come out in a row; `feed` says when they have."""
 
@@ -197,6 +283,17 @@ class GrammarGate:
         self._recent.append(token_id)
         del self._recent[: -len(self.ids)]
         return tuple(self._recent) == self.ids
+
+    def tokens_before_opening(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids` could come before the one that opens the gate (all of
+        them if none does), the gate left as it was."""
+        recent = list(self._recent)
+        for count, token_id in enumerate(token_ids):
+            recent.append(token_id)
+            del recent[: -len(self.ids)]
+            if tuple(recent) == self.ids:
+                return count
+        return len(token_ids)
 
     def feed_all(self, token_ids: Sequence[int]) -> int | None:
         """How many of `token_ids` it took to open (None: still closed after all of them)."""

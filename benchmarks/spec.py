@@ -1,0 +1,189 @@
+"""`llmserve bench spec`: what speculative decoding buys on the in-process engine, by kind of
+traffic and number of users, with speculation off, by prompt lookup alone (`ngram`) and with
+the suffix cache too (`suffix`).
+
+    llmserve bench spec --users 1,4,16 --rounds 3 --output-len 128
+
+Workloads (spec_workload.py): code edits, multi-turn chat quoting earlier turns, JSON
+extraction under a schema, plain chat. The model is loaded once; each mode gets its own engine,
+warmed by one round of every workload (a different seed: the suffix cache then holds earlier
+traffic of each kind, as a serving worker's would, never the answers measured). A round sends
+`users` greedy requests at once and runs them to the end; the table holds medians over rounds
+of output tok/s (tokens / wall time), ms per token as each user sees it (wall time / the mean
+answer length), and tokens per speculating step (1 + accepted / sequence-steps that verified
+drafts, from the scheduler's counters), with the speed-up over `off`. The scheduler's own
+policy decides who drafts (drafts are granted only while they pay), as in serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from benchmarks.common import command_line, cpu_model_name, format_table, load_average
+from benchmarks.spec_workload import WORKLOADS, SpecRequest, workload_requests
+from services.contracts.sampling_params import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.worker.loaded_model import LoadedModel
+
+MODES = ("off", "ngram", "suffix")
+WARMUP_SEED = 99_991
+HEADERS = (
+    "workload",
+    "users",
+    "mode",
+    "tok/s",
+    "ms/token",
+    "tokens/step",
+    "accepted",
+    "speed-up",
+)
+
+
+@dataclass(slots=True)
+class Round:
+    output_tok_s: float
+    ms_per_token: float
+    tokens_per_step: float
+    acceptance: float
+
+
+@dataclass(slots=True)
+class Cell:
+    rounds: list[Round] = field(default_factory=list)
+
+    def median(self, name: str) -> float:
+        return statistics.median(getattr(r, name) for r in self.rounds)
+
+
+def engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        seed=0,
+        kv_cache_gib=args.kv_cache_gib,
+        speculative_ngram=0 if mode == "off" else args.num_speculative_tokens,
+        speculative_suffix_cache_tokens=args.suffix_cache_tokens if mode == "suffix" else 0,
+    )
+
+
+def run_round(engine: LLMEngine, requests: list[SpecRequest], output_len: int) -> Round:
+    prompts = [engine.tokenizer.apply_chat_template(r.messages) for r in requests]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_new_tokens=output_len, structured_output=r.structured_output
+        )
+        for r in requests
+    ]
+    before = engine.get_stats()
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    wall_s = time.perf_counter() - start
+    after = engine.get_stats()
+    lengths = [len(r.token_ids) for r in results]
+    proposed = after.num_draft_tokens_proposed - before.num_draft_tokens_proposed
+    accepted = after.num_draft_tokens_accepted - before.num_draft_tokens_accepted
+    steps = after.num_speculative_steps - before.num_speculative_steps
+    return Round(
+        output_tok_s=sum(lengths) / wall_s,
+        ms_per_token=1000 * wall_s / max(1.0, statistics.mean(lengths)),
+        tokens_per_step=1 + accepted / steps if steps else 1.0,
+        acceptance=accepted / proposed if proposed else 0.0,
+    )
+
+
+def table_rows(cells: dict[tuple[str, int, str], Cell]) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for (workload, users, mode), cell in cells.items():
+        off = cells.get((workload, users, "off"))
+        tok_s = cell.median("output_tok_s")
+        speed_up = f"{tok_s / off.median('output_tok_s'):.2f}x" if off else "-"
+        rows.append(
+            [
+                workload,
+                users,
+                mode,
+                round(tok_s, 1),
+                round(cell.median("ms_per_token"), 1),
+                round(cell.median("tokens_per_step"), 2),
+                f"{100 * cell.median('acceptance'):.0f}%",
+                speed_up,
+            ]
+        )
+    return rows
+
+
+def parse_list(text: str, name: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"{name} is empty")
+    return items
+
+
+def run(args: argparse.Namespace) -> int:
+    workloads = parse_list(args.workloads, "--workloads")
+    for workload in workloads:
+        if workload not in WORKLOADS:
+            raise SystemExit(
+                f"--workloads: each is one of {', '.join(WORKLOADS)}, got {workload!r}"
+            )
+    modes = parse_list(args.modes, "--modes")
+    if any(mode not in MODES for mode in modes):
+        raise SystemExit(f"--modes: each is one of {', '.join(MODES)}, got {args.modes!r}")
+    users = [int(u) for u in parse_list(args.users, "--users")]
+    if any(u < 1 for u in users):
+        raise SystemExit("--users: each must be >= 1")
+    print(f"{command_line()}\n\ncpu: {cpu_model_name()}; load: {load_average()}\n")
+    import torch
+
+    loaded = LoadedModel.load(args.model, torch.float32, quantization=args.quantization)
+    cells: dict[tuple[str, int, str], Cell] = {}
+    for mode in modes:
+        engine = LLMEngine(engine_config(mode, args), loaded=loaded)
+        for workload in workloads:
+            warm = workload_requests(workload, max(users), WARMUP_SEED)
+            run_round(engine, warm, args.output_len)
+        for workload in workloads:
+            for count in users:
+                cell = cells.setdefault((workload, count, mode), Cell())
+                for index in range(args.rounds):
+                    requests = workload_requests(workload, count, seed=index)
+                    cell.rounds.append(run_round(engine, requests, args.output_len))
+                print(f"  {mode} {workload} x{count} done", file=sys.stderr)
+    ordered = dict(sorted(cells.items(), key=lambda item: (item[0][0], item[0][1])))
+    print(format_table(HEADERS, table_rows(ordered)))
+    return 0
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {WORKLOADS}")
+    parser.add_argument("--users", default="1,4,16", help="comma-separated requests at once")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {MODES}")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output-len", type=int, default=128, help="most tokens per answer")
+    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--suffix-cache-tokens", type=int, default=65_536)
+    parser.add_argument("--kv-cache-gib", type=float, default=0.5)
+    parser.add_argument("--model", default=None, help="a GGUF or HF model (default: embedded)")
+    parser.add_argument("--quantization", default="gguf-exact")
+    parser.set_defaults(func=run)
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "spec",
+        help="speculation off, n-gram and suffix decoding on code, chat and JSON workloads",
+    )
+    configure_parser(parser)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="llmserve bench spec")
+    configure_parser(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

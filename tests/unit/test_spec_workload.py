@@ -1,0 +1,35 @@
+"""`llmserve bench spec`'s workloads: seeded, varied per request, JSON extraction under its
+schema, a code edit naming an identifier of its file; bad names and modes are refused."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import spec
+from benchmarks.spec_workload import WORKLOADS, workload_requests
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_requests_are_seeded_and_varied(workload: str) -> None:
+    first = workload_requests(workload, 4, seed=1)
+    assert first == workload_requests(workload, 4, seed=1)
+    assert first != workload_requests(workload, 4, seed=2)
+    assert len(first) == 4
+    assert all((r.structured_output is not None) == (workload == "json") for r in first)
+
+
+def test_a_code_edit_renames_an_identifier_of_its_file() -> None:
+    request = workload_requests("code_edit", 1, seed=3)[0]
+    text = request.messages[-1].content
+    old = text.split("`")[1]
+    assert f"({old}" in text or f" {old}" in text.split("```python")[1]
+
+
+def test_bad_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="workload"):
+        workload_requests("poems", 1, seed=0)
+    args = argparse.Namespace(workloads="chat", modes="off,eagle", users="1")
+    with pytest.raises(SystemExit, match="--modes"):
+        spec.run(args)
