@@ -42,7 +42,9 @@ def stack() -> Iterator[RunningStack]:
     with tempfile.TemporaryDirectory(prefix="llmserve-responses-") as name:
         key_file = Path(name) / "keys.txt"
         key_file.write_text(f"{TENANT_A_KEY} tenant=tenant-a\n{TENANT_B_KEY} tenant=tenant-b\n")
-        flags = [*STACK_FLAGS, "--api-key-file", str(key_file)]
+        # A short context: llm-comply's requests set no limit and no temperature, so a sampled
+        # answer of the small model that never says EOS ends at the context's end in seconds.
+        flags = [*STACK_FLAGS, "--api-key-file", str(key_file), "--max-model-len", "1024"]
         with running_stack(flags, startup_timeout_s=STARTUP_TIMEOUT_S) as running:
             yield running
         assert running.returncode == 0
@@ -333,23 +335,39 @@ def test_llm_comply_open_responses_group_passes(stack: RunningStack) -> None:
     ]
     assert "basic-response" in ids and "image-input" in ids
     run = [i for i in ids if i not in NOT_APPLICABLE]
+    results = comply(stack, run)
+    assert set(results) == set(run)
+    # Such an answer that ran to the context's end is rightly `incomplete` (what
+    # completed_status refuses): that test alone runs again, at most twice; any other failure
+    # stands.
+    for _ in range(2):
+        cut = [i for i, r in results.items() if r.get("errors") == [CUT_BY_THE_CONTEXT]]
+        if not cut:
+            break
+        results.update(comply(stack, cut))
+    failed = {i: r.get("errors") for i, r in results.items() if r["status"] == "failed"}
+    assert failed == {}
+    skipped = {i: r.get("errors") for i, r in results.items() if r["status"] == "skipped"}
+    assert set(skipped) <= {"reasoning-summary"}, skipped
+    passed = [i for i, r in results.items() if r["status"] == "passed"]
+    assert len(passed) == len(run) - len(skipped)
+
+
+CUT_BY_THE_CONTEXT = "expected status='completed', got 'incomplete'"
+
+
+def comply(stack: RunningStack, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """llm-comply's results for the tests `ids`, by id."""
     answer = subprocess.run(
         [
             sys.executable,
             "-m",
             "llm_comply.cli",
             *("--base-url", stack.http, "--api-key", TENANT_A_KEY, "--model", model_name(stack)),
-            *("--filter", ",".join(run), "--json", "--timeout", "300"),
+            *("--filter", ",".join(ids), "--json", "--timeout", "300"),
         ],
         capture_output=True,
         text=True,
         timeout=1800,
     )
-    report = json.loads(answer.stdout)
-    results = {result["id"]: result for result in report["results"]}
-    assert set(results) == set(run)
-    failed = {i: r.get("errors") for i, r in results.items() if r["status"] == "failed"}
-    assert failed == {}
-    skipped = {i: r.get("errors") for i, r in results.items() if r["status"] == "skipped"}
-    assert set(skipped) <= {"reasoning-summary"}, skipped
-    assert report["summary"]["passed"] == len(run) - len(skipped)
+    return {result["id"]: result for result in json.loads(answer.stdout)["results"]}
