@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -16,6 +17,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 
 from services.stack import RunningStack
+from tests.e2e.conftest import e2e_stack
 
 pytestmark = pytest.mark.slow
 
@@ -236,10 +238,20 @@ CHAT_NOT_APPLICABLE = {"chat-image-input": "the served model takes text only (no
 CHAT_GATED = {"chat-reasoning-summary": "o-series"}
 
 
-def test_llm_comply_openai_chat_group_passes(stack: RunningStack) -> None:
+@pytest.fixture(scope="module")
+def short_context_stack() -> Iterator[RunningStack]:
+    """llm-comply's requests set no max_tokens and no temperature: a sampled answer of the
+    small model that never says EOS ends at the context's end, here within seconds."""
+    with e2e_stack(["--max-model-len", "1024"]) as running:
+        yield running
+    assert running.returncode == 0
+
+
+def test_llm_comply_openai_chat_group_passes(short_context_stack: RunningStack) -> None:
     """llm-comply's OpenAI Chat group (it validates each answer and stream chunk against
     OpenAI's published schema) against this stack: every applicable test passes; the one
     that needs another vendor's reasoning models is skipped by its own gate."""
+    stack = short_context_stack
     listed = subprocess.run(
         [sys.executable, "-m", "llm_comply.cli", "--format", "openai-chat", "--list"],
         capture_output=True,
