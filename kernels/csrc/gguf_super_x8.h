@@ -32,14 +32,17 @@
 
 namespace gguf_x8 {
 
-// The next groups' block of `bytes` per row (the groups a tile of V::kRows rows takes next),
-// one tile ahead of use: rows of a few super-blocks end the hardware prefetcher's streams
-// before they pay off.
+// The block of `bytes` per row at the same position in each group the tile takes next (a
+// 512-bit tile's unit is two groups, one group stride apart), one tile ahead of use: rows of
+// a few super-blocks end the hardware prefetcher's streams before they pay off.
 template <typename V>
 inline void prefetch_next_groups(const uint8_t* block, int64_t row_bytes, int64_t bytes) {
-  const char* next = reinterpret_cast<const char*>(block + V::kRows * row_bytes);
-  for (int64_t line = 0; line < V::kRows * bytes; line += 64) {
-    _mm_prefetch(next + line, _MM_HINT_T0);
+  for (int64_t group = 0; group < V::kRows / kGroupRows; ++group) {
+    const char* next =
+        reinterpret_cast<const char*>(block + (V::kRows + group * kGroupRows) * row_bytes);
+    for (int64_t line = 0; line < kGroupRows * bytes; line += 64) {
+      _mm_prefetch(next + line, _MM_HINT_T0);
+    }
   }
 }
 
