@@ -32,14 +32,17 @@
 
 namespace gguf_x8 {
 
-// The next groups' block of `bytes` per row (the groups a tile of V::kRows rows takes next),
-// one tile ahead of use: rows of a few super-blocks end the hardware prefetcher's streams
-// before they pay off.
+// The block of `bytes` per row at the same position in each group the tile takes next (a
+// 512-bit tile's unit is two groups, one group stride apart), one tile ahead of use: rows of
+// a few super-blocks end the hardware prefetcher's streams before they pay off.
 template <typename V>
 inline void prefetch_next_groups(const uint8_t* block, int64_t row_bytes, int64_t bytes) {
-  const char* next = reinterpret_cast<const char*>(block + V::kRows * row_bytes);
-  for (int64_t line = 0; line < V::kRows * bytes; line += 64) {
-    _mm_prefetch(next + line, _MM_HINT_T0);
+  for (int64_t group = 0; group < V::kRows / kGroupRows; ++group) {
+    const char* next =
+        reinterpret_cast<const char*>(block + (V::kRows + group * kGroupRows) * row_bytes);
+    for (int64_t line = 0; line < kGroupRows * bytes; line += 64) {
+      _mm_prefetch(next + line, _MM_HINT_T0);
+    }
   }
 }
 
@@ -377,9 +380,116 @@ void sub16_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
   for (int m = 0; m < MR; ++m) V::store(out + m * ldo, acc[m]);
 }
 
+#if defined(__AVX512VL__) && defined(GGUF_VNNI)
+// Up to this many activation rows the Q6_K tile shares its word loads across chunks: eight
+// dot chains per row, 32 vector registers.
+constexpr int kQ6kSharedWordsMaxRows = 2;
+
+// Q6_K for tiles of few activation rows (decode of one or two sequences), where decoding the
+// codes costs more than the dots: a half h of the super-block is its words in an outer loop,
+// and each word i's three vectors (nibbles of words 16 h + i and 16 h + 8 + i, 2-bit highs of
+// word 32 + 8 h + i) are loaded once for the four chunks 4 h + j that use them, where
+// sub16_tile loads them once per chunk (eight loads for four code vectors instead of three).
+// Eight dot chains per activation row (four chunks, two sub-blocks each) stay in registers;
+// the sums, their order and the scale and zero-point terms are sub16_tile's, so the result
+// is bit-identical to it.
+template <typename V, int MR, typename Acts>
+void q6_k_shared_words_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_bytes,
+                            float* out, int64_t ldo) {
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int64_t kind = gguf::kQ6_K;
+  constexpr int64_t bytes = fields<kind>().bytes;
+  const int64_t stride = kGroupRows * row_bytes;
+  const int64_t k = a.in_features, num_supers = a.num_supers;
+  const I low_nibble = V::set1_8(0x0F), code_mask = V::set1_8(0x3F);
+  // Bits 2j, 2j + 1 of each byte of the highs to bits 4, 5 (j = 0, 1, 3; j = 2 needs none).
+  const I rotate_0 = V::set1_32(4), rotate_1 = V::set1_32(2), rotate_3 = V::set1_32(30);
+  F acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = V::zero_ps();
+  for (int64_t g = 0; g < num_supers; ++g) {
+    const uint8_t* block = group + g * kGroupRows * bytes;
+    prefetch_next_groups<V>(block, row_bytes, bytes);
+    I scale_words[4];
+    for (int t = 0; t < 4; ++t) scale_words[t] = V::load(block + word_at<kind>(48 + t), stride);
+    auto sub_scale = [&](int sub) {
+      return V::template srai32<24>(
+          V::sll32(scale_words[sub / 4], _mm_cvtsi32_si128(24 - 8 * (sub % 4))));
+    };
+    const int8_t* codes = a.codes.data() + m0 * k + g * 256;
+    I sumi[MR];
+    for (int m = 0; m < MR; ++m) sumi[m] = V::zero();
+    for (int h = 0; h < 2; ++h) {
+      I dot[MR][4][2];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < 4; ++j) dot[m][j][0] = dot[m][j][1] = V::zero();
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const I nibbles_a = V::load(block + word_at<kind>(16 * h + i), stride);
+        const I nibbles_b = V::load(block + word_at<kind>(16 * h + 8 + i), stride);
+        const I highs = V::load(block + word_at<kind>(32 + 8 * h + i), stride);
+        // The low 4 bits from the nibbles, the rest from the rotated highs (0xE4: C ? A : B),
+        // then the bits above the 6-bit code cleared.
+        const I q[4] = {
+            V::and_(V::template ternary<0xE4>(nibbles_a, V::rolv32(highs, rotate_0), low_nibble),
+                    code_mask),
+            V::and_(V::template ternary<0xE4>(nibbles_b, V::rolv32(highs, rotate_1), low_nibble),
+                    code_mask),
+            V::and_(V::template ternary<0xE4>(V::template srli16<4>(nibbles_a), highs, low_nibble),
+                    code_mask),
+            V::and_(V::template ternary<0xE4>(V::template srli16<4>(nibbles_b),
+                                              V::rolv32(highs, rotate_3), low_nibble),
+                    code_mask),
+        };
+        for (int j = 0; j < 4; ++j) {
+          const int8_t* word_codes = codes + 32 * (4 * h + j) + 4 * i;
+          for (int m = 0; m < MR; ++m) {
+            dot[m][j][i / 4] = V::dpbusd(dot[m][j][i / 4], q[j], word_codes + m * k);
+          }
+        }
+      }
+      for (int j = 0; j < 4; ++j) {
+        const int c = 4 * h + j;
+        const I scale_a = sub_scale(2 * c), scale_b = sub_scale(2 * c + 1);
+        for (int m = 0; m < MR; ++m) {
+          sumi[m] = V::add32(sumi[m], V::add32(V::mullo32(dot[m][j][0], scale_a),
+                                               V::mullo32(dot[m][j][1], scale_b)));
+        }
+      }
+    }
+    // The zero point, as sub16_tile: 32 sum_s scale_s (sum of the sub-block's codes).
+    I even[4], odd[4];
+    for (int t = 0; t < 4; ++t) {
+      even[t] = V::template srai16<8>(V::template slli16<8>(scale_words[t]));
+      odd[t] = V::template srai16<8>(scale_words[t]);
+    }
+    const F d = V::halves(block + half_at<kind>(0), stride);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* sums =
+          reinterpret_cast<const int8_t*>(a.bsum_q6.data() + ((m0 + m) * k + g * 256) / 16);
+      I corr = V::zero();
+      for (int t = 0; t < 4; ++t) {
+        corr = V::add32(corr, V::madd16(even[t], V::broadcast4(sums + 8 * t)));
+        corr = V::add32(corr, V::madd16(odd[t], V::broadcast4(sums + 8 * t + 4)));
+      }
+      const F s = V::set1_ps(a.scale[(m0 + m) * num_supers + g]);
+      const I total = V::sub32(sumi[m], V::template slli32<zero_point_shift<kind>()>(corr));
+      acc[m] = V::fmadd(V::cvt(total), V::mul(d, s), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) V::store(out + m * ldo, acc[m]);
+}
+#endif
+
 template <int64_t KIND, int MR, typename V, typename Acts>
 void super_x8_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_bytes,
                    float* out, int64_t ldo) {
+#if defined(__AVX512VL__) && defined(GGUF_VNNI)
+  if constexpr (KIND == gguf::kQ6_K && MR <= kQ6kSharedWordsMaxRows) {
+    q6_k_shared_words_tile<V, MR>(a, m0, group, row_bytes, out, ldo);
+    return;
+  }
+#endif
   if constexpr (KIND == gguf::kQ6_K || KIND == gguf::kQ3_K || KIND == gguf::kQ2_K) {
     sub16_tile<V, MR, KIND>(a, m0, group, row_bytes, out, ldo);
   } else {
