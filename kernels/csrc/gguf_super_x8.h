@@ -204,6 +204,36 @@ void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
 //         (words 0-3), the mins times dmin taken off as Q4_K's
 // One loop iteration per chunk with its shifts as counts (the loop stays small, as Q4_K's:
 // the super-block unrolled whole spent more instructions on addresses than on dots).
+// sum_s f_s (sum of the activation codes of 16-value sub-block s) per lane, for the 16
+// signed per-sub-block byte factors in `words` (4 per lane per word: Q6_K's and Q3_K's scales,
+// Q2_K's mins): the factors as int16 pairs (even bytes 4t, 4t + 2 and odd 4t + 1, 4t + 3 of
+// word t) against the row's code-sum pairs (SuperActivations::bsum_q6).
+template <typename V>
+struct Sub16FactorSums {
+  using I = typename V::I;
+  I even[4], odd[4];
+
+  explicit Sub16FactorSums(const I* words) {
+    for (int t = 0; t < 4; ++t) {
+      even[t] = V::template srai16<8>(V::template slli16<8>(words[t]));
+      odd[t] = V::template srai16<8>(words[t]);
+    }
+  }
+
+  // Row `row`'s sum over super-block g.
+  template <typename Acts>
+  I of(const Acts& a, int64_t row, int64_t g) const {
+    const int8_t* sums = reinterpret_cast<const int8_t*>(
+        a.bsum_q6.data() + (row * a.in_features + g * 256) / 16);
+    I sum = V::zero();
+    for (int t = 0; t < 4; ++t) {
+      sum = V::add32(sum, V::madd16(even[t], V::broadcast4(sums + 8 * t)));
+      sum = V::add32(sum, V::madd16(odd[t], V::broadcast4(sums + 8 * t + 4)));
+    }
+    return sum;
+  }
+};
+
 template <int64_t KIND>
 constexpr int zero_point_shift() {  // log2 of the zero point; Q2_K has mins instead
   return KIND == gguf::kQ6_K ? 5 : KIND == gguf::kQ3_K ? 2 : -1;
@@ -349,22 +379,10 @@ void sub16_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
     // The zero point (Q6_K, Q3_K: z sum_s scale_s (sum of the sub-block's codes)) or Q2_K's
     // mins (sum_s min_s (...)): the per-byte factors in int16 pairs (even bytes 4t, 4t + 2 and
     // odd 4t + 1, 4t + 3 of word t) against code-sum pairs.
-    I even[4], odd[4];
-    for (int t = 0; t < 4; ++t) {
-      const I factors = KIND == gguf::kQ2_K ? min_words[t] : scale_words[t];
-      even[t] = V::template srai16<8>(V::template slli16<8>(factors));
-      odd[t] = V::template srai16<8>(factors);
-    }
+    const Sub16FactorSums<V> factor_sums(KIND == gguf::kQ2_K ? min_words : scale_words);
     const F d = V::halves(block + half_at<KIND>(0), stride);
     for (int m = 0; m < MR; ++m) {
-      // Sums (4t, 4t + 2) and (4t + 1, 4t + 3), laid out as int32 pairs (bsum_q6).
-      const int8_t* sums =
-          reinterpret_cast<const int8_t*>(a.bsum_q6.data() + ((m0 + m) * k + g * 256) / 16);
-      I corr = V::zero();
-      for (int t = 0; t < 4; ++t) {
-        corr = V::add32(corr, V::madd16(even[t], V::broadcast4(sums + 8 * t)));
-        corr = V::add32(corr, V::madd16(odd[t], V::broadcast4(sums + 8 * t + 4)));
-      }
+      const I corr = factor_sums.of(a, m0 + m, g);
       const F s = V::set1_ps(a.scale[(m0 + m) * num_supers + g]);
       if constexpr (KIND == gguf::kQ2_K) {
         const F dmin = V::halves(block + half_at<KIND>(1), stride);
@@ -458,20 +476,10 @@ void q6_k_shared_words_tile(const Acts& a, int64_t m0, const uint8_t* group, int
       }
     }
     // The zero point, as sub16_tile: 32 sum_s scale_s (sum of the sub-block's codes).
-    I even[4], odd[4];
-    for (int t = 0; t < 4; ++t) {
-      even[t] = V::template srai16<8>(V::template slli16<8>(scale_words[t]));
-      odd[t] = V::template srai16<8>(scale_words[t]);
-    }
+    const Sub16FactorSums<V> factor_sums(scale_words);
     const F d = V::halves(block + half_at<kind>(0), stride);
     for (int m = 0; m < MR; ++m) {
-      const int8_t* sums =
-          reinterpret_cast<const int8_t*>(a.bsum_q6.data() + ((m0 + m) * k + g * 256) / 16);
-      I corr = V::zero();
-      for (int t = 0; t < 4; ++t) {
-        corr = V::add32(corr, V::madd16(even[t], V::broadcast4(sums + 8 * t)));
-        corr = V::add32(corr, V::madd16(odd[t], V::broadcast4(sums + 8 * t + 4)));
-      }
+      const I corr = factor_sums.of(a, m0 + m, g);
       const F s = V::set1_ps(a.scale[(m0 + m) * num_supers + g]);
       const I total = V::sub32(sumi[m], V::template slli32<zero_point_shift<kind>()>(corr));
       acc[m] = V::fmadd(V::cvt(total), V::mul(d, s), acc[m]);
