@@ -180,7 +180,11 @@ class StepLoop:
         return None if scheduled is None else scheduled - request.arrival_time
 
     def stats(self) -> SchedulerStats | None:
-        return None if self.scheduler is None else self.scheduler.get_stats()
+        """None until the worker is connected: between its Describe and its step stream a
+        scheduler exists but refuses requests, and routing must not see it as serving."""
+        if self.scheduler is None or not self.connected.is_set():
+            return None
+        return self.scheduler.get_stats()
 
     # ---- the loop ------------------------------------------------------------------------
 

@@ -31,8 +31,9 @@ from services.text.tool_call_parsers import ToolCallDelta
 from services.tokenizer.tool_output import ToolCallOutput
 from services.tokenizer.tool_request import ToolRequest
 
-# The scheduler's finish reasons that end the stream normally, as the public API names them.
-PUBLIC_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+# The finish reasons that end a stream normally, as the public API names them: the
+# scheduler's three, and "tool_calls" for a choice whose answer made a call (this pipeline's).
+PUBLIC_FINISH_REASONS = frozenset({"stop", "length", "abort", "tool_calls"})
 
 
 # ---- data in and out ----------------------------------------------------------------------

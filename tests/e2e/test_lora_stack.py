@@ -11,6 +11,7 @@ import json
 import re
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,15 +63,34 @@ def client(stack: RunningStack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0)
 
 
-def chat(stack: RunningStack, model: str, prompt: str = PROMPT, tokens: int = 12) -> str:
+def chat(
+    stack: RunningStack,
+    model: str,
+    prompt: str = PROMPT,
+    tokens: int = 12,
+    system: str | None = None,
+) -> str:
+    messages = [{"role": "user", "content": prompt}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     answer = client(stack).chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt}],
+        messages=messages,  # type: ignore[arg-type]
         max_tokens=tokens,
         temperature=0.0,
     )
     assert answer.model == model
     return answer.choices[0].message.content or ""
+
+
+def same_weights_alone(stack: RunningStack, first: str, second: str, tokens: int = 12) -> None:
+    """Two adapter names holding the same weights give the same greedy answer, each asked
+    alone on a prompt neither has cached: a step with LoRA rows runs eagerly and is not
+    batch-invariant (docs/determinism.md), so only like conditions compare."""
+    system = f"Answer plainly. Conversation {uuid.uuid4().hex}."
+    assert chat(stack, first, tokens=tokens, system=system) == chat(
+        stack, second, tokens=tokens, system=system
+    )
 
 
 def base_name(stack: RunningStack) -> str:
@@ -101,8 +121,7 @@ def test_the_adapter_given_at_start_is_listed_and_changes_the_answer(stack: Runn
 def test_one_flag_gave_both_adapters(stack: RunningStack) -> None:
     names = {m.id for m in client(stack).models.list().data}
     assert {"start", "start-again"} <= names
-    # The same weights under two names: the same greedy answer.
-    assert chat(stack, "start-again") == chat(stack, "start")
+    same_weights_alone(stack, "start-again", "start")
 
 
 def test_grpc_names_the_adapter_by_model_too(stack: RunningStack) -> None:
@@ -207,8 +226,8 @@ def test_load_and_unload_while_requests_run(stack: RunningStack, adapters: Adapt
     assert len(results.get("start", [])) == 3
     with pytest.raises(openai.NotFoundError):
         chat(stack, "later")
-    # `during` holds the same weights as `start`: the same greedy answer.
-    assert chat(stack, "during", tokens=24) == results["start"][0]
+    # `during` holds the same weights as `start`.
+    same_weights_alone(stack, "during", "start", tokens=24)
     ensure_loaded(stack, "later", adapters.later)
     assert chat(stack, "later")
     for address in stack.schedulers:

@@ -135,3 +135,23 @@ def test_objects_and_events_match_the_spec_schema() -> None:
     for event in events:
         assert spec.validate_sse_event(str(event["type"]), event) == [], event["type"]
     assert spec.validate(response.body("completed"), "ResponseResource") == []
+
+
+def test_an_answer_that_ends_at_once_is_one_empty_message() -> None:
+    """The end token first: still one message item (clients read output[0]), with no delta."""
+    _, events = built(OutputDelta("", token_ids=(0,), finish_reason="stop", usage=USAGE))
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    final = events[-1]["response"]
+    assert isinstance(final, dict)
+    assert [item["type"] for item in final["output"]] == ["message"]
+    assert final["output"][0]["content"][0]["text"] == ""
+    assert final["output"][0]["status"] == "completed"

@@ -24,6 +24,7 @@ from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import SchedulerServerConfig
 from services.scheduler.step_loop import StepLoop
+from services.scheduler.worker_client import WorkerUnavailable
 from tests.unit.factories import create_requests, create_scheduler, result_for
 
 
@@ -183,3 +184,16 @@ def test_a_refusal_carries_the_hint_as_grpc_retry_pushback() -> None:
 def test_a_pushback_that_is_no_wait_is_no_hint(value: str) -> None:
     assert retry_pushback_ms({RETRY_PUSHBACK_METADATA_KEY: value}) is None
     assert retry_pushback_ms({}) is None
+
+
+def test_stats_wait_for_the_step_stream() -> None:
+    """Between the worker's Describe and its step stream the core exists but submit refuses:
+    the stats (what routing reads) stay unanswered until the two agree."""
+    loop = StepLoop(SchedulerServerConfig(max_num_seqs=1, max_waiting_requests=1))
+    loop.scheduler = create_scheduler(max_num_seqs=1, max_waiting_requests=1)
+    assert loop.stats() is None
+    with pytest.raises(WorkerUnavailable):
+        loop.submit(create_requests(1)[0])
+    loop.connected.set()
+    stats = loop.stats()
+    assert stats is not None and stats.num_waiting == 0

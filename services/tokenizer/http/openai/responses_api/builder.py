@@ -131,6 +131,10 @@ class ResponseObject:
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.usage = delta.usage or self.usage
         if delta.ends_stream:
+            if not self.items:
+                # An answer that ended at once (the end token first) is still one message:
+                # clients read output[0], and the spec's object has a non-empty output.
+                events += self._grow("message", "")
             events += self._close()
         return events
 
@@ -147,6 +151,8 @@ class ResponseObject:
             events.append(self._added(item))
             if kind == "message":
                 events.append(self._part("response.content_part.added", item, ""))
+        if not text:
+            return events
         item.text.append(text)
         index = self.items.index(item)
         if kind == "message":
