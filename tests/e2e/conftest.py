@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager
 import pytest
 
 from services.stack import RunningStack, running_stack
+from tests.e2e.llm_comply import SHORT_CONTEXT_FLAGS
 
 STACK_FLAGS = [
     "--tokenizer-replicas",
@@ -41,6 +42,15 @@ def stack() -> Iterator[RunningStack]:
     with e2e_stack() as running:
         yield running
     assert running.returncode == 0  # a clean SIGTERM shutdown
+
+
+@pytest.fixture(scope="session")
+def short_context_stack() -> Iterator[RunningStack]:
+    """The test stack with a 1024-token context, for llm-comply's OpenAI Chat and Anthropic
+    groups (tests/e2e/llm_comply.py says why); one per test worker, as `stack`."""
+    with e2e_stack(SHORT_CONTEXT_FLAGS) as running:
+        yield running
+    assert running.returncode == 0
 
 
 @pytest.fixture(scope="session")

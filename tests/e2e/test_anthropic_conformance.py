@@ -7,8 +7,6 @@ assistant prefill, its error shape on unknown routes); and llm-comply's Anthropi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from llm_comply.schema import SpecLoader
 from pydantic import TypeAdapter
 
 from services.stack import RunningStack
+from tests.e2e.llm_comply import assert_group_passes
 
 pytestmark = pytest.mark.slow
 
@@ -245,39 +244,16 @@ def test_unknown_routes_and_methods_answer_in_anthropic_shape(
 # llm-comply's tests that need what the served model does not have: a skip, with the reason.
 NOT_APPLICABLE = {"anth-image-input": "the served model takes text only (no image input)"}
 # Skipped by llm-comply's own capability gate: it runs only against Anthropic's models.
-GATED = {"anth-thinking-display"}
+GATED: dict[str, str | None] = {"anth-thinking-display": None}
 
 
-def test_llm_comply_anthropic_group_passes(stack: RunningStack) -> None:
+def test_llm_comply_anthropic_group_passes(short_context_stack: RunningStack) -> None:
     """llm-comply's Anthropic group (each answer validated against Anthropic's OpenAPI schema,
     then its behaviour checked) against this stack: every applicable test passes."""
-    listed = subprocess.run(
-        [sys.executable, "-m", "llm_comply.cli", "--list", "--format", "anthropic"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    ids = [line.split()[0] for line in listed.splitlines() if line.startswith("  anth-")]
-    assert "anth-basic-response" in ids and set(NOT_APPLICABLE) <= set(ids)
-    run = [i for i in ids if i not in NOT_APPLICABLE]
-    answer = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llm_comply.cli",
-            *("--format", "anthropic", "--base-url", stack.http, "--api-key", "unused"),
-            *("--model", model_name(stack), "--filter", ",".join(run)),
-            *("--json", "--timeout", "300"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
+    assert_group_passes(
+        short_context_stack,
+        "anthropic",
+        basic_test="anth-basic-response",
+        not_applicable=NOT_APPLICABLE,
+        gated=GATED,
     )
-    report = json.loads(answer.stdout)
-    results = {result["id"]: result for result in report["results"]}
-    assert set(results) == set(run)
-    failed = {i: r.get("errors") for i, r in results.items() if r["status"] == "failed"}
-    assert failed == {}
-    skipped = {i: r.get("errors") for i, r in results.items() if r["status"] == "skipped"}
-    assert set(skipped) <= GATED, skipped
-    assert report["summary"]["passed"] == len(run) - len(skipped)

@@ -6,8 +6,6 @@ scoped per tenant, and errors in the spec's shape."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ import pytest
 
 from services.stack import RunningStack, running_stack
 from tests.e2e.conftest import STACK_FLAGS, STARTUP_TIMEOUT_S
+from tests.e2e.llm_comply import SHORT_CONTEXT_FLAGS, assert_group_passes
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +41,8 @@ def stack() -> Iterator[RunningStack]:
     with tempfile.TemporaryDirectory(prefix="llmserve-responses-") as name:
         key_file = Path(name) / "keys.txt"
         key_file.write_text(f"{TENANT_A_KEY} tenant=tenant-a\n{TENANT_B_KEY} tenant=tenant-b\n")
-        # A short context: llm-comply's requests set no limit and no temperature, so a sampled
-        # answer of the small model that never says EOS ends at the context's end in seconds.
-        flags = [*STACK_FLAGS, "--api-key-file", str(key_file), "--max-model-len", "1024"]
+        # A short context for llm-comply (tests/e2e/llm_comply.py says why).
+        flags = [*STACK_FLAGS, "--api-key-file", str(key_file), *SHORT_CONTEXT_FLAGS]
         with running_stack(flags, startup_timeout_s=STARTUP_TIMEOUT_S) as running:
             yield running
         assert running.returncode == 0
@@ -324,50 +322,12 @@ def test_llm_comply_open_responses_group_passes(stack: RunningStack) -> None:
     """llm-comply's Open Responses group (it validates each answer and stream event against the
     spec's OpenAPI schema) against this stack: every applicable test passes; its own
     capability gate may skip the test that needs another vendor's reasoning models."""
-    listed = subprocess.run(
-        [sys.executable, "-m", "llm_comply.cli", "--list"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    ids = [
-        line.split()[0] for line in listed.splitlines() if line.startswith("  ") and line[2] != " "
-    ]
-    assert "basic-response" in ids and "image-input" in ids
-    run = [i for i in ids if i not in NOT_APPLICABLE]
-    results = comply(stack, run)
-    assert set(results) == set(run)
-    # Such an answer that ran to the context's end is rightly `incomplete` (what
-    # completed_status refuses): that test alone runs again, at most twice; any other failure
-    # stands.
-    for _ in range(2):
-        cut = [i for i, r in results.items() if r.get("errors") == [CUT_BY_THE_CONTEXT]]
-        if not cut:
-            break
-        results.update(comply(stack, cut))
-    failed = {i: r.get("errors") for i, r in results.items() if r["status"] == "failed"}
-    assert failed == {}
-    skipped = {i: r.get("errors") for i, r in results.items() if r["status"] == "skipped"}
-    assert set(skipped) <= {"reasoning-summary"}, skipped
-    passed = [i for i, r in results.items() if r["status"] == "passed"]
-    assert len(passed) == len(run) - len(skipped)
-
-
-CUT_BY_THE_CONTEXT = "expected status='completed', got 'incomplete'"
-
-
-def comply(stack: RunningStack, ids: list[str]) -> dict[str, dict[str, Any]]:
-    """llm-comply's results for the tests `ids`, by id."""
-    answer = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llm_comply.cli",
-            *("--base-url", stack.http, "--api-key", TENANT_A_KEY, "--model", model_name(stack)),
-            *("--filter", ",".join(ids), "--json", "--timeout", "300"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
+    assert_group_passes(
+        stack,
+        "open-responses",
+        basic_test="basic-response",
+        not_applicable=NOT_APPLICABLE,
+        gated={"reasoning-summary": None},
+        api_key=TENANT_A_KEY,
+        rerun_cut_answers=True,
     )
-    return {result["id"]: result for result in json.loads(answer.stdout)["results"]}

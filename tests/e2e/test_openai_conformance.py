@@ -6,9 +6,6 @@ streamed in pieces and cut by max_tokens; llm-comply's OpenAI Chat group."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -17,7 +14,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 
 from services.stack import RunningStack
-from tests.e2e.conftest import e2e_stack
+from tests.e2e.llm_comply import assert_group_passes
 
 pytestmark = pytest.mark.slow
 
@@ -238,51 +235,14 @@ CHAT_NOT_APPLICABLE = {"chat-image-input": "the served model takes text only (no
 CHAT_GATED = {"chat-reasoning-summary": "o-series"}
 
 
-@pytest.fixture(scope="module")
-def short_context_stack() -> Iterator[RunningStack]:
-    """llm-comply's requests set no max_tokens and no temperature: a sampled answer of the
-    small model that never says EOS ends at the context's end, here within seconds."""
-    with e2e_stack(["--max-model-len", "1024"]) as running:
-        yield running
-    assert running.returncode == 0
-
-
 def test_llm_comply_openai_chat_group_passes(short_context_stack: RunningStack) -> None:
     """llm-comply's OpenAI Chat group (it validates each answer and stream chunk against
     OpenAI's published schema) against this stack: every applicable test passes; the one
     that needs another vendor's reasoning models is skipped by its own gate."""
-    stack = short_context_stack
-    listed = subprocess.run(
-        [sys.executable, "-m", "llm_comply.cli", "--format", "openai-chat", "--list"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    ids = [
-        line.split()[0] for line in listed.splitlines() if line.startswith("  ") and line[2] != " "
-    ]
-    assert "chat-basic-response" in ids and set(CHAT_NOT_APPLICABLE) <= set(ids)
-    run = [i for i in ids if i not in CHAT_NOT_APPLICABLE]
-    answer = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llm_comply.cli",
-            *("--format", "openai-chat", "--base-url", stack.http, "--api-key", "unused"),
-            *("--model", model_name(stack), "--filter", ",".join(run)),
-            *("--json", "--timeout", "300"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
+    assert_group_passes(
+        short_context_stack,
+        "openai-chat",
+        basic_test="chat-basic-response",
+        not_applicable=CHAT_NOT_APPLICABLE,
+        gated=CHAT_GATED,
     )
-    report = json.loads(answer.stdout)
-    results = {result["id"]: result for result in report["results"]}
-    assert set(results) == set(run)
-    failed = {i: r.get("errors") for i, r in results.items() if r["status"] == "failed"}
-    assert failed == {}
-    skipped = {i: r.get("errors") for i, r in results.items() if r["status"] == "skipped"}
-    assert set(skipped) <= set(CHAT_GATED), skipped
-    for test_id, errors in skipped.items():
-        assert CHAT_GATED[test_id] in " ".join(errors or []), errors
-    assert report["summary"]["passed"] == len(run) - len(skipped)

@@ -1,0 +1,106 @@
+"""llm-comply (a published compliance suite per API: Open Responses, OpenAI Chat, Anthropic
+Messages) run against a real stack: list a group's tests, run them, and hold the results to
+"every applicable test passes". The door's test files say which tests do not apply (what the
+served model has not, such as image input) and which llm-comply's own capability gate skips.
+
+llm-comply's requests set no temperature, and the OpenAI ones no limit: a sampled answer of the
+small model that never says EOS runs to the context's end, so its stacks serve a short context
+(`--max-model-len 1024`) where such an answer ends within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from services.stack import RunningStack
+
+SHORT_CONTEXT_FLAGS = ["--max-model-len", "1024"]
+RUN_TIMEOUT_S = 1800
+REQUEST_TIMEOUT_S = 300
+# An Open Responses answer cut by the short context is rightly `incomplete`, which the tests
+# that expect a completed answer refuse with this error.
+CUT_BY_THE_CONTEXT = "expected status='completed', got 'incomplete'"
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "llm_comply.cli", *args]
+
+
+def group_ids(group: str) -> list[str]:
+    """The ids of llm-comply's tests in `group` (its `--format`), in its order."""
+    listed = subprocess.run(
+        cli("--list", "--format", group), capture_output=True, text=True, check=True
+    ).stdout
+    # "  <id>   <name>" lines; the descriptions under them are indented further.
+    return [
+        line.split()[0] for line in listed.splitlines() if line.startswith("  ") and line[2] != " "
+    ]
+
+
+def model_name(stack: RunningStack, api_key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    answer = httpx.get(f"{stack.http}/models", headers=headers, timeout=10)
+    return str(answer.json()["data"][0]["id"])
+
+
+def run(
+    stack: RunningStack, group: str, ids: list[str], api_key: str = "unused"
+) -> dict[str, dict[str, Any]]:
+    """llm-comply's results for the tests `ids` of `group` against `stack`, by id."""
+    answer = subprocess.run(
+        cli(
+            *("--format", group, "--base-url", stack.http, "--api-key", api_key),
+            *("--model", model_name(stack, api_key), "--filter", ",".join(ids)),
+            *("--json", "--timeout", str(REQUEST_TIMEOUT_S)),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert answer.stdout, answer.stderr[-3000:]
+    report = json.loads(answer.stdout)
+    results = {result["id"]: result for result in report["results"]}
+    passed = [i for i, r in results.items() if r["status"] == "passed"]
+    assert report["summary"]["passed"] == len(passed), report["summary"]
+    return results
+
+
+def assert_group_passes(
+    stack: RunningStack,
+    group: str,
+    *,
+    basic_test: str,
+    not_applicable: Mapping[str, str],
+    gated: Mapping[str, str | None],
+    api_key: str = "unused",
+    rerun_cut_answers: bool = False,
+) -> None:
+    """`basic_test` is one of `group`'s tests, and every test but the `not_applicable` ones
+    passes, except those llm-comply's own gate skips, which must be `gated` ones (with that
+    reason in their message, where one is given). `rerun_cut_answers`: a test failed only by
+    an answer the context cut runs again, at most twice; any other failure stands."""
+    ids = group_ids(group)
+    assert basic_test in ids and set(not_applicable) <= set(ids), ids
+    applicable = [i for i in ids if i not in not_applicable]
+    results = run(stack, group, applicable, api_key)
+    assert set(results) == set(applicable)
+    for _ in range(2 if rerun_cut_answers else 0):
+        cut = [i for i, r in results.items() if r.get("errors") == [CUT_BY_THE_CONTEXT]]
+        if not cut:
+            break
+        results.update(run(stack, group, cut, api_key))
+    failed = {i: r.get("errors") for i, r in results.items() if r["status"] == "failed"}
+    assert failed == {}
+    skipped = {i: r.get("errors") for i, r in results.items() if r["status"] == "skipped"}
+    assert set(skipped) <= set(gated), skipped
+    for test_id, errors in skipped.items():
+        reason = gated[test_id]
+        assert reason is None or reason in " ".join(errors or []), errors
+    passed = [i for i, r in results.items() if r["status"] == "passed"]
+    assert len(passed) == len(applicable) - len(skipped)
