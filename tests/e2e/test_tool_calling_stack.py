@@ -138,7 +138,9 @@ def test_required_calls_always_follow_their_schemas(stack: RunningStack) -> None
     def run(seed: int) -> Any:
         return ask(stack, tool_choice="required", temperature=1.0, seed=seed)
 
-    with ThreadPoolExecutor(8) as pool:
+    # All 20 in flight at once: one batch (--max-num-seqs 32) takes the steps of its longest
+    # answer, where waves of a few would each take theirs.
+    with ThreadPoolExecutor(20) as pool:
         choices = list(pool.map(run, range(20)))
     for choice in choices:
         assert choice.finish_reason == "tool_calls", choice
@@ -151,10 +153,14 @@ def test_required_calls_always_follow_their_schemas(stack: RunningStack) -> None
 
 
 def test_one_call_when_parallel_calls_are_off(stack: RunningStack) -> None:
-    for seed in range(4):
-        choice = ask(
+    def run(seed: int) -> Any:
+        return ask(
             stack, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=seed
         )
+
+    with ThreadPoolExecutor(4) as pool:
+        choices = list(pool.map(run, range(4)))
+    for choice in choices:
         assert choice.finish_reason == "tool_calls"
         assert len(choice.message.tool_calls) == 1
 
