@@ -209,17 +209,20 @@ def test_twenty_json_schemas_in_one_batch_give_valid_json(
 
 
 def test_regex_grammar_and_json_object(stack: RunningStack) -> None:
-    text, finish_reason = _generate(stack, "Name a city and a number.", {"regex": REGEX})
+    asks = [
+        ("Name a city and a number.", {"regex": REGEX}),
+        ("Answer with yes or no and a number.", {"grammar": GRAMMAR}),
+        ("Describe a cat as a JSON object.", {"json_object": True}),
+    ]
+    with ThreadPoolExecutor(len(asks)) as pool:  # independent: in flight at once
+        (regex, grammar, json_object) = pool.map(lambda ask: _generate(stack, *ask), asks)
+    text, finish_reason = regex
     assert finish_reason == "stop" and re.fullmatch(REGEX, text), text
-    text, finish_reason = _generate(
-        stack, "Answer with yes or no and a number.", {"grammar": GRAMMAR}
-    )
+    text, finish_reason = grammar
     assert finish_reason == "stop" and re.fullmatch(GRAMMAR_AS_REGEX, text), text
-    text, finish_reason = _generate(
-        stack, "Describe a cat as a JSON object.", {"json_object": True}
-    )
+    text, finish_reason = json_object
     assert finish_reason == "stop" and isinstance(json.loads(text), dict), text
-    # Seeded sampling: the same seed gives the same constrained output.
+    # Seeded sampling: the same seed gives the same constrained output (each run alone).
     first = _generate(stack, "Name a city.", {"regex": REGEX}, temperature=1.0, seed=7)
     assert first == _generate(stack, "Name a city.", {"regex": REGEX}, temperature=1.0, seed=7)
     assert re.fullmatch(REGEX, first[0])
@@ -229,43 +232,55 @@ def test_the_openai_client_gets_structured_output(stack: RunningStack) -> None:
     api = openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=300)
     model = str(httpx.get(f"{stack.http}/models", timeout=10).json()["data"][0]["id"])
     what, schema = SCHEMAS[4]
-    reply = api.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": f"Reply with JSON describing {what}."}],
-        max_tokens=MAX_NEW_TOKENS,
-        temperature=0,
-        response_format={
-            "type": "json_schema",
-            "json_schema": {"name": "book", "schema": schema, "strict": True},
-        },
-    )
+
+    def book() -> Any:
+        return api.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Reply with JSON describing {what}."}],
+            max_tokens=MAX_NEW_TOKENS,
+            temperature=0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "book", "schema": schema, "strict": True},
+            },
+        )
+
+    def cat() -> Any:
+        return api.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Describe a cat as a JSON object."}],
+            max_tokens=MAX_NEW_TOKENS,
+            temperature=0,
+            response_format={"type": "json_object"},
+        )
+
+    def city() -> Any:
+        return api.completions.create(
+            model=model,
+            prompt="A city and a number:",
+            max_tokens=MAX_NEW_TOKENS,
+            temperature=0,
+            extra_body={"guided_regex": REGEX},
+        )
+
+    def sky() -> Any:
+        return api.completions.create(
+            model=model,
+            prompt="Is the sky blue?",
+            max_tokens=MAX_NEW_TOKENS,
+            temperature=0,
+            extra_body={"structured_outputs": {"grammar": GRAMMAR}},
+        )
+
+    with ThreadPoolExecutor(4) as pool:  # independent: in flight at once
+        futures = [pool.submit(ask) for ask in (book, cat, city, sky)]
+        reply, cat_reply, completion, sky_completion = [f.result() for f in futures]
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
-    reply = api.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "Describe a cat as a JSON object."}],
-        max_tokens=MAX_NEW_TOKENS,
-        temperature=0,
-        response_format={"type": "json_object"},
-    )
-    assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
-    completion = api.completions.create(
-        model=model,
-        prompt="A city and a number:",
-        max_tokens=MAX_NEW_TOKENS,
-        temperature=0,
-        extra_body={"guided_regex": REGEX},
-    )
+    assert isinstance(json.loads(cat_reply.choices[0].message.content or ""), dict)
     assert re.fullmatch(REGEX, completion.choices[0].text)
-    completion = api.completions.create(
-        model=model,
-        prompt="Is the sky blue?",
-        max_tokens=MAX_NEW_TOKENS,
-        temperature=0,
-        extra_body={"structured_outputs": {"grammar": GRAMMAR}},
-    )
-    assert re.fullmatch(GRAMMAR_AS_REGEX, completion.choices[0].text)
-    assert completion.choices[0].finish_reason == "stop"
+    assert re.fullmatch(GRAMMAR_AS_REGEX, sky_completion.choices[0].text)
+    assert sky_completion.choices[0].finish_reason == "stop"
 
 
 BAD_SPECS = [
