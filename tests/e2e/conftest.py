@@ -54,6 +54,16 @@ def short_context_stack() -> Iterator[RunningStack]:
 
 
 @pytest.fixture(scope="session")
+def exact_stack() -> Iterator[RunningStack]:
+    """The test stack in exact fp32 arithmetic (`--quantization gguf-exact`), for the tests
+    whose greedy answers must not move by a rounding (the test files say why); one per test
+    worker, shared by the files that run there."""
+    with e2e_stack(["--quantization", "gguf-exact"]) as running:
+        yield running
+    assert running.returncode == 0
+
+
+@pytest.fixture(scope="session")
 def reference_engine():  # type: ignore[no-untyped-def]
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,20 +20,17 @@ import pytest
 
 from protos.llmserve.v1 import text_pb2
 from services.stack import RunningStack
-from tests.e2e.conftest import e2e_stack
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[RunningStack]:
+def stack(exact_stack: RunningStack) -> RunningStack:
     """Exact fp32 (`gguf-exact`): a request served from the prefix cache gives the same greedy
     answer as the first time, so a stream can be compared with the whole answer (the gguf
     default's fp16 KV cache rounds cached keys, and the embedded model's tokens can be near
     ties)."""
-    with e2e_stack(["--quantization", "gguf-exact"]) as running:
-        yield running
-    assert running.returncode == 0
+    return exact_stack
 
 
 # Bounded strings and enums: a sampled answer always fits max_tokens, so a forced call is
