@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.cache_files import cache_root
+from services.common.cache_files import cache_root, locked
 
 log = logging.getLogger(__name__)
 
@@ -195,22 +195,27 @@ def build_only(variant: Variant) -> Path:
 
     name = library_name(variant)
     directory = build_directory(name)
-    remove_stale_lock(directory)
-    _write_ninja_file_and_build_library(
-        name,
-        [str(p) for p in sources()],
-        _compile_flags(variant),
-        None,
-        None,
-        ["-fopenmp"],
-        [str(SOURCE_DIR)],
-        str(directory),
-        False,
-        False,
-        False,
-        is_standalone=False,
-    )
-    return directory / f"{name}.so"
+    library = directory / f"{name}.so"
+    # Under the lock `load()` builds under: one process builds, the others find it built.
+    with locked(library):
+        if library.exists():  # its name carries the sources' and flags' hash: current
+            return library
+        remove_stale_lock(directory)
+        _write_ninja_file_and_build_library(
+            name,
+            [str(p) for p in sources()],
+            _compile_flags(variant),
+            None,
+            None,
+            ["-fopenmp"],
+            [str(SOURCE_DIR)],
+            str(directory),
+            False,
+            False,
+            False,
+            is_standalone=False,
+        )
+    return library
 
 
 def load() -> bool:
@@ -225,8 +230,6 @@ def load() -> bool:
         if _loaded or _failed:
             return _loaded
         try:
-            from torch.utils.cpp_extension import load as load_extension
-
             variant = chosen_variant()
             name = library_name(variant)
             directory = build_directory(name)
@@ -238,26 +241,13 @@ def load() -> bool:
                 # directory just to find it up to date, which a slim image has not.
                 torch.ops.load_library(str(library))
             else:
-                remove_stale_lock(directory)
-                log.info(
-                    "building the C++ CPU kernels (once per instruction set)",
-                    extra={"library": name},
-                )
-                start = time.perf_counter()
-                load_extension(
-                    name=name,
-                    sources=[str(p) for p in sources()],
-                    extra_include_paths=[str(SOURCE_DIR)],
-                    extra_cflags=_compile_flags(variant),
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(directory),
-                    is_python_module=False,
-                    verbose=False,
-                )
-                log.info(
-                    "C++ CPU kernels built",
-                    extra={"seconds": round(time.perf_counter() - start, 1)},
-                )
+                # One build per library among processes (test workers, `build_only`'s
+                # callers), which torch's own `lock` file does not give with `build_only`.
+                with locked(library):
+                    if library.exists():  # another process built it meanwhile
+                        torch.ops.load_library(str(library))
+                    else:
+                        _build_and_load(variant, name, directory)
             _loaded = True
             _loaded_variant = variant.name
             if variant.name == "baseline":
@@ -271,6 +261,25 @@ def load() -> bool:
             )
             _failed = True
     return _loaded
+
+
+def _build_and_load(variant: Variant, name: str, directory: Path) -> None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    remove_stale_lock(directory)
+    log.info("building the C++ CPU kernels (once per instruction set)", extra={"library": name})
+    start = time.perf_counter()
+    load_extension(
+        name=name,
+        sources=[str(p) for p in sources()],
+        extra_include_paths=[str(SOURCE_DIR)],
+        extra_cflags=_compile_flags(variant),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    log.info("C++ CPU kernels built", extra={"seconds": round(time.perf_counter() - start, 1)})
 
 
 def ops() -> torch._ops._OpNamespace:

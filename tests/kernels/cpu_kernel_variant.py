@@ -1,57 +1,74 @@
-"""Builds the attention, KV-write, token-bitmask and LoRA kernels of kernels/csrc with other
-compile flags, as a library of their own, and checks it against the torch references.
+"""Loads the attention, KV-write, token-bitmask and LoRA kernels of kernels/csrc built other
+ways than this machine's main build, and checks them against the torch references.
 
     python -m tests.kernels.cpu_kernel_variant scalar|avx512-emulated|avx2
 
-Variants: `scalar` is the portable build (-DLLMSERVE_SCALAR_KERNELS, no SIMD code compiled),
-`avx512-emulated` runs the AVX-512 backend on tests/kernels/avx512_emulation.h (for CPUs
-without AVX-512), `avx2` leaves AVX-512 out (for CPUs with it, where the main build never
-runs the AVX2 backend). Each runs in its own process: the library registers the same
-llmserve ops as the main one. Exits non-zero on the first mismatch.
+Variants: `scalar` is the product's portable build (kernels/cpu_extension.py's `baseline`,
+x86-64-v2: no SIMD backend compiled, the scalar kernels), `avx2` the product's AVX2 build (for
+CPUs with AVX-512, where the main build never runs the AVX2 backend); both are the libraries
+the product builds and caches, so a test run builds each once, shared with the other tests
+that build them. `avx512-emulated` runs the AVX-512 backend on tests/kernels/avx512_emulation.h
+(for CPUs without AVX-512): a test-only build, cached beside the product's by source hash.
+Each runs in its own process: the library registers the same llmserve ops as the main one.
+Exits non-zero on the first mismatch.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 from pathlib import Path
 
 import torch
 
+from kernels import cpu_extension
 from kernels.cpu_extension import SOURCE_DIR
+from services.common.cache_files import locked
 
 TESTS_DIR = Path(__file__).resolve().parent
-SOURCES = [
+# The product's builds that are a variant (kernels/cpu_extension.py's VARIANTS names).
+PRODUCT_BUILDS = {"scalar": "baseline", "avx2": "avx2"}
+# The test-only build: its sources and extra compiler flags.
+EMULATED_SOURCES = [
     SOURCE_DIR / "paged_decode_attention.cpp",
     SOURCE_DIR / "write_kv_cache.cpp",
     SOURCE_DIR / "token_bitmask.cpp",
     SOURCE_DIR / "lora.cpp",
 ]
-# variant -> (extra compiler flags, the ISA the kernels must then report)
-VARIANTS: dict[str, tuple[list[str], str]] = {
-    "scalar": (["-DLLMSERVE_SCALAR_KERNELS"], "scalar"),
-    "avx512-emulated": (["-DLLMSERVE_EMULATE_AVX512", f"-I{TESTS_DIR}"], "avx512"),
-    "avx2": (["-mno-avx512f"], "avx2"),
-}
+EMULATED_FLAGS = [
+    *("-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing"),
+    *("-DLLMSERVE_EMULATE_AVX512", f"-I{TESTS_DIR}"),
+]
+# variant -> the ISA its kernels must report
+VARIANTS = {"scalar": "scalar", "avx512-emulated": "avx512", "avx2": "avx2"}
 
 
 def build(variant: str) -> None:
+    """Load the variant's library into this process (built the first time)."""
+    if variant in PRODUCT_BUILDS:
+        os.environ[cpu_extension.VARIANT_ENV_VAR] = PRODUCT_BUILDS[variant]
+        assert cpu_extension.load(), f"the product's {PRODUCT_BUILDS[variant]} build failed"
+        return
     from torch.utils.cpp_extension import load as load_extension
 
-    flags, _ = VARIANTS[variant]
-    digest = hashlib.sha1(" ".join(flags).encode())
+    digest = hashlib.sha1(" ".join(EMULATED_FLAGS).encode())
     digest.update(str(SOURCE_DIR.resolve()).encode())  # one build per checkout, as the product's
-    for path in [*SOURCES, *SOURCE_DIR.glob("*.h"), TESTS_DIR / "avx512_emulation.h"]:
+    for path in [*EMULATED_SOURCES, *SOURCE_DIR.glob("*.h"), TESTS_DIR / "avx512_emulation.h"]:
         digest.update(path.read_bytes())
-    load_extension(
-        name=f"llmserve_cpu_{variant.replace('-', '_')}_{digest.hexdigest()[:10]}",
-        sources=[str(p) for p in SOURCES],
-        extra_include_paths=[str(SOURCE_DIR)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", *flags],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
+    name = f"llmserve_cpu_{variant.replace('-', '_')}_{digest.hexdigest()[:10]}"
+    directory = cpu_extension.build_directory(name)  # in llmserve's cache, beside the product's
+    with locked(directory / f"{name}.so"):
+        load_extension(
+            name=name,
+            sources=[str(p) for p in EMULATED_SOURCES],
+            extra_include_paths=[str(SOURCE_DIR)],
+            extra_cflags=EMULATED_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
 
 
 def check(variant: str) -> int:
@@ -66,7 +83,7 @@ def check(variant: str) -> int:
     )
 
     ops = torch.ops.llmserve
-    expected_isa = VARIANTS[variant][1]
+    expected_isa = VARIANTS[variant]
     assert ops.cpu_kernel_isa() == expected_isa, f"built {ops.cpu_kernel_isa()}, not {expected_isa}"
     torch.set_num_threads(2)  # so long contexts take the split path
     cases = 0

@@ -1,8 +1,9 @@
 """The C++ attention, KV-write and LoRA kernels built other ways than this machine's main
-build: the portable scalar build (-DLLMSERVE_SCALAR_KERNELS), the AVX-512 backend on emulated
-intrinsics where the CPU lacks AVX-512, and the AVX2 backend where it has AVX-512. Each variant
-builds its own library in a subprocess (tests/kernels/cpu_kernel_variant.py), about a minute
-the first time; later runs reuse the cached build.
+build: the product's portable build (`baseline`: the scalar kernels alone), the AVX-512 backend
+on emulated intrinsics where the CPU lacks AVX-512, and the product's AVX2 build where it has
+AVX-512. Each variant is loaded in a subprocess (tests/kernels/cpu_kernel_variant.py); the
+product's builds are the ones tests/kernels/test_cpu_extension.py builds too, made once in
+llmserve's cache (a few minutes from an empty one) and shared.
 
 The fused decode step (llama_decode.cpp, with the GEMM kernels it calls) runs its own tests
 again on the product's avx2 build (kernels/cpu_extension.py's variant, LLMSERVE_CPU_VARIANT)
