@@ -3,6 +3,7 @@ real embedded model in fp32 (to compare with the in-process engine), real gRPC p
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
@@ -10,6 +11,19 @@ import pytest
 
 from services.stack import RunningStack, running_stack
 from tests.e2e.llm_comply import SHORT_CONTEXT_FLAGS
+
+
+def worker_threads_flags() -> list[str]:
+    """With parallel test workers (scripts/test.sh), each one's stack worker gets its share of
+    the cores, as tests/conftest.py gives each test worker's torch. Two stacks whose workers
+    each run one OpenMP thread per core oversubscribe them: at every parallel region's barrier
+    the threads spin while the one they wait for is off the CPU, and a decode step takes many
+    times longer (two e2e files side by side on 2 cores: 103 s, 19 s with one thread each)."""
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if num_workers <= 1:
+        return []
+    return ["--worker-threads", str(max(1, (os.cpu_count() or 1) // num_workers))]
+
 
 STACK_FLAGS = [
     "--tokenizer-replicas",
@@ -28,6 +42,7 @@ STACK_FLAGS = [
     "--enforce-eager",
     # Every scheduler checks its queues, seats and block refcounts after each step.
     "--debug-checks",
+    *worker_threads_flags(),
 ]
 STARTUP_TIMEOUT_S = 300.0
 

@@ -280,7 +280,7 @@ def test_a_full_queue_is_429_with_retry_after_and_frees_everything(secure: Secur
     body = {
         "model": model_name(secure),
         "prompt": "Count:",
-        "max_tokens": 200,
+        "max_tokens": 64,
         "ignore_eos": True,
         "stream": True,
     }
