@@ -68,6 +68,22 @@ async def generate(
     return stream
 
 
+FLOOD_QUEUED = 16
+"""Flood requests waiting when the late tenant arrives: twice the eight it must overtake."""
+
+
+async def flood_queued(stack: RunningStack, timeout_s: float = 60.0) -> None:
+    """Until the flood holds every seat and queues at least FLOOD_QUEUED more: a fixed sleep
+    would be too short on a slow machine and too long on a fast one (the flood all served)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = await asyncio.to_thread(stack.stats)
+        if stats.num_running == MAX_NUM_SEQS and stats.num_waiting >= FLOOD_QUEUED:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the flood never held every seat with {FLOOD_QUEUED} queued: {stats}")
+
+
 def test_a_late_tenant_is_served_before_the_flood_queued_ahead_of_it(
     stack: RunningStack,
 ) -> None:
@@ -77,7 +93,7 @@ def test_a_late_tenant_is_served_before_the_flood_queued_ahead_of_it(
             flood = [
                 asyncio.create_task(generate(stub, FLOOD_KEY, "flood", i, 24)) for i in range(40)
             ]
-            await asyncio.sleep(3.0)  # the flood holds every seat and queues the rest
+            await flood_queued(stack)
             late = await asyncio.gather(*(generate(stub, LATE_KEY, "late", i, 8) for i in range(4)))
             return await asyncio.gather(*flood), late
 
