@@ -16,6 +16,7 @@ children unchanged (services.common.config_flags.config_argv).
     LoraConfig      worker, engine, stack
     PublicConfig    tokenizer, stack
     InternalConfig  tokenizer, scheduler (server), worker, stack
+    DisaggregationConfig tokenizer, scheduler (server), stack
 
 The groups are frozen dataclasses without slots: a class inheriting several slotted bases
 cannot be laid out, while a slotted service config may inherit any number of these.
@@ -129,6 +130,25 @@ class StepLoopConfig:
     feeds each sequence the token it just sampled), so the worker never waits for the
     scheduler; a sequence that stops costs at most one discarded token. serial: one plan in
     flight, each made after the previous result (the reference behaviour)."""
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (docs/disaggregation.md): which prompts are prefilled on a
+    prefill pair, and how long a decode pair waits for their KV."""
+
+    disaggregate_min_prompt: int = 512
+    """Shortest prompt (tokens) the tokenizer tier sends to a prefill pair when one answers;
+    shorter ones are prefilled on the decode pair that serves them."""
+    kv_transfer_timeout_s: float = 60.0
+    """Longest a decode scheduler waits for a prefill pair's first token (the KV has landed
+    by then) before it prefills the prompt itself."""
+
+    def check_disaggregation(self) -> None:
+        if self.disaggregate_min_prompt < 1:
+            raise ValueError("--disaggregate-min-prompt must be at least 1")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError("--kv-transfer-timeout-s must be positive")
 
 
 @dataclass(frozen=True)
@@ -353,7 +373,14 @@ SERVICE_GROUPS: dict[str, tuple[type, ...]] = {
         LoraConfig,
         InternalConfig,
     ),
-    "scheduler": (BatchingConfig, StepLoopConfig, SpeculationConfig, InternalConfig, DebugConfig),
+    "scheduler": (
+        BatchingConfig,
+        StepLoopConfig,
+        SpeculationConfig,
+        InternalConfig,
+        DisaggregationConfig,
+        DebugConfig,
+    ),
     # The model reaches the tokenizer tier through the schedulers.
-    "tokenizer": (PublicConfig, ChatConfig, InternalConfig),
+    "tokenizer": (PublicConfig, ChatConfig, InternalConfig, DisaggregationConfig),
 }

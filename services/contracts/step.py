@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from services.contracts.kv_transfer import KvDestination
 from services.contracts.sampling_params import SamplingParams
 
 
@@ -60,6 +61,9 @@ class NewSequence:
     cache_salt: bytes = b""
     """The request's prefix-cache salt (its tenant): the worker's suffix decoding drafts a
     sequence only from text of the same salt and adapter."""
+    kv_destination: KvDestination | None = None
+    """A prefill pair's sequence: once its first token is sampled, its prompt's blocks go to
+    this decode worker (services/worker/kv_transfer.py)."""
 
 
 @dataclass(slots=True)

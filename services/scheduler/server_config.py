@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from services.common.serving_config import SERVICE_GROUPS
 from services.scheduler.config import AdmissionConfig, SchedulerConfig
@@ -36,9 +37,15 @@ class SchedulerServerConfig(*SERVICE_GROUPS["scheduler"], AdmissionConfig):  # t
     carry a password: give it as LLMSERVE_REDIS_URL rather than a flag anyone can read in ps."""
     prefix_index_ttl_s: float = 600.0
     """Lifetime of a prefix-index entry in Redis unless refreshed (they are, while cached)."""
+    role: Literal["both", "prefill", "decode"] = "both"
+    """What this pair serves (docs/disaggregation.md): both (prefill and decode, the
+    default), prefill (prompts whose KV then moves to a decode pair) or decode (requests
+    the tokenizer tier routes, prefilled here or on a prefill pair). Routing reads it from
+    GetStats."""
 
     def __post_init__(self) -> None:
         self.check_speculation()
+        self.check_disaggregation()
 
     def scheduler_config(self, block_size: int, worker_max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

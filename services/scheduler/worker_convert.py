@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from protos.llmserve.v1 import worker_pb2
+from services.common.kv_destination_proto import kv_destination_to_proto
 from services.common.model_description_proto import description_from_proto
 from services.common.sampling_proto import sampling_to_proto, structured_output_to_proto
 from services.contracts.memory_budget import MemoryBudget
@@ -56,6 +57,7 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
                 sampling=sampling_to_proto(seq.sampling),
                 lora_name=seq.lora_name,
                 cache_salt=seq.cache_salt,
+                kv_destination=kv_destination_to_proto(seq.kv_destination),
             )
             for seq in plan.new_sequences
         ],

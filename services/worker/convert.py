@@ -4,6 +4,7 @@ place the worker touches protos; the scheduler's side is services/scheduler/work
 from __future__ import annotations
 
 from protos.llmserve.v1 import logprobs_pb2, worker_pb2
+from services.common.kv_destination_proto import kv_destination_from_proto
 from services.common.model_description_proto import description_to_proto
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.memory_budget import MemoryBudget
@@ -54,6 +55,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
                 sampling=sampling_from_proto(seq.sampling),
                 lora_name=seq.lora_name,
                 cache_salt=seq.cache_salt,
+                kv_destination=kv_destination_from_proto(seq.kv_destination),
             )
             for seq in message.new_sequences
         ],

@@ -81,8 +81,64 @@ class MemoryBudget(_message.Message):
     machine_bytes: int
     def __init__(self, weight_bytes_by_kind: _Optional[_Mapping[str, int]] = ..., weight_mapped_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., machine_bytes: _Optional[int] = ...) -> None: ...
 
+class KvTransferHeader(_message.Message):
+    __slots__ = ("request_id", "model_name", "kv_cache_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "lora_name", "cache_salt", "num_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_name: str
+    kv_cache_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    lora_name: str
+    cache_salt: bytes
+    num_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("header", "block_ids", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: KvTransferHeader
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, header: _Optional[_Union[KvTransferHeader, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushKvResponse(_message.Message):
+    __slots__ = ("num_blocks_written",)
+    NUM_BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_written: int
+    def __init__(self, num_blocks_written: _Optional[int] = ...) -> None: ...
+
+class KvDestination(_message.Message):
+    __slots__ = ("worker", "first_block", "block_ids", "model_name", "kv_cache_dtype", "block_size")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    model_name: str
+    kv_cache_dtype: str
+    block_size: int
+    def __init__(self, worker: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
 class NewSequence(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "lora_name", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "lora_name", "cache_salt", "kv_destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +147,7 @@ class NewSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -99,7 +156,8 @@ class NewSequence(_message.Message):
     sampling: _sampling_pb2.TokenSamplingParams
     lora_name: str
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    kv_destination: KvDestination
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., kv_destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
     __slots__ = ("request_id", "new_block_ids")

@@ -1,0 +1,23 @@
+"""Where a prompt's KV goes after a remote prefill (docs/disaggregation.md): the blocks a decode
+pair reserved, and the cache facts both workers must share for the bytes to mean the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class KvDestination:
+    worker: str
+    """The decode worker's address (host:port): the prefill worker pushes the blocks there."""
+    first_block: int
+    """Blocks of the prompt before this one are cached on the decode side: not sent."""
+    block_ids: list[int] = field(default_factory=list)
+    """The decode worker's blocks for prompt blocks first_block, first_block + 1, ..."""
+    model_name: str = ""
+    kv_cache_dtype: str = ""
+    block_size: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
