@@ -33,7 +33,8 @@ def test_the_first_token_completes_it_and_it_decodes_from_the_prompt_end() -> No
     scheduler = create_scheduler(num_blocks=20)
     (request,) = create_requests(1, num_tokens=2 * BLOCK_SIZE, max_new_tokens=3)
     scheduler.add_request(request, prefill_scheduler=PREFILL)
-    scheduler.update(scheduler.schedule(0.0), result_for(scheduler, scheduler.schedule(0.0)), 0.0)
+    plan = scheduler.schedule(0.0)
+    scheduler.update(plan, result_for(scheduler, plan), 0.0)
     scheduler.take_handoffs()
     scheduler.complete_remote_prefill(request.request_id, [77])
     assert request.num_computed_tokens == 2 * BLOCK_SIZE and request.output_token_ids == [77]
@@ -43,7 +44,7 @@ def test_the_first_token_completes_it_and_it_decodes_from_the_prompt_end() -> No
     assert plan.num_scheduled_tokens == {request.request_id: 1}
     events = scheduler.update(plan, result_for(scheduler, plan), 1.0)
     # The first token goes out with this update, before the token this step sampled.
-    assert [e.new_token_ids for e in events][0] == [77]
+    assert events[0].new_token_ids == [77]
     assert len(request.output_token_ids) == 2
 
 
@@ -53,9 +54,8 @@ def test_a_first_token_that_ends_it_frees_its_blocks() -> None:
     scheduler.add_request(request, prefill_scheduler=PREFILL)
     scheduler.schedule(0.0)
     scheduler.complete_remote_prefill(request.request_id, [77])
-    events = scheduler.update(
-        scheduler.schedule(1.0), result_for(scheduler, scheduler.schedule(1.0)), 1.0
-    )
+    plan = scheduler.schedule(1.0)
+    events = scheduler.update(plan, result_for(scheduler, plan), 1.0)
     assert [(e.new_token_ids, e.finish_reason) for e in events] == [([77], FinishReason.LENGTH)]
     assert scheduler.kv.num_free_blocks == 20 and not scheduler.requests
 
