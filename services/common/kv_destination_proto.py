@@ -16,6 +16,8 @@ def kv_destination_to_proto(destination: KvDestination | None) -> worker_pb2.KvD
         model_name=destination.model_name,
         kv_cache_dtype=destination.kv_cache_dtype,
         block_size=destination.block_size,
+        lora_name=destination.lora_name,
+        cache_salt=destination.cache_salt,
     )
 
 
@@ -30,4 +32,6 @@ def kv_destination_from_proto(message: worker_pb2.KvDestination) -> KvDestinatio
         model_name=message.model_name,
         kv_cache_dtype=message.kv_cache_dtype,
         block_size=message.block_size,
+        lora_name=message.lora_name,
+        cache_salt=message.cache_salt,
     )

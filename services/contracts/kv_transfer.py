@@ -17,6 +17,9 @@ class KvDestination:
     model_name: str = ""
     kv_cache_dtype: str = ""
     block_size: int = 0
+    lora_name: str = ""
+    """The decode request's adapter and salt: the prefill sequence must have the same."""
+    cache_salt: bytes = b""
 
     @property
     def num_blocks(self) -> int:

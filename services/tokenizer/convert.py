@@ -103,7 +103,9 @@ def generate_input(request: text_pb2.GenerateRequest) -> GenerateInput:
     )
 
 
-def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> scheduler_pb2.SubmitRequest:
+def submit_request(
+    request: ValidatedRequest, arrival_unix_s: float, prefill_scheduler: str = ""
+) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
@@ -113,6 +115,7 @@ def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> schedule
         tenant_id=request.tenant_id,
         tenant_weight=request.tenant_weight,
         lora_name=request.lora_name,
+        prefill_scheduler=prefill_scheduler,
     )
 
 
@@ -240,6 +243,7 @@ def scheduler_snapshot(stats: scheduler_pb2.SchedulerStats) -> SchedulerSnapshot
         lora_adapters=frozenset(stats.lora_adapters),
         active_lora_adapters=frozenset(stats.active_lora_adapters),
         max_loras=stats.max_loras,
+        role=stats.role or "both",
     )
 
 

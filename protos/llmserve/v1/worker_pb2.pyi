@@ -122,20 +122,24 @@ class PushKvResponse(_message.Message):
     def __init__(self, num_blocks_written: _Optional[int] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("worker", "first_block", "block_ids", "model_name", "kv_cache_dtype", "block_size")
+    __slots__ = ("worker", "first_block", "block_ids", "model_name", "kv_cache_dtype", "block_size", "lora_name", "cache_salt")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     worker: str
     first_block: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     model_name: str
     kv_cache_dtype: str
     block_size: int
-    def __init__(self, worker: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    cache_salt: bytes
+    def __init__(self, worker: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "lora_name", "cache_salt", "kv_destination")
