@@ -1,0 +1,149 @@
+"""Prefill/decode disaggregation through real stacks (docs/disaggregation.md), in exact arithmetic
+(`--quantization gguf-exact`, float32) so that greedy ids can be compared bit for bit.
+
+A colocated stack (one `both` pair) answers each prompt first; then a disaggregated stack (one
+prefill pair, one decode pair, one thread per worker) must answer the same ids: long prompts
+through the prefill pair (its scheduler counts their prompt tokens), short ones on the decode
+pair alone. Killing the prefill worker while long prompts are in flight ends each request with
+its full answer (the decode pair prefills it) or UNAVAILABLE, none hangs, and every KV block of
+the decode pair is free afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from protos.llmserve.v1 import text_pb2
+from services.stack import RunningStack
+from tests.e2e.conftest import e2e_stack
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+MIN_PROMPT = 64
+COMMON_FLAGS = [
+    "--tokenizer-replicas",
+    "1",
+    "--quantization",
+    "gguf-exact",
+    "--worker-threads",
+    "1",
+    "--no-redis",
+    "--disaggregate-min-prompt",
+    str(MIN_PROMPT),
+]
+LONG_PROMPTS = [
+    f"Story {i}: " + " ".join(f"{word} {i}" for word in ("river", "stone", "lamp", "field")) * 12
+    for i in range(4)
+]
+SHORT_PROMPTS = ["Name three colours.", "What is two plus two?"]
+REQUEST_TIMEOUT_S = 120.0
+
+
+def greedy_ids(stack: RunningStack, prompt: str) -> list[int]:
+    request = text_pb2.GenerateRequest(
+        prompt=prompt,
+        sampling=text_pb2.SamplingParams(
+            temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True
+        ),
+    )
+    responses = stack.text_stub().Generate(request, timeout=REQUEST_TIMEOUT_S)
+    return [token for response in responses for token in response.token_ids]
+
+
+def prompt_tokens_admitted(stack: RunningStack, name: str) -> float:
+    url = stack.info["process_metrics"][name]
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        text = answer.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "llmserve_prompt_tokens":
+            return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def colocated_ids() -> dict[str, list[int]]:
+    with e2e_stack([*COMMON_FLAGS, "--workers", "1"]) as stack:
+        ids = {prompt: greedy_ids(stack, prompt) for prompt in [*LONG_PROMPTS, *SHORT_PROMPTS]}
+    assert stack.returncode == 0
+    return ids
+
+
+@pytest.fixture(scope="module")
+def disaggregated(colocated_ids: dict[str, list[int]]):  # type: ignore[no-untyped-def]
+    del colocated_ids  # one stack at a time on two cores
+    with e2e_stack([*COMMON_FLAGS, "--prefill-pairs", "1", "--decode-pairs", "1"]) as stack:
+        assert stack.info["roles"] == ["prefill", "decode"]
+        yield stack
+
+
+def test_greedy_ids_equal_the_colocated_stack(
+    colocated_ids: dict[str, list[int]], disaggregated: RunningStack
+) -> None:
+    stack = disaggregated
+    prefill, decode = stack.schedulers
+    assert stack.stats(prefill).role == "prefill" and stack.stats(decode).role == "decode"
+    before = prompt_tokens_admitted(stack, "scheduler-0")
+    for prompt in SHORT_PROMPTS:
+        assert greedy_ids(stack, prompt) == colocated_ids[prompt], prompt
+    # Short prompts never reach the prefill pair.
+    assert prompt_tokens_admitted(stack, "scheduler-0") == before
+    for prompt in LONG_PROMPTS:
+        ids = greedy_ids(stack, prompt)
+        assert len(ids) == NEW_TOKENS
+        assert ids == colocated_ids[prompt], prompt
+    # Every long prompt was prefilled on the prefill pair.
+    assert prompt_tokens_admitted(stack, "scheduler-0") - before >= len(LONG_PROMPTS) * MIN_PROMPT
+    for address in (prefill, decode):
+        stats = stack.stats(address)
+        assert stats.num_free_blocks == stats.num_total_blocks, address
+        assert stats.num_running == stats.num_waiting == 0
+
+
+def test_a_killed_prefill_worker_leaves_no_request_hanging_and_no_block_held(
+    colocated_ids: dict[str, list[int]], disaggregated: RunningStack
+) -> None:
+    stack = disaggregated
+    decode = stack.schedulers[1]
+    total = stack.stats(decode).num_total_blocks
+    # Fresh prompts (no prefix cached on either pair), answered by the colocated stack's
+    # arithmetic whether prefilled there or here.
+    prompts = [f"Again {i}. " + prompt for i, prompt in enumerate(LONG_PROMPTS)]
+
+    def outcome(prompt: str) -> list[int] | grpc.StatusCode:
+        try:
+            return greedy_ids(stack, prompt)
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        futures = [pool.submit(outcome, prompt) for prompt in prompts]
+        time.sleep(0.3)  # the prompts are being prefilled or sent
+        os.kill(int(stack.info["pids"]["worker-0"]), signal.SIGKILL)
+        outcomes = [f.result(timeout=REQUEST_TIMEOUT_S + 10) for f in futures]
+    for prompt, result in zip(prompts, outcomes, strict=True):
+        if isinstance(result, grpc.StatusCode):
+            assert result is grpc.StatusCode.UNAVAILABLE, (prompt, result)
+        else:
+            assert len(result) == NEW_TOKENS, prompt
+    assert any(not isinstance(result, grpc.StatusCode) for result in outcomes), outcomes
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = stack.stats(decode)
+        if stats.num_free_blocks == total and stats.num_running == stats.num_waiting == 0:
+            break
+        time.sleep(0.1)
+    assert (stats.num_free_blocks, stats.num_running, stats.num_waiting) == (total, 0, 0)
+    # With the prefill pair down (or restarting), long prompts are served by the decode pair,
+    # and a fallback's answer is the one the prompt gets again.
+    assert greedy_ids(stack, LONG_PROMPTS[0]) == colocated_ids[LONG_PROMPTS[0]]
+    index = next(i for i, result in enumerate(outcomes) if not isinstance(result, grpc.StatusCode))
+    assert greedy_ids(stack, prompts[index]) == outcomes[index]
