@@ -21,7 +21,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos.llmserve.v1 import text_pb2
+from protos.llmserve.v1 import text_pb2, worker_pb2, worker_pb2_grpc
 from services.stack import RunningStack
 from tests.e2e.conftest import e2e_stack
 
@@ -45,6 +45,9 @@ LONG_PROMPTS = [
     for i in range(4)
 ]
 SHORT_PROMPTS = ["Name three colours.", "What is two plus two?"]
+# Shares all but its tail with LONG_PROMPTS[0]: the decode pair holds that prefix once the
+# first has run, and the prefill worker sends only the blocks after it.
+PREFIX_PROMPT = LONG_PROMPTS[0] + " And that is where the story ends, by the river."
 REQUEST_TIMEOUT_S = 120.0
 
 
@@ -59,20 +62,26 @@ def greedy_ids(stack: RunningStack, prompt: str) -> list[int]:
     return [token for response in responses for token in response.token_ids]
 
 
-def prompt_tokens_admitted(stack: RunningStack, name: str) -> float:
-    url = stack.info["process_metrics"][name]
+def counter(stack: RunningStack, process: str, name: str) -> float:
+    """A counter of one process of the stack (its own /metrics page)."""
+    url = stack.info["process_metrics"][process]
     with urllib.request.urlopen(url, timeout=5) as answer:
         text = answer.read().decode()
     for family in text_string_to_metric_families(text):
-        if family.name == "llmserve_prompt_tokens":
+        if family.name == name.removesuffix("_total"):
             return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
     return 0.0
+
+
+def prompt_tokens_admitted(stack: RunningStack, name: str) -> float:
+    return counter(stack, name, "llmserve_prompt_tokens_total")
 
 
 @pytest.fixture(scope="module")
 def colocated_ids() -> dict[str, list[int]]:
     with e2e_stack([*COMMON_FLAGS, "--workers", "1"]) as stack:
-        ids = {prompt: greedy_ids(stack, prompt) for prompt in [*LONG_PROMPTS, *SHORT_PROMPTS]}
+        prompts = [*LONG_PROMPTS, *SHORT_PROMPTS, PREFIX_PROMPT]
+        ids = {prompt: greedy_ids(stack, prompt) for prompt in prompts}
     assert stack.returncode == 0
     return ids
 
@@ -106,6 +115,38 @@ def test_greedy_ids_equal_the_colocated_stack(
         stats = stack.stats(address)
         assert stats.num_free_blocks == stats.num_total_blocks, address
         assert stats.num_running == stats.num_waiting == 0
+
+
+def test_a_prefix_cached_on_the_decode_pair_is_not_sent_again(
+    colocated_ids: dict[str, list[int]], disaggregated: RunningStack
+) -> None:
+    stack = disaggregated
+    assert greedy_ids(stack, LONG_PROMPTS[0]) == colocated_ids[LONG_PROMPTS[0]]
+    hits_before = counter(stack, "scheduler-1", "llmserve_prefix_cache_hit_tokens_total")
+    prefilled_before = prompt_tokens_admitted(stack, "scheduler-0")
+    assert greedy_ids(stack, PREFIX_PROMPT) == colocated_ids[PREFIX_PROMPT]
+    # The prefill pair computed the prompt; the decode pair kept its cached blocks of it.
+    assert prompt_tokens_admitted(stack, "scheduler-0") > prefilled_before
+    hits = counter(stack, "scheduler-1", "llmserve_prefix_cache_hit_tokens_total") - hits_before
+    assert hits >= 3 * stack.stats(stack.schedulers[1]).block_size
+
+
+def test_transfers_into_the_decode_worker_need_the_secret_and_a_matching_cache(
+    disaggregated: RunningStack,
+) -> None:
+    stack = disaggregated
+    decode_worker = stack.info["workers"][1]
+    header = worker_pb2.KvTransferHeader(request_id="x", model_name="another-model", block_size=16)
+    chunks = [worker_pb2.KvChunk(header=header)]
+    with grpc.insecure_channel(decode_worker) as channel:
+        stub = worker_pb2_grpc.KvTransferStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.PushKv(iter(chunks), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as mismatch:
+            stub.PushKv(iter(chunks), timeout=10, metadata=stack.internal_metadata)
+        assert mismatch.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "model_name" in (mismatch.value.details() or "")
 
 
 def test_a_killed_prefill_worker_leaves_no_request_hanging_and_no_block_held(
