@@ -173,7 +173,8 @@ class KvSender:
             num_blocks=kv.destination.num_blocks,
         )
         block_ids = kv.destination.block_ids
-        per_chunk = max(1, CHUNK_BYTES // max(1, int(kv.data.shape[1]) if kv.data.ndim == 2 else 1))
+        bytes_per_block = int(kv.data.shape[-1]) if kv.data.numel() else 1
+        per_chunk = max(1, CHUNK_BYTES // bytes_per_block)
 
         async def generate() -> AsyncIterator[worker_pb2.KvChunk]:
             yield worker_pb2.KvChunk(header=header)
