@@ -15,10 +15,10 @@ from protos.llmserve.v1 import worker_pb2_grpc
 from services.contracts.kv_transfer import KvDestination
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence, StepResult
+from services.worker import kv_transfer_service
 from services.worker.input_batch import CachedSequence
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.kv_transfer import CacheIdentity, KvOutbox
-from services.worker import kv_transfer_service
 from services.worker.kv_transfer_service import KvSender, KvTransferServicer
 
 BLOCK_SIZE = 4
