@@ -187,7 +187,7 @@ class SchedulerPool:
         pending), NotFoundError when none holds the adapter."""
         turn = next(self._turn)
         # Prefill pairs take prompts from decode pairs, never requests (disaggregation.py).
-        clients = [c for c in self.routable if takes_requests(c.stats and c.stats.role)]
+        clients = [c for c in self.routable if takes_requests(c.stats.role if c.stats else None)]
         if not clients:
             raise DependencyUnavailableError(
                 f"no scheduler is ready ({len(self.clients)} known, none answering yet)"
