@@ -18,6 +18,7 @@ def kv_destination_to_proto(destination: KvDestination | None) -> worker_pb2.KvD
         block_size=destination.block_size,
         lora_name=destination.lora_name,
         cache_salt=destination.cache_salt,
+        worker_epoch=destination.worker_epoch,
     )
 
 
@@ -34,4 +35,5 @@ def kv_destination_from_proto(message: worker_pb2.KvDestination) -> KvDestinatio
         block_size=message.block_size,
         lora_name=message.lora_name,
         cache_salt=message.cache_salt,
+        worker_epoch=message.worker_epoch,
     )

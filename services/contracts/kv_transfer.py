@@ -20,6 +20,8 @@ class KvDestination:
     lora_name: str = ""
     """The decode request's adapter and salt: the prefill sequence must have the same."""
     cache_salt: bytes = b""
+    worker_epoch: str = ""
+    """The decode worker's epoch at reservation: a restarted worker refuses the transfer."""
 
     @property
     def num_blocks(self) -> int:

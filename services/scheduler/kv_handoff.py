@@ -96,6 +96,7 @@ class KvHandoffs:
                 block_size=description.block_size,
                 lora_name=request.lora_name,
                 cache_salt=request.cache_salt,
+                worker_epoch=description.worker_epoch,
             )
             submit.kv_destination.CopyFrom(kv_destination_to_proto(destination))
             task = asyncio.create_task(self._run(scheduler, handoff, submit))

@@ -173,7 +173,14 @@ class Scheduler:
 
     def fall_back_to_local_prefill(self, request_id: str) -> None:
         """The prefill pair failed: the request prefills here, in the blocks it holds."""
-        self.remote.end_wait(request_id)
+        if self.remote.end_wait(request_id):
+            self._close_transfer(request_id)
+
+    def _close_transfer(self, request_id: str) -> None:
+        """A transfer given up (fallback, abort) may still be pushed late: the worker, told
+        by the id among the next plan's dropped ones (a sequence it never held), discards
+        any write for it from then on, before those blocks can be anyone else's."""
+        self._finished_ids.append(request_id)
 
     def schedule(self, now: float) -> BatchPlan:
         self._expire_deadlines(now)
@@ -490,6 +497,8 @@ class Scheduler:
         self.kv.free(request)
         self.drafts.forget(request.request_id)
         self.grammars.forget(request.request_id)
+        if self.remote.is_awaiting(request):
+            self._close_transfer(request.request_id)
         self.remote.forget(request.request_id)
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]

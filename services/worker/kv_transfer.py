@@ -9,6 +9,7 @@ The gRPC calls are kv_transfer_service.py's.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +139,46 @@ class KvOutbox:
             )
         data = kv_cache.read_blocks(source) if source else torch.empty(0, dtype=torch.uint8)
         return OutgoingKv(request_id, destination, lora_name, salt, data)
+
+
+class KvInbox:
+    """Decode side: the transfers its scheduler gave up (fallback, abort), whose late writes are
+    discarded. The scheduler names such a request among a plan's dropped sequences although
+    this worker never held it; `on_plan` and `write` both run on the forward thread, so a write
+    lands before the plan that gives the transfer up, or not at all, never in blocks the
+    scheduler has handed to another sequence since."""
+
+    MAX_CLOSED = 1 << 16
+    """Ids remembered (a late push comes within seconds; the oldest are forgotten first)."""
+
+    def __init__(self, identity: CacheIdentity, worker_epoch: str) -> None:
+        self.identity = identity
+        self.worker_epoch = worker_epoch
+        self._closed: OrderedDict[str, None] = OrderedDict()
+
+    def header_problem(self, theirs: CacheIdentity, worker_epoch: str) -> str | None:
+        if worker_epoch != self.worker_epoch:
+            return (
+                f"worker_epoch {worker_epoch!r} is not this worker's: it restarted since the"
+                " blocks were reserved"
+            )
+        return self.identity.mismatch(theirs)
+
+    def on_plan(self, plan: BatchPlan, sequences: dict[str, CachedSequence]) -> None:
+        for request_id in plan.finished_request_ids:
+            if request_id not in sequences:
+                self._closed[request_id] = None
+                if len(self._closed) > self.MAX_CLOSED:
+                    self._closed.popitem(last=False)
+
+    def write(
+        self, request_id: str, block_ids: list[int], data: torch.Tensor, kv_cache: PagedKVCache
+    ) -> bool:
+        """Write pushed blocks; False (nothing written) for a transfer given up."""
+        if request_id in self._closed:
+            return False
+        kv_cache.write_blocks(block_ids, data)
+        return True
 
 
 def fail(result: StepResult, request_id: str, reason: str) -> None:

@@ -24,7 +24,7 @@ from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.internal_auth import internal_channel
 from services.contracts.step import StepResult
 from services.worker.kv_cache import PagedKVCache
-from services.worker.kv_transfer import CacheIdentity, OutgoingKv, fail
+from services.worker.kv_transfer import CacheIdentity, KvInbox, OutgoingKv, fail
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServicer):
 
     def __init__(
         self,
-        ready: Callable[[], tuple[PagedKVCache, CacheIdentity] | None],
+        ready: Callable[[], tuple[PagedKVCache, KvInbox] | None],
         on_forward_thread: OnForwardThread,
     ) -> None:
         self._ready = ready
@@ -58,7 +58,7 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServicer):
         if ready is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: model still loading")
         assert ready is not None
-        kv_cache, identity = ready
+        kv_cache, inbox = ready
         started = time.perf_counter()
         header: worker_pb2.KvTransferHeader | None = None
         num_written = 0
@@ -69,7 +69,7 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServicer):
                         grpc.StatusCode.INVALID_ARGUMENT, "header: the first chunk must hold it"
                     )
                 header = chunk.header
-                mismatch = identity.mismatch(_identity_of(header))
+                mismatch = inbox.header_problem(_identity_of(header), header.worker_epoch)
                 if mismatch is not None:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
             if not chunk.block_ids:
@@ -79,7 +79,14 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServicer):
             if problem is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
             data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
-            await self._on_forward_thread(kv_cache.write_blocks, block_ids, data)
+            written = await self._on_forward_thread(
+                inbox.write, header.request_id, block_ids, data, kv_cache
+            )
+            if not written:
+                await context.abort(
+                    grpc.StatusCode.CANCELLED,
+                    f"the decode side gave up the transfer of {header.request_id}",
+                )
             num_written += len(block_ids)
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "header: the stream was empty")
@@ -171,6 +178,7 @@ class KvSender:
             lora_name=kv.lora_name,
             cache_salt=kv.cache_salt,
             num_blocks=kv.destination.num_blocks,
+            worker_epoch=kv.destination.worker_epoch,
         )
         block_ids = kv.destination.block_ids
         bytes_per_block = int(kv.data.shape[-1]) if kv.data.numel() else 1

@@ -47,7 +47,7 @@ from services.worker.convert import (
     worker_description_to_proto,
 )
 from services.worker.kv_cache import PagedKVCache
-from services.worker.kv_transfer import CacheIdentity, KvOutbox, OutgoingKv
+from services.worker.kv_transfer import CacheIdentity, KvInbox, KvOutbox, OutgoingKv
 from services.worker.kv_transfer_service import KvSender, KvTransferServicer
 from services.worker.loaded_model import LoadedModel
 from services.worker.lora.errors import LoraAdapterError, LoraConflictError, LoraNotFoundError
@@ -85,6 +85,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Disaggregation (kv_transfer.py): prompts whose KV this worker sends to a decode pair.
         self.kv_outbox: KvOutbox | None = None
         self.kv_sender: KvSender | None = None
+        self.kv_inbox: KvInbox | None = None
 
     async def on_forward_thread(self, function: Callable[..., T], *args: Any) -> T:
         """Run `function` on the thread the steps run on."""
@@ -98,12 +99,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         identity = CacheIdentity.of(loaded.name, runner.kv_cache)
         self.kv_outbox = KvOutbox(identity)
         self.kv_sender = KvSender(identity, self.config.internal_secret)
+        self.kv_inbox = KvInbox(identity, self.epoch)
 
-    def kv_cache_identity(self) -> tuple[PagedKVCache, CacheIdentity] | None:
-        """The cache KV transfers write into, once the model is loaded."""
-        if self.runner is None or self.kv_outbox is None:
+    def kv_receiver(self) -> tuple[PagedKVCache, KvInbox] | None:
+        """The cache KV transfers write into and its inbox, once the model is loaded."""
+        if self.runner is None or self.kv_inbox is None:
             return None
-        return self.runner.kv_cache, self.kv_outbox.identity
+        return self.runner.kv_cache, self.kv_inbox
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[LoadedModel, ModelRunner]:
         if self.loaded is None or self.runner is None:
@@ -228,8 +230,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # A new controller starts from an empty batch: whatever an ended stream held is gone.
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._forward_thread, runner.reset)
-        outbox, sender = self.kv_outbox, self.kv_sender
-        assert outbox is not None and sender is not None
+        outbox, sender, inbox = self.kv_outbox, self.kv_sender, self.kv_inbox
+        assert outbox is not None and sender is not None and inbox is not None
         outbox.clear()
         # Sent before any plan arrives: the scheduler reports its worker connected only on it.
         await context.send_initial_metadata(((STEP_SESSION_KEY, str(session)),))
@@ -245,7 +247,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     plan = plan_from_proto(message)
                     _log_sequences(plan)
                     future = loop.run_in_executor(
-                        self._forward_thread, _timed_step, runner, plan, outbox
+                        self._forward_thread, _timed_step, runner, plan, outbox, inbox
                     )
                     steps.put_nowait((plan, future))
             finally:
@@ -325,9 +327,12 @@ async def _abort_lora(context: grpc.aio.ServicerContext, exc: Exception) -> NoRe
     raise AssertionError("unreachable")  # abort raises
 
 
-def _timed_step(runner: ModelRunner, plan: BatchPlan, outbox: KvOutbox) -> TimedResult:
+def _timed_step(
+    runner: ModelRunner, plan: BatchPlan, outbox: KvOutbox, inbox: KvInbox
+) -> TimedResult:
     """Run one plan on the forward thread, then copy out the KV due to decode workers (before
-    any later plan can reuse those blocks)."""
+    any later plan can reuse those blocks). Transfers the plan gives up are closed first."""
+    inbox.on_plan(plan, runner.batch.sequences)
     started = time.perf_counter()
     result = runner.execute(plan)
     forward_s = time.perf_counter() - started
@@ -433,7 +438,7 @@ async def serve(config: WorkerConfig) -> None:
     service.add(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
     service.add(
         worker_pb2_grpc.add_KvTransferServicer_to_server,
-        KvTransferServicer(servicer.kv_cache_identity, servicer.on_forward_thread),
+        KvTransferServicer(servicer.kv_receiver, servicer.on_forward_thread),
     )
     # Listen first (health NOT_SERVING) so a supervisor sees the port while the model loads.
     port = await service.start(config.host, config.port)

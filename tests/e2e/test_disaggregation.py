@@ -136,17 +136,32 @@ def test_transfers_into_the_decode_worker_need_the_secret_and_a_matching_cache(
 ) -> None:
     stack = disaggregated
     decode_worker = stack.info["workers"][1]
-    header = worker_pb2.KvTransferHeader(request_id="x", model_name="another-model", block_size=16)
-    chunks = [worker_pb2.KvChunk(header=header)]
     with grpc.insecure_channel(decode_worker) as channel:
+        epoch = (
+            worker_pb2_grpc.WorkerStub(channel)
+            .Describe(worker_pb2.DescribeRequest(), timeout=10, metadata=stack.internal_metadata)
+            .worker_epoch
+        )
         stub = worker_pb2_grpc.KvTransferStub(channel)
-        with pytest.raises(grpc.RpcError) as refused:
-            stub.PushKv(iter(chunks), timeout=10)
-        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
-        with pytest.raises(grpc.RpcError) as mismatch:
-            stub.PushKv(iter(chunks), timeout=10, metadata=stack.internal_metadata)
-        assert mismatch.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert "model_name" in (mismatch.value.details() or "")
+
+        def push(header: worker_pb2.KvTransferHeader, secret: bool = True) -> grpc.RpcError:
+            chunks = [worker_pb2.KvChunk(header=header)]
+            metadata = stack.internal_metadata if secret else None
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.PushKv(iter(chunks), timeout=10, metadata=metadata)
+            return refused.value
+
+        other_model = worker_pb2.KvTransferHeader(
+            request_id="x", model_name="another-model", block_size=16, worker_epoch=epoch
+        )
+        assert push(other_model, secret=False).code() is grpc.StatusCode.UNAUTHENTICATED
+        refused = push(other_model)
+        assert refused.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "model_name" in (refused.details() or "")
+        stale = worker_pb2.KvTransferHeader(request_id="x", worker_epoch="a-previous-life")
+        refused = push(stale)
+        assert refused.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "restarted" in (refused.details() or "")
 
 
 def test_a_killed_prefill_worker_leaves_no_request_hanging_and_no_block_held(

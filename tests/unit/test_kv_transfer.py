@@ -18,10 +18,11 @@ from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.worker import kv_transfer_service
 from services.worker.input_batch import CachedSequence
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
-from services.worker.kv_transfer import CacheIdentity, KvOutbox
+from services.worker.kv_transfer import CacheIdentity, KvInbox, KvOutbox
 from services.worker.kv_transfer_service import KvSender, KvTransferServicer
 
 BLOCK_SIZE = 4
+EPOCH = "epoch-1"
 SPEC = KVCacheSpec(
     num_layers=2, num_kv_heads=2, head_dim=8, block_size=BLOCK_SIZE, dtype=torch.float32
 )
@@ -47,6 +48,7 @@ def destination(first_block: int, block_ids: list[int], **overrides: Any) -> KvD
         "model_name": "m",
         "kv_cache_dtype": "float32",
         "block_size": BLOCK_SIZE,
+        "worker_epoch": EPOCH,
     }
     return KvDestination(**{**fields, **overrides})
 
@@ -104,15 +106,19 @@ async def _push(
     receiver_cache: PagedKVCache,
     dest_blocks: list[int],
     receiver_model: str = "m",
+    receiver_epoch: str = EPOCH,
+    given_up: tuple[str, ...] = (),
 ) -> StepResult:
+    """Push request "r"'s prompt from one cache into another through a real gRPC server; the
+    receiver's scheduler has given up the transfers of `given_up` first."""
+    inbox = KvInbox(identity(receiver_cache, receiver_model), receiver_epoch)
+    inbox.on_plan(BatchPlan(step_id=0, finished_request_ids=list(given_up)), {})
     server = grpc.aio.server()
 
     async def on_forward_thread(function: Any, *args: Any) -> Any:
         return await asyncio.to_thread(function, *args)
 
-    servicer = KvTransferServicer(
-        lambda: (receiver_cache, identity(receiver_cache, receiver_model)), on_forward_thread
-    )
+    servicer = KvTransferServicer(lambda: (receiver_cache, inbox), on_forward_thread)
     worker_pb2_grpc.add_KvTransferServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -143,13 +149,35 @@ def test_a_push_writes_the_blocks_into_the_reserved_ones_byte_for_byte(
 
 
 @pytest.mark.parametrize(
-    ("dest_blocks", "receiver_model", "reason"),
-    [([1, 2, 99], "m", "block_ids: 99"), ([1, 2, 3], "other", "model_name differs")],
+    ("dest_blocks", "receiver_model", "receiver_epoch", "given_up", "reason"),
+    [
+        ([1, 2, 99], "m", EPOCH, (), "block_ids: 99"),
+        ([1, 2, 3], "other", EPOCH, (), "model_name differs"),
+        ([1, 2, 3], "m", "epoch-2", (), "restarted"),
+        ([1, 2, 3], "m", EPOCH, ("r",), "gave up"),
+    ],
 )
-def test_a_refused_push_fails_the_sequence_with_the_receivers_reason(
-    dest_blocks: list[int], receiver_model: str, reason: str
+def test_a_refused_push_writes_nothing_and_fails_the_sequence_with_the_receivers_reason(
+    dest_blocks: list[int],
+    receiver_model: str,
+    receiver_epoch: str,
+    given_up: tuple[str, ...],
+    reason: str,
 ) -> None:
     sender, receiver = filled_cache(seed=1), PagedKVCache(SPEC, 12, "cpu")
-    result = asyncio.run(_push(sender, receiver, dest_blocks, receiver_model))
+    result = asyncio.run(
+        _push(sender, receiver, dest_blocks, receiver_model, receiver_epoch, given_up)
+    )
     assert "r" not in result.sampled_token_ids
     assert reason in result.failed_sequences["r"]
+    assert receiver.storage.abs().sum() == 0
+
+
+def test_only_sequences_never_held_count_as_given_up_transfers() -> None:
+    cache = filled_cache()
+    inbox = KvInbox(identity(cache), EPOCH)
+    held = {"done": CachedSequence("done", [1], 1, [0], 1, SamplingParams())}
+    inbox.on_plan(BatchPlan(step_id=0, finished_request_ids=["done", "gone"]), held)
+    data = cache.read_blocks([1])
+    assert inbox.write("done", [2], data, cache)
+    assert not inbox.write("gone", [3], data, cache)

@@ -71,6 +71,9 @@ def test_fallback_prefills_locally_in_the_reserved_blocks() -> None:
     (seq,) = plan.new_sequences
     assert seq.block_ids == reserved and seq.num_computed_tokens == 0
     assert plan.num_scheduled_tokens == {request.request_id: 16}  # chunked, as any prefill
+    # Its worker hears of the given-up transfer (a late push must write nothing) before the
+    # sequence arrives.
+    assert plan.finished_request_ids == [request.request_id]
     # A late answer from the prefill pair is ignored.
     scheduler.complete_remote_prefill(request.request_id, [77])
     assert request.output_token_ids == []
@@ -83,6 +86,8 @@ def test_an_aborted_awaiting_request_frees_its_reservation() -> None:
     scheduler.schedule(0.0)
     scheduler.abort_request(request.request_id)
     assert scheduler.kv.num_free_blocks == 20
+    # The worker hears the transfer is given up in the plan that may hand the blocks on.
+    assert scheduler.schedule(1.0).finished_request_ids == [request.request_id]
     scheduler.complete_remote_prefill(request.request_id, [77])  # too late: ignored
     scheduler.check_integrity()
     assert scheduler.remote.request_ids() == set()

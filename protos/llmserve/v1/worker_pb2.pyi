@@ -82,7 +82,7 @@ class MemoryBudget(_message.Message):
     def __init__(self, weight_bytes_by_kind: _Optional[_Mapping[str, int]] = ..., weight_mapped_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., machine_bytes: _Optional[int] = ...) -> None: ...
 
 class KvTransferHeader(_message.Message):
-    __slots__ = ("request_id", "model_name", "kv_cache_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "lora_name", "cache_salt", "num_blocks")
+    __slots__ = ("request_id", "model_name", "kv_cache_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "lora_name", "cache_salt", "num_blocks", "worker_epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class KvTransferHeader(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_name: str
     kv_cache_dtype: str
@@ -103,7 +104,8 @@ class KvTransferHeader(_message.Message):
     lora_name: str
     cache_salt: bytes
     num_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    worker_epoch: str
+    def __init__(self, request_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., worker_epoch: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("header", "block_ids", "data")
@@ -122,7 +124,7 @@ class PushKvResponse(_message.Message):
     def __init__(self, num_blocks_written: _Optional[int] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("worker", "first_block", "block_ids", "model_name", "kv_cache_dtype", "block_size", "lora_name", "cache_salt")
+    __slots__ = ("worker", "first_block", "block_ids", "model_name", "kv_cache_dtype", "block_size", "lora_name", "cache_salt", "worker_epoch")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +133,7 @@ class KvDestination(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker: str
     first_block: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -139,7 +142,8 @@ class KvDestination(_message.Message):
     block_size: int
     lora_name: str
     cache_salt: bytes
-    def __init__(self, worker: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    worker_epoch: str
+    def __init__(self, worker: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., worker_epoch: _Optional[str] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "lora_name", "cache_salt", "kv_destination")
