@@ -49,17 +49,25 @@ SHORT_PROMPTS = ["Name three colours.", "What is two plus two?"]
 # first has run, and the prefill worker sends only the blocks after it.
 PREFIX_PROMPT = LONG_PROMPTS[0] + " And that is where the story ends, by the river."
 REQUEST_TIMEOUT_S = 120.0
+N_CHOICES_KEY = "n=2"
 
 
 def greedy_ids(stack: RunningStack, prompt: str) -> list[int]:
+    return greedy_choices(stack, prompt, 1)[0]
+
+
+def greedy_choices(stack: RunningStack, prompt: str, n: int) -> list[list[int]]:
+    """Each choice's ids, in choice order."""
     request = text_pb2.GenerateRequest(
         prompt=prompt,
         sampling=text_pb2.SamplingParams(
-            temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True
+            temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, n=n
         ),
     )
-    responses = stack.text_stub().Generate(request, timeout=REQUEST_TIMEOUT_S)
-    return [token for response in responses for token in response.token_ids]
+    choices: list[list[int]] = [[] for _ in range(n)]
+    for response in stack.text_stub().Generate(request, timeout=REQUEST_TIMEOUT_S):
+        choices[response.index].extend(response.token_ids)
+    return choices
 
 
 def counter(stack: RunningStack, process: str, name: str) -> float:
@@ -82,6 +90,7 @@ def colocated_ids() -> dict[str, list[int]]:
     with e2e_stack([*COMMON_FLAGS, "--workers", "1"]) as stack:
         prompts = [*LONG_PROMPTS, *SHORT_PROMPTS, PREFIX_PROMPT]
         ids = {prompt: greedy_ids(stack, prompt) for prompt in prompts}
+        ids[N_CHOICES_KEY] = [t for c in greedy_choices(stack, LONG_PROMPTS[1], 2) for t in c]
     assert stack.returncode == 0
     return ids
 
@@ -115,6 +124,18 @@ def test_greedy_ids_equal_the_colocated_stack(
         stats = stack.stats(address)
         assert stats.num_free_blocks == stats.num_total_blocks, address
         assert stats.num_running == stats.num_waiting == 0
+
+
+def test_a_long_prompt_with_two_choices_is_served_by_the_decode_pair(
+    colocated_ids: dict[str, list[int]], disaggregated: RunningStack
+) -> None:
+    stack = disaggregated
+    before = prompt_tokens_admitted(stack, "scheduler-0")
+    choices = greedy_choices(stack, LONG_PROMPTS[1], 2)
+    assert [t for c in choices for t in c] == colocated_ids[N_CHOICES_KEY]
+    assert choices[0] == choices[1] and len(choices[0]) == NEW_TOKENS
+    # Choices fork from the prompt's last step: the decode pair prefills it itself.
+    assert prompt_tokens_admitted(stack, "scheduler-0") == before
 
 
 def test_a_prefix_cached_on_the_decode_pair_is_not_sent_again(
