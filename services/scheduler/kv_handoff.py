@@ -76,9 +76,15 @@ class KvHandoffs:
         self._calls[request_id] = call
 
     def start(
-        self, scheduler: Scheduler, handoffs: list[Handoff], description: WorkerDescription
+        self,
+        scheduler: Scheduler,
+        handoffs: list[Handoff],
+        description: WorkerDescription,
+        now: float,
     ) -> None:
-        """Call the prefill scheduler of every request admitted to await its KV."""
+        """Call the prefill scheduler of every request admitted to await its KV, for no
+        longer than --kv-transfer-timeout-s or what is left of the request's deadline (`now`
+        on the scheduler's clock)."""
         for handoff in handoffs:
             call = self._calls.pop(handoff.request_id, None)
             request = scheduler.requests.get(handoff.request_id)
@@ -99,17 +105,24 @@ class KvHandoffs:
                 worker_epoch=description.worker_epoch,
             )
             submit.kv_destination.CopyFrom(kv_destination_to_proto(destination))
-            task = asyncio.create_task(self._run(scheduler, handoff, submit))
+            timeout_s = self.timeout_s
+            if request.deadline is not None:
+                timeout_s = max(0.001, min(timeout_s, request.deadline - now))
+            task = asyncio.create_task(self._run(scheduler, handoff, submit, timeout_s))
             self._tasks[handoff.request_id] = task
 
     async def _run(
-        self, scheduler: Scheduler, handoff: Handoff, submit: scheduler_pb2.SubmitRequest
+        self,
+        scheduler: Scheduler,
+        handoff: Handoff,
+        submit: scheduler_pb2.SubmitRequest,
+        timeout_s: float,
     ) -> None:
         request_id = handoff.request_id
         try:
             token_ids: list[int] = []
             stub = self._stub(handoff.prefill_scheduler)
-            async for response in stub.Submit(submit, timeout=self.timeout_s):
+            async for response in stub.Submit(submit, timeout=timeout_s):
                 token_ids.extend(response.token_ids)
             if not token_ids:
                 raise RuntimeError("the prefill scheduler answered no token")

@@ -302,7 +302,7 @@ class StepLoop:
                 plan = scheduler.schedule(self.clock())
                 if handoffs := scheduler.take_handoffs():
                     assert self.description is not None
-                    self.handoffs.start(scheduler, handoffs, self.description)
+                    self.handoffs.start(scheduler, handoffs, self.description, self.clock())
                 if plan.needs_worker:
                     self._note_scheduled(plan)
                     if not in_flight:

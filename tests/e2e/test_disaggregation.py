@@ -185,12 +185,44 @@ def test_transfers_into_the_decode_worker_need_the_secret_and_a_matching_cache(
         assert "restarted" in (refused.details() or "")
 
 
+def wait_idle(stack: RunningStack, address: str, timeout_s: float = 10.0) -> tuple[int, int, int]:
+    """(free blocks - total blocks, running, waiting) of a scheduler once idle with every
+    block free, or when `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = stack.stats(address)
+        idle = (
+            stats.num_free_blocks - stats.num_total_blocks,
+            stats.num_running,
+            stats.num_waiting,
+        )
+        if idle == (0, 0, 0) or time.monotonic() > deadline:
+            return idle
+        time.sleep(0.05)
+
+
+def test_a_client_gone_during_the_remote_prefill_frees_both_pairs(
+    disaggregated: RunningStack,
+) -> None:
+    stack = disaggregated
+    request = text_pb2.GenerateRequest(
+        prompt="Once more. " + LONG_PROMPTS[2],
+        sampling=text_pb2.SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True),
+    )
+    for timeout_s in (0.05, 0.3, 1.0):  # before, during and after the handoff
+        with pytest.raises(grpc.RpcError) as gone:
+            for _ in stack.text_stub().Generate(request, timeout=timeout_s):
+                pass
+        assert gone.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    for address in stack.schedulers:
+        assert wait_idle(stack, address) == (0, 0, 0), address
+
+
 def test_a_killed_prefill_worker_leaves_no_request_hanging_and_no_block_held(
     colocated_ids: dict[str, list[int]], disaggregated: RunningStack
 ) -> None:
     stack = disaggregated
     decode = stack.schedulers[1]
-    total = stack.stats(decode).num_total_blocks
     # Fresh prompts (no prefix cached on either pair), answered by the colocated stack's
     # arithmetic whether prefilled there or here.
     prompts = [f"Again {i}. " + prompt for i, prompt in enumerate(LONG_PROMPTS)]
@@ -212,13 +244,7 @@ def test_a_killed_prefill_worker_leaves_no_request_hanging_and_no_block_held(
         else:
             assert len(result) == NEW_TOKENS, prompt
     assert any(not isinstance(result, grpc.StatusCode) for result in outcomes), outcomes
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        stats = stack.stats(decode)
-        if stats.num_free_blocks == total and stats.num_running == stats.num_waiting == 0:
-            break
-        time.sleep(0.1)
-    assert (stats.num_free_blocks, stats.num_running, stats.num_waiting) == (total, 0, 0)
+    assert wait_idle(stack, decode) == (0, 0, 0)
     # With the prefill pair down (or restarting), long prompts are served by the decode pair,
     # and a fallback's answer is the one the prompt gets again.
     assert greedy_ids(stack, LONG_PROMPTS[0]) == colocated_ids[LONG_PROMPTS[0]]
