@@ -23,6 +23,7 @@ from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.internal_auth import internal_channel
 from services.contracts.step import StepResult
+from services.worker import metrics
 from services.worker.kv_cache import PagedKVCache
 from services.worker.kv_transfer import CacheIdentity, KvInbox, OutgoingKv, fail
 
@@ -59,6 +60,24 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: model still loading")
         assert ready is not None
         kv_cache, inbox = ready
+        started = time.perf_counter()
+        num_written, ok = 0, False
+        try:
+            num_written = await self._receive(request_iterator, context, kv_cache, inbox)
+            ok = True
+        finally:
+            num_bytes = num_written * kv_cache.spec.bytes_per_block
+            metrics.on_kv_transfer("received", num_bytes, time.perf_counter() - started, ok)
+        return worker_pb2.PushKvResponse(num_blocks_written=num_written)
+
+    async def _receive(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.KvChunk],
+        context: grpc.aio.ServicerContext,
+        kv_cache: PagedKVCache,
+        inbox: KvInbox,
+    ) -> int:
+        """Check the header, write every chunk; the blocks written (aborts on a refusal)."""
         started = time.perf_counter()
         header: worker_pb2.KvTransferHeader | None = None
         num_written = 0
@@ -99,7 +118,7 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServicer):
                 "ms": (time.perf_counter() - started) * 1000,
             },
         )
-        return worker_pb2.PushKvResponse(num_blocks_written=num_written)
+        return num_written
 
 
 def _identity_of(header: worker_pb2.KvTransferHeader) -> CacheIdentity:
@@ -139,7 +158,11 @@ class KvSender:
             *(self._push(kv) for kv in outgoing), return_exceptions=True
         )
         for kv, outcome in zip(outgoing, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
+            num_bytes = int(kv.data.numel())
+            if not isinstance(outcome, BaseException):
+                metrics.on_kv_transfer("sent", num_bytes, outcome, ok=True)
+            else:
+                metrics.on_kv_transfer("sent", num_bytes, 0.0, ok=False)
                 detail = outcome.details() if isinstance(outcome, grpc.aio.AioRpcError) else outcome
                 log.warning(
                     "kv transfer failed",
@@ -151,7 +174,8 @@ class KvSender:
                 )
                 fail(result, kv.request_id, str(detail))
 
-    async def _push(self, kv: OutgoingKv) -> None:
+    async def _push(self, kv: OutgoingKv) -> float:
+        """Push one transfer; its seconds."""
         started = time.perf_counter()
         stub = self._stub(kv.destination.worker)
         await stub.PushKv(self._chunks(kv), timeout=PUSH_TIMEOUT_S)
@@ -164,6 +188,7 @@ class KvSender:
                 "ms": (time.perf_counter() - started) * 1000,
             },
         )
+        return time.perf_counter() - started
 
     def _chunks(self, kv: OutgoingKv) -> AsyncIterator[worker_pb2.KvChunk]:
         identity = self.identity

@@ -118,8 +118,11 @@ def test_greedy_ids_equal_the_colocated_stack(
         ids = greedy_ids(stack, prompt)
         assert len(ids) == NEW_TOKENS
         assert ids == colocated_ids[prompt], prompt
-    # Every long prompt was prefilled on the prefill pair.
+    # Every long prompt was prefilled on the prefill pair, and its KV moved.
     assert prompt_tokens_admitted(stack, "scheduler-0") - before >= len(LONG_PROMPTS) * MIN_PROMPT
+    sent = counter(stack, "worker-0", "llmserve_kv_transfer_bytes_total")
+    received = counter(stack, "worker-1", "llmserve_kv_transfer_bytes_total")
+    assert sent == received > 0
     for address in (prefill, decode):
         stats = stack.stats(address)
         assert stats.num_free_blocks == stats.num_total_blocks, address
