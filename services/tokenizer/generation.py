@@ -211,6 +211,7 @@ class GenerationStream:
                 **self._extra,
                 "prompt_tokens": len(request.prompt_token_ids),
                 "timeout_s": prepared.timeout_s,
+                "prefill": prepared.prefill_scheduler or None,  # disaggregation.md
             },
         )
         self.output = OutputPipeline.create(

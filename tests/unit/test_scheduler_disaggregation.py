@@ -3,8 +3,11 @@ the decode side, the KV destination on the prefill side (no model, no gRPC)."""
 
 from __future__ import annotations
 
+from protos.llmserve.v1 import sampling_pb2, scheduler_pb2
 from services.contracts.kv_transfer import KvDestination
+from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason
+from services.scheduler.kv_handoff import disaggregates, prefill_call
 from services.scheduler.request import RequestStatus
 from tests.unit.factories import BLOCK_SIZE, create_requests, create_scheduler, result_for
 
@@ -134,3 +137,25 @@ def test_a_kv_destination_travels_with_the_new_sequence() -> None:
     scheduler.add_request(request, kv_destination=destination)
     (seq,) = scheduler.schedule(0.0).new_sequences
     assert seq.kv_destination == destination
+
+
+def test_the_prefill_call_asks_for_one_token_of_the_same_request() -> None:
+    request = scheduler_pb2.SubmitRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2, 3],
+        sampling=sampling_pb2.TokenSamplingParams(max_new_tokens=50, min_new_tokens=10),
+        cache_salt=b"tenant",
+        lora_name="adapter",
+        prefill_scheduler=PREFILL,
+    )
+    call = prefill_call(request)
+    assert call.prefill_scheduler == PREFILL and call.submit.prefill_scheduler == ""
+    assert call.submit.sampling.max_new_tokens == 1 and call.submit.sampling.min_new_tokens == 1
+    assert (call.submit.cache_salt, call.submit.lora_name) == (b"tenant", "adapter")
+    assert request.sampling.max_new_tokens == 50  # the decode side's request is unchanged
+
+
+def test_only_single_choice_requests_without_logprobs_prefill_elsewhere() -> None:
+    assert disaggregates(SamplingParams())
+    assert not disaggregates(SamplingParams(n=2))
+    assert not disaggregates(SamplingParams(logprobs=1))
