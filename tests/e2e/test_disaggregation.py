@@ -39,6 +39,10 @@ COMMON_FLAGS = [
     "--no-redis",
     "--disaggregate-min-prompt",
     str(MIN_PROMPT),
+    # Long prompts are prefilled in several chunks (on the prefill pair, and on the decode
+    # pair when it falls back): the blocks go out only after the last one.
+    "--max-num-batched-tokens",
+    "48",
 ]
 LONG_PROMPTS = [
     f"Story {i}: " + " ".join(f"{word} {i}" for word in ("river", "stone", "lamp", "field")) * 12
