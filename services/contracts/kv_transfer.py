@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+FAILED_TRANSFER_PREFIX = "kv transfer: "
+"""Starts the reason of a sequence failed because its KV could not be sent (StepResult
+.failed_sequences): its request ends UNAVAILABLE, not as an unservable one."""
+
 
 @dataclass(frozen=True, slots=True)
 class KvDestination:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from services.common.cache_keys import CacheKeys
 from services.contracts.errors import InvalidRequestError, NotFoundError, QueueFullError
-from services.contracts.kv_transfer import KvDestination
+from services.contracts.kv_transfer import FAILED_TRANSFER_PREFIX, KvDestination
 from services.contracts.lora import LoraAdapterInfo
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.contracts.structured_output import StructuredOutput
@@ -364,12 +364,17 @@ class StepLoop:
 
     def _fail_requests(self, scheduler: Scheduler) -> None:
         """Requests the worker could not run (their LoRA adapter left it): each owner hears
-        NOT_FOUND; their abort events, out with the next update, find no queue."""
+        NOT_FOUND, or UNAVAILABLE for a prompt whose KV could not reach its decode pair; their
+        abort events, out with the next update, find no queue."""
         failures, scheduler.failures = scheduler.failures, {}
         for request_id, reason in failures.items():
             log.warning("request failed", extra={"request_id": request_id, "error": reason})
             queue = self._queues.pop(request_id, None)
-            if queue is not None:
+            if queue is None:
+                continue
+            if reason.startswith(FAILED_TRANSFER_PREFIX):
+                queue.put_nowait(WorkerUnavailable(reason))
+            else:
                 queue.put_nowait(NotFoundError("model", reason.partition(": ")[2] or reason))
 
     def _fail_all(self, message: str) -> None:

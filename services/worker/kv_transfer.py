@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.contracts.kv_transfer import KvDestination
+from services.contracts.kv_transfer import FAILED_TRANSFER_PREFIX, KvDestination
 from services.contracts.step import BatchPlan, StepResult
 from services.worker.input_batch import CachedSequence
 from services.worker.kv_cache import PagedKVCache
@@ -186,4 +186,4 @@ def fail(result: StepResult, request_id: str, reason: str) -> None:
     hearing an error instead of a first token, prefills the prompt itself)."""
     result.sampled_token_ids.pop(request_id, None)
     result.logprobs.pop(request_id, None)
-    result.failed_sequences[request_id] = f"kv transfer: {reason}"
+    result.failed_sequences[request_id] = FAILED_TRANSFER_PREFIX + reason
