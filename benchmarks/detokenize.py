@@ -8,7 +8,7 @@ CJK, emoji) tokenized by the model's tokenizer, each stream from its own seeded 
 engine sends one id per SubmitResponse (the scheduler kept up); the tier takes them k at a
 time, as it does with a backlog, and does for each group exactly what its servicer does:
 
-    parse k SubmitResponses → convert.merged_scheduler_output
+    parse k SubmitResponses → scheduler_convert.merged_scheduler_output
     → OutputPipeline.step (incremental detokenizer, stop-string matcher, usage, timings)
     → convert.generate_response → serialize
 
@@ -35,6 +35,7 @@ from services.common.model_source import model_display_name, resolve_model_path
 from services.text.model_tokenizer import ModelTokenizer
 from services.tokenizer import convert
 from services.tokenizer.output import OutputPipeline
+from services.tokenizer.routing import scheduler_convert
 
 # Mixed content, so that the detokenizer meets multi-byte characters held over several
 # tokens and the stop matcher meets partial matches ("User" and "<" begin the stops).
@@ -136,7 +137,7 @@ def run_streams(
             group = stream.messages[start : start + tokens_per_message]
             if not group:
                 continue
-            scheduler_output = convert.merged_scheduler_output([parse(m) for m in group])
+            scheduler_output = scheduler_convert.merged_scheduler_output([parse(m) for m in group])
             delta = pipeline.step(scheduler_output, time.perf_counter())
             if delta is None:
                 continue

@@ -10,11 +10,12 @@ event and delta names its choice (`index`), each choice finishes on its own, and
 that finishes the last one also carries the usage (the prompt counted once, the completion
 tokens of every choice summed) and the timings.
 
-Several scheduler events that waited for a slow client go through as one (convert.py merges
-them): one detokenizer call and one public message for all their ids, with the same text and
+Several scheduler events that waited for a slow client go through as one (scheduler_convert.py
+merges them): one detokenizer call and one public message for all their ids, with the same text and
 ids as one event at a time, cut at the token that completes a stop string.
 
-convert.py maps SubmitResponse → SchedulerOutput and OutputDelta → GenerateResponse.
+routing/scheduler_convert.py maps SubmitResponse → SchedulerOutput, convert.py OutputDelta →
+GenerateResponse.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from services.tokenizer.access.keys import (
     tenant_for,
 )
 from services.tokenizer.generation import Generator
+from services.tokenizer.routing import scheduler_convert
 from services.tokenizer.routing.pool import SchedulerClient
 from services.tokenizer.validation import (
     MAX_REQUEST_ID_LEN,
@@ -187,7 +188,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
     async def _pin_everywhere(self, prompt: NamedPrompt) -> int:
         """Pin the prompt's KV on every scheduler; returns how many pinned some of it. A
         scheduler that is down now pins it from Redis when it comes back."""
-        pin = convert.pin_request(prompt)
+        pin = scheduler_convert.pin_request(prompt)
         timeout_s = self._generator.config.pin_timeout_s
 
         async def pin_on(client: SchedulerClient) -> bool:
@@ -228,7 +229,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             deleted = await self._generator.prompts.delete(request.tenant_id, request.name)
         except LLMServeError as exc:
             await _abort(context, *status_for(exc))
-        unpin = convert.unpin_request(request.tenant_id, request.name)
+        unpin = scheduler_convert.unpin_request(request.tenant_id, request.name)
         await asyncio.gather(
             *(c.stub.Unpin(unpin, timeout=5.0) for c in self._generator.pool.clients),
             return_exceptions=True,

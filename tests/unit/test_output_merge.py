@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from protos.llmserve.v1 import logprobs_pb2, scheduler_pb2
-from services.tokenizer import convert
 from services.tokenizer.output import OutputPipeline, OutputText, SchedulerOutput, TokenLogprob
+from services.tokenizer.routing import scheduler_convert as convert
 from tests.unit.test_detokenizer import (
     BROKEN_BYTE_TOKEN_IDS,
     BYTE_TOKEN_IDS,

@@ -1,5 +1,6 @@
 """A LoRA adapter as the tokenizer tier reports it: one scheduler's answer, or the pool's merge
-of them (lora_adapters.py); convert.py maps it to and from lora.proto's LoraAdapterInfo."""
+of them (adapters.py). scheduler_convert.py reads it from a scheduler's LoraAdapterInfo,
+../convert.py writes the public one."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ from services.contracts.errors import (
     NotFoundError,
     quoted,
 )
-from services.tokenizer import convert
+from services.tokenizer.routing import scheduler_convert
 from services.tokenizer.routing.adapter_info import AdapterInfo
 from services.tokenizer.routing.pool import SchedulerClient, SchedulerPool, closed_under
 from services.tokenizer.routing.scheduler_errors import scheduler_error, scheduler_gone
@@ -136,7 +136,8 @@ class PoolAdapters:
         timeout = _within(LOAD_TIMEOUT_S, timeout_s)
 
         async def load_on(stub: Stub) -> AdapterInfo:
-            return convert.adapter_info(await stub.LoadLoraAdapter(request, timeout=timeout))
+            answer = await stub.LoadLoraAdapter(request, timeout=timeout)
+            return scheduler_convert.adapter_info(answer)
 
         answers = await self._fan_out("LoadLoraAdapter", load_on)
         await self.pool.refresh_stats()
@@ -164,7 +165,7 @@ class PoolAdapters:
 
         async def list_on(stub: Stub) -> list[AdapterInfo]:
             answer = await stub.ListLoraAdapters(request, timeout=timeout)
-            return [convert.adapter_info(info) for info in answer.adapters]
+            return [scheduler_convert.adapter_info(info) for info in answer.adapters]
 
         return merged_list(base, await self._fan_out("ListLoraAdapters", list_on))
 

@@ -38,7 +38,8 @@ from services.common.prefix_hash import BlockHash, adapter_salt, prefix_block_ha
 from services.contracts.errors import DependencyUnavailableError, NotFoundError, quoted
 from services.contracts.model_description import ModelDescription
 from services.contracts.sampling_params import SamplingParams
-from services.tokenizer import convert, metrics
+from services.tokenizer import metrics
+from services.tokenizer.routing import scheduler_convert
 from services.tokenizer.routing.disaggregation import (
     PrefillCandidate,
     choose_prefill,
@@ -284,7 +285,7 @@ class SchedulerPool:
             return
         try:
             answer = await client.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=1.0)
-            stats: SchedulerSnapshot | None = convert.scheduler_snapshot(answer)
+            stats: SchedulerSnapshot | None = scheduler_convert.scheduler_snapshot(answer)
         except grpc.aio.AioRpcError:
             stats = None
         except asyncio.CancelledError:
@@ -433,7 +434,7 @@ class SchedulerPool:
                     if closed_under(client):
                         continue
                     raise
-                stats = convert.scheduler_snapshot(answer)
+                stats = scheduler_convert.scheduler_snapshot(answer)
                 self._answered(client, stats)
                 log.info(
                     "scheduler answered",

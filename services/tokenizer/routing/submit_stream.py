@@ -2,10 +2,10 @@
 the gRPC side of a generation, so generation.py sees neither protobuf nor grpc.
 
 A reader task moves the call's responses into a local queue as they arrive. What a slow client
-let pile up there comes out of `next_outputs` at once: one SchedulerOutput per choice, merged by
-convert.py (protobuf's own merge, in C: k responses cost about one conversion). A batch never
-goes past a finished response, and the call's end, its failure and the scheduler's deadline
-finish come out only after every response before them, as they would one at a time.
+let pile up there comes out of `next_outputs` at once: one SchedulerOutput per choice, merged
+by scheduler_convert.py (protobuf's own merge, in C: k responses cost about one conversion). A
+batch never goes past a finished response, and the call's end, its failure and the scheduler's
+deadline finish come out only after every response before them, as they would one at a time.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import grpc
 from protos.llmserve.v1 import scheduler_pb2
 from services.common.backlog import take_leading
 from services.contracts.errors import DeadlineExceededError
-from services.tokenizer import convert
 from services.tokenizer.output import SchedulerOutput
+from services.tokenizer.routing import scheduler_convert
 from services.tokenizer.routing.pool import SchedulerClient, closed_under
 from services.tokenizer.routing.scheduler_errors import scheduler_error, scheduler_gone
 from services.tokenizer.validation import ValidatedRequest
@@ -56,7 +56,7 @@ class SubmitStream:
         self._call: grpc.aio.UnaryStreamCall | None = None
         if not scheduler.closed:
             self._call = scheduler.stub.Submit(
-                convert.submit_request(request, arrival_unix_s, prefill_scheduler),
+                scheduler_convert.submit_request(request, arrival_unix_s, prefill_scheduler),
                 timeout=timeout_s,
             )
         # The client may be slower than the scheduler. Read the scheduler stream at once into a
@@ -82,7 +82,7 @@ class SubmitStream:
         if self.scheduler.closed:
             return
         cancel = self.scheduler.stub.CancelChoice(
-            convert.cancel_choice_request(self._request_id, index), timeout=5.0
+            scheduler_convert.cancel_choice_request(self._request_id, index), timeout=5.0
         )
         task = asyncio.ensure_future(cancel)
         # Best effort: a failure leaves the choice running until its own stop or length.
@@ -102,7 +102,7 @@ class SubmitStream:
             backlog.append(responses.get_nowait())
         batch = _take_batch(backlog)
         if batch:
-            return convert.scheduler_outputs_by_choice(batch)
+            return scheduler_convert.scheduler_outputs_by_choice(batch)
         # The end of the stream, an error or the deadline finish; the responses before it
         # went out already, as they would have one at a time.
         item = backlog.popleft()
