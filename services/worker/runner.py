@@ -48,12 +48,16 @@ class RunnerSettings(Protocol):
     deterministic: bool | None
     speculative_ngram_min_n: int
     speculative_ngram_max_n: int
-    speculative_suffix_cache_tokens: int
     speculative_suffix_min_prob: float
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
     lora_modules: tuple[str, ...]
+
+    @property
+    def suffix_cache_tokens(self) -> int:
+        """The suffix cache's budget as served (0 under --no-speculation)."""
+        ...
 
 
 class ModelRunner:
@@ -222,7 +226,7 @@ class ModelRunner:
             fused_decode=settings.fused_decode,
             batch_invariant=settings.deterministic,
             ngram_sizes=(settings.speculative_ngram_min_n, settings.speculative_ngram_max_n),
-            suffix_cache_tokens=settings.speculative_suffix_cache_tokens,
+            suffix_cache_tokens=settings.suffix_cache_tokens,
             suffix_min_prob=settings.speculative_suffix_min_prob,
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,

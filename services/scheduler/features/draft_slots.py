@@ -82,6 +82,8 @@ class DraftSlots:
         """Most drafts a decode may verify: its request's limit (or the server's), within
         the output and context it has left counting the drafts still in flight."""
         sampling = request.sampling
+        if not self.config.speculation:
+            return 0  # --no-speculation: not even a request's own num_speculative_tokens
         cap = sampling.num_speculative_tokens
         if cap is None:
             cap = self.config.speculative_ngram
