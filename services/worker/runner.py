@@ -273,7 +273,7 @@ class ModelRunner:
         self.last_step_mode = "eager"
         if plan.is_empty:
             return result
-        drafts = self.batch.propose_drafts(plan) if plan.draft_slots else {}
+        drafts, proposers = self.batch.propose_drafts(plan) if plan.draft_slots else ({}, {})
         if drafts and grammars is not None:
             drafts = grammars.cut_drafts(drafts)
         inputs = self.batch.prepare(plan, drafts)
@@ -295,6 +295,7 @@ class ModelRunner:
                 self.grammars,
             )
             result.num_proposed_drafts = {rid: len(d) for rid, d in drafts.items()}
+            result.draft_proposers = {rid: proposers[rid] for rid in drafts}
             result.accepted_draft_ids = {rid: ids for rid, ids in accepted.items() if ids}
         elif inputs.sampled_request_ids:
             logits = self._forward_sampled(inputs.forward)

@@ -78,7 +78,10 @@ def test_greedy_output_is_the_same_with_drafts(
     loaded_gguf: LoadedModel, fused_decode: bool
 ) -> None:
     ids = prompts(loaded_gguf)
-    plain = generate(engine_for(loaded_gguf, fused_decode=fused_decode, enforce_eager=True), ids)
+    plain = generate(
+        engine_for(loaded_gguf, fused_decode=fused_decode, enforce_eager=True, speculation=False),
+        ids,
+    )
     engine = engine_for(
         loaded_gguf, fused_decode=fused_decode, enforce_eager=True, speculative_ngram=5
     )
@@ -105,7 +108,7 @@ def test_sampling_options_see_the_drafts_before_each_row(
     loaded_gguf: LoadedModel, sampling: dict[str, object]
 ) -> None:
     ids = prompts(loaded_gguf)[:3]
-    plain = generate(engine_for(loaded_gguf), ids, **sampling)
+    plain = generate(engine_for(loaded_gguf, speculation=False), ids, **sampling)
     engine = engine_for(loaded_gguf)
     assert generate(engine, ids, num_speculative_tokens=6, **sampling) == plain
     assert engine.get_stats().num_draft_tokens_proposed > 0
@@ -117,7 +120,7 @@ def test_a_batch_mixing_drafting_and_plain_sequences_keeps_each_output(
     """Sequences with drafts share steps with sequences without (logprobs cannot draft) and
     with prefills arriving late; each one's greedy output is its output alone."""
     ids = prompts(loaded_gguf)
-    alone = generate(engine_for(loaded_gguf), ids)
+    alone = generate(engine_for(loaded_gguf, speculation=False), ids)
     engine = engine_for(loaded_gguf, speculative_ngram=4, max_num_batched_tokens=128)
     request_ids = []
     for index, prompt in enumerate(ids):
