@@ -163,10 +163,11 @@ class RuntimeConfig:
     another quantization is refused). --no-deterministic: off."""
 
 
-DEFAULT_SPECULATIVE_NGRAM = 4
-"""Most drafts per sequence and step by default: an upper bound, the scheduler's policy grants
-a sequence draft j only while its acceptance^j pays for a token of the step (at one user on a
-CPU a 4th draft pays from ~40 % acceptance; past it, few sequences keep matching)."""
+DEFAULT_SPECULATIVE_NGRAM = 3
+"""Most drafts per sequence and step by default: an upper bound (the scheduler's policy grants
+draft j only while acceptance^j pays for its token). 3: a sequence's decode row and its drafts
+then fill the CPU kernels' 4-row tile, and a 5th row starts another (`llmserve bench
+verify-rows` prints the cost per row count on a given model)."""
 
 DEFAULT_SUFFIX_CACHE_TOKENS = 65536
 """Suffix decoding's budget by default: ~20 MiB of Python lists and index (~320 bytes a
