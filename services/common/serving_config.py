@@ -146,7 +146,9 @@ class RuntimeConfig:
     """How a worker executes steps."""
 
     seed: int | None = None
-    """Seed of the sampler's shared generator (requests without their own seed)."""
+    """Seed of the sampler's shared generator (requests without their own seed), so the same
+    requests on the same config repeat their samples; sampled requests then do not draft
+    (speculative decoding stays on for greedy ones)."""
     enforce_eager: bool = False
     """Run every step eagerly (no compiled step graphs): slower, starts faster."""
     fused_decode: bool = True

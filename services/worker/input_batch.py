@@ -70,8 +70,15 @@ class InputBatch:
         per_token_attention: bool = False,
         ngram_sizes: tuple[int, int] = (2, 4),
         suffix_cache: SuffixCache | None = None,
+        sampled_drafts: bool = True,
     ) -> None:
         self.block_size = block_size
+        self.sampled_drafts = sampled_drafts
+        """Whether sampled (not greedy) sequences may draft. Not on a worker with a --seed:
+        verification draws from its seeded generator as many times as there are drafts, and
+        the drafts granted follow measured step times, so the same request on the same
+        config would not repeat its sample (a request's own seed already keeps it from
+        drafting: SamplingParams.can_speculate)."""
         self.ngram_sizes = ngram_sizes
         """(min n, max n) of the suffixes prompt lookup matches."""
         self.suffix_cache = suffix_cache
@@ -122,6 +129,7 @@ class InputBatch:
                 or plan.num_scheduled_tokens.get(request_id) != 1
                 or seq.num_computed_tokens + 1 != len(seq.token_ids)
                 or not seq.sampling.can_speculate
+                or not (self.sampled_drafts or seq.sampling.is_greedy)
             ):
                 continue
             if seq.ngrams is None:

@@ -95,6 +95,8 @@ class ModelRunner:
         self.suffix_cache = suffix_cache
         """Suffix decoding's recent text (None: off); kept across resets, as the text it
         holds stays good to draft from."""
+        self.sampled_drafts = seed is None
+        """Sampled sequences may draft only where no --seed makes their draws repeatable."""
         self.batch = self._new_batch()
         self.sampler = Sampler(seed=seed)
         self.vocab_size = model.architecture.vocab_size
@@ -258,6 +260,7 @@ class ModelRunner:
             per_token_attention=self.batch_invariant,
             ngram_sizes=self.ngram_sizes,
             suffix_cache=self.suffix_cache,
+            sampled_drafts=self.sampled_drafts,
         )
 
     @torch.inference_mode()
