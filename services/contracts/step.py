@@ -142,6 +142,10 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+DRAFT_PROPOSERS = ("ngram", "suffix")
+"""The worker's model-free draft proposers (services/worker/speculative/)."""
+
+
 @dataclass(slots=True)
 class StepResult:
     """What the worker sends back: one sampled token per sequence that reached its end, after
@@ -156,6 +160,10 @@ class StepResult:
     num_proposed_drafts: dict[str, int] = field(default_factory=dict)
     """Draft tokens verified per speculating sequence (0 to its slots: the context may offer
     no guess); only sequences that proposed any."""
+    draft_proposers: dict[str, str] = field(default_factory=dict)
+    """What guessed each verified draft (DRAFT_PROPOSERS: prompt lookup in the sequence's
+    own tokens, or suffix decoding over recent requests' text), for the metrics; the
+    sequences of num_proposed_drafts."""
     failed_sequences: dict[str, str] = field(default_factory=dict)
     """New sequences the worker could not take on (their LoRA adapter is not loaded, or no
     adapter slot is free), with the reason: they were left out of the step and every later

@@ -95,6 +95,7 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
                 allocation_policy=config.allocation_policy,
                 max_waiting_requests=config.max_waiting_requests,
+                speculation=config.speculation,
                 speculative_ngram=config.speculative_ngram,
                 debug_checks=config.debug_checks,
             ),

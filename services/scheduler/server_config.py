@@ -58,6 +58,7 @@ class SchedulerServerConfig(*SERVICE_GROUPS["scheduler"], AdmissionConfig):  # t
             fair_share=self.fair_share,
             max_waiting_requests=self.max_waiting_requests,
             max_pinned_fraction=self.max_pinned_fraction,
+            speculation=self.speculation,
             speculative_ngram=self.speculative_ngram,
             debug_checks=self.debug_checks,
         )

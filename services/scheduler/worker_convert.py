@@ -91,5 +91,10 @@ def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
         num_proposed_drafts={
             request_id: outcome.num_proposed for request_id, outcome in message.drafts.items()
         },
+        draft_proposers={
+            request_id: outcome.proposer
+            for request_id, outcome in message.drafts.items()
+            if outcome.proposer
+        },
         failed_sequences=dict(message.failed_sequences),
     )

@@ -93,5 +93,6 @@ def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOut
         outcome = message.drafts[request_id]
         outcome.num_proposed = num_proposed
         outcome.accepted_token_ids.extend(result.accepted_draft_ids.get(request_id, ()))
+        outcome.proposer = result.draft_proposers.get(request_id, "")
     message.failed_sequences.update(result.failed_sequences)
     return message

@@ -259,9 +259,11 @@ class StepOutput(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Mapping[str, _logprobs_pb2.TokenLogprob]] = ..., forward_ms: _Optional[float] = ..., drafts: _Optional[_Mapping[str, DraftOutcome]] = ..., failed_sequences: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftOutcome(_message.Message):
-    __slots__ = ("num_proposed", "accepted_token_ids")
+    __slots__ = ("num_proposed", "accepted_token_ids", "proposer")
     NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     num_proposed: int
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_proposed: _Optional[int] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    proposer: str
+    def __init__(self, num_proposed: _Optional[int] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., proposer: _Optional[str] = ...) -> None: ...
