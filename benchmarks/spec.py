@@ -70,6 +70,7 @@ def engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
     if mode == "default":
         return EngineConfig(**common)
     return EngineConfig(
+        speculation=True,  # whatever the weights (unset: only on a batch-invariant engine)
         speculative_ngram=args.num_speculative_tokens,
         speculative_suffix_cache_tokens=args.suffix_cache_tokens if mode == "suffix" else 0,
         **common,

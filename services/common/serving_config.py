@@ -207,9 +207,13 @@ class SpeculationConfig:
     they raise output tokens per second, so large (compute-bound) batches and sequences whose
     drafts keep failing do not draft."""
 
-    speculation: bool = True
-    """Speculative decoding at all. --no-speculation turns every proposer off (no drafts,
-    no suffix cache; requests' num_speculative_tokens is ignored): the baseline to compare
+    speculation: bool | None = None
+    """Speculative decoding. Unset: on where verifying drafts cannot change greedy output,
+    a batch-invariant worker (the default for a GGUF file on a CPU: docs/determinism.md);
+    elsewhere (float or gguf-exact weights, a GPU) a draft row's last-bit differences could
+    flip a near tie, so drafts come only to requests that set num_speculative_tokens.
+    --speculation: on everywhere. --no-speculation turns every proposer off (no drafts, no
+    suffix cache; requests' num_speculative_tokens is ignored): the baseline to compare
     with. It overrides the --speculative-* settings rather than conflicting with them, so a
     deployment's settings stay in place while a run measures the baseline."""
     speculative_ngram: int = DEFAULT_SPECULATIVE_NGRAM
@@ -232,7 +236,16 @@ class SpeculationConfig:
     @property
     def suffix_cache_tokens(self) -> int:
         """speculative_suffix_cache_tokens as served: 0 (no cache) under --no-speculation."""
-        return self.speculative_suffix_cache_tokens if self.speculation else 0
+        return 0 if self.speculation is False else self.speculative_suffix_cache_tokens
+
+    def default_draft_limit(self, batch_invariant: bool) -> int:
+        """The draft limit of a request that does not set its own, on a worker that is (or
+        is not) batch-invariant: speculative_ngram where speculation is on, 0 elsewhere."""
+        if self.speculation is False:
+            return 0
+        if self.speculation is None and not batch_invariant:
+            return 0
+        return self.speculative_ngram
 
     def check_speculation(self) -> None:
         if not 0 <= self.speculative_ngram <= MAX_SPECULATIVE_TOKENS:

@@ -47,7 +47,11 @@ class SchedulerServerConfig(*SERVICE_GROUPS["scheduler"], AdmissionConfig):  # t
         self.check_speculation()
         self.check_disaggregation()
 
-    def scheduler_config(self, block_size: int, worker_max_model_len: int) -> SchedulerConfig:
+    def scheduler_config(
+        self, block_size: int, worker_max_model_len: int, *, batch_invariant: bool = False
+    ) -> SchedulerConfig:
+        """The core's settings for a worker of this block size and context, batch-invariant
+        or not (which decides whether drafts are on by default)."""
         return SchedulerConfig(
             block_size=block_size,
             max_num_seqs=self.max_num_seqs,
@@ -58,7 +62,7 @@ class SchedulerServerConfig(*SERVICE_GROUPS["scheduler"], AdmissionConfig):  # t
             fair_share=self.fair_share,
             max_waiting_requests=self.max_waiting_requests,
             max_pinned_fraction=self.max_pinned_fraction,
-            speculation=self.speculation,
-            speculative_ngram=self.speculative_ngram,
+            speculation=self.speculation is not False,
+            speculative_ngram=self.default_draft_limit(batch_invariant),
             debug_checks=self.debug_checks,
         )

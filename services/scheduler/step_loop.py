@@ -221,7 +221,9 @@ class StepLoop:
                 self.description = await worker.describe()
                 self.scheduler = Scheduler(
                     self.config.scheduler_config(
-                        self.description.block_size, self.description.model.max_model_len
+                        self.description.block_size,
+                        self.description.model.max_model_len,
+                        batch_invariant=self.description.batch_invariant,
                     ),
                     self.description.num_kv_blocks,
                     sliding_window=self.description.sliding_window,

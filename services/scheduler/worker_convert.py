@@ -27,6 +27,7 @@ def worker_description_from_proto(message: worker_pb2.WorkerDescription) -> Work
         sliding_window=message.sliding_window,
         max_loras=message.max_loras,
         max_lora_rank=message.max_lora_rank,
+        batch_invariant=message.batch_invariant,
         memory=MemoryBudget(
             weight_bytes_by_kind=dict(message.memory.weight_bytes_by_kind),
             weight_mapped_bytes=message.memory.weight_mapped_bytes,

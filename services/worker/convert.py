@@ -26,6 +26,7 @@ def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.Wo
         sliding_window=description.sliding_window,
         max_loras=description.max_loras,
         max_lora_rank=description.max_lora_rank,
+        batch_invariant=description.batch_invariant,
         memory=memory_budget_to_proto(description.memory),
     )
 

@@ -130,6 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sliding_window=loaded.model.architecture.largest_window,
             max_loras=runner.adapters.max_loras,
             max_lora_rank=runner.adapters.max_lora_rank,
+            batch_invariant=runner.batch_invariant,
             memory=memory_budget.measure(loaded.model, runner.kv_cache, loaded.path)
             if runner.device.type == "cpu"
             else MemoryBudget(),

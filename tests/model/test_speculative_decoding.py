@@ -42,7 +42,15 @@ class EveryDraft(SpeculationPolicy):
 
 
 def engine_for(loaded: LoadedModel, **config: object) -> LLMEngine:
-    settings: dict = {"kv_cache_gib": 64 / 1024, "seed": 0, "debug_checks": True, **config}
+    # speculation=True: drafts on whatever the weights (unset, a non-batch-invariant engine
+    # such as gguf-exact's would give them only to requests that ask).
+    settings: dict = {
+        "kv_cache_gib": 64 / 1024,
+        "seed": 0,
+        "debug_checks": True,
+        "speculation": True,
+        **config,
+    }
     engine = LLMEngine(EngineConfig(**settings), loaded=loaded)
     engine.scheduler.drafts.policy = EveryDraft(MAX_SPECULATIVE_TOKENS)
     return engine

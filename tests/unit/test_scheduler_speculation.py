@@ -14,6 +14,7 @@ import pytest
 from services.contracts.step import FinishReason
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.server_config import SchedulerServerConfig
 from tests.unit.factories import FakeWorker, create_requests, create_scheduler, run_until_done
 from tests.unit.test_overlapped_scheduling import (
     DRIVERS,
@@ -212,3 +213,22 @@ def test_drafts_never_preempt_when_blocks_run_out() -> None:
     assert not plan.draft_slots
     assert scheduler.num_preemptions == 0
     scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("speculation", "batch_invariant", "limit"),
+    [
+        (None, True, 3),  # unset: on where drafts cannot change greedy output
+        (None, False, 0),  # unset on float / gguf-exact weights: only requests that ask
+        (True, False, 3),
+        (False, True, 0),
+    ],
+)
+def test_the_default_draft_limit_follows_the_workers_batch_invariance(
+    speculation: bool | None, batch_invariant: bool, limit: int
+) -> None:
+    config = SchedulerServerConfig(speculation=speculation, speculative_ngram=3)
+    core = config.scheduler_config(16, 2048, batch_invariant=batch_invariant)
+    assert core.speculative_ngram == limit
+    # A request's own num_speculative_tokens still counts unless --no-speculation.
+    assert core.speculation is (speculation is not False)

@@ -115,8 +115,9 @@ class DraftSlots:
 
     def _is_off(self, decodes: list[Request]) -> bool:
         """No draft limit applies: speculation is off, or the server's limit is 0 and no
-        decode's request sets its own."""
-        if not self.config.speculation:
+        decode's request sets its own. (The core's speculative_ngram is already the limit for
+        its worker: ServerConfig.scheduler_config resolved an unset --speculation.)"""
+        if self.config.speculation is False:
             return True
         return self.config.speculative_ngram <= 0 and all(
             r.sampling.num_speculative_tokens is None for r in decodes
@@ -126,7 +127,7 @@ class DraftSlots:
         """Most drafts a decode may verify: its request's limit (or the server's), within
         the output and context it has left counting the drafts still in flight."""
         sampling = request.sampling
-        if not self.config.speculation:
+        if self.config.speculation is False:
             return 0  # --no-speculation: not even a request's own num_speculative_tokens
         cap = sampling.num_speculative_tokens
         if cap is None:
