@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from services.common.kv_destination_proto import kv_destination_to_proto
 from services.contracts.kv_transfer import KvDestination
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.worker_description import WorkerDescription
+from services.scheduler import metrics
 from services.scheduler.features.disaggregation import Handoff
 from services.scheduler.scheduler import Scheduler
 
@@ -119,6 +121,7 @@ class KvHandoffs:
         timeout_s: float,
     ) -> None:
         request_id = handoff.request_id
+        started = time.perf_counter()
         try:
             token_ids: list[int] = []
             stub = self._stub(handoff.prefill_scheduler)
@@ -127,6 +130,7 @@ class KvHandoffs:
             if not token_ids:
                 raise RuntimeError("the prefill scheduler answered no token")
             scheduler.complete_remote_prefill(request_id, token_ids)
+            metrics.REMOTE_PREFILL.labels("done").observe(time.perf_counter() - started)
             log.info(
                 "remote prefill done",
                 extra={"request_id": request_id, "prefill": handoff.prefill_scheduler},
@@ -141,6 +145,7 @@ class KvHandoffs:
                     "error": detail,
                 },
             )
+            metrics.REMOTE_PREFILL.labels("fallback").observe(time.perf_counter() - started)
             scheduler.fall_back_to_local_prefill(request_id)
         finally:
             self._tasks.pop(request_id, None)

@@ -135,6 +135,17 @@ FINISHED = Counter(
     ("finish_reason",),
     registry=REGISTRY,
 )
+REMOTE_PREFILL = Histogram(
+    "llmserve_remote_prefill_seconds",
+    "Decode pair of a disaggregated stack: from the call to a prefill pair until its first "
+    "token arrived (the prefill pair's queue, the prefill and the KV transfer), by outcome: "
+    "done, or fallback (failed or timed out; the request then prefilled here).",
+    ("outcome",),
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
+for _outcome in ("done", "fallback"):
+    REMOTE_PREFILL.labels(_outcome)
 REJECTED = Counter(
     "llmserve_requests_rejected_total",
     "Requests refused before generating, by reason.",

@@ -85,6 +85,21 @@ def counter(stack: RunningStack, process: str, name: str) -> float:
     return 0.0
 
 
+def histogram_count(stack: RunningStack, process: str, name: str, outcome: str) -> float:
+    """Observations of one labelled series of a histogram on one process's /metrics page."""
+    url = stack.info["process_metrics"][process]
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        text = answer.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return sum(
+                s.value
+                for s in family.samples
+                if s.name.endswith("_count") and s.labels.get("outcome") == outcome
+            )
+    return 0.0
+
+
 def prompt_tokens_admitted(stack: RunningStack, name: str) -> float:
     return counter(stack, name, "llmserve_prompt_tokens_total")
 
@@ -127,6 +142,9 @@ def test_greedy_ids_equal_the_colocated_stack(
     sent = counter(stack, "worker-0", "llmserve_kv_transfer_bytes_total")
     received = counter(stack, "worker-1", "llmserve_kv_transfer_bytes_total")
     assert sent == received > 0
+    # The decode side timed each remote prefill.
+    remote = histogram_count(stack, "scheduler-1", "llmserve_remote_prefill_seconds", "done")
+    assert remote >= len(LONG_PROMPTS)
     for address in (prefill, decode):
         stats = stack.stats(address)
         assert stats.num_free_blocks == stats.num_total_blocks, address
