@@ -21,6 +21,10 @@ class SchedulerServerConfig(*SERVICE_GROUPS["scheduler"], AdmissionConfig):  # t
     """Port of the Scheduler service (0 = any free port)."""
     worker: str = "127.0.0.1:50070"
     """Address of the worker this scheduler drives."""
+    worker_advertise_address: str = ""
+    """This pair's worker as other pairs' workers reach it: where a prefill pair pushes the KV
+    of this (decode) pair's requests (docs/disaggregation.md). Empty: --worker, right on one
+    host and in compose; in Kubernetes the pod's IP and the worker's port."""
     scheduler_id: str = ""
     """Name in stats and logs; empty = host:port."""
     max_model_len: int | None = None

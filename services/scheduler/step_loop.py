@@ -85,7 +85,10 @@ class StepLoop:
         self.loras = LoraRegistry()
         # Disaggregation: prefill calls for requests whose KV comes from a prefill pair.
         self.handoffs = KvHandoffs(
-            config.worker, config.internal_secret, config.kv_transfer_timeout_s, self._wakeup.set
+            config.worker_advertise_address or config.worker,
+            config.internal_secret,
+            config.kv_transfer_timeout_s,
+            self._wakeup.set,
         )
 
     # ---- the server's calls --------------------------------------------------------------

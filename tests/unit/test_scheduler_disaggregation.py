@@ -9,6 +9,8 @@ from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason
 from services.scheduler.kv_handoff import disaggregates, prefill_call
 from services.scheduler.request import RequestStatus
+from services.scheduler.server_config import SchedulerServerConfig
+from services.scheduler.step_loop import StepLoop
 from tests.unit.factories import BLOCK_SIZE, create_requests, create_scheduler, result_for
 
 PREFILL = "127.0.0.1:1"
@@ -159,3 +161,14 @@ def test_only_single_choice_requests_without_logprobs_prefill_elsewhere() -> Non
     assert disaggregates(SamplingParams())
     assert not disaggregates(SamplingParams(n=2))
     assert not disaggregates(SamplingParams(logprobs=1))
+
+
+def test_the_kv_destination_is_the_advertised_worker_address() -> None:
+    """A prefill worker pushes to the address other pairs reach this worker at: --worker by
+    default, --worker-advertise-address where that is only the pod's loopback."""
+    local = StepLoop(SchedulerServerConfig(worker="127.0.0.1:50070"))
+    assert local.handoffs.worker_address == "127.0.0.1:50070"
+    pod = StepLoop(
+        SchedulerServerConfig(worker="127.0.0.1:50070", worker_advertise_address="10.1.2.3:50070")
+    )
+    assert pod.handoffs.worker_address == "10.1.2.3:50070"
