@@ -21,7 +21,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.lora_adapters import write_random_adapter
 from protos.llmserve.v1 import text_pb2, worker_pb2, worker_pb2_grpc
+from services.common.model_source import embedded_model_path
 from services.stack import RunningStack
 from tests.e2e.conftest import e2e_stack
 
@@ -53,20 +55,26 @@ SHORT_PROMPTS = ["Name three colours.", "What is two plus two?"]
 # first has run, and the prefill worker sends only the blocks after it.
 PREFIX_PROMPT = LONG_PROMPTS[0] + " And that is where the story ends, by the river."
 REQUEST_TIMEOUT_S = 120.0
+ADAPTER = "probe"
 N_CHOICES_KEY = "n=2"
 
 
-def greedy_ids(stack: RunningStack, prompt: str) -> list[int]:
-    return greedy_choices(stack, prompt, 1)[0]
+def greedy_ids(stack: RunningStack, prompt: str, model: str = "", tenant: str = "") -> list[int]:
+    return greedy_choices(stack, prompt, 1, model=model, tenant=tenant)[0]
 
 
-def greedy_choices(stack: RunningStack, prompt: str, n: int) -> list[list[int]]:
-    """Each choice's ids, in choice order."""
+def greedy_choices(
+    stack: RunningStack, prompt: str, n: int, model: str = "", tenant: str = ""
+) -> list[list[int]]:
+    """Each choice's ids, in choice order; `model`: a LoRA adapter's name; `tenant`: whose
+    cache salt."""
     request = text_pb2.GenerateRequest(
         prompt=prompt,
         sampling=text_pb2.SamplingParams(
             temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, n=n
         ),
+        model=model,
+        tenant_id=tenant,
     )
     choices: list[list[int]] = [[] for _ in range(n)]
     for response in stack.text_stub().Generate(request, timeout=REQUEST_TIMEOUT_S):
@@ -105,19 +113,30 @@ def prompt_tokens_admitted(stack: RunningStack, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def colocated_ids() -> dict[str, list[int]]:
-    with e2e_stack([*COMMON_FLAGS, "--workers", "1"]) as stack:
+def adapter_flags(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A random LoRA adapter of the embedded model, served as `probe` by both stacks."""
+    path = write_random_adapter(
+        tmp_path_factory.mktemp("adapter"), embedded_model_path(), rank=8, seed=7, b_scale=0.05
+    )
+    return ["--lora-modules", f"{ADAPTER}={path}"]
+
+
+@pytest.fixture(scope="module")
+def colocated_ids(adapter_flags: list[str]) -> dict[str, list[int]]:
+    with e2e_stack([*COMMON_FLAGS, *adapter_flags, "--workers", "1"]) as stack:
         prompts = [*LONG_PROMPTS, *SHORT_PROMPTS, PREFIX_PROMPT]
         ids = {prompt: greedy_ids(stack, prompt) for prompt in prompts}
         ids[N_CHOICES_KEY] = [t for c in greedy_choices(stack, LONG_PROMPTS[1], 2) for t in c]
+        ids[ADAPTER] = greedy_ids(stack, LONG_PROMPTS[2], model=ADAPTER)
     assert stack.returncode == 0
     return ids
 
 
 @pytest.fixture(scope="module")
-def disaggregated(colocated_ids: dict[str, list[int]]):  # type: ignore[no-untyped-def]
+def disaggregated(colocated_ids: dict[str, list[int]], adapter_flags: list[str]):  # type: ignore[no-untyped-def]
     del colocated_ids  # one stack at a time on two cores
-    with e2e_stack([*COMMON_FLAGS, "--prefill-pairs", "1", "--decode-pairs", "1"]) as stack:
+    flags = [*COMMON_FLAGS, *adapter_flags, "--prefill-pairs", "1", "--decode-pairs", "1"]
+    with e2e_stack(flags) as stack:
         assert stack.info["roles"] == ["prefill", "decode"]
         yield stack
 
@@ -161,6 +180,34 @@ def test_a_long_prompt_with_two_choices_is_served_by_the_decode_pair(
     assert choices[0] == choices[1] and len(choices[0]) == NEW_TOKENS
     # Choices fork from the prompt's last step: the decode pair prefills it itself.
     assert prompt_tokens_admitted(stack, "scheduler-0") == before
+
+
+def test_a_long_prompt_on_a_lora_adapter_moves_with_its_adapter(
+    colocated_ids: dict[str, list[int]], disaggregated: RunningStack
+) -> None:
+    """The prefill pair computes the prompt with the adapter, the decode pair continues with
+    it: the colocated stack's ids, and the blocks moved."""
+    stack = disaggregated
+    before = counter(stack, "worker-1", "llmserve_kv_transfer_bytes_total")
+    ids = greedy_ids(stack, LONG_PROMPTS[2], model=ADAPTER)
+    assert ids == colocated_ids[ADAPTER]
+    assert ids != colocated_ids[LONG_PROMPTS[2]]  # the adapter changes the answer
+    assert counter(stack, "worker-1", "llmserve_kv_transfer_bytes_total") > before
+
+
+def test_a_tenants_blocks_never_serve_another_tenant(disaggregated: RunningStack) -> None:
+    """Tenant A's long prompt moves its blocks under A's salt; the same prompt from tenant B
+    finds nothing cached on the decode pair (its prompt moves again, whole)."""
+    stack = disaggregated
+    prompt = LONG_PROMPTS[3] + " Tenants."
+    received = "llmserve_kv_transfer_bytes_total"
+    before = counter(stack, "worker-1", received)
+    first = greedy_ids(stack, prompt, tenant="tenant-a")
+    moved_for_a = counter(stack, "worker-1", received) - before
+    second = greedy_ids(stack, prompt, tenant="tenant-b")
+    moved_for_b = counter(stack, "worker-1", received) - before - moved_for_a
+    assert first == second  # the same prompt, computed twice
+    assert moved_for_a > 0 and moved_for_b == moved_for_a
 
 
 def test_a_prefix_cached_on_the_decode_pair_is_not_sent_again(
