@@ -22,6 +22,7 @@ from benchmarks import (
     step_profile,
     structured,
     tenants,
+    verify_rows,
 )
 
 BENCHMARKS = (
@@ -42,6 +43,7 @@ BENCHMARKS = (
     lora,
     memory,
     gemm_tiles,
+    verify_rows,
 )
 
 

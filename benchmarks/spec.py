@@ -1,6 +1,8 @@
 """`llmserve bench spec`: what speculative decoding buys on the in-process engine, by kind of
-traffic and number of users, with speculation off, by prompt lookup alone (`ngram`) and with
-the suffix cache too (`suffix`).
+traffic and number of users: speculation off (`off`, the server's --no-speculation), the
+server's defaults (`default`: both proposers, at their default sizes), prompt lookup alone
+(`ngram`) and with the suffix cache too (`suffix`; --num-speculative-tokens and
+--suffix-cache-tokens size these two).
 
     llmserve bench spec --users 1,4,16 --rounds 3 --output-len 128
 
@@ -25,12 +27,13 @@ from dataclasses import dataclass, field
 
 from benchmarks.common import command_line, cpu_model_name, format_table, load_average
 from benchmarks.spec_workload import WORKLOADS, SpecRequest, workload_requests
+from services.common.serving_config import DEFAULT_SPECULATIVE_NGRAM, DEFAULT_SUFFIX_CACHE_TOKENS
 from services.contracts.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.worker.loaded_model import LoadedModel
 
-MODES = ("off", "ngram", "suffix")
+MODES = ("off", "default", "ngram", "suffix")
 WARMUP_SEED = 99_991
 HEADERS = (
     "workload",
@@ -61,11 +64,16 @@ class Cell:
 
 
 def engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
+    common = {"seed": 0, "kv_cache_gib": args.kv_cache_gib}
+    if mode == "off":
+        return EngineConfig(speculation=False, **common)
+    if mode == "default":
+        return EngineConfig(**common)
     return EngineConfig(
-        seed=0,
-        kv_cache_gib=args.kv_cache_gib,
-        speculative_ngram=0 if mode == "off" else args.num_speculative_tokens,
+        speculation=True,  # whatever the weights (unset: only on a batch-invariant engine)
+        speculative_ngram=args.num_speculative_tokens,
         speculative_suffix_cache_tokens=args.suffix_cache_tokens if mode == "suffix" else 0,
+        **common,
     )
 
 
@@ -163,8 +171,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {MODES}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=128, help="most tokens per answer")
-    parser.add_argument("--num-speculative-tokens", type=int, default=5)
-    parser.add_argument("--suffix-cache-tokens", type=int, default=65_536)
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=DEFAULT_SPECULATIVE_NGRAM,
+        help="most drafts per step in the ngram and suffix modes",
+    )
+    parser.add_argument(
+        "--suffix-cache-tokens",
+        type=int,
+        default=DEFAULT_SUFFIX_CACHE_TOKENS,
+        help="the suffix cache's budget in the suffix mode",
+    )
     parser.add_argument("--kv-cache-gib", type=float, default=0.5)
     parser.add_argument("--model", default=None, help="a GGUF or HF model (default: embedded)")
     parser.add_argument("--quantization", default="gguf-exact")
@@ -174,7 +192,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "spec",
-        help="speculation off, n-gram and suffix decoding on code, chat and JSON workloads",
+        help="speculation off, the defaults, n-gram and suffix decoding on code, chat and JSON",
     )
     configure_parser(parser)
 

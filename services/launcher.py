@@ -53,6 +53,7 @@ from services.common.serving_config import (
     ChatConfig,
     DebugConfig,
     DeviceConfig,
+    DisaggregationConfig,
     InternalConfig,
     LoraConfig,
     ModelConfig,
@@ -79,6 +80,7 @@ class StackConfig(
     PublicConfig,
     ChatConfig,
     InternalConfig,
+    DisaggregationConfig,
     DebugConfig,
 ):
     """The shared groups (services.common.serving_config), handed to each child as flags
@@ -92,6 +94,12 @@ class StackConfig(
     """Tokenizer processes sharing the public port."""
     workers: int = 1
     """Scheduler+worker pairs behind the tokenizer tier (the CPU cores are split among them)."""
+    prefill_pairs: int = 0
+    """Pairs that only prefill long prompts, whose KV then moves to a decode pair
+    (docs/disaggregation.md); with --decode-pairs, they replace --workers."""
+    decode_pairs: int = 0
+    """Pairs that serve requests, prefilling short prompts themselves; 0 with prefill pairs
+    = one."""
     worker_threads: int | None = None
     """torch threads per worker; unset = the cores divided among the workers."""
     cpu_placement: PlacementPolicy = "auto"
@@ -119,6 +127,16 @@ class StackConfig(
         self.check_public()
         self.check_speculation()
         self.check_lora()
+        self.check_disaggregation()
+        if self.prefill_pairs < 0 or self.decode_pairs < 0:
+            raise ValueError("--prefill-pairs and --decode-pairs must be at least 0")
+
+    @property
+    def pair_roles(self) -> list[str]:
+        """The role of each scheduler+worker pair, in start order."""
+        if not self.prefill_pairs and not self.decode_pairs:
+            return ["both"] * self.workers
+        return ["prefill"] * self.prefill_pairs + ["decode"] * max(1, self.decode_pairs)
 
 
 CHILD_GROUPS = SERVICE_GROUPS
@@ -276,10 +294,11 @@ def build_children(
     host = config.host
     redis_env = {env_name("redis_url"): redis_url} if redis_url else {}
     cpus = cpu_placement.usable_cpus()
+    roles = config.pair_roles
 
     def placed(kind: str, index: int = 0) -> Placement:
         return cpu_placement.placement_for(
-            config.cpu_placement, kind, cpus=cpus, worker_index=index, num_workers=config.workers
+            config.cpu_placement, kind, cpus=cpus, worker_index=index, num_workers=len(roles)
         )
 
     def child(name: str, kind: str, port: int, args: list[str], index: int = 0) -> Child:
@@ -305,18 +324,19 @@ def build_children(
 
     workers: list[Child] = []
     schedulers: list[Child] = []
-    for index in range(config.workers):
+    for index, role in enumerate(roles):
         worker_port, scheduler_port = free_port(host), free_port(host)
         threads = (
             config.worker_threads
             or placed("worker", index).threads
-            or max(1, len(cpus) // config.workers)
+            or max(1, len(cpus) // len(roles))
         )
         worker_args = ["--threads", str(threads)]
         workers.append(child(f"worker-{index}", "worker", worker_port, worker_args, index))
         scheduler_args = [
             *("--scheduler-id", f"scheduler-{index}"),
             *("--worker", f"{host}:{worker_port}"),
+            *("--role", role),
         ]
         scheduler = child(f"scheduler-{index}", "scheduler", scheduler_port, scheduler_args)
         scheduler.env.update(redis_env)
@@ -413,6 +433,7 @@ class Stack:
             "worker": workers[0],
             "schedulers": schedulers,
             "workers": workers,
+            "roles": self.config.pair_roles,  # of the pairs, in the order above
             # Without its password: the ready file is for scripts, not a secret store.
             "redis_url": redact_url(self.redis_url) if self.redis_url else None,
             "pids": {c.name: c.process.pid for c in self.children if c.process is not None},

@@ -16,6 +16,7 @@ children unchanged (services.common.config_flags.config_argv).
     LoraConfig      worker, engine, stack
     PublicConfig    tokenizer, stack
     InternalConfig  tokenizer, scheduler (server), worker, stack
+    DisaggregationConfig tokenizer, scheduler (server), stack
 
 The groups are frozen dataclasses without slots: a class inheriting several slotted bases
 cannot be laid out, while a slotted service config may inherit any number of these.
@@ -132,6 +133,25 @@ class StepLoopConfig:
 
 
 @dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (docs/disaggregation.md): which prompts are prefilled on a
+    prefill pair, and how long a decode pair waits for their KV."""
+
+    disaggregate_min_prompt: int = 512
+    """Shortest prompt (tokens) the tokenizer tier sends to a prefill pair when one answers;
+    shorter ones are prefilled on the decode pair that serves them."""
+    kv_transfer_timeout_s: float = 60.0
+    """Longest a decode scheduler waits for a prefill pair's first token (the KV has landed
+    by then) before it prefills the prompt itself."""
+
+    def check_disaggregation(self) -> None:
+        if self.disaggregate_min_prompt < 1:
+            raise ValueError("--disaggregate-min-prompt must be at least 1")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError("--kv-transfer-timeout-s must be positive")
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     """Checks for tests and debugging, of the scheduler (its core, server and the stack)."""
 
@@ -146,7 +166,9 @@ class RuntimeConfig:
     """How a worker executes steps."""
 
     seed: int | None = None
-    """Seed of the sampler's shared generator (requests without their own seed)."""
+    """Seed of the sampler's shared generator (requests without their own seed), so the same
+    requests on the same config repeat their samples; sampled requests then do not draft
+    (speculative decoding stays on for greedy ones)."""
     enforce_eager: bool = False
     """Run every step eagerly (no compiled step graphs): slower, starts faster."""
     fused_decode: bool = True
@@ -163,28 +185,67 @@ class RuntimeConfig:
     another quantization is refused). --no-deterministic: off."""
 
 
+DEFAULT_SPECULATIVE_NGRAM = 3
+"""Most drafts per sequence and step by default: an upper bound (the scheduler's policy grants
+draft j only while acceptance^j pays for its token). 3: a sequence's decode row and its drafts
+then fill the CPU kernels' 4-row tile, and a 5th row starts another (`llmserve bench
+verify-rows` prints the cost per row count on a given model)."""
+
+DEFAULT_SUFFIX_CACHE_TOKENS = 65536
+"""Suffix decoding's budget by default: ~20 MiB of Python lists and index (~320 bytes a
+token, measured), the recent exchanges of a small worker (~100 chats of 600 tokens), and a
+proposal stays ~0.2 ms whatever the budget (bounded candidates)."""
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """Speculative decoding by prompt lookup: a decoding sequence's next tokens are guessed
-    from its own context (where its last n tokens occurred before), and one forward checks
-    the guesses with the regular token. Output is unchanged; only its speed differs."""
+    """Model-free speculative decoding, on by default: a decoding sequence's next tokens are
+    guessed from its own context (prompt lookup: where its last n tokens occurred before) and
+    from recent requests' text (suffix decoding), and one forward checks the guesses with the
+    regular token. Output is unchanged (greedy: token for token; sampled: the same
+    distribution); only its speed differs. The scheduler grants drafts per step only while
+    they raise output tokens per second, so large (compute-bound) batches and sequences whose
+    drafts keep failing do not draft."""
 
-    speculative_ngram: int = 0
-    """Most draft tokens a step may verify per sequence, for requests that do not set
-    num_speculative_tokens (0 = off for those). The scheduler grants fewer, or none, when the
-    batch is large enough that verifying drafts would cost more than they save."""
+    speculation: bool | None = None
+    """Speculative decoding. Unset: on where verifying drafts cannot change greedy output,
+    a batch-invariant worker (the default for a GGUF file on a CPU: docs/determinism.md);
+    elsewhere (float or gguf-exact weights, a GPU) a draft row's last-bit differences could
+    flip a near tie, so drafts come only to requests that set num_speculative_tokens.
+    --speculation: on everywhere. --no-speculation turns every proposer off (no drafts, no
+    suffix cache; requests' num_speculative_tokens is ignored): the baseline to compare
+    with. It overrides the --speculative-* settings rather than conflicting with them, so a
+    deployment's settings stay in place while a run measures the baseline."""
+    speculative_ngram: int = DEFAULT_SPECULATIVE_NGRAM
+    """Most draft tokens a step may verify per sequence (from either proposer), for requests
+    that do not set num_speculative_tokens (0 = off for those). The scheduler grants fewer,
+    or none, when verifying drafts would cost more than they save."""
     speculative_ngram_min_n: int = 2
     """Shortest suffix of the context that prompt lookup matches."""
     speculative_ngram_max_n: int = 4
     """Longest suffix tried first (a longer match guesses better)."""
-    speculative_suffix_cache_tokens: int = 0
+    speculative_suffix_cache_tokens: int = DEFAULT_SUFFIX_CACHE_TOKENS
     """Suffix decoding: tokens of recent prompts and outputs (finished and running requests)
     the worker keeps to draft from, besides each sequence's own context; the oldest requests
-    are evicted past it. Drafts come only from the same tenant (cache salt) and LoRA adapter.
-    0 = off (prompt lookup alone)."""
+    are evicted past it (~320 bytes of worker memory a token). Drafts come only from the same
+    tenant (cache salt) and LoRA adapter. 0 = off (prompt lookup alone)."""
     speculative_suffix_min_prob: float = 0.1
     """Suffix decoding cuts a draft where its continuation's frequency among the matched
     earlier text (the product along the draft) falls below this."""
+
+    @property
+    def suffix_cache_tokens(self) -> int:
+        """speculative_suffix_cache_tokens as served: 0 (no cache) under --no-speculation."""
+        return 0 if self.speculation is False else self.speculative_suffix_cache_tokens
+
+    def default_draft_limit(self, batch_invariant: bool) -> int:
+        """The draft limit of a request that does not set its own, on a worker that is (or
+        is not) batch-invariant: speculative_ngram where speculation is on, 0 elsewhere."""
+        if self.speculation is False:
+            return 0
+        if self.speculation is None and not batch_invariant:
+            return 0
+        return self.speculative_ngram
 
     def check_speculation(self) -> None:
         if not 0 <= self.speculative_ngram <= MAX_SPECULATIVE_TOKENS:
@@ -353,7 +414,14 @@ SERVICE_GROUPS: dict[str, tuple[type, ...]] = {
         LoraConfig,
         InternalConfig,
     ),
-    "scheduler": (BatchingConfig, StepLoopConfig, SpeculationConfig, InternalConfig, DebugConfig),
+    "scheduler": (
+        BatchingConfig,
+        StepLoopConfig,
+        SpeculationConfig,
+        InternalConfig,
+        DisaggregationConfig,
+        DebugConfig,
+    ),
     # The model reaches the tokenizer tier through the schedulers.
-    "tokenizer": (PublicConfig, ChatConfig, InternalConfig),
+    "tokenizer": (PublicConfig, ChatConfig, InternalConfig, DisaggregationConfig),
 }

@@ -77,9 +77,10 @@ class SamplingParams:
     """Constrain the output to a JSON schema, a JSON object, a regex or a grammar; the request
     ends with "stop" (the model's EOS, the only token the grammar then allows) once complete."""
     num_speculative_tokens: int | None = None
-    """Most draft tokens (guessed by n-gram lookup in the context) one step may verify for
-    this request, 0 to MAX_SPECULATIVE_TOKENS; None = the server's --speculative-ngram. The
-    output is the same with or without (greedy: identical; sampled: the same distribution)."""
+    """Most draft tokens (guessed from the context and recent requests' text) one step may
+    verify for this request, 0 to MAX_SPECULATIVE_TOKENS; None = the server's
+    --speculative-ngram; ignored under --no-speculation. The output is the same with or
+    without (greedy: identical; sampled: the same distribution)."""
 
     def __post_init__(self) -> None:
         bias = self.logit_bias

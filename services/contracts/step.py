@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from services.contracts.kv_transfer import KvDestination
 from services.contracts.sampling_params import SamplingParams
 
 
@@ -60,6 +61,9 @@ class NewSequence:
     cache_salt: bytes = b""
     """The request's prefix-cache salt (its tenant): the worker's suffix decoding drafts a
     sequence only from text of the same salt and adapter."""
+    kv_destination: KvDestination | None = None
+    """A prefill pair's sequence: once its first token is sampled, its prompt's blocks go to
+    this decode worker (services/worker/kv_transfer.py)."""
 
 
 @dataclass(slots=True)
@@ -138,6 +142,10 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+DRAFT_PROPOSERS = ("ngram", "suffix")
+"""The worker's model-free draft proposers (services/worker/speculative/)."""
+
+
 @dataclass(slots=True)
 class StepResult:
     """What the worker sends back: one sampled token per sequence that reached its end, after
@@ -152,6 +160,10 @@ class StepResult:
     num_proposed_drafts: dict[str, int] = field(default_factory=dict)
     """Draft tokens verified per speculating sequence (0 to its slots: the context may offer
     no guess); only sequences that proposed any."""
+    draft_proposers: dict[str, str] = field(default_factory=dict)
+    """What guessed each verified draft (DRAFT_PROPOSERS: prompt lookup in the sequence's
+    own tokens, or suffix decoding over recent requests' text), for the metrics; the
+    sequences of num_proposed_drafts."""
     failed_sequences: dict[str, str] = field(default_factory=dict)
     """New sequences the worker could not take on (their LoRA adapter is not loaded, or no
     adapter slot is free), with the reason: they were left out of the step and every later

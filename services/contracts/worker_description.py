@@ -30,5 +30,8 @@ class WorkerDescription:
     """LoRA adapters one step may mix (the worker's device slots); 0 = no adapters."""
     max_lora_rank: int = 0
     """Largest rank of an adapter the worker loads."""
+    batch_invariant: bool = False
+    """Each row's result is independent of the batch (docs/determinism.md): verifying drafts
+    leaves greedy output as it is, so speculation is on by default on such a worker."""
     memory: MemoryBudget = field(default_factory=MemoryBudget)
     """Weights, KV cache and runtime bytes, measured after the worker's warm-up."""

@@ -39,6 +39,7 @@ def stats_to_proto(
     quantization: str = "",
     lora_adapters: list[str] | None = None,
     max_loras: int = 0,
+    role: str = "both",
 ) -> scheduler_pb2.SchedulerStats:
     return scheduler_pb2.SchedulerStats(
         num_waiting=stats.num_waiting,
@@ -64,4 +65,5 @@ def stats_to_proto(
         lora_adapters=lora_adapters or [],
         active_lora_adapters=sorted(stats.active_lora_adapters),
         max_loras=max_loras,
+        role=role,
     )

@@ -15,7 +15,8 @@ from services.common.grpc_server import rejection_reason
 from services.common.metrics import LATENCY_BUCKETS_S
 from services.common.redis_metrics import RedisMetrics
 from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
-from services.contracts.step import BatchPlan, StepResult, TokenEvent
+from services.contracts.step import DRAFT_PROPOSERS, BatchPlan, StepResult, TokenEvent
+from services.scheduler.features.draft_slots import STEP_OUTCOMES
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 
@@ -84,14 +85,29 @@ BLOCK_COPIES = Counter(
     "Shared KV blocks copied on write (the partial last prompt block, once per forked choice).",
     registry=REGISTRY,
 )
+GRANTED_DRAFT_TOKENS = Counter(
+    "llmserve_spec_decode_granted_tokens_total",
+    "Draft slots the scheduler's policy granted (drafts it judged worth verifying).",
+    registry=REGISTRY,
+)
 DRAFT_TOKENS = Counter(
     "llmserve_spec_decode_draft_tokens_total",
-    "Draft tokens (n-gram prompt lookup) the worker verified.",
+    "Draft tokens the worker proposed and verified, by proposer (ngram: prompt lookup in the "
+    "sequence's own tokens; suffix: recent requests' text).",
+    ("proposer",),
     registry=REGISTRY,
 )
 ACCEPTED_DRAFT_TOKENS = Counter(
     "llmserve_spec_decode_accepted_tokens_total",
-    "Draft tokens the model agreed with (acceptance rate: this / draft tokens).",
+    "Draft tokens the model agreed with, by proposer (acceptance rate: this / draft tokens).",
+    ("proposer",),
+    registry=REGISTRY,
+)
+SPECULATION_STEPS = Counter(
+    "llmserve_spec_decode_steps_total",
+    "Steps that decoded, by what speculation did: drafted, or why not (off, ineligible, "
+    "no_budget, compute_bound, low_acceptance, no_kv_room, no_proposals).",
+    ("outcome",),
     registry=REGISTRY,
 )
 SPECULATIVE_STEPS = Counter(
@@ -99,6 +115,13 @@ SPECULATIVE_STEPS = Counter(
     "Sequence-steps that verified drafts (mean tokens per such step: 1 + accepted / this).",
     registry=REGISTRY,
 )
+# Every proposer and outcome is served from the start (at 0), so a dashboard sees "off" or
+# "no drafts yet" rather than a missing series.
+for _proposer in DRAFT_PROPOSERS:
+    DRAFT_TOKENS.labels(_proposer)
+    ACCEPTED_DRAFT_TOKENS.labels(_proposer)
+for _outcome in STEP_OUTCOMES:
+    SPECULATION_STEPS.labels(_outcome)
 TOKENS_PER_STEP = Histogram(
     "llmserve_spec_decode_tokens_per_sequence_step",
     "Tokens one speculating sequence emitted in one step (accepted drafts + 1).",
@@ -112,6 +135,17 @@ FINISHED = Counter(
     ("finish_reason",),
     registry=REGISTRY,
 )
+REMOTE_PREFILL = Histogram(
+    "llmserve_remote_prefill_seconds",
+    "Decode pair of a disaggregated stack: from the call to a prefill pair until its first "
+    "token arrived (the prefill pair's queue, the prefill and the KV transfer), by outcome: "
+    "done, or fallback (failed or timed out; the request then prefilled here).",
+    ("outcome",),
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
+for _outcome in ("done", "fallback"):
+    REMOTE_PREFILL.labels(_outcome)
 REJECTED = Counter(
     "llmserve_requests_rejected_total",
     "Requests refused before generating, by reason.",
@@ -151,9 +185,9 @@ _prefix_queried = _Delta()
 _prefix_hits = _Delta()
 _forked_block_refs = _Delta()
 _block_copies = _Delta()
-_draft_tokens = _Delta()
-_accepted_draft_tokens = _Delta()
+_granted_draft_tokens = _Delta()
 _speculative_steps = _Delta()
+_step_outcomes = {outcome: _Delta() for outcome in STEP_OUTCOMES}
 
 
 def on_admitted(request: Request) -> None:
@@ -200,16 +234,25 @@ def on_step(
         (PREFIX_CACHE_HIT_TOKENS, _prefix_hits, stats.prefix_hit_tokens),
         (FORKED_BLOCK_REFS, _forked_block_refs, stats.num_forked_block_refs),
         (BLOCK_COPIES, _block_copies, stats.num_block_copies),
-        (DRAFT_TOKENS, _draft_tokens, stats.num_draft_tokens_proposed),
-        (ACCEPTED_DRAFT_TOKENS, _accepted_draft_tokens, stats.num_draft_tokens_accepted),
+        (GRANTED_DRAFT_TOKENS, _granted_draft_tokens, stats.num_draft_tokens_granted),
         (SPECULATIVE_STEPS, _speculative_steps, stats.num_speculative_steps),
     ):
         increment = delta.step(scheduler, total)
         if increment > 0:
             counter.inc(increment)
+    for outcome, total in scheduler.drafts.step_outcomes.items():
+        increment = _step_outcomes[outcome].step(scheduler, total)
+        if increment > 0:
+            SPECULATION_STEPS.labels(outcome).inc(increment)
 
 
 def on_drafts(result: StepResult) -> None:
-    """Tokens each speculating sequence emitted in the step."""
-    for request_id in result.num_proposed_drafts:
-        TOKENS_PER_STEP.observe(1 + len(result.accepted_draft_ids.get(request_id, ())))
+    """Drafts proposed and accepted by proposer, and the tokens each speculating sequence
+    emitted in the step."""
+    for request_id, num_proposed in result.num_proposed_drafts.items():
+        proposer = result.draft_proposers.get(request_id, "unknown")
+        num_accepted = len(result.accepted_draft_ids.get(request_id, ()))
+        DRAFT_TOKENS.labels(proposer).inc(num_proposed)
+        if num_accepted:
+            ACCEPTED_DRAFT_TOKENS.labels(proposer).inc(num_accepted)
+        TOKENS_PER_STEP.observe(1 + num_accepted)

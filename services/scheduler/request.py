@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from services.contracts.kv_transfer import KvDestination
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FinishReason, NewSequence
 
@@ -117,8 +118,11 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-    def new_sequence(self, block_table: list[int]) -> NewSequence:
-        """The sequence whole, as a worker that has not seen it (or dropped it) gets it."""
+    def new_sequence(
+        self, block_table: list[int], kv_destination: KvDestination | None = None
+    ) -> NewSequence:
+        """The sequence whole, as a worker that has not seen it (or dropped it) gets it;
+        `kv_destination`: where a prefill pair sends its prompt's KV."""
         return NewSequence(
             request_id=self.request_id,
             token_ids=self.all_token_ids,
@@ -128,6 +132,7 @@ class Request:
             sampling=self.sampling,
             lora_name=self.lora_name,
             cache_salt=self.cache_salt,
+            kv_destination=kv_destination,
         )
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:

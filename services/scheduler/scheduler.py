@@ -7,8 +7,9 @@ Features live in services/scheduler/features/, one object each, called at named 
 keeping their own state by request id: n > 1 choices (choices.py: fork, split, seats, events),
 speculative draft slots (draft_slots.py), pinned prefixes (pins.py), fair shares between
 tenants (fair_share.py: whom to admit, preempt and queue), LoRA adapters per step
-(lora_admission.py: whom to admit), grammar readiness (grammar_readiness.py). Each gets the KV
-manager and the lists it edits, never the scheduler.
+(lora_admission.py: whom to admit), grammar readiness (grammar_readiness.py), remote prefills
+(disaggregation.py: reserve, await KV, never preempt). Each gets the KV manager and the lists it
+edits, never the scheduler.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import itertools
 from collections import deque
 
 from services.contracts.errors import InvalidRequestError
+from services.contracts.kv_transfer import KvDestination
 from services.contracts.step import BatchPlan, FinishReason, SequenceDelta, StepResult, TokenEvent
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.features import admission
 from services.scheduler.features.choices import ChoiceForks
+from services.scheduler.features.disaggregation import Handoff, RemotePrefills
 from services.scheduler.features.draft_slots import DraftSlots
 from services.scheduler.features.fair_share import NO_TENANT, FairShare, Tenant
 from services.scheduler.features.grammar_readiness import GrammarReadiness
@@ -65,6 +68,7 @@ class Scheduler:
         self.fair = FairShare(config.fair_share, public_id=self.choices.public_id)
         self.loras = LoraAdmission(max_loras)
         self.grammars = GrammarReadiness()
+        self.remote = RemotePrefills()
         self.failures: dict[str, str] = {}
         """Requests (submitted ids) the worker could not run, and why: their owners hear an
         error instead of tokens (the step loop takes them after each update)."""
@@ -78,11 +82,15 @@ class Scheduler:
         tenant: Tenant = NO_TENANT,
         grammar_pending: bool = False,
         pin_name: str | None = None,
+        prefill_scheduler: str = "",
+        kv_destination: KvDestination | None = None,
     ) -> None:
         """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits).
         `tenant`: whose fair share it uses; `grammar_pending`: it waits until
         `set_grammar_ready` (the worker compiles it); `pin_name`: once completed, its
-        prompt's blocks stay pinned under that name."""
+        prompt's blocks stay pinned under that name. `prefill_scheduler`: its prompt's KV
+        comes from that prefill scheduler (disaggregation.py); `kv_destination`: its
+        prompt's KV goes there once computed."""
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
         admission.check_servable(request, self.config, self.kv)
@@ -103,6 +111,10 @@ class Scheduler:
             self.grammars.hold(request.request_id)
         if pin_name is not None:
             self.pins.pin_on_finish(request.request_id, pin_name)
+        if prefill_scheduler:
+            self.remote.hold(request.request_id, prefill_scheduler)
+        if kv_destination is not None:
+            self.remote.send_to(request.request_id, kv_destination)
         self.choices.on_queued(request, self.waiting)
 
     @property
@@ -138,6 +150,37 @@ class Scheduler:
         choice = self.choices.choice(request_id, index)
         if choice is not None:
             self._finish_early(choice, FinishReason.ABORT)
+
+    def take_handoffs(self) -> list[Handoff]:
+        """Requests admitted since the last call whose KV a prefill scheduler is to send."""
+        return self.remote.take_new_handoffs()
+
+    def complete_remote_prefill(self, request_id: str, token_ids: list[int]) -> None:
+        """The prefill pair sampled `token_ids` (the first token) and its worker wrote the
+        prompt's KV into the reserved blocks: the prompt counts as computed; the token goes
+        out with the next update. Ignored for a request no longer awaiting."""
+        request = self.requests.get(request_id)
+        if request is None or not self.remote.end_wait(request_id):
+            return
+        request.num_computed_tokens = request.num_prompt_tokens
+        emitted, reason = request.append_output(token_ids[:1], self.config.max_model_len)
+        self.kv.cache_full_blocks(request)
+        self._pending_events.append(self.choices.event(request, emitted, reason))
+        if reason is not None:
+            request.finish_reason, request.status = reason, RequestStatus.FINISHED
+            self.running.remove(request)
+            self._release(request)
+
+    def fall_back_to_local_prefill(self, request_id: str) -> None:
+        """The prefill pair failed: the request prefills here, in the blocks it holds."""
+        if self.remote.end_wait(request_id):
+            self._close_transfer(request_id)
+
+    def _close_transfer(self, request_id: str) -> None:
+        """A transfer given up (fallback, abort) may still be pushed late: the worker, told
+        by the id among the next plan's dropped ones (a sequence it never held), discards
+        any write for it from then on, before those blocks can be anyone else's."""
+        self._finished_ids.append(request_id)
 
     def schedule(self, now: float) -> BatchPlan:
         self._expire_deadlines(now)
@@ -209,7 +252,9 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """True while anything is queued or running, or a plan/event is still owed to the
         worker or the caller (so the caller keeps stepping until aborts are delivered)."""
-        return bool(self.waiting or self.running or self._finished_ids or self._pending_events)
+        # Requests awaiting their KV are left out: the handoff's end wakes the loop.
+        num_runnable = len(self.running) - self.remote.num_awaiting
+        return bool(self.waiting or num_runnable or self._finished_ids or self._pending_events)
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats.of(self)
@@ -227,7 +272,7 @@ class Scheduler:
             assert request.status is RequestStatus.RUNNING, request.request_id
         self.choices.check_integrity(self.running, self.config.max_num_seqs)
         # Features keep per-request state only for requests held: each forgets on release.
-        for state in (self.drafts, self.grammars, self.pins):
+        for state in (self.drafts, self.grammars, self.pins, self.remote):
             assert state.request_ids() <= self.requests.keys(), type(state).__name__
         assert self.fair.request_ids() <= {self.choices.public_id(r) for r in queued_requests}
 
@@ -240,6 +285,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self.remote.is_awaiting(request):
+                index += 1  # its KV comes from a prefill pair
+                continue
             if self.choices.due_to_fork(request) and not self._fork(request, index, budget):
                 if request.is_finished:
                     break  # it could never fork: ended, and everyone after it is gone
@@ -302,7 +350,11 @@ class Scheduler:
             self.choices.before_admission(request, num_cached, self.waiting)
             if self._num_seats_taken + 1 + self.choices.num_unforked(request) > max_num_seqs:
                 break
-            num_new = self._num_tokens_to_schedule(request, num_cached, budget)
+            remote = self.remote.wants_remote(request)
+            if remote:
+                num_new = self.remote.num_tokens_to_reserve(request, num_cached)
+            else:
+                num_new = self._num_tokens_to_schedule(request, num_cached, budget)
             # With nothing running there is no decode to keep headroom for, and insisting on
             # it could leave a long resumed request stuck at the head of the queue forever.
             new_blocks = self.kv.allocate_slots(
@@ -318,6 +370,10 @@ class Scheduler:
             self.choices.on_admitted(request)
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
             self.loras.note_admitted(request)
+            if remote:
+                block_table = self.kv.get_block_table(request.request_id)
+                self.remote.on_reserved(request, num_cached, self.config.block_size, block_table)
+                continue  # computes nothing here: no budget spent
             self._add_to_plan(plan, request, num_new, new_blocks)
             budget -= num_new
 
@@ -336,7 +392,8 @@ class Scheduler:
         else:
             self._on_worker.add(request.request_id)
             block_table = self.kv.get_block_table(request.request_id)
-            plan.new_sequences.append(request.new_sequence(block_table))
+            destination = self.remote.destination(request.request_id)
+            plan.new_sequences.append(request.new_sequence(block_table, destination))
         plan.num_scheduled_tokens[request.request_id] = num_new
         if num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens_with_pending:
             self.drafts.note_decode(request)  # it samples this step: it may also draft
@@ -380,12 +437,15 @@ class Scheduler:
         for victim in self.fair.seats_to_free(
             self.waiting, self.running, self.config.max_num_seqs, num_free, self.grammars.is_ready
         ):
-            self._preempt(victim)
+            if not self.remote.is_awaiting(victim):
+                self._preempt(victim)
 
     def _preempt_after(self, position: int) -> Request:
         """Preempt one of the running requests after `position` (the one there when none
         is): the latest arrival, or with several tenants the fair shares' choice."""
-        candidates = self.running[position + 1 :] or self.running[position : position + 1]
+        # Never one awaiting its KV: the transfer would land in blocks given to someone else.
+        later = [r for r in self.running[position + 1 :] if not self.remote.is_awaiting(r)]
+        candidates = later or self.running[position : position + 1]
         return self._preempt(self.fair.victim(self.running, candidates))
 
     def _preempt(self, request: Request) -> Request:
@@ -437,6 +497,9 @@ class Scheduler:
         self.kv.free(request)
         self.drafts.forget(request.request_id)
         self.grammars.forget(request.request_id)
+        if self.remote.is_awaiting(request):
+            self._close_transfer(request.request_id)
+        self.remote.forget(request.request_id)
         self._drop_from_worker(request.request_id)
         del self.requests[request.request_id]
         del self._priority[request.request_id]

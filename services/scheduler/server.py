@@ -22,6 +22,7 @@ from services.common.grpc_server import (
     run_service,
     status_for,
 )
+from services.common.kv_destination_proto import kv_destination_from_proto
 from services.common.lora_proto import lora_adapter_info_to_proto
 from services.common.metrics_http import start_metrics_server
 from services.common.model_description_proto import description_to_proto
@@ -36,6 +37,7 @@ from services.scheduler import lora_metrics, metrics, tenant_metrics
 from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.features.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.features.fair_share import Tenant
+from services.scheduler.kv_handoff import disaggregates, prefill_call
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.server_config import SchedulerServerConfig
@@ -82,7 +84,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 lora_name=request.lora_name,
             )
             tenant = Tenant(request.tenant_id, max(1, request.tenant_weight))
-            queue = self.loop.submit(scheduled, tenant=tenant)
+            # Disaggregation: a decode pair's request may name a prefill pair; a prefill
+            # pair's, where its KV goes (docs/disaggregation.md).
+            prefill = None
+            if request.prefill_scheduler and disaggregates(sampling):
+                prefill = prefill_call(request)
+            queue = self.loop.submit(
+                scheduled,
+                tenant=tenant,
+                prefill=prefill,
+                kv_destination=kv_destination_from_proto(request.kv_destination),
+            )
             metrics.on_admitted(scheduled)
             lora_metrics.on_admitted(request.lora_name)
             log.info(
@@ -177,6 +189,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             quantization=description.quantization,
             lora_adapters=self.loop.loras.names,
             max_loras=description.max_loras,
+            role=self.config.role,
         )
 
     async def Describe(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from services.common.serving_config import SERVICE_GROUPS
 from services.scheduler.config import AdmissionConfig, SchedulerConfig
@@ -20,6 +21,10 @@ class SchedulerServerConfig(*SERVICE_GROUPS["scheduler"], AdmissionConfig):  # t
     """Port of the Scheduler service (0 = any free port)."""
     worker: str = "127.0.0.1:50070"
     """Address of the worker this scheduler drives."""
+    worker_advertise_address: str = ""
+    """This pair's worker as other pairs' workers reach it: where a prefill pair pushes the KV
+    of this (decode) pair's requests (docs/disaggregation.md). Empty: --worker, right on one
+    host and in compose; in Kubernetes the pod's IP and the worker's port."""
     scheduler_id: str = ""
     """Name in stats and logs; empty = host:port."""
     max_model_len: int | None = None
@@ -36,11 +41,21 @@ class SchedulerServerConfig(*SERVICE_GROUPS["scheduler"], AdmissionConfig):  # t
     carry a password: give it as LLMSERVE_REDIS_URL rather than a flag anyone can read in ps."""
     prefix_index_ttl_s: float = 600.0
     """Lifetime of a prefix-index entry in Redis unless refreshed (they are, while cached)."""
+    role: Literal["both", "prefill", "decode"] = "both"
+    """What this pair serves (docs/disaggregation.md): both (prefill and decode, the
+    default), prefill (prompts whose KV then moves to a decode pair) or decode (requests
+    the tokenizer tier routes, prefilled here or on a prefill pair). Routing reads it from
+    GetStats."""
 
     def __post_init__(self) -> None:
         self.check_speculation()
+        self.check_disaggregation()
 
-    def scheduler_config(self, block_size: int, worker_max_model_len: int) -> SchedulerConfig:
+    def scheduler_config(
+        self, block_size: int, worker_max_model_len: int, *, batch_invariant: bool = False
+    ) -> SchedulerConfig:
+        """The core's settings for a worker of this block size and context, batch-invariant
+        or not (which decides whether drafts are on by default)."""
         return SchedulerConfig(
             block_size=block_size,
             max_num_seqs=self.max_num_seqs,
@@ -51,6 +66,7 @@ class SchedulerServerConfig(*SERVICE_GROUPS["scheduler"], AdmissionConfig):  # t
             fair_share=self.fair_share,
             max_waiting_requests=self.max_waiting_requests,
             max_pinned_fraction=self.max_pinned_fraction,
-            speculative_ngram=self.speculative_ngram,
+            speculation=self.speculation is not False,
+            speculative_ngram=self.default_draft_limit(batch_invariant),
             debug_checks=self.debug_checks,
         )

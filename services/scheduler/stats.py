@@ -47,8 +47,10 @@ class SchedulerStats:
     """Block references forked choices took from their request's prompt (running total)."""
     num_block_copies: int = 0
     """Shared blocks copied on a choice's first write into them (running total)."""
+    num_draft_tokens_granted: int = 0
+    """Draft slots the scheduler granted (speculative decoding; running total)."""
     num_draft_tokens_proposed: int = 0
-    """Draft tokens the worker verified (speculative decoding; running total)."""
+    """Draft tokens the worker verified (running total)."""
     num_draft_tokens_accepted: int = 0
     """Of those, the ones the model agreed with, each an output token for free."""
     num_speculative_steps: int = 0
@@ -70,6 +72,7 @@ class SchedulerStats:
             num_pinned_blocks=scheduler.pins.num_pinned_blocks,
             num_forked_block_refs=kv.num_forked_block_refs,
             num_block_copies=kv.num_block_copies,
+            num_draft_tokens_granted=drafts.num_draft_tokens_granted,
             num_draft_tokens_proposed=drafts.num_draft_tokens_proposed,
             num_draft_tokens_accepted=drafts.num_draft_tokens_accepted,
             num_speculative_steps=drafts.num_speculative_steps,

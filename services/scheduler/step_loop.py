@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from services.common.cache_keys import CacheKeys
 from services.contracts.errors import InvalidRequestError, NotFoundError, QueueFullError
+from services.contracts.kv_transfer import FAILED_TRANSFER_PREFIX, KvDestination
 from services.contracts.lora import LoraAdapterInfo
 from services.contracts.step import BatchPlan, StepResult, TokenEvent
 from services.contracts.structured_output import StructuredOutput
@@ -32,6 +33,7 @@ from services.scheduler.features.fair_share import NO_TENANT, Tenant
 from services.scheduler.features.lora_registry import LoraRegistry
 from services.scheduler.features.pin_keeper import PinKeeper, PromptSource
 from services.scheduler.features.retry_hint import StepTimeAverage, retry_after_ms
+from services.scheduler.kv_handoff import KvHandoffs, PrefillCall
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
@@ -81,22 +83,42 @@ class StepLoop:
         self._worker: WorkerClient | None = None
         self._grammar_tasks: set[asyncio.Task[None]] = set()
         self.loras = LoraRegistry()
+        # Disaggregation: prefill calls for requests whose KV comes from a prefill pair.
+        self.handoffs = KvHandoffs(
+            config.worker_advertise_address or config.worker,
+            config.internal_secret,
+            config.kv_transfer_timeout_s,
+            self._wakeup.set,
+        )
 
     # ---- the server's calls --------------------------------------------------------------
 
     def submit(
-        self, request: Request, *, tenant: Tenant = NO_TENANT, pin_name: str | None = None
+        self,
+        request: Request,
+        *,
+        tenant: Tenant = NO_TENANT,
+        pin_name: str | None = None,
+        prefill: PrefillCall | None = None,
+        kv_destination: KvDestination | None = None,
     ) -> EventQueue:
         """Queue a request; its events arrive on the returned queue. Raises WorkerUnavailable,
         or the scheduler's typed errors (invalid, queue full with a retry hint, can never
-        fit). `tenant`: whose fair share it uses; `pin_name`: a pinning request's (pins.py)."""
+        fit). `tenant`: whose fair share it uses; `pin_name`: a pinning request's (pins.py);
+        `prefill`: the prefill pair to compute its prompt's KV; `kv_destination`: where its
+        prompt's KV goes (docs/disaggregation.md)."""
         if self.scheduler is None or not self.connected.is_set():
             raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
         self.loras.check(request.lora_name)
         spec = request.sampling.structured_output
         try:
             self.scheduler.add_request(
-                request, tenant=tenant, grammar_pending=spec is not None, pin_name=pin_name
+                request,
+                tenant=tenant,
+                grammar_pending=spec is not None,
+                pin_name=pin_name,
+                prefill_scheduler=prefill.prefill_scheduler if prefill is not None else "",
+                kv_destination=kv_destination,
             )
         except QueueFullError as exc:
             # The core counts steps; this loop knows how long they take.
@@ -105,6 +127,8 @@ class StepLoop:
             raise QueueFullError(str(exc), retry_after_ms=hint_ms) from None
         queue: EventQueue = asyncio.Queue()
         self._queues[request.request_id] = queue
+        if prefill is not None:
+            self.handoffs.register(request.request_id, prefill)
         if spec is not None:
             task = asyncio.create_task(self._prepare_grammar(request.request_id, spec))
             self._grammar_tasks.add(task)
@@ -140,6 +164,7 @@ class StepLoop:
         """Free the request's blocks now; the worker drops it with the next plan."""
         self._queues.pop(request_id, None)
         self._scheduled_at.pop(request_id, None)
+        self.handoffs.forget(request_id)
         if self.scheduler is not None:
             self.scheduler.abort_request(request_id)
             self._wakeup.set()
@@ -199,7 +224,9 @@ class StepLoop:
                 self.description = await worker.describe()
                 self.scheduler = Scheduler(
                     self.config.scheduler_config(
-                        self.description.block_size, self.description.model.max_model_len
+                        self.description.block_size,
+                        self.description.model.max_model_len,
+                        batch_invariant=self.description.batch_invariant,
                     ),
                     self.description.num_kv_blocks,
                     sliding_window=self.description.sliding_window,
@@ -278,6 +305,9 @@ class StepLoop:
                 raise WorkerUnavailable("the worker's step stream ended")
             if len(in_flight) < depth:
                 plan = scheduler.schedule(self.clock())
+                if handoffs := scheduler.take_handoffs():
+                    assert self.description is not None
+                    self.handoffs.start(scheduler, handoffs, self.description, self.clock())
                 if plan.needs_worker:
                     self._note_scheduled(plan)
                     if not in_flight:
@@ -339,12 +369,17 @@ class StepLoop:
 
     def _fail_requests(self, scheduler: Scheduler) -> None:
         """Requests the worker could not run (their LoRA adapter left it): each owner hears
-        NOT_FOUND; their abort events, out with the next update, find no queue."""
+        NOT_FOUND, or UNAVAILABLE for a prompt whose KV could not reach its decode pair; their
+        abort events, out with the next update, find no queue."""
         failures, scheduler.failures = scheduler.failures, {}
         for request_id, reason in failures.items():
             log.warning("request failed", extra={"request_id": request_id, "error": reason})
             queue = self._queues.pop(request_id, None)
-            if queue is not None:
+            if queue is None:
+                continue
+            if reason.startswith(FAILED_TRANSFER_PREFIX):
+                queue.put_nowait(WorkerUnavailable(reason))
+            else:
                 queue.put_nowait(NotFoundError("model", reason.partition(": ")[2] or reason))
 
     def _fail_all(self, message: str) -> None:
@@ -353,6 +388,7 @@ class StepLoop:
             queue.put_nowait(WorkerUnavailable(message))
         self._queues.clear()
         self._scheduled_at.clear()
+        self.handoffs.clear()
         self.scheduler = None
         if self.prefix_index is not None:
             self.prefix_index.detach()

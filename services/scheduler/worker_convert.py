@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from protos.llmserve.v1 import worker_pb2
+from services.common.kv_destination_proto import kv_destination_to_proto
 from services.common.model_description_proto import description_from_proto
 from services.common.sampling_proto import sampling_to_proto, structured_output_to_proto
 from services.contracts.memory_budget import MemoryBudget
@@ -26,6 +27,7 @@ def worker_description_from_proto(message: worker_pb2.WorkerDescription) -> Work
         sliding_window=message.sliding_window,
         max_loras=message.max_loras,
         max_lora_rank=message.max_lora_rank,
+        batch_invariant=message.batch_invariant,
         memory=MemoryBudget(
             weight_bytes_by_kind=dict(message.memory.weight_bytes_by_kind),
             weight_mapped_bytes=message.memory.weight_mapped_bytes,
@@ -56,6 +58,7 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
                 sampling=sampling_to_proto(seq.sampling),
                 lora_name=seq.lora_name,
                 cache_salt=seq.cache_salt,
+                kv_destination=kv_destination_to_proto(seq.kv_destination),
             )
             for seq in plan.new_sequences
         ],
@@ -88,6 +91,11 @@ def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
         },
         num_proposed_drafts={
             request_id: outcome.num_proposed for request_id, outcome in message.drafts.items()
+        },
+        draft_proposers={
+            request_id: outcome.proposer
+            for request_id, outcome in message.drafts.items()
+            if outcome.proposer
         },
         failed_sequences=dict(message.failed_sequences),
     )

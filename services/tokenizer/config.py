@@ -59,6 +59,7 @@ class TokenizerConfig(*SERVICE_GROUPS["tokenizer"]):  # type: ignore[misc]
 
     def __post_init__(self) -> None:
         self.check_public()
+        self.check_disaggregation()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -74,6 +74,9 @@ class Prepared:
     """perf_counter() on arrival: the origin of the TTFT and total timings."""
     admission: Admission | None = None
     """Its place in its API key's limits (None: the key has none); the stream releases it."""
+    prefill_scheduler: str = ""
+    """The prefill pair that computes its prompt's KV first (docs/disaggregation.md); empty:
+    the scheduler prefills it itself."""
 
     @property
     def quota(self) -> Quota | None:
@@ -177,7 +180,8 @@ class Generator:
             # Last: a request refused for a bad field or a deadline counts against no limit.
             num_prompt_tokens = len(validated.prompt_token_ids)
             admission = await self.limiter.admit(caller.key_id, caller.limits, num_prompt_tokens)
-        return Prepared(validated, scheduler, timeout, arrival_unix_s, started, admission)
+        prefill = self.pool.pick_prefill(len(validated.prompt_token_ids), validated.sampling)
+        return Prepared(validated, scheduler, timeout, arrival_unix_s, started, admission, prefill)
 
     def stream(self, prepared: Prepared) -> GenerationStream:
         """Submit the request; its deltas come from the returned stream."""
@@ -207,6 +211,7 @@ class GenerationStream:
                 **self._extra,
                 "prompt_tokens": len(request.prompt_token_ids),
                 "timeout_s": prepared.timeout_s,
+                "prefill": prepared.prefill_scheduler or None,  # disaggregation.md
             },
         )
         self.output = OutputPipeline.create(
@@ -222,7 +227,12 @@ class GenerationStream:
         # Read at once, whatever the client's pace: what piles up meanwhile goes through the
         # pipeline as one scheduler output per choice and out as one message.
         self._stream = SubmitStream(
-            prepared.scheduler, request, prepared.arrival_unix_s, prepared.timeout_s, self._extra
+            prepared.scheduler,
+            request,
+            prepared.arrival_unix_s,
+            prepared.timeout_s,
+            self._extra,
+            prefill_scheduler=prepared.prefill_scheduler,
         )
 
     def cancel(self) -> None:

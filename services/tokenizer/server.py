@@ -72,6 +72,7 @@ class TokenizerServer:
             resolve_s=config.scheduler_resolve_s,
             drain_s=config.drain_s,
             resolve=resolve,
+            disaggregate_min_prompt=config.disaggregate_min_prompt,
         )
         self.access = AccessPolicy.from_settings(
             config.api_key, config.admin_api_key, config.api_key_file

@@ -19,8 +19,8 @@ that also holds a prefill. In this mode:
 
 On a CPU worker serving a GGUF file (int8 activations) the mode costs nothing, and is on
 unless --no-deterministic: the fused call is the fast path for decode steps already, and a
-prefill token's attention as a decode query is a small part of a prefill's work on a CPU. A
-step with LoRA rows runs eagerly, and is not invariant against the fused steps.
+prefill token's attention as a decode query is a small part of a prefill's work on a CPU. Steps
+with LoRA rows run the fused layers too: the adapter delta's kernel sums each row on its own.
 
 Row-wise ops (norms, rotary, SiLU, embedding lookups, argmax) are already invariant; the unit
 tests check every layer type row by row against batches of other sizes

@@ -4,6 +4,7 @@ place the worker touches protos; the scheduler's side is services/scheduler/work
 from __future__ import annotations
 
 from protos.llmserve.v1 import logprobs_pb2, worker_pb2
+from services.common.kv_destination_proto import kv_destination_from_proto
 from services.common.model_description_proto import description_to_proto
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.memory_budget import MemoryBudget
@@ -25,6 +26,7 @@ def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.Wo
         sliding_window=description.sliding_window,
         max_loras=description.max_loras,
         max_lora_rank=description.max_lora_rank,
+        batch_invariant=description.batch_invariant,
         memory=memory_budget_to_proto(description.memory),
     )
 
@@ -54,6 +56,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
                 sampling=sampling_from_proto(seq.sampling),
                 lora_name=seq.lora_name,
                 cache_salt=seq.cache_salt,
+                kv_destination=kv_destination_from_proto(seq.kv_destination),
             )
             for seq in message.new_sequences
         ],
@@ -91,5 +94,6 @@ def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOut
         outcome = message.drafts[request_id]
         outcome.num_proposed = num_proposed
         outcome.accepted_token_ids.extend(result.accepted_draft_ids.get(request_id, ()))
+        outcome.proposer = result.draft_proposers.get(request_id, "")
     message.failed_sequences.update(result.failed_sequences)
     return message

@@ -217,15 +217,16 @@ class FusedDecode:
 
     @staticmethod
     def can_run(batch: ForwardBatch) -> bool:
-        """Pure-decode batches, with or without LoRA rows; and any batch whose tokens each
-        carry their sequence's block table (per-token attention, the batch-invariant mode)
-        and no LoRA rows: a prefill token then attends as a decode query over the paged
-        cache, after the step has written the keys and values of every token before it."""
+        """Pure-decode batches; and any batch whose tokens each carry their sequence's block
+        table (per-token attention, the batch-invariant mode): a prefill token then attends
+        as a decode query over the paged cache, after the step has written the keys and values
+        of every token before it. With or without LoRA rows: the segment table covers every
+        token, and a row's delta is the same whatever segment it sits in."""
         if batch.input_ids.shape[0] == 0:
             return False
         if batch.num_prefill_tokens == 0:
             return True
-        return batch.token_block_tables is not None and batch.lora is None
+        return batch.token_block_tables is not None
 
     def run(self, batch: ForwardBatch, with_logits: bool = True) -> Tensor | None:
         """Logits (fp32) of the batch's sampled rows: [B, vocab] for a pure-decode batch,

@@ -70,8 +70,15 @@ class InputBatch:
         per_token_attention: bool = False,
         ngram_sizes: tuple[int, int] = (2, 4),
         suffix_cache: SuffixCache | None = None,
+        sampled_drafts: bool = True,
     ) -> None:
         self.block_size = block_size
+        self.sampled_drafts = sampled_drafts
+        """Whether sampled (not greedy) sequences may draft. Not on a worker with a --seed:
+        verification draws from its seeded generator as many times as there are drafts, and
+        the drafts granted follow measured step times, so the same request on the same
+        config would not repeat its sample (a request's own seed already keeps it from
+        drafting: SamplingParams.can_speculate)."""
         self.ngram_sizes = ngram_sizes
         """(min n, max n) of the suffixes prompt lookup matches."""
         self.suffix_cache = suffix_cache
@@ -106,12 +113,14 @@ class InputBatch:
         for delta in plan.block_deltas:
             self.sequences[delta.request_id].block_ids.extend(delta.new_block_ids)
 
-    def propose_drafts(self, plan: BatchPlan) -> dict[str, list[int]]:
+    def propose_drafts(self, plan: BatchPlan) -> tuple[dict[str, list[int]], dict[str, str]]:
         """Draft tokens for the decoding sequences the plan gave slots (up to their slots; a
         sequence whose context offers no guess gets none): by prompt lookup in the sequence's
         own tokens and, with a suffix cache, from the recent text of its scope; the longer
-        draft wins (a tie goes to the sequence's own context)."""
+        draft wins (a tie goes to the sequence's own context). Also which proposer made each
+        draft ("ngram" or "suffix")."""
         drafts: dict[str, list[int]] = {}
+        proposers: dict[str, str] = {}
         for request_id, num_slots in plan.draft_slots.items():
             seq = self.sequences.get(request_id)
             if (
@@ -120,18 +129,20 @@ class InputBatch:
                 or plan.num_scheduled_tokens.get(request_id) != 1
                 or seq.num_computed_tokens + 1 != len(seq.token_ids)
                 or not seq.sampling.can_speculate
+                or not (self.sampled_drafts or seq.sampling.is_greedy)
             ):
                 continue
             if seq.ngrams is None:
                 seq.ngrams = NgramIndex(*self.ngram_sizes, seq.token_ids)
-            proposed = seq.ngrams.propose(num_slots)
+            proposed, proposer = seq.ngrams.propose(num_slots), "ngram"
             if self.suffix_cache is not None and len(proposed) < num_slots:
                 suffix = self.suffix_cache.propose(seq.scope, seq.token_ids, num_slots)
                 if len(suffix) > len(proposed):
-                    proposed = suffix
+                    proposed, proposer = suffix, "suffix"
             if proposed:
                 drafts[request_id] = proposed
-        return drafts
+                proposers[request_id] = proposer
+        return drafts, proposers
 
     def prepare(self, plan: BatchPlan, drafts: dict[str, list[int]] | None = None) -> StepInputs:
         """Tensors for the scheduled tokens: prefill sequences first, then decodes. A decode's

@@ -137,3 +137,33 @@ class PagedKVCache:
         self.storage[:, :, dst] = self.storage[:, :, src]
         if self.scales is not None:
             self.scales[:, :, dst] = self.scales[:, :, src]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of whole blocks, one row of raw bytes per block (what a KV transfer
+        carries): the block's slice of every layer, K and V, then its int8 scales if any."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.storage.device)
+        parts = [self.storage[:, :, index]]
+        if self.scales is not None:
+            parts.append(self.scales[:, :, index])
+        rows = [
+            p.movedim(2, 0).contiguous().view(torch.uint8).reshape(len(block_ids), -1)
+            for p in parts
+        ]
+        return torch.cat(rows, dim=1).cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write rows of raw bytes made by `read_blocks` (on a worker with the same spec)
+        into `block_ids`."""
+        num_blocks = len(block_ids)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.storage.device)
+        data = data.to(self.storage.device).reshape(num_blocks, -1)
+        offset = 0
+        for tensor in (self.storage, self.scales):
+            if tensor is None:
+                continue
+            shape = (num_blocks, *tensor.shape[:2], *tensor.shape[3:])
+            element = tensor.element_size()
+            size = element * int(torch.Size(shape[1:]).numel())
+            part = data[:, offset : offset + size].contiguous().view(tensor.dtype)
+            tensor[:, :, index] = part.reshape(shape).movedim(0, 2)
+            offset += size

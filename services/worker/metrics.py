@@ -44,6 +44,34 @@ GRAMMAR_PREPARES = Counter(
     registry=REGISTRY,
 )
 
+# Disaggregation (services/worker/kv_transfer_service.py): prompt KV between workers.
+KV_TRANSFER_BYTES = Counter(
+    "llmserve_kv_transfer_bytes_total",
+    "KV block bytes moved between workers: sent by a prefill worker, received by a decode one.",
+    ["direction"],
+    registry=REGISTRY,
+)
+KV_TRANSFER_DURATION = Histogram(
+    "llmserve_kv_transfer_seconds",
+    "One prompt's KV transfer, from the first chunk to the last write (either side's view).",
+    ["direction"],
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
+KV_TRANSFERS = Counter(
+    "llmserve_kv_transfers_total",
+    "KV transfers by direction and outcome: ok, or failed (refused, given up, unreachable).",
+    ["direction", "outcome"],
+    registry=REGISTRY,
+)
+
+
+def on_kv_transfer(direction: str, num_bytes: int, seconds: float, ok: bool) -> None:
+    KV_TRANSFERS.labels(direction, "ok" if ok else "failed").inc()
+    if ok:
+        KV_TRANSFER_BYTES.labels(direction).inc(num_bytes)
+        KV_TRANSFER_DURATION.labels(direction).observe(seconds)
+
 
 def on_step(plan: BatchPlan, forward_s: float, mode: str) -> None:
     if plan.is_empty:

@@ -48,12 +48,16 @@ class RunnerSettings(Protocol):
     deterministic: bool | None
     speculative_ngram_min_n: int
     speculative_ngram_max_n: int
-    speculative_suffix_cache_tokens: int
     speculative_suffix_min_prob: float
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
     lora_modules: tuple[str, ...]
+
+    @property
+    def suffix_cache_tokens(self) -> int:
+        """The suffix cache's budget as served (0 under --no-speculation)."""
+        ...
 
 
 class ModelRunner:
@@ -91,6 +95,8 @@ class ModelRunner:
         self.suffix_cache = suffix_cache
         """Suffix decoding's recent text (None: off); kept across resets, as the text it
         holds stays good to draft from."""
+        self.sampled_drafts = seed is None
+        """Sampled sequences may draft only where no --seed makes their draws repeatable."""
         self.batch = self._new_batch()
         self.sampler = Sampler(seed=seed)
         self.vocab_size = model.architecture.vocab_size
@@ -222,7 +228,7 @@ class ModelRunner:
             fused_decode=settings.fused_decode,
             batch_invariant=settings.deterministic,
             ngram_sizes=(settings.speculative_ngram_min_n, settings.speculative_ngram_max_n),
-            suffix_cache_tokens=settings.speculative_suffix_cache_tokens,
+            suffix_cache_tokens=settings.suffix_cache_tokens,
             suffix_min_prob=settings.speculative_suffix_min_prob,
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
@@ -254,6 +260,7 @@ class ModelRunner:
             per_token_attention=self.batch_invariant,
             ngram_sizes=self.ngram_sizes,
             suffix_cache=self.suffix_cache,
+            sampled_drafts=self.sampled_drafts,
         )
 
     @torch.inference_mode()
@@ -269,7 +276,7 @@ class ModelRunner:
         self.last_step_mode = "eager"
         if plan.is_empty:
             return result
-        drafts = self.batch.propose_drafts(plan) if plan.draft_slots else {}
+        drafts, proposers = self.batch.propose_drafts(plan) if plan.draft_slots else ({}, {})
         if drafts and grammars is not None:
             drafts = grammars.cut_drafts(drafts)
         inputs = self.batch.prepare(plan, drafts)
@@ -291,6 +298,7 @@ class ModelRunner:
                 self.grammars,
             )
             result.num_proposed_drafts = {rid: len(d) for rid, d in drafts.items()}
+            result.draft_proposers = {rid: proposers[rid] for rid in drafts}
             result.accepted_draft_ids = {rid: ids for rid, ids in accepted.items() if ids}
         elif inputs.sampled_request_ids:
             logits = self._forward_sampled(inputs.forward)

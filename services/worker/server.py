@@ -39,13 +39,16 @@ from services.contracts.memory_budget import MemoryBudget
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.contracts.worker_description import WorkerDescription
-from services.worker import memory_budget, metrics
+from services.worker import kv_transfer_service, memory_budget, metrics
 from services.worker.config import GiB, WorkerConfig, resolve_dtype
 from services.worker.convert import (
     plan_from_proto,
     result_to_proto,
     worker_description_to_proto,
 )
+from services.worker.kv_cache import PagedKVCache
+from services.worker.kv_transfer import CacheIdentity, KvInbox, KvOutbox, OutgoingKv
+from services.worker.kv_transfer_service import KvSender, KvTransferServicer
 from services.worker.loaded_model import LoadedModel
 from services.worker.lora.errors import LoraAdapterError, LoraConflictError, LoraNotFoundError
 from services.worker.quantization.formats import resolve_quantization, serves_gguf_blocks
@@ -79,6 +82,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Grammar compiles (PrepareGrammar) run beside the steps, never on the forward thread: a
         # JSON schema takes 10-100 ms to compile, and xgrammar releases the GIL meanwhile.
         self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        # Disaggregation (kv_transfer.py): prompts whose KV this worker sends to a decode pair.
+        self.kv_outbox: KvOutbox | None = None
+        self.kv_sender: KvSender | None = None
+        self.kv_inbox: KvInbox | None = None
 
     async def on_forward_thread(self, function: Callable[..., T], *args: Any) -> T:
         """Run `function` on the thread the steps run on."""
@@ -89,6 +96,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def attach(self, loaded: LoadedModel, runner: ModelRunner) -> None:
         self.loaded = loaded
         self.runner = runner
+        identity = CacheIdentity.of(loaded.name, runner.kv_cache)
+        self.kv_outbox = KvOutbox(identity)
+        self.kv_sender = KvSender(identity, self.config.internal_secret)
+        self.kv_inbox = KvInbox(identity, self.epoch)
+
+    def kv_receiver(self) -> tuple[PagedKVCache, KvInbox] | None:
+        """The cache KV transfers write into and its inbox, once the model is loaded."""
+        if self.runner is None or self.kv_inbox is None:
+            return None
+        return self.runner.kv_cache, self.kv_inbox
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> tuple[LoadedModel, ModelRunner]:
         if self.loaded is None or self.runner is None:
@@ -113,6 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sliding_window=loaded.model.architecture.largest_window,
             max_loras=runner.adapters.max_loras,
             max_lora_rank=runner.adapters.max_lora_rank,
+            batch_invariant=runner.batch_invariant,
             memory=memory_budget.measure(loaded.model, runner.kv_cache, loaded.path)
             if runner.device.type == "cpu"
             else MemoryBudget(),
@@ -213,6 +231,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # A new controller starts from an empty batch: whatever an ended stream held is gone.
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._forward_thread, runner.reset)
+        outbox, sender, inbox = self.kv_outbox, self.kv_sender, self.kv_inbox
+        assert outbox is not None and sender is not None and inbox is not None
+        outbox.clear()
         # Sent before any plan arrives: the scheduler reports its worker connected only on it.
         await context.send_initial_metadata(((STEP_SESSION_KEY, str(session)),))
         log.info("step stream opened", extra={"session": session, "peer": context.peer()})
@@ -226,7 +247,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         break  # this stream ended and a newer one began: queue nothing more
                     plan = plan_from_proto(message)
                     _log_sequences(plan)
-                    future = loop.run_in_executor(self._forward_thread, _timed_step, runner, plan)
+                    future = loop.run_in_executor(
+                        self._forward_thread, _timed_step, runner, plan, outbox, inbox
+                    )
                     steps.put_nowait((plan, future))
             finally:
                 steps.put_nowait(None)
@@ -246,6 +269,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     )
                     raise
                 queued.remove(future)
+                if timed.outgoing:
+                    # The first token goes out only once its prompt's KV is on the decode
+                    # worker: its arrival tells the decode side the blocks are written.
+                    await sender.send_all(timed.result, timed.outgoing)
                 metrics.on_step(plan, timed.forward_s, timed.mode)
                 yield result_to_proto(timed.result, timed.forward_s * 1000)
             await reader  # re-raises a failure to read the stream
@@ -282,6 +309,8 @@ class TimedResult:
     mode: StepMode
     """Read on the forward thread: by the time the event loop sees this result, the runner
     may be running the next step."""
+    outgoing: list[OutgoingKv]
+    """Prompt KV copied out after this step, for decode workers (kv_transfer.py)."""
 
 
 async def _abort_lora(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
@@ -299,11 +328,17 @@ async def _abort_lora(context: grpc.aio.ServicerContext, exc: Exception) -> NoRe
     raise AssertionError("unreachable")  # abort raises
 
 
-def _timed_step(runner: ModelRunner, plan: BatchPlan) -> TimedResult:
-    """Run one plan on the forward thread."""
+def _timed_step(
+    runner: ModelRunner, plan: BatchPlan, outbox: KvOutbox, inbox: KvInbox
+) -> TimedResult:
+    """Run one plan on the forward thread, then copy out the KV due to decode workers (before
+    any later plan can reuse those blocks). Transfers the plan gives up are closed first."""
+    inbox.on_plan(plan, runner.batch.sequences)
     started = time.perf_counter()
     result = runner.execute(plan)
-    return TimedResult(result, time.perf_counter() - started, runner.last_step_mode)
+    forward_s = time.perf_counter() - started
+    outgoing = outbox.collect(plan, result, runner.batch.sequences, runner.kv_cache)
+    return TimedResult(result, forward_s, runner.last_step_mode, outgoing)
 
 
 def _log_sequences(plan: BatchPlan) -> None:
@@ -397,9 +432,15 @@ def log_kernel_path(device: torch.device) -> None:
 
 
 async def serve(config: WorkerConfig) -> None:
-    service = GrpcService.internal("worker", [SERVICE_NAME], config.internal_secret)
+    service = GrpcService.internal(
+        "worker", [SERVICE_NAME, kv_transfer_service.SERVICE_NAME], config.internal_secret
+    )
     servicer = WorkerServicer(config)
     service.add(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
+    service.add(
+        worker_pb2_grpc.add_KvTransferServicer_to_server,
+        KvTransferServicer(servicer.kv_receiver, servicer.on_forward_thread),
+    )
     # Listen first (health NOT_SERVING) so a supervisor sees the port while the model loads.
     port = await service.start(config.host, config.port)
     log.info("worker listening", extra={"address": f"{config.host}:{port}"})

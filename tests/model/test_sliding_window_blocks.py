@@ -60,6 +60,9 @@ def make_engine(directory: Path) -> LLMEngine:
         max_num_batched_tokens=40,  # the prompt in chunks: later chunks start past the window
         block_size=BLOCK_SIZE,
         debug_checks=True,
+        # One token per decode step, so the blocks held are counted step by step (drafts
+        # under a window: tests/unit/test_scheduler_sliding_window.py).
+        speculation=False,
     )
     return LLMEngine(config, loaded=loaded)
 

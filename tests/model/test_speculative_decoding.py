@@ -42,7 +42,15 @@ class EveryDraft(SpeculationPolicy):
 
 
 def engine_for(loaded: LoadedModel, **config: object) -> LLMEngine:
-    settings: dict = {"kv_cache_gib": 64 / 1024, "seed": 0, "debug_checks": True, **config}
+    # speculation=True: drafts on whatever the weights (unset, a non-batch-invariant engine
+    # such as gguf-exact's would give them only to requests that ask).
+    settings: dict = {
+        "kv_cache_gib": 64 / 1024,
+        "seed": 0,
+        "debug_checks": True,
+        "speculation": True,
+        **config,
+    }
     engine = LLMEngine(EngineConfig(**settings), loaded=loaded)
     engine.scheduler.drafts.policy = EveryDraft(MAX_SPECULATIVE_TOKENS)
     return engine
@@ -78,7 +86,10 @@ def test_greedy_output_is_the_same_with_drafts(
     loaded_gguf: LoadedModel, fused_decode: bool
 ) -> None:
     ids = prompts(loaded_gguf)
-    plain = generate(engine_for(loaded_gguf, fused_decode=fused_decode, enforce_eager=True), ids)
+    plain = generate(
+        engine_for(loaded_gguf, fused_decode=fused_decode, enforce_eager=True, speculation=False),
+        ids,
+    )
     engine = engine_for(
         loaded_gguf, fused_decode=fused_decode, enforce_eager=True, speculative_ngram=5
     )
@@ -105,7 +116,7 @@ def test_sampling_options_see_the_drafts_before_each_row(
     loaded_gguf: LoadedModel, sampling: dict[str, object]
 ) -> None:
     ids = prompts(loaded_gguf)[:3]
-    plain = generate(engine_for(loaded_gguf), ids, **sampling)
+    plain = generate(engine_for(loaded_gguf, speculation=False), ids, **sampling)
     engine = engine_for(loaded_gguf)
     assert generate(engine, ids, num_speculative_tokens=6, **sampling) == plain
     assert engine.get_stats().num_draft_tokens_proposed > 0
@@ -117,7 +128,7 @@ def test_a_batch_mixing_drafting_and_plain_sequences_keeps_each_output(
     """Sequences with drafts share steps with sequences without (logprobs cannot draft) and
     with prefills arriving late; each one's greedy output is its output alone."""
     ids = prompts(loaded_gguf)
-    alone = generate(engine_for(loaded_gguf), ids)
+    alone = generate(engine_for(loaded_gguf, speculation=False), ids)
     engine = engine_for(loaded_gguf, speculative_ngram=4, max_num_batched_tokens=128)
     request_ids = []
     for index, prompt in enumerate(ids):
@@ -134,7 +145,7 @@ def test_a_batch_mixing_drafting_and_plain_sequences_keeps_each_output(
 def test_sampled_requests_speculate_and_finish(loaded_gguf: LoadedModel) -> None:
     """Temperature > 0 (unseeded) verifies drafts by the rejection rule; its exactness is
     tests/unit/test_draft_verification.py's statistical test, here it runs end to end."""
-    engine = engine_for(loaded_gguf, speculative_ngram=5)
+    engine = engine_for(loaded_gguf, speculative_ngram=5, seed=None)
     ids = prompts(loaded_gguf)[:2]
     params = SamplingParams(temperature=0.3, top_p=0.9, max_new_tokens=64, ignore_eos=True)
     results = engine.generate(ids, params)
@@ -142,3 +153,21 @@ def test_sampled_requests_speculate_and_finish(loaded_gguf: LoadedModel) -> None
     stats = engine.get_stats()
     assert stats.num_draft_tokens_proposed > 0 and stats.num_draft_tokens_accepted > 0
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_seeded_worker_repeats_its_samples_so_sampled_requests_do_not_draft(
+    loaded_gguf: LoadedModel,
+) -> None:
+    """With --seed, unseeded sampled requests draw from the worker's seeded generator: the
+    same requests on the same config give the same samples, which drafts granted by measured
+    step times would break, so they do not draft there (greedy ones still do)."""
+    ids = prompts(loaded_gguf)[:2]
+    sampled = SamplingParams(temperature=0.8, max_new_tokens=32, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = engine_for(loaded_gguf, seed=0)
+        runs.append([r.token_ids for r in engine.generate(ids, sampled)])
+        assert engine.get_stats().num_draft_tokens_proposed == 0
+        generate(engine, ids)  # greedy
+        assert engine.get_stats().num_draft_tokens_proposed > 0
+    assert runs[0] == runs[1]

@@ -38,8 +38,8 @@ def two_rounds(engine: LLMEngine, ids: list[list[int]]) -> list[list[int]]:
 
 def test_greedy_output_is_the_same_with_the_suffix_cache(loaded: LoadedModel) -> None:
     ids = prompts(loaded)
-    plain = two_rounds(engine_for(loaded), ids)
-    ngram = engine_for(loaded, speculative_ngram=5)
+    plain = two_rounds(engine_for(loaded, speculation=False), ids)
+    ngram = engine_for(loaded, speculative_ngram=5, speculative_suffix_cache_tokens=0)
     assert two_rounds(ngram, ids) == plain
     suffix = engine_for(loaded, speculative_ngram=5, **SUFFIX)
     assert two_rounds(suffix, ids) == plain

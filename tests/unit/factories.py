@@ -178,6 +178,7 @@ class FakeWorker:
             result.sampled_token_ids[request_id] = token
             if drafts:
                 result.num_proposed_drafts[request_id] = len(drafts)
+                result.draft_proposers[request_id] = "ngram"
                 if accepted:
                     result.accepted_draft_ids[request_id] = accepted
         return result

@@ -137,3 +137,15 @@ def test_paged_fits_more_sequences_than_max_length() -> None:
     assert paged.peak_running > max_length.peak_running
     assert paged.num_steps < max_length.num_steps
     assert max_length.num_preemptions == 0  # a reservation never has to grow
+
+
+def test_verify_rows_break_even_acceptance() -> None:
+    from benchmarks.verify_rows import break_even_acceptance
+
+    # One draft must be accepted half the time to pay for a step 1.5x as long.
+    assert break_even_acceptance(1, 0.5) == pytest.approx(0.5)
+    # Three drafts: a + a^2 + a^3 = 0.14 at a ~ 0.124.
+    a = break_even_acceptance(3, 0.14)
+    assert a is not None and a + a**2 + a**3 == pytest.approx(0.14)
+    assert break_even_acceptance(3, 3.5) is None  # more than every draft accepted yields
+    assert break_even_acceptance(0, 0.1) is None

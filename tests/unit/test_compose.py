@@ -166,3 +166,34 @@ def test_the_redis_recipe_requires_the_password_and_hides_it(compose: dict) -> N
         assert subprocess.run(["sh", "-c", check], env=env, timeout=10).returncode == 0
         wrong = {**env, "LLMSERVE_REDIS_PASSWORD": "wrong"}
         assert subprocess.run(["sh", "-c", check], env=wrong, timeout=10).returncode != 0
+
+
+def test_the_disaggregated_override_gives_each_pair_a_role(
+    compose: dict,  # type: ignore[type-arg]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docker-compose.disagg.yml: one prefill and one decode scheduler, each role read by the
+    scheduler's own config from its environment; the decode pair's worker listens where the
+    prefill worker can push its KV (the decode scheduler's --worker, on the internal network)."""
+    import argparse
+
+    from services.common.config_flags import add_config_flags, config_from_args
+    from services.scheduler.server_config import SchedulerServerConfig
+
+    override = yaml.safe_load((ROOT / "docker-compose.disagg.yml").read_text())
+    services = compose["services"]
+    roles: dict[str, str] = {}
+    parser = build_parser()
+    for name, service in override["services"].items():
+        assert name in services, name
+        assert set(service) == {"environment"}  # merged into the service, nothing replaced
+        monkeypatch.setenv("LLMSERVE_ROLE", service["environment"]["LLMSERVE_ROLE"])
+        flags = argparse.ArgumentParser()
+        add_config_flags(flags, SchedulerServerConfig)
+        roles[name] = config_from_args(SchedulerServerConfig, flags.parse_args([])).role
+        if roles[name] == "decode":
+            worker = parser.parse_args(services[name]["command"]).worker.split(":")[0]
+            worker_args = parser.parse_args(services[worker]["command"])
+            assert worker_args.host == "0.0.0.0"
+            assert services[worker]["networks"] == ["internal"]
+    assert sorted(roles.values()) == ["decode", "prefill"]

@@ -108,3 +108,34 @@ def test_each_service_config_is_made_of_the_groups_the_stack_hands_it(
     from `llmserve up` too."""
     shared = {group for groups in CHILD_GROUPS.values() for group in groups}
     assert [base for base in config.__mro__ if base in shared] == list(CHILD_GROUPS[kind])
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [(["--no-speculation"], None), ([], "false")],
+    ids=["flag", "env"],
+)
+def test_no_speculation_overrides_the_speculative_settings(
+    argv: list[str], env: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculation is unset by default (on where the worker is batch-invariant);
+    --no-speculation (LLMSERVE_SPECULATION=false) turns it off whatever the --speculative-*
+    flags say, and the stack hands it to its children."""
+    if env is not None:
+        monkeypatch.setenv("LLMSERVE_SPECULATION", env)
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, StackConfig)
+    stack = config_from_args(StackConfig, parser.parse_args([*argv, "--speculative-ngram", "5"]))
+    assert stack.speculation is False and stack.suffix_cache_tokens == 0
+    monkeypatch.delenv("LLMSERVE_SPECULATION", raising=False)
+    for kind, child in (("worker", WorkerConfig), ("scheduler", SchedulerServerConfig)):
+        parser = argparse.ArgumentParser()
+        add_config_flags(parser, child)
+        argv = config_argv(stack, *CHILD_GROUPS[kind])
+        rebuilt = config_from_args(child, parser.parse_args(argv))
+        assert rebuilt.speculation is False and rebuilt.speculative_ngram == 5
+    default = WorkerConfig()
+    assert default.speculation is None and default.speculative_ngram > 0
+    assert default.default_draft_limit(batch_invariant=True) == default.speculative_ngram
+    assert default.default_draft_limit(batch_invariant=False) == 0
+    assert default.suffix_cache_tokens == default.speculative_suffix_cache_tokens > 0

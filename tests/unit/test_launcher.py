@@ -163,3 +163,29 @@ def test_each_tokenizer_replica_must_serve_itself_not_only_its_shared_port(
     assert not first.serving_marker.exists() and not first.serves()
     first.process.wait()  # type: ignore[union-attr]
     shutil.rmtree(first.serving_marker.parent)
+
+
+def _flag(command: list[str], flag: str) -> str:
+    """The value of the last `flag` in `command` (the last one given wins)."""
+    index = max(i for i, arg in enumerate(command) if arg == flag)
+    return command[index + 1]
+
+
+def test_prefill_and_decode_pairs_get_their_roles_and_share_the_cores() -> None:
+    stack = StackConfig(prefill_pairs=1, decode_pairs=2, redis=False, disaggregate_min_prompt=100)
+    children = build_children(stack, None, None)
+    schedulers = [c for c in children if c.kind == "scheduler"]
+    assert [_flag(c.command, "--role") for c in schedulers] == ["prefill", "decode", "decode"]
+    assert len([c for c in children if c.kind == "worker"]) == 3
+    (tokenizer,) = [c for c in children if c.kind == "tokenizer"]
+    assert _flag(tokenizer.command, "--disaggregate-min-prompt") == "100"
+    assert _flag(tokenizer.command, "--scheduler").count(",") == 2
+
+
+def test_without_roles_every_pair_serves_both_and_prefill_pairs_alone_get_a_decode_pair() -> None:
+    assert StackConfig(workers=2).pair_roles == ["both", "both"]
+    assert StackConfig(prefill_pairs=2).pair_roles == ["prefill", "prefill", "decode"]
+    with pytest.raises(ValueError, match="prefill-pairs"):
+        StackConfig(prefill_pairs=-1)
+    with pytest.raises(ValueError, match="disaggregate-min-prompt"):
+        StackConfig(disaggregate_min_prompt=0)

@@ -126,7 +126,9 @@ class FakeLoop:
     def clock(self) -> float:
         return 100.0
 
-    def submit(self, request: Request, *, tenant: Tenant = NO_TENANT) -> EventQueue:
+    def submit(
+        self, request: Request, *, tenant: Tenant = NO_TENANT, **disaggregation: object
+    ) -> EventQueue:
         queue: EventQueue = asyncio.Queue()
         for item in self.script:
             queue.put_nowait(item)

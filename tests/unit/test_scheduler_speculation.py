@@ -14,6 +14,7 @@ import pytest
 from services.contracts.step import FinishReason
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.server_config import SchedulerServerConfig
 from tests.unit.factories import FakeWorker, create_requests, create_scheduler, run_until_done
 from tests.unit.test_overlapped_scheduling import (
     DRIVERS,
@@ -153,7 +154,7 @@ def test_requests_that_cannot_speculate_get_no_slots(sampling: dict) -> None:  #
 def test_a_request_may_ask_for_speculation_when_the_server_default_is_off() -> None:
     sample = position_sampler(eos_every=10**9)
     worker = FakeWorker(sample=sample, guess=sample)
-    scheduler = create_scheduler()  # speculative_ngram = 0
+    scheduler = create_scheduler(speculative_ngram=0)
     (asking,) = create_requests(1, num_tokens=20, max_new_tokens=40, num_speculative_tokens=3)
     (plain,) = create_requests(1, num_tokens=20, max_new_tokens=40, id_prefix="plain")
     scheduler.add_request(asking)
@@ -168,6 +169,29 @@ def test_a_request_may_ask_for_speculation_when_the_server_default_is_off() -> N
         scheduler.observe_step(plan, result, 0.01 + 0.0001 * plan.total_num_scheduled_tokens)
         scheduler.update(plan, result, now=0.0)
     assert set(granted) == {asking.request_id}
+
+
+def test_no_speculation_grants_nothing_even_to_a_request_that_asks() -> None:
+    """--no-speculation is the baseline: it overrides the server's draft limit and a
+    request's own num_speculative_tokens."""
+    sample = position_sampler(eos_every=10**9)
+    worker = FakeWorker(sample=sample, guess=sample)
+    scheduler = create_scheduler(speculation=False, speculative_ngram=8)
+    (asking,) = create_requests(1, num_tokens=20, max_new_tokens=40, num_speculative_tokens=3)
+    (plain,) = create_requests(1, num_tokens=20, max_new_tokens=40, id_prefix="plain")
+    scheduler.add_request(asking)
+    scheduler.add_request(plain)
+    num_steps = 0
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule(now=0.0)
+        assert not plan.draft_slots
+        result = worker.step(plan)
+        scheduler.observe_step(plan, result, 0.01 + 0.0001 * plan.total_num_scheduled_tokens)
+        scheduler.update(plan, result, now=0.0)
+        num_steps += 1
+    # One token per step at most (no drafts): at least 40 steps for 40 tokens.
+    assert num_steps >= 40
+    assert scheduler.get_stats().num_draft_tokens_proposed == 0
 
 
 def test_drafts_never_preempt_when_blocks_run_out() -> None:
@@ -189,3 +213,22 @@ def test_drafts_never_preempt_when_blocks_run_out() -> None:
     assert not plan.draft_slots
     assert scheduler.num_preemptions == 0
     scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("speculation", "batch_invariant", "limit"),
+    [
+        (None, True, 3),  # unset: on where drafts cannot change greedy output
+        (None, False, 0),  # unset on float / gguf-exact weights: only requests that ask
+        (True, False, 3),
+        (False, True, 0),
+    ],
+)
+def test_the_default_draft_limit_follows_the_workers_batch_invariance(
+    speculation: bool | None, batch_invariant: bool, limit: int
+) -> None:
+    config = SchedulerServerConfig(speculation=speculation, speculative_ngram=3)
+    core = config.scheduler_config(16, 2048, batch_invariant=batch_invariant)
+    assert core.speculative_ngram == limit
+    # A request's own num_speculative_tokens still counts unless --no-speculation.
+    assert core.speculation is (speculation is not False)

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import spec
 from benchmarks.spec_workload import WORKLOADS, workload_requests
+from services.engine.config import EngineConfig
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
@@ -33,3 +34,17 @@ def test_bad_names_are_refused() -> None:
     args = argparse.Namespace(workloads="chat", modes="off,eagle", users="1")
     with pytest.raises(SystemExit, match="--modes"):
         spec.run(args)
+
+
+def test_modes_are_the_baseline_the_defaults_and_each_proposer() -> None:
+    args = argparse.Namespace(kv_cache_gib=0.5, num_speculative_tokens=5, suffix_cache_tokens=4096)
+    off = spec.engine_config("off", args)
+    assert off.speculation is False and off.suffix_cache_tokens == 0
+    default = spec.engine_config("default", args)
+    plain = EngineConfig()
+    assert default.speculation is None and default.speculative_ngram == plain.speculative_ngram > 0
+    assert default.suffix_cache_tokens == plain.speculative_suffix_cache_tokens > 0
+    ngram = spec.engine_config("ngram", args)
+    assert ngram.speculation and (ngram.speculative_ngram, ngram.suffix_cache_tokens) == (5, 0)
+    suffix = spec.engine_config("suffix", args)
+    assert (suffix.speculative_ngram, suffix.suffix_cache_tokens) == (5, 4096)

@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from services.scheduler.features.speculation_policy import SpeculationPolicy, StepCostModel
+from services.scheduler.features.speculation_policy import (
+    MIN_DRAFT_VALUE,
+    PROBE_INTERVAL,
+    SpeculationPolicy,
+    StepCostModel,
+)
 
 
 def trained(fixed_s: float, per_token_s: float, max_draft_tokens: int = 4) -> SpeculationPolicy:
@@ -106,3 +111,62 @@ def test_caps_bound_each_sequence_below_the_maximum() -> None:
     assert slots.get("a", 0) <= 2
     assert "b" not in slots
     assert slots["c"] > 2
+
+
+def failing_run(policy: SpeculationPolicy, batch: list[str], num_steps: int) -> list[int]:
+    """Slots granted to batch[0] at each step, every draft of the batch rejected."""
+    granted = []
+    for _ in range(num_steps):
+        slots = policy.draft_slots(batch)
+        for request_id, num_slots in slots.items():
+            policy.observe_drafts(request_id, proposed=num_slots, accepted=0)
+        granted.append(slots.get(batch[0], 0))
+    return granted
+
+
+@pytest.mark.parametrize("per_token_s", [0.0003, 0.00001], ids=["2%", "nearly free"])
+def test_drafts_that_keep_failing_stop_within_three_steps_and_are_probed_rarely(
+    per_token_s: float,
+) -> None:
+    """Plain chat: the prior (0.5) grants the first step its drafts, the misses end them by
+    the third step even where a draft token costs almost nothing, and then one draft is
+    tried every PROBE_INTERVAL decodes."""
+    policy = trained(fixed_s=0.015, per_token_s=per_token_s)
+    granted = failing_run(policy, ["a"], 3 * PROBE_INTERVAL)
+    assert granted[0] == 4
+    assert granted[2:PROBE_INTERVAL] == [0] * (PROBE_INTERVAL - 2)
+    # Its decodes 1..PROBE_INTERVAL since the first grant were not granted; the last probes.
+    probes = [step for step, n in enumerate(granted) if step >= 2 and n]
+    assert probes == [PROBE_INTERVAL, 2 * PROBE_INTERVAL]
+    assert all(granted[step] == 1 for step in probes)
+
+
+def test_a_probe_that_is_accepted_brings_the_drafts_back() -> None:
+    policy = trained(fixed_s=0.015, per_token_s=0.0003)
+    failing_run(policy, ["a"], PROBE_INTERVAL)
+    assert policy.draft_slots(["a"]) == {"a": 1}  # the probe
+    policy.observe_drafts("a", proposed=1, accepted=1)
+    for _ in range(6):
+        num_slots = policy.draft_slots(["a"]).get("a", 0)
+        assert num_slots > 0
+        policy.observe_drafts("a", proposed=num_slots, accepted=num_slots)
+    assert policy.draft_slots(["a"]) == {"a": 4}
+
+
+def test_a_compute_bound_batch_is_never_probed() -> None:
+    policy = trained(fixed_s=0.015, per_token_s=0.004)
+    batch = [f"r{i}" for i in range(32)]
+    assert policy.is_compute_bound(len(batch))
+    assert not trained(fixed_s=0.015, per_token_s=0.0003).is_compute_bound(1)
+    for _ in range(3 * PROBE_INTERVAL):
+        assert policy.draft_slots(batch) == {}
+
+
+def test_new_sequences_in_a_batch_whose_drafts_fail_start_low() -> None:
+    """Acceptance starts from the batch-wide share: after a run of failing sequences a new
+    one is not granted drafts at once (it is probed later)."""
+    policy = trained(fixed_s=0.015, per_token_s=0.0003)
+    granted = [sum(failing_run(policy, [f"c{i}"], 1)) for i in range(20)]
+    assert granted[0] == 4
+    assert granted[-10:] == [0] * 10
+    assert policy.acceptance("new") < MIN_DRAFT_VALUE

@@ -54,6 +54,17 @@ def test_result_round_trip() -> None:
     assert result_from_proto(message) == result
 
 
+def test_draft_outcomes_round_trip_with_their_proposer() -> None:
+    result = StepResult(
+        step_id=4,
+        sampled_token_ids={"a": 10, "b": 11, "c": 12},
+        accepted_draft_ids={"a": [7, 8]},
+        num_proposed_drafts={"a": 3, "b": 2},
+        draft_proposers={"a": "suffix", "b": "ngram"},
+    )
+    assert result_from_proto(result_to_proto(result, forward_ms=1.0)) == result
+
+
 def test_worker_description_round_trip() -> None:
     description = WorkerDescription(
         model=ModelDescription(

@@ -11,28 +11,34 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import grpc
 import pytest
+import torch
 
 from protos.llmserve.v1 import model_pb2, worker_pb2, worker_pb2_grpc
 from services.contracts.step import BatchPlan, StepResult
 from services.scheduler.server_config import SchedulerServerConfig
 from services.scheduler.step_loop import StepLoop
 from services.worker.config import WorkerConfig
+from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.server import WorkerServicer
 
 TIMEOUT_S = 5.0
 
 
 class FakeRunner:
-    """The ModelRunner surface the servicer drives: counts resets, answers each plan."""
+    """The ModelRunner surface the servicer drives: counts resets, answers each plan (and has
+    the cache and batch a KV transfer would read)."""
 
     last_step_mode = "eager"
 
     def __init__(self) -> None:
         self.resets = 0
         self.step_ids: list[int] = []
+        self.kv_cache = PagedKVCache(KVCacheSpec(1, 1, 8, 16, torch.float32), 1, "cpu")
+        self.batch = SimpleNamespace(sequences={})
 
     def reset(self) -> None:
         self.resets += 1
@@ -45,7 +51,7 @@ class FakeRunner:
 @contextlib.asynccontextmanager
 async def worker(runner: FakeRunner) -> AsyncIterator[worker_pb2_grpc.WorkerStub]:
     servicer = WorkerServicer(WorkerConfig())
-    servicer.attach(object(), runner)  # type: ignore[arg-type]
+    servicer.attach(SimpleNamespace(name="fake"), runner)  # type: ignore[arg-type]
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")

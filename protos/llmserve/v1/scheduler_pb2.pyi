@@ -2,6 +2,7 @@ from protos.llmserve.v1 import logprobs_pb2 as _logprobs_pb2
 from protos.llmserve.v1 import lora_pb2 as _lora_pb2
 from protos.llmserve.v1 import model_pb2 as _model_pb2
 from protos.llmserve.v1 import sampling_pb2 as _sampling_pb2
+from protos.llmserve.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -11,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_unix_s", "cache_salt", "tenant_id", "tenant_weight", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_unix_s", "cache_salt", "tenant_id", "tenant_weight", "lora_name", "prefill_scheduler", "kv_destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +21,8 @@ class SubmitRequest(_message.Message):
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.TokenSamplingParams
@@ -28,7 +31,9 @@ class SubmitRequest(_message.Message):
     tenant_id: str
     tenant_weight: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., arrival_unix_s: _Optional[float] = ..., cache_salt: _Optional[bytes] = ..., tenant_id: _Optional[str] = ..., tenant_weight: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    prefill_scheduler: str
+    kv_destination: _worker_pb2.KvDestination
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., arrival_unix_s: _Optional[float] = ..., cache_salt: _Optional[bytes] = ..., tenant_id: _Optional[str] = ..., tenant_weight: _Optional[int] = ..., lora_name: _Optional[str] = ..., prefill_scheduler: _Optional[str] = ..., kv_destination: _Optional[_Union[_worker_pb2.KvDestination, _Mapping]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "logprobs", "num_prompt_tokens", "num_cached_tokens", "queue_ms", "index")
@@ -53,7 +58,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "prefix_hit_rate", "num_preemptions", "scheduler_id", "max_waiting_requests", "block_size", "worker_epoch", "max_num_seqs", "num_pinned_blocks", "dtype", "kv_cache_dtype", "quantization", "num_forked_block_refs", "num_block_copies", "num_draft_tokens_proposed", "num_draft_tokens_accepted", "num_speculative_steps", "lora_adapters", "active_lora_adapters", "max_loras")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "prefix_hit_rate", "num_preemptions", "scheduler_id", "max_waiting_requests", "block_size", "worker_epoch", "max_num_seqs", "num_pinned_blocks", "dtype", "kv_cache_dtype", "quantization", "num_forked_block_refs", "num_block_copies", "num_draft_tokens_proposed", "num_draft_tokens_accepted", "num_speculative_steps", "lora_adapters", "active_lora_adapters", "max_loras", "role")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +82,7 @@ class SchedulerStats(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -100,7 +106,8 @@ class SchedulerStats(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     active_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_epoch: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_forked_block_refs: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_draft_tokens_proposed: _Optional[int] = ..., num_draft_tokens_accepted: _Optional[int] = ..., num_speculative_steps: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., active_lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., scheduler_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., block_size: _Optional[int] = ..., worker_epoch: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_forked_block_refs: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_draft_tokens_proposed: _Optional[int] = ..., num_draft_tokens_accepted: _Optional[int] = ..., num_speculative_steps: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., active_lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("name", "token_ids", "cache_salt", "ttl_s")

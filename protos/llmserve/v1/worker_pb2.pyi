@@ -27,7 +27,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank", "memory")
+    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank", "memory", "batch_invariant")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class WorkerDescription(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     dtype: str
     device: str
@@ -54,7 +55,8 @@ class WorkerDescription(_message.Message):
     max_loras: int
     max_lora_rank: int
     memory: MemoryBudget
-    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., memory: _Optional[_Union[MemoryBudget, _Mapping]] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., memory: _Optional[_Union[MemoryBudget, _Mapping]] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class MemoryBudget(_message.Message):
     __slots__ = ("weight_bytes_by_kind", "weight_mapped_bytes", "kv_cache_bytes", "kv_cache_blocks", "kv_cache_tokens", "runtime_bytes", "machine_bytes")
@@ -81,8 +83,72 @@ class MemoryBudget(_message.Message):
     machine_bytes: int
     def __init__(self, weight_bytes_by_kind: _Optional[_Mapping[str, int]] = ..., weight_mapped_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., machine_bytes: _Optional[int] = ...) -> None: ...
 
+class KvTransferHeader(_message.Message):
+    __slots__ = ("request_id", "model_name", "kv_cache_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "lora_name", "cache_salt", "num_blocks", "worker_epoch")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_name: str
+    kv_cache_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    lora_name: str
+    cache_salt: bytes
+    num_blocks: int
+    worker_epoch: str
+    def __init__(self, request_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., worker_epoch: _Optional[str] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("header", "block_ids", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: KvTransferHeader
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, header: _Optional[_Union[KvTransferHeader, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushKvResponse(_message.Message):
+    __slots__ = ("num_blocks_written",)
+    NUM_BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_written: int
+    def __init__(self, num_blocks_written: _Optional[int] = ...) -> None: ...
+
+class KvDestination(_message.Message):
+    __slots__ = ("worker", "first_block", "block_ids", "model_name", "kv_cache_dtype", "block_size", "lora_name", "cache_salt", "worker_epoch")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    model_name: str
+    kv_cache_dtype: str
+    block_size: int
+    lora_name: str
+    cache_salt: bytes
+    worker_epoch: str
+    def __init__(self, worker: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., worker_epoch: _Optional[str] = ...) -> None: ...
+
 class NewSequence(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "lora_name", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "lora_name", "cache_salt", "kv_destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +157,7 @@ class NewSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -99,7 +166,8 @@ class NewSequence(_message.Message):
     sampling: _sampling_pb2.TokenSamplingParams
     lora_name: str
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    kv_destination: KvDestination
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., kv_destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
     __slots__ = ("request_id", "new_block_ids")
@@ -193,9 +261,11 @@ class StepOutput(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Mapping[str, _logprobs_pb2.TokenLogprob]] = ..., forward_ms: _Optional[float] = ..., drafts: _Optional[_Mapping[str, DraftOutcome]] = ..., failed_sequences: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftOutcome(_message.Message):
-    __slots__ = ("num_proposed", "accepted_token_ids")
+    __slots__ = ("num_proposed", "accepted_token_ids", "proposer")
     NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     num_proposed: int
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_proposed: _Optional[int] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    proposer: str
+    def __init__(self, num_proposed: _Optional[int] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., proposer: _Optional[str] = ...) -> None: ...

@@ -317,3 +317,88 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KvTransferStub:
+    """Worker → worker: a prompt's KV blocks, computed on a prefill worker, written into the blocks
+    a decode worker's scheduler reserved (docs/disaggregation.md). Calls carry the stack's
+    internal secret like every internal call.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PushKv = channel.stream_unary(
+                '/llmserve.v1.KvTransfer/PushKv',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+                _registered_method=True)
+
+
+class KvTransferServicer:
+    """Worker → worker: a prompt's KV blocks, computed on a prefill worker, written into the blocks
+    a decode worker's scheduler reserved (docs/disaggregation.md). Calls carry the stack's
+    internal secret like every internal call.
+    """
+
+    def PushKv(self, request_iterator, context):
+        """The first message holds the header; every message may hold whole blocks. The answer
+        comes once every block is written. FAILED_PRECONDITION when the header does not match
+        this worker's cache (model, dtype, block size, shapes); INVALID_ARGUMENT for a block id
+        out of range or a chunk of the wrong size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KvTransferServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PushKv': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushKv,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.KvChunk.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PushKvResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'llmserve.v1.KvTransfer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('llmserve.v1.KvTransfer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KvTransfer:
+    """Worker → worker: a prompt's KV blocks, computed on a prefill worker, written into the blocks
+    a decode worker's scheduler reserved (docs/disaggregation.md). Calls carry the stack's
+    internal secret like every internal call.
+    """
+
+    @staticmethod
+    def PushKv(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/llmserve.v1.KvTransfer/PushKv',
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

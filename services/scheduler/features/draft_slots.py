@@ -7,6 +7,17 @@ step took (`observe_drafts`, `observe_step`); the back-off policy itself is
 SpeculationPolicy's. Drafts never preempt: a slot is granted only where free blocks hold its
 KV, and blocks reserved for drafts no longer granted are freed. The drafts each sequence has
 in flight are counted here, by sequence id.
+
+Every step that decodes ends in one outcome (`step_outcomes`, for the metrics): `drafted`
+(drafts verified), or why it drafted nothing:
+
+    off             --no-speculation, or no draft limit (--speculative-ngram 0, no request's)
+    ineligible      no decode may draft (logprobs, a seeded sampled request, no room left)
+    no_budget       the step's token budget is taken by other work (prefill chunks)
+    compute_bound   the policy: the step is too costly per token for drafts to pay
+    low_acceptance  the policy: the decodes' drafts are accepted too rarely to pay
+    no_kv_room      slots were worth it, but no free KV blocks hold them
+    no_proposals    slots granted, but the worker found no guess in any context
 """
 
 from __future__ import annotations
@@ -19,6 +30,17 @@ from services.scheduler.features.speculation_policy import SpeculationPolicy
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 
+STEP_OUTCOMES = (
+    "drafted",
+    "off",
+    "ineligible",
+    "no_budget",
+    "compute_bound",
+    "low_acceptance",
+    "no_kv_room",
+    "no_proposals",
+)
+
 
 class DraftSlots:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -30,9 +52,12 @@ class DraftSlots:
         """Draft slots granted per sequence in plans whose results have not arrived: the
         worker may have accepted up to that many tokens more than the scheduler has heard of,
         so KV reserved ahead must cover them too (no entry: none)."""
+        self.num_draft_tokens_granted = 0
         self.num_draft_tokens_proposed = 0
         self.num_draft_tokens_accepted = 0
         self.num_speculative_steps = 0
+        self.step_outcomes = dict.fromkeys(STEP_OUTCOMES, 0)
+        """Steps that decoded, by outcome (running totals; see the module's docstring)."""
 
     def start_plan(self) -> None:
         """A new plan is being made: no decodes noted yet."""
@@ -53,9 +78,16 @@ class DraftSlots:
         caps = {r.request_id: self.cap(r) for r in decodes}
         caps = {request_id: cap for request_id, cap in caps.items() if cap > 0}
         budget = self.config.max_num_batched_tokens - plan.total_num_scheduled_tokens
-        if caps and budget > 0:
-            other_tokens = plan.total_num_scheduled_tokens - len(decodes)
+        other_tokens = plan.total_num_scheduled_tokens - len(decodes)
+        if not caps:
+            self.step_outcomes["off" if self._is_off(decodes) else "ineligible"] += 1
+        elif budget <= 0:
+            self.step_outcomes["no_budget"] += 1
+        else:
             slots = self.policy.draft_slots(list(caps), other_tokens, caps)
+            if not slots:
+                compute_bound = self.policy.is_compute_bound(len(caps), other_tokens)
+                self.step_outcomes["compute_bound" if compute_bound else "low_acceptance"] += 1
             for request_id, num_slots in slots.items():
                 num_slots = min(num_slots, budget)
                 if num_slots <= 0:
@@ -69,7 +101,10 @@ class DraftSlots:
                 send_blocks(plan, request_id, new_blocks)
                 plan.draft_slots[request_id] = num_slots
                 self._num_unconfirmed[request_id] = self.num_unconfirmed(request_id) + num_slots
+                self.num_draft_tokens_granted += num_slots
                 budget -= num_slots
+            if slots and not plan.draft_slots:
+                self.step_outcomes["no_kv_room"] += 1
         for request in decodes:
             # What the worker may still write: this step's token and drafts, and the drafts
             # of plans in flight whose outcome is not known yet.
@@ -78,10 +113,22 @@ class DraftSlots:
             if num_kept is not None:
                 send_truncation(plan, request.request_id, num_kept)
 
+    def _is_off(self, decodes: list[Request]) -> bool:
+        """No draft limit applies: speculation is off, or the server's limit is 0 and no
+        decode's request sets its own. (The core's speculative_ngram is already the limit for
+        its worker: ServerConfig.scheduler_config resolved an unset --speculation.)"""
+        if self.config.speculation is False:
+            return True
+        return self.config.speculative_ngram <= 0 and all(
+            r.sampling.num_speculative_tokens is None for r in decodes
+        )
+
     def cap(self, request: Request) -> int:
         """Most drafts a decode may verify: its request's limit (or the server's), within
         the output and context it has left counting the drafts still in flight."""
         sampling = request.sampling
+        if self.config.speculation is False:
+            return 0  # --no-speculation: not even a request's own num_speculative_tokens
         cap = sampling.num_speculative_tokens
         if cap is None:
             cap = self.config.speculative_ngram
@@ -129,7 +176,10 @@ class DraftSlots:
 
     def observe_step(self, plan: BatchPlan, result: StepResult, seconds: float) -> None:
         """The worker took `seconds` for `plan`: tokens computed are the scheduled ones plus
-        the drafts verified (a plan of drops only is no step)."""
+        the drafts verified (a plan of drops only is no step). A plan that granted slots has
+        its outcome now: drafted, or the worker found no guess."""
+        if plan.draft_slots:
+            self.step_outcomes["drafted" if result.num_proposed_drafts else "no_proposals"] += 1
         if plan.num_scheduled_tokens:
             num_drafts = sum(result.num_proposed_drafts.values())
             self.policy.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)

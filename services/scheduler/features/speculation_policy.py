@@ -17,6 +17,13 @@ a sequence is accepted only if drafts 1..j-1 were (chance alpha^j), so each sequ
 candidates come in decreasing value; the policy takes the most valuable candidates of the whole
 batch while they pay, and stops at the first that does not. (A step that is long anyway, with a
 prefill chunk in it, makes a draft relatively cheaper, so such steps draft more.)
+
+Backing off and probing: a draft worth less than MIN_DRAFT_VALUE is never granted (the line
+does not see the host's work per draft: proposing, a sampler row, verifying), so a sequence
+whose drafts keep failing stops drafting within two or three steps. Its acceptance is then
+frozen (nothing new is verified), so every PROBE_INTERVAL of its decodes it is granted one
+draft anyway, where the step is not compute-bound: an answer that starts quoting its context
+is noticed, at the price of one row in PROBE_INTERVAL steps.
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ from dataclasses import dataclass, field
 PRIOR_TOKEN_SHARE = 0.02
 # Before any draft of a sequence was verified: the batch-wide share, or this before any at all.
 PRIOR_ACCEPTANCE = 0.5
+# Least chance of acceptance a granted draft may have: below it the draft's host-side work
+# (proposal, sampler row, verification: ~0.1 ms) outweighs what it saves.
+MIN_DRAFT_VALUE = 0.05
+# A sequence not granted drafts for this many of its decodes gets one draft to re-measure.
+PROBE_INTERVAL = 16
 # Weight kept by old observations at each new one (about the last 50 steps / 20 verifications).
 STEP_DECAY = 0.98
 ACCEPTANCE_DECAY = 0.95
@@ -92,6 +104,8 @@ class SpeculationPolicy:
     cost: StepCostModel = field(default_factory=StepCostModel)
     _batch: _Acceptance = field(default_factory=_Acceptance)
     _sequences: dict[str, _Acceptance] = field(default_factory=dict)
+    _idle_decodes: dict[str, int] = field(default_factory=dict)
+    """Decodes since a sequence was last granted a draft (no entry: none yet)."""
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step computed `num_tokens` tokens (prefill, decode and draft) in `seconds`."""
@@ -107,6 +121,7 @@ class SpeculationPolicy:
 
     def forget(self, request_id: str) -> None:
         self._sequences.pop(request_id, None)
+        self._idle_decodes.pop(request_id, None)
 
     def acceptance(self, request_id: str) -> float:
         prior = self._batch.rate(PRIOR_ACCEPTANCE) if self._batch.proposed else PRIOR_ACCEPTANCE
@@ -148,11 +163,42 @@ class SpeculationPolicy:
         while heap:
             negative_value, index, depth = heapq.heappop(heap)
             value = -negative_value
-            if seconds <= 0.0 or value <= per_token * expected / seconds:
+            if not _pays(value, expected, seconds, per_token):
                 break  # the best remaining candidate does not pay; no later one can
             slots[decoding[index]] = depth
             expected += value
             seconds += per_token
             if depth < limits[index]:
                 heapq.heappush(heap, (-(value * rates[index]), index, depth + 1))
+        for index, request_id in enumerate(decoding):
+            if request_id in slots:
+                self._idle_decodes[request_id] = 0
+                continue
+            idle = self._idle_decodes.get(request_id, 0) + 1
+            if (
+                idle >= PROBE_INTERVAL
+                and limits[index] > 0
+                and _pays(PRIOR_ACCEPTANCE, expected, seconds, per_token)
+            ):
+                slots[request_id], idle = 1, 0
+                expected += rates[index]
+                seconds += per_token
+            self._idle_decodes[request_id] = idle
         return slots
+
+    def is_compute_bound(self, num_decoding: int, other_tokens: int = 0) -> bool:
+        """Whether the next step (`num_decoding` decodes, `other_tokens` of prefill) is too
+        costly per token for even a draft as likely as the prior to pay: where no drafts are
+        granted because of the step, not the sequences (also before any step is measured)."""
+        line = self.cost.line()
+        if line is None:
+            return True
+        fixed, per_token = line
+        seconds = fixed + per_token * (num_decoding + other_tokens)
+        return not _pays(PRIOR_ACCEPTANCE, float(num_decoding), seconds, per_token)
+
+
+def _pays(value: float, expected: float, seconds: float, per_token: float) -> bool:
+    """Whether a draft accepted with chance `value` raises the output rate of a step expected
+    to yield `expected` tokens in `seconds`, where one more token costs `per_token`."""
+    return seconds > 0.0 and value >= MIN_DRAFT_VALUE and value > per_token * expected / seconds

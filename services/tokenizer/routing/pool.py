@@ -37,8 +37,15 @@ from services.common.model_description_proto import description_from_proto
 from services.common.prefix_hash import BlockHash, adapter_salt, prefix_block_hashes
 from services.contracts.errors import DependencyUnavailableError, NotFoundError, quoted
 from services.contracts.model_description import ModelDescription
+from services.contracts.sampling_params import SamplingParams
 from services.tokenizer import metrics
 from services.tokenizer.routing import scheduler_convert
+from services.tokenizer.routing.disaggregation import (
+    PrefillCandidate,
+    choose_prefill,
+    takes_requests,
+    wants_remote_prefill,
+)
 from services.tokenizer.routing.membership import MEMBER_STATES, DnsName, Membership, SchedulerEntry
 from services.tokenizer.routing.policy import (
     AdapterState,
@@ -114,6 +121,7 @@ class SchedulerPool:
         resolve_s: float = 5.0,
         drain_s: float = 30.0,
         resolve: Resolve = resolve_ips,
+        disaggregate_min_prompt: int = 512,
     ) -> None:
         self.entries = tuple(entries)
         self.internal_secret = internal_secret
@@ -124,6 +132,7 @@ class SchedulerPool:
         self.resolve_s = resolve_s
         self.drain_s = drain_s
         self.resolve = resolve
+        self.disaggregate_min_prompt = disaggregate_min_prompt
         self.membership = Membership(self.entries)
         self.clients: list[SchedulerClient] = []
         """Every member, pending or active, in membership order (pins go to all of them)."""
@@ -178,7 +187,8 @@ class SchedulerPool:
         among the active ones; DependencyUnavailableError when none is (every DNS member still
         pending), NotFoundError when none holds the adapter."""
         turn = next(self._turn)
-        clients = self.routable
+        # Prefill pairs take prompts from decode pairs, never requests (disaggregation.py).
+        clients = [c for c in self.routable if takes_requests(c.stats.role if c.stats else None)]
         if not clients:
             raise DependencyUnavailableError(
                 f"no scheduler is ready ({len(self.clients)} known, none answering yet)"
@@ -213,6 +223,21 @@ class SchedulerPool:
         client.num_sent_since_poll += 1
         metrics.ROUTED.labels(self.policy, _reason(self.policy, candidates, index)).inc()
         return client
+
+    def pick_prefill(self, num_prompt_tokens: int, sampling: SamplingParams) -> str:
+        """The prefill scheduler for this request's prompt (docs/disaggregation.md), or ""
+        when the prompt is short, the request cannot use one, or no prefill pair answers."""
+        if not wants_remote_prefill(num_prompt_tokens, sampling, self.disaggregate_min_prompt):
+            return ""
+        candidates = [
+            PrefillCandidate(c.address, c.stats.role if c.stats else None, c.load())
+            for c in self.routable
+        ]
+        address = choose_prefill(candidates, next(self._turn))
+        if address is None:
+            return ""
+        self._by_address[address].num_sent_since_poll += 1
+        return address
 
     def _block_hashes(
         self,

@@ -16,7 +16,10 @@ from services.tokenizer.routing.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.validation import ValidatedRequest
 
 
-def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> scheduler_pb2.SubmitRequest:
+def submit_request(
+    request: ValidatedRequest, arrival_unix_s: float, prefill_scheduler: str = ""
+) -> scheduler_pb2.SubmitRequest:
+    """`prefill_scheduler`: the prefill pair for its prompt (docs/disaggregation.md)."""
     return scheduler_pb2.SubmitRequest(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
@@ -26,6 +29,7 @@ def submit_request(request: ValidatedRequest, arrival_unix_s: float) -> schedule
         tenant_id=request.tenant_id,
         tenant_weight=request.tenant_weight,
         lora_name=request.lora_name,
+        prefill_scheduler=prefill_scheduler,
     )
 
 
@@ -108,6 +112,7 @@ def scheduler_snapshot(stats: scheduler_pb2.SchedulerStats) -> SchedulerSnapshot
         lora_adapters=frozenset(stats.lora_adapters),
         active_lora_adapters=frozenset(stats.active_lora_adapters),
         max_loras=stats.max_loras,
+        role=stats.role or "both",
     )
 
 

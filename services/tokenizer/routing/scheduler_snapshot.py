@@ -27,3 +27,5 @@ class SchedulerSnapshot:
     request for another one waits for a slot and a copy to the device."""
     max_loras: int = 0
     """Device slots for adapters (0: the worker serves the base model only)."""
+    role: str = "both"
+    """both, prefill or decode (routing/disaggregation.py)."""

@@ -45,6 +45,8 @@ class SubmitStream:
         arrival_unix_s: float,
         timeout_s: float | None,
         log_extra: Mapping[str, object],
+        *,
+        prefill_scheduler: str = "",
     ) -> None:
         self.scheduler = scheduler
         self._request_id = request.request_id
@@ -54,7 +56,8 @@ class SubmitStream:
         self._call: grpc.aio.UnaryStreamCall | None = None
         if not scheduler.closed:
             self._call = scheduler.stub.Submit(
-                scheduler_convert.submit_request(request, arrival_unix_s), timeout=timeout_s
+                scheduler_convert.submit_request(request, arrival_unix_s, prefill_scheduler),
+                timeout=timeout_s,
             )
         # The client may be slower than the scheduler. Read the scheduler stream at once into a
         # local queue: a stalled client must never stall the shared scheduler connection

@@ -23,7 +23,7 @@ from services.common.config_flags import config_from_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 MANIFESTS = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("example", "gpu")
+OVERLAYS = ("example", "gpu", "disaggregated")
 # The oldest Kubernetes the manifests claim (docs/deployment.md, Kubernetes), and the newest
 # with schemas.
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -36,6 +36,8 @@ Obj = dict[str, Any]
 INTERNAL_SECRET = "0f" * 32
 REDIS_PASSWORD = "a1" * 32
 API_KEYS = "k-admin-7d1e admin\nk-user-95c2 tenant=acme\n"
+POD_IP = "10.244.1.7"
+"""What the downward API gives a container for status.podIP, in these tests."""
 EXTERNAL_REDIS_URL = "rediss://llmserve:pw-3e9a@redis.example.com:6380"
 
 
@@ -139,7 +141,11 @@ def expand(text: str, env: dict[str, str]) -> str:
 def container_env(docs: list[Obj], workload: Obj, spec: Obj, pod_name: str) -> dict[str, str]:
     """The environment the container starts with, in the pod named `pod_name`."""
     secrets = secret_data(docs)
-    fields = {"metadata.name": pod_name, "metadata.namespace": workload["metadata"]["namespace"]}
+    fields = {
+        "metadata.name": pod_name,
+        "metadata.namespace": workload["metadata"]["namespace"],
+        "status.podIP": POD_IP,
+    }
     env: dict[str, str] = {}
     for variable in spec.get("env", []):
         if "value" in variable:
@@ -193,13 +199,29 @@ def processes(docs: list[Obj], monkeypatch: pytest.MonkeyPatch) -> dict[str, Pro
     """Every llmserve container of the overlay, by command (one of each)."""
     found: dict[str, Process] = {}
     for workload in workloads(docs):
+        # A second set of pairs (the disaggregated overlay's llmserve-pair-decode) names its
+        # processes by its suffix: scheduler-decode, worker-decode.
+        suffix = ""
+        if workload["metadata"]["name"].startswith("llmserve-pair-"):
+            suffix = workload["metadata"]["name"].removeprefix("llmserve-pair")
         for spec in pod_spec(workload)["containers"]:
             if spec["image"].split("/")[-1].startswith("llmserve"):
                 process = parse(docs, workload, spec, monkeypatch)
-                assert process.command not in found
-                found[process.command] = process
-    assert set(found) == {"tokenizer", "scheduler", "worker"}
+                assert process.command + suffix not in found
+                found[process.command + suffix] = process
+    assert {"tokenizer", "scheduler", "worker"} <= set(found)
+    assert set(found) - {"tokenizer"} == {
+        f"{c}{s}"
+        for c in ("scheduler", "worker")
+        for s in {k.removeprefix("scheduler") for k in found if k.startswith("scheduler")}
+    }
     return found
+
+
+def pair_suffixes(found: dict[str, Process]) -> list[str]:
+    """The sets of pairs `processes` found: "" (the base's), and "-decode" where the overlay
+    adds a decode set."""
+    return sorted(key.removeprefix("scheduler") for key in found if key.startswith("scheduler"))
 
 
 def pre_stop_sleep_s(spec: Obj) -> int:

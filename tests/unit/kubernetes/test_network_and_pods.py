@@ -28,6 +28,7 @@ from tests.unit.kubernetes.manifests import (
     matches,
     named,
     objects,
+    pair_suffixes,
     pod_labels,
     pod_spec,
     processes,
@@ -73,15 +74,25 @@ def test_network_policies_keep_internal_ports_internal(
 ) -> None:
     for docs in rendered.values():
         found = processes(docs, monkeypatch)
-        tokenizer, scheduler, worker = found["tokenizer"], found["scheduler"], found["worker"]
+        tokenizer, scheduler = found["tokenizer"], found["scheduler"]
         tokenizers = tokenizer.workload["metadata"]["name"]
         pairs = scheduler.workload["metadata"]["name"]
         assert reachable(docs, tokenizers, tokenizer.config.port) == {"anyone"}
         assert reachable(docs, tokenizers, tokenizer.config.http_port) == {"anyone"}
-        assert reachable(docs, pairs, scheduler.config.port) == {tokenizers}
-        assert reachable(docs, pairs, worker.config.port) == set()
+        every_pair_set = set()
+        for suffix in pair_suffixes(found):
+            pair_set = found[f"scheduler{suffix}"].workload["metadata"]["name"]
+            every_pair_set.add(pair_set)
+            assert reachable(docs, pair_set, found[f"scheduler{suffix}"].config.port) == {
+                tokenizers
+            }
+            # A worker is driven over its pod's loopback; a decode worker also takes the KV
+            # pushes of prefill pods (the base's set), and nobody else's.
+            worker_port = found[f"worker{suffix}"].config.port
+            assert reachable(docs, pair_set, worker_port) == ({pairs} if suffix else set())
+            assert "cluster" in reachable(docs, pair_set, scheduler.config.metrics_port)
         # Redis: the processes given its URL, and only those.
-        assert reachable(docs, "llmserve-redis", 6379) == {tokenizers, pairs}
+        assert reachable(docs, "llmserve-redis", 6379) == {tokenizers, *every_pair_set}
         for process in (tokenizer, scheduler):
             assert process.config.redis_url.endswith("@llmserve-redis:6379")
         service = named(docs, "Service", "llmserve-redis")
@@ -113,7 +124,10 @@ def test_autoscaler_and_disruption_budgets(
         }
         assert budgets == {
             frozenset({tokenizers["metadata"]["name"]}),
-            frozenset({found["scheduler"].workload["metadata"]["name"]}),
+            *(
+                frozenset({found[f"scheduler{suffix}"].workload["metadata"]["name"]})
+                for suffix in pair_suffixes(found)
+            ),
         }
 
 

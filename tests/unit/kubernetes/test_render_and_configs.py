@@ -20,6 +20,7 @@ from services.tokenizer.routing.membership import DnsName
 from tests.unit.kubernetes.manifests import (
     INTERNAL_SECRET,
     KUBERNETES_VERSIONS,
+    POD_IP,
     REDIS_PASSWORD,
     REDIS_PASSWORD_ENV,
     Obj,
@@ -28,6 +29,7 @@ from tests.unit.kubernetes.manifests import (
     kubernetes_validate,
     named,
     objects,
+    pair_suffixes,
     parse,
     pod_labels,
     pod_spec,
@@ -246,16 +248,22 @@ def test_tokenizers_discover_the_pairs_by_dns(
 ) -> None:
     for docs in rendered.values():
         found = processes(docs, monkeypatch)
-        pairs = found["scheduler"].workload
-        service = named(docs, "Service", pairs["spec"]["serviceName"])
-        (engine,) = [p for p in service["spec"]["ports"] if p["name"] == "engine"]
-        # One entry, `dns:NAME:PORT`: the tokenizer re-resolves NAME every
+        # One entry per set of pairs, `dns:NAME:PORT`: the tokenizer re-resolves NAME every
         # --scheduler-resolve-s seconds and routes over every address it gets.
-        (entry,) = found["tokenizer"].config.scheduler_entries
-        assert isinstance(entry, DnsName)
-        # The Service's name alone resolves within the namespace (the pod's DNS search path).
-        assert entry.name == service["metadata"]["name"]
-        assert entry.port == engine["port"]
+        entries = found["tokenizer"].config.scheduler_entries
+        assert len(entries) == len(pair_suffixes(found))
+        for entry, suffix in zip(entries, pair_suffixes(found), strict=True):
+            pairs = found[f"scheduler{suffix}"].workload
+            service = named(docs, "Service", pairs["spec"]["serviceName"])
+            (engine,) = [p for p in service["spec"]["ports"] if p["name"] == "engine"]
+            assert isinstance(entry, DnsName)
+            # The Service's name alone resolves in the namespace (the pod's DNS search path).
+            assert entry.name == service["metadata"]["name"]
+            assert entry.port == engine["port"]
+            # Each set's Service lists its own pods only.
+            assert selected(docs, {"matchLabels": service["spec"]["selector"]}) == {
+                pairs["metadata"]["name"]
+            }
 
 
 def test_each_pair_has_its_own_scheduler_id(
@@ -269,3 +277,24 @@ def test_each_pair_has_its_own_scheduler_id(
             for ordinal in range(3)
         }
         assert ids == {"llmserve-pair-0", "llmserve-pair-1", "llmserve-pair-2"}
+
+
+def test_the_disaggregated_overlay_has_prefill_and_decode_pairs(
+    rendered: dict[str, list[Obj]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/disaggregation.md: the base's pairs prefill, llmserve-pair-decode's decode; a
+    decode scheduler names its worker at the pod's IP as the KV destination, and that worker
+    listens there as well as on loopback (its scheduler's address); prefill workers stay on
+    loopback."""
+    found = processes(rendered["disaggregated"], monkeypatch)
+    assert pair_suffixes(found) == ["", "-decode"]
+    prefill, decode = found["scheduler"], found["scheduler-decode"]
+    assert (prefill.config.role, decode.config.role) == ("prefill", "decode")
+    decode_worker = found["worker-decode"].config
+    assert decode_worker.host == "0.0.0.0"
+    assert decode.config.worker == f"127.0.0.1:{decode_worker.port}"
+    assert decode.config.worker_advertise_address == f"{POD_IP}:{decode_worker.port}"
+    assert found["worker"].config.host == "127.0.0.1"
+    assert prefill.config.worker_advertise_address == ""
+    for name in ("example", "gpu"):
+        assert processes(rendered[name], monkeypatch)["scheduler"].config.role == "both"

@@ -1,0 +1,32 @@
+"""Where a prompt's KV goes after a remote prefill (docs/disaggregation.md): the blocks a decode
+pair reserved, and the cache facts both workers must share for the bytes to mean the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FAILED_TRANSFER_PREFIX = "kv transfer: "
+"""Starts the reason of a sequence failed because its KV could not be sent (StepResult
+.failed_sequences): its request ends UNAVAILABLE, not as an unservable one."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvDestination:
+    worker: str
+    """The decode worker's address (host:port): the prefill worker pushes the blocks there."""
+    first_block: int
+    """Blocks of the prompt before this one are cached on the decode side: not sent."""
+    block_ids: list[int] = field(default_factory=list)
+    """The decode worker's blocks for prompt blocks first_block, first_block + 1, ..."""
+    model_name: str = ""
+    kv_cache_dtype: str = ""
+    block_size: int = 0
+    lora_name: str = ""
+    """The decode request's adapter and salt: the prefill sequence must have the same."""
+    cache_salt: bytes = b""
+    worker_epoch: str = ""
+    """The decode worker's epoch at reservation: a restarted worker refuses the transfer."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)

@@ -1,0 +1,171 @@
+"""Decode side of disaggregation, the calls (docs/disaggregation.md): for each request the core
+admitted to await its KV (features/disaggregation.py), ask its prefill scheduler to compute the
+prompt and send the blocks to this pair's worker; its first token means they are written.
+
+Any failure (prefill scheduler unreachable or killed, worker refused, a timeout) falls back:
+the request prefills here, in the blocks it holds. An aborted request's call is cancelled,
+which aborts it on the prefill side too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from protos.llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.internal_auth import internal_channel
+from services.common.kv_destination_proto import kv_destination_to_proto
+from services.contracts.kv_transfer import KvDestination
+from services.contracts.sampling_params import SamplingParams
+from services.contracts.worker_description import WorkerDescription
+from services.scheduler import metrics
+from services.scheduler.features.disaggregation import Handoff
+from services.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCall:
+    """What a decode scheduler sends its prefill scheduler for one request."""
+
+    prefill_scheduler: str
+    submit: scheduler_pb2.SubmitRequest
+    """The request as it arrived, turned into a one-token prefill (`prefill_call`)."""
+
+
+def disaggregates(sampling: SamplingParams) -> bool:
+    """Whether a request may be prefilled on another pair: one choice, no logprobs, no
+    grammar (the first token's logprobs and grammar state would have to travel with it)."""
+    return sampling.n == 1 and not sampling.logprobs and sampling.structured_output is None
+
+
+def prefill_call(request: scheduler_pb2.SubmitRequest) -> PrefillCall:
+    """The request for its prefill scheduler: the same prompt, adapter, salt and tenant, one
+    token (the first, sampled as it would be here)."""
+    submit = scheduler_pb2.SubmitRequest()
+    submit.CopyFrom(request)
+    submit.prefill_scheduler = ""
+    submit.sampling.max_new_tokens = 1
+    submit.sampling.min_new_tokens = min(submit.sampling.min_new_tokens, 1)
+    return PrefillCall(request.prefill_scheduler, submit)
+
+
+class KvHandoffs:
+    def __init__(
+        self,
+        worker_address: str,
+        internal_secret: str | None,
+        timeout_s: float,
+        wake: Callable[[], None],
+    ) -> None:
+        self.worker_address = worker_address
+        """This pair's worker, as the prefill worker reaches it."""
+        self.internal_secret = internal_secret
+        self.timeout_s = timeout_s
+        self.wake = wake
+        self._calls: dict[str, PrefillCall] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
+
+    def register(self, request_id: str, call: PrefillCall) -> None:
+        self._calls[request_id] = call
+
+    def start(
+        self,
+        scheduler: Scheduler,
+        handoffs: list[Handoff],
+        description: WorkerDescription,
+        now: float,
+    ) -> None:
+        """Call the prefill scheduler of every request admitted to await its KV, for no
+        longer than --kv-transfer-timeout-s or what is left of the request's deadline (`now`
+        on the scheduler's clock)."""
+        for handoff in handoffs:
+            call = self._calls.pop(handoff.request_id, None)
+            request = scheduler.requests.get(handoff.request_id)
+            if call is None or request is None:
+                scheduler.fall_back_to_local_prefill(handoff.request_id)
+                continue
+            submit = scheduler_pb2.SubmitRequest()
+            submit.CopyFrom(call.submit)
+            destination = KvDestination(
+                worker=self.worker_address,
+                first_block=handoff.first_block,
+                block_ids=handoff.block_ids,
+                model_name=description.model.model_name,
+                kv_cache_dtype=description.kv_cache_dtype,
+                block_size=description.block_size,
+                lora_name=request.lora_name,
+                cache_salt=request.cache_salt,
+                worker_epoch=description.worker_epoch,
+            )
+            submit.kv_destination.CopyFrom(kv_destination_to_proto(destination))
+            timeout_s = self.timeout_s
+            if request.deadline is not None:
+                timeout_s = max(0.001, min(timeout_s, request.deadline - now))
+            task = asyncio.create_task(self._run(scheduler, handoff, submit, timeout_s))
+            self._tasks[handoff.request_id] = task
+
+    async def _run(
+        self,
+        scheduler: Scheduler,
+        handoff: Handoff,
+        submit: scheduler_pb2.SubmitRequest,
+        timeout_s: float,
+    ) -> None:
+        request_id = handoff.request_id
+        started = time.perf_counter()
+        try:
+            token_ids: list[int] = []
+            stub = self._stub(handoff.prefill_scheduler)
+            async for response in stub.Submit(submit, timeout=timeout_s):
+                token_ids.extend(response.token_ids)
+            if not token_ids:
+                raise RuntimeError("the prefill scheduler answered no token")
+            scheduler.complete_remote_prefill(request_id, token_ids)
+            metrics.REMOTE_PREFILL.labels("done").observe(time.perf_counter() - started)
+            log.info(
+                "remote prefill done",
+                extra={"request_id": request_id, "prefill": handoff.prefill_scheduler},
+            )
+        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.warning(
+                "remote prefill failed; prefilling here",
+                extra={
+                    "request_id": request_id,
+                    "prefill": handoff.prefill_scheduler,
+                    "error": detail,
+                },
+            )
+            metrics.REMOTE_PREFILL.labels("fallback").observe(time.perf_counter() - started)
+            scheduler.fall_back_to_local_prefill(request_id)
+        finally:
+            self._tasks.pop(request_id, None)
+            self.wake()
+
+    def forget(self, request_id: str) -> None:
+        """The request ended here (aborted, expired): its prefill call ends too."""
+        self._calls.pop(request_id, None)
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+
+    def clear(self) -> None:
+        """The worker is gone and every request with it: cancel every call."""
+        for request_id in [*self._calls, *self._tasks]:
+            self.forget(request_id)
+
+    def _stub(self, address: str) -> scheduler_pb2_grpc.SchedulerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = internal_channel(address, self.internal_secret, CHANNEL_OPTIONS)
+            stub = self._stubs[address] = scheduler_pb2_grpc.SchedulerStub(channel)
+        return stub
