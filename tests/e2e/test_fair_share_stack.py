@@ -38,6 +38,9 @@ def stack() -> Iterator[RunningStack]:
         )
         flags = ["--api-key-file", str(key_file), "--max-num-seqs", str(MAX_NUM_SEQS)]
         flags += ["--max-waiting-requests", "128", "--tokenizer-replicas", "1"]
+        # One token per seat and step, so a tenant's share of seats is its share of tokens:
+        # drafts accepted would give some seats several tokens in a step.
+        flags += ["--no-speculation"]
         with e2e_stack(flags) as running:
             yield running
 
