@@ -10,7 +10,10 @@ from contextlib import AbstractContextManager
 import pytest
 
 from services.stack import RunningStack, running_stack
-from tests.e2e.llm_comply import SHORT_CONTEXT_FLAGS
+
+# Its asserts explain themselves as a test module's do (imported from here first).
+pytest.register_assert_rewrite("tests.e2e.llm_comply")
+from tests.e2e.llm_comply import SHORT_CONTEXT_FLAGS  # noqa: E402
 
 
 def worker_threads_flags() -> list[str]:

@@ -329,5 +329,4 @@ def test_llm_comply_open_responses_group_passes(stack: RunningStack) -> None:
         not_applicable=NOT_APPLICABLE,
         gated={"reasoning-summary": None},
         api_key=TENANT_A_KEY,
-        rerun_cut_answers=True,
     )
