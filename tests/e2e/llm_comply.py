@@ -24,10 +24,12 @@ SHORT_CONTEXT_FLAGS = ["--max-model-len", "1024"]
 RUN_TIMEOUT_S = 1800
 REQUEST_TIMEOUT_S = 300
 # What llm-comply says of a sampled answer the short context rightly cut, per group: an Open
-# Responses answer is `incomplete` (where a test expects it completed), a Messages answer stops
-# for the context window (where a test expects its tool call).
+# Responses answer is `incomplete` (where a test expects it completed), a Chat answer ends for
+# `length` (its requests set no max_tokens: only the context ends it so), a Messages answer
+# stops for the context window (where a test expects its tool call).
 CUT_BY_THE_CONTEXT = {
     "open-responses": "expected status='completed', got 'incomplete'",
+    "openai-chat": "finish_reason: expected 'stop', got 'length'",
     "anthropic": "got 'model_context_window_exceeded'",
 }
 
