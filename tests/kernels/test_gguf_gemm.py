@@ -38,6 +38,7 @@ from kernels.gguf_blocks_torch import (
     group_shape,
     quantize_activation_blocks,
 )
+from services.common.cache_files import locked
 
 KINDS = list(GGUF_KINDS.values())
 KIND_IDS = list(GGUF_KINDS)
@@ -101,8 +102,21 @@ def build_variant(variant: str):  # type: ignore[no-untyped-def]
         + " ".join(flags).encode()
         + str(source.resolve()).encode()
     ).hexdigest()
+    name = f"{namespace}_{digest[:10]}"
+    # In llmserve's cache (LLMSERVE_CACHE_DIR), as the product's libraries, so a run from an
+    # empty cache builds it too; under a lock, so parallel test workers build it once.
+    directory = cpu_extension.build_directory(name)
+    with locked(directory / f"{name}.so"):
+        _load_variant(load, name, source, directory, namespace, flags)
+    ops_namespace = getattr(torch.ops, namespace)
+    assert ops_namespace.gguf_kernel_isa() == isa
+    return ops_namespace
+
+
+def _load_variant(load, name, source, directory, namespace, flags) -> None:  # type: ignore[no-untyped-def]
     load(
-        name=f"{namespace}_{digest[:10]}",
+        name=name,
+        build_directory=str(directory),
         sources=[str(source)],
         extra_cflags=[
             "-O2",
@@ -114,9 +128,6 @@ def build_variant(variant: str):  # type: ignore[no-untyped-def]
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
     )
-    ops_namespace = getattr(torch.ops, namespace)
-    assert ops_namespace.gguf_kernel_isa() == isa
-    return ops_namespace
 
 
 @pytest.fixture(scope="module")
