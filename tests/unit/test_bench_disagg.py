@@ -82,7 +82,9 @@ def test_transfer_share_is_seconds_per_document_over_document_ttft() -> None:
 
 def test_transfer_difference_and_no_transfer_gives_nan() -> None:
     assert Transfer(10, 2, 3) - Transfer(4, 0.5, 1) == Transfer(6, 1.5, 2)
-    assert math.isnan(run_result(transfer=Transfer(0, 0, 0)).transfer_share)
+    chat_only = run_result(ttft_ms=(), transfer=Transfer(0, 0, 0))
+    assert math.isnan(chat_only.transfer_share)
+    assert result_row(chat_only)[9] == "-"
 
 
 def test_colocated_rows_show_dashes_for_transfer_and_the_table_renders() -> None:
@@ -113,7 +115,10 @@ def test_target_ratios_compare_against_the_targets() -> None:
     ratios = target_ratios(colocated, disaggregated, chat_colocated, chat_disaggregated)
     assert [r.value for r in ratios] == pytest.approx([0.4, 0.1, 0.85])
     assert [r.met for r in ratios] == [True, False, False]
-    assert [row[3] for row in ratio_rows(ratios)] == ["yes", "no", "no"]
+    rows = ratio_rows(ratios)
+    assert [row[1] for row in rows] == ["0.400", "0.100", "0.850"]
+    assert [row[2] for row in rows] == ["<= 0.5", "<= 0.05", ">= 0.9"]
+    assert [row[3] for row in rows] == ["yes", "no", "no"]
 
 
 def test_flags_split_the_threads_and_refuse_bad_values() -> None:
