@@ -7,6 +7,7 @@ from typing import Any
 from benchmarks import (
     capacity,
     detokenize,
+    disagg,
     gemm_tiles,
     hf_baseline,
     interleaved,
@@ -37,6 +38,7 @@ BENCHMARKS = (
     structured,
     detokenize,
     interleaved,
+    disagg,
     speculative,
     spec,
     tenants,
