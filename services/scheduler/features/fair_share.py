@@ -21,9 +21,9 @@ a request with n > 1 is of its tenant), from when it is queued until it leaves.
 Seats are what a decode step shares: a seat produces one token per step, so a tenant's share
 of seats is its share of output tokens while its requests run. With speculative decoding a seat
 may produce more (its accepted drafts): the share is still of seats, i.e. of the steps' work,
-and a tenant whose answers repeat what it sent gets more tokens from the same seats. With a single tenant every rule
-reduces to first come first served (the order of the lists), which is also what the scheduler
-does with fair shares off.
+and a tenant whose answers repeat what it sent gets more tokens from the same seats. With a
+single tenant every rule reduces to first come first served (the order of the lists), which is
+also what the scheduler does with fair shares off.
 """
 
 from __future__ import annotations
