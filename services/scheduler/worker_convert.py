@@ -71,6 +71,21 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
         block_copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in plan.block_copies],
         draft_slots=plan.draft_slots,
         block_truncations=plan.block_truncations,
+        disk_stores=[
+            worker_pb2.DiskStore(
+                block_id=d.block_id,
+                block_hash=d.block_hash,
+                lora_name=d.lora_name,
+                cache_salt=d.cache_salt,
+            )
+            for d in plan.disk_stores
+        ],
+        disk_loads={
+            request_id: worker_pb2.DiskLoads(
+                blocks=[worker_pb2.DiskBlock(block_id=b, block_hash=h) for b, h in loads]
+            )
+            for request_id, loads in plan.disk_loads.items()
+        },
     )
 
 
@@ -98,4 +113,6 @@ def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
             if outcome.proposer
         },
         failed_sequences=dict(message.failed_sequences),
+        disk_added=list(message.disk_added),
+        disk_evicted=list(message.disk_evicted),
     )
