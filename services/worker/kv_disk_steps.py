@@ -4,11 +4,21 @@ after it, report what the disk gained and lost. The files are kv_disk_tier.py's.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from services.contracts.step import BatchPlan, StepResult
+from services.worker.config import GiB
 from services.worker.kv_cache import PagedKVCache
-from services.worker.kv_disk_tier import BlockScope, DiskWriter, KvDiskTier
+from services.worker.kv_disk_tier import (
+    BlockScope,
+    DiskIdentity,
+    DiskWriter,
+    KvDiskTier,
+    model_fingerprint,
+)
+from services.worker.kv_transfer import CacheIdentity
 
 FAILED_DISK_LOAD_PREFIX = "kv disk block unavailable: "
 """A sequence whose disk blocks could not be read fails with this reason (the scheduler
@@ -19,6 +29,22 @@ class KvDiskSteps:
     def __init__(self, tier: KvDiskTier, writer: DiskWriter) -> None:
         self.tier = tier
         self.writer = writer
+
+    @classmethod
+    def open(
+        cls,
+        directory: Path,
+        gib: float,
+        model_path: Path,
+        weights: str,
+        identity: CacheIdentity,
+    ) -> KvDiskSteps:
+        """Index `directory` for this model and cache. `weights` names how the weights run
+        (quantization and compute dtype): the same file quantized otherwise computes other KV."""
+        fingerprint = f"{model_fingerprint(model_path)}:{weights}"
+        tier = KvDiskTier(directory, int(gib * GiB), DiskIdentity(fingerprint, identity))
+        tier.open()
+        return cls(tier, DiskWriter(tier))
 
     def admit(self, plan: BatchPlan, kv_cache: PagedKVCache) -> tuple[BatchPlan, dict[str, str]]:
         """Store, then load (a block the plan reuses is stored with its old contents first).

@@ -86,8 +86,8 @@ class KvDiskTier:
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] = OrderedDict()
         """block hash hex → file bytes, least recently used first."""
-        self._added: list[str] = []
-        self._evicted: list[str] = []
+        self._changed: dict[str, None] = {}
+        """Hashes added or removed since the last `take_changes` (insertion-ordered)."""
         self.num_bytes = 0
 
     # --- start -----------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class KvDiskTier:
             self._evict_to(size)
             self._sizes[name] = size
             self.num_bytes += size
-            self._added.append(name)
+            self._changed[name] = None
         metrics.KV_DISK_BLOCKS.labels("written").inc()
         metrics.KV_DISK_BYTES.labels("written").inc(len(payload))
         return True
@@ -160,7 +160,7 @@ class KvDiskTier:
         while self._sizes and self.num_bytes + incoming > self.capacity_bytes:
             name, size = self._sizes.popitem(last=False)
             self.num_bytes -= size
-            self._evicted.append(name)
+            self._changed[name] = None
             _unlink(self.directory / name)
             metrics.KV_DISK_BLOCKS.labels("evicted").inc()
 
@@ -240,7 +240,7 @@ class KvDiskTier:
             size = self._sizes.pop(name, None)
             if size is not None:
                 self.num_bytes -= size
-                self._evicted.append(name)
+                self._changed[name] = None
 
     # --- reporting -------------------------------------------------------------------------
 
@@ -249,11 +249,13 @@ class KvDiskTier:
             return [bytes.fromhex(name) for name in self._sizes]
 
     def take_changes(self) -> tuple[list[bytes], list[bytes]]:
-        """Blocks added to and removed from disk since the last call (for the scheduler)."""
+        """Blocks on disk now and gone now, of those changed since the last call: the net
+        state, so a block written, evicted and written again reads as there."""
         with self._lock:
-            added, evicted = self._added, self._evicted
-            self._added, self._evicted = [], []
-        return [bytes.fromhex(n) for n in added], [bytes.fromhex(n) for n in evicted]
+            changed, self._changed = self._changed, {}
+            added = [bytes.fromhex(n) for n in changed if n in self._sizes]
+            evicted = [bytes.fromhex(n) for n in changed if n not in self._sizes]
+        return added, evicted
 
     def _disable(self, op: str, exc: OSError) -> None:
         """Degrade, never fail: one warning, one metric, then serve without the tier."""
@@ -266,7 +268,7 @@ class KvDiskTier:
             extra={"op": op, "directory": str(self.directory), "error": str(exc)},
         )
         with self._lock:
-            self._evicted.extend(self._sizes)
+            self._changed.update(dict.fromkeys(self._sizes))
             self._sizes.clear()
             self.num_bytes = 0
 
