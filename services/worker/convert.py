@@ -33,6 +33,7 @@ def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.Wo
         max_loras=description.max_loras,
         max_lora_rank=description.max_lora_rank,
         batch_invariant=description.batch_invariant,
+        kv_disk_block_hashes=description.kv_disk_block_hashes,
         memory=memory_budget_to_proto(description.memory),
     )
 
