@@ -38,3 +38,5 @@ class WorkerDescription:
     kv_disk_block_hashes: list[bytes] = field(default_factory=list)
     """Chain hashes of the blocks in the worker's KV disk tier (empty: none, or no tier);
     StepResult.disk_added / disk_evicted report what changes after."""
+    kv_disk_tier: bool = False
+    """A KV disk tier is open (--kv-disk-dir): the scheduler sends it the blocks it caches."""

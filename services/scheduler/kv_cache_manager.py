@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from services.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens
 from services.scheduler.config import AllocationPolicy, SchedulerConfig
+from services.scheduler.features.kv_disk import DiskTierView
 from services.scheduler.features.sliding_window import RELEASED_BLOCK, num_dead_blocks
 from services.scheduler.request import Request
 
@@ -51,6 +52,8 @@ class KVCacheManager:
         """Block references forks gave away instead of allocating (running total)."""
         self.num_block_copies = 0
         """Shared blocks copied on a write (running total)."""
+        self.disk: DiskTierView | None = None
+        """The worker's KV disk tier, told of each block cached (None: the worker has none)."""
 
     @classmethod
     def from_config(
@@ -263,7 +266,9 @@ class KVCacheManager:
             return  # most steps: no block became full
         table = self._block_tables[request.request_id]
         for index in range(num_cached, num_full):
-            self.pool.cache_block(table[index], self._block_hash(request, index))
+            block_hash = self._block_hash(request, index)
+            if self.pool.cache_block(table[index], block_hash) and self.disk is not None:
+                self.disk.block_cached(table[index], block_hash, request)
         self._num_cached_blocks[request.request_id] = num_full
 
     def _block_hash(self, request: Request, index: int) -> BlockHash:

@@ -28,6 +28,7 @@ from services.scheduler.features.disaggregation import Handoff, RemotePrefills
 from services.scheduler.features.draft_slots import DraftSlots
 from services.scheduler.features.fair_share import NO_TENANT, FairShare, Tenant
 from services.scheduler.features.grammar_readiness import GrammarReadiness
+from services.scheduler.features.kv_disk import DiskTierView
 from services.scheduler.features.lora_admission import LoraAdmission
 from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -43,10 +44,12 @@ class Scheduler:
         *,
         sliding_window: int = 0,
         max_loras: int = 0,
+        kv_disk_hashes: list[bytes] | None = None,
     ) -> None:
         """`num_blocks`, `sliding_window` and `max_loras` are the worker's: its KV capacity,
         the window every layer of its model attends through (0: some layer sees the whole
-        context), and the LoRA adapters one of its steps may mix."""
+        context), the LoRA adapters one of its steps may mix, and the blocks its KV disk
+        tier holds (None: it has no disk tier)."""
         self.config = config
         self.kv = KVCacheManager.from_config(config, num_blocks, sliding_window)
         self.requests: dict[str, Request] = {}
@@ -68,6 +71,8 @@ class Scheduler:
         self.fair = FairShare(config.fair_share, public_id=self.choices.public_id)
         self.loras = LoraAdmission(max_loras)
         self.grammars = GrammarReadiness()
+        self.disk = None if kv_disk_hashes is None else DiskTierView(kv_disk_hashes)
+        self.kv.disk = self.disk
         self.remote = RemotePrefills()
         self.failures: dict[str, str] = {}
         """Requests (submitted ids) the worker could not run, and why: their owners hear an
@@ -196,6 +201,8 @@ class Scheduler:
         self.drafts.grant(plan, self.requests)
         plan.finished_request_ids, self._finished_ids = self._finished_ids, []
         plan.block_copies = self.kv.take_pending_copies()
+        if self.disk is not None:
+            plan.disk_stores = self.disk.take_stores()
         return plan
 
     def update(self, plan: BatchPlan, result: StepResult, now: float) -> list[TokenEvent]:
@@ -209,6 +216,8 @@ class Scheduler:
         events, self._pending_events = self._pending_events, []
         if result.failed_sequences:
             self._fail(result.failed_sequences)
+        if self.disk is not None:
+            self.disk.on_result(result)
         finished: list[Request] = []
         for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)

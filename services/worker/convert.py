@@ -34,6 +34,7 @@ def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.Wo
         max_lora_rank=description.max_lora_rank,
         batch_invariant=description.batch_invariant,
         kv_disk_block_hashes=description.kv_disk_block_hashes,
+        kv_disk_tier=description.kv_disk_tier,
         memory=memory_budget_to_proto(description.memory),
     )
 

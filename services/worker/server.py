@@ -133,6 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_lora_rank=runner.adapters.max_lora_rank,
             batch_invariant=runner.batch_invariant,
             kv_disk_block_hashes=runner.kv_disk.tier.hashes() if runner.kv_disk else [],
+            kv_disk_tier=runner.kv_disk is not None and runner.kv_disk.tier.enabled,
             memory=memory_budget.measure(loaded.model, runner.kv_cache, loaded.path)
             if runner.device.type == "cpu"
             else MemoryBudget(),

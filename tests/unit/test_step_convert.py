@@ -89,6 +89,7 @@ def test_worker_description_round_trip() -> None:
         worker_epoch="e1",
         sliding_window=48,
         kv_disk_block_hashes=[b"\x01" * 32, b"\x02" * 32],
+        kv_disk_tier=True,
     )
     message = worker_description_to_proto(description)
     assert not message.model.HasField("chat_template")

@@ -27,7 +27,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank", "memory", "batch_invariant", "kv_disk_block_hashes")
+    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank", "memory", "batch_invariant", "kv_disk_block_hashes", "kv_disk_tier")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class WorkerDescription(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_TIER_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     dtype: str
     device: str
@@ -58,7 +59,8 @@ class WorkerDescription(_message.Message):
     memory: MemoryBudget
     batch_invariant: bool
     kv_disk_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., memory: _Optional[_Union[MemoryBudget, _Mapping]] = ..., batch_invariant: _Optional[bool] = ..., kv_disk_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    kv_disk_tier: bool
+    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., memory: _Optional[_Union[MemoryBudget, _Mapping]] = ..., batch_invariant: _Optional[bool] = ..., kv_disk_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_disk_tier: _Optional[bool] = ...) -> None: ...
 
 class MemoryBudget(_message.Message):
     __slots__ = ("weight_bytes_by_kind", "weight_mapped_bytes", "kv_cache_bytes", "kv_cache_blocks", "kv_cache_tokens", "runtime_bytes", "machine_bytes")
