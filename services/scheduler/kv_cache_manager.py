@@ -11,7 +11,7 @@ request's future queries can no longer see (services/scheduler/features/sliding_
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from services.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens
 from services.scheduler.config import AllocationPolicy, SchedulerConfig
@@ -112,6 +112,16 @@ class KVCacheManager:
                 break
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
+
+    def uncached_block_hashes(
+        self, request: Request, num_cached_blocks: int
+    ) -> Iterator[BlockHash]:
+        """Hashes of the full blocks after the first `num_cached_blocks`, up to the same cap as
+        get_computed_blocks (where a lower tier may hold what the pool does not)."""
+        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+            return
+        for index in range(num_cached_blocks, (request.num_tokens - 1) // self.block_size):
+            yield self._block_hash(request, index)
 
     def allocate_slots(
         self,

@@ -356,21 +356,32 @@ class Scheduler:
                 # with the next result, and must be part of the sequence it is resent as.
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            remote = self.remote.wants_remote(request)
+            disk_hits = self._disk_hits(request, len(computed_blocks), remote)
+            num_from_disk = len(disk_hits) * self.config.block_size
+            num_cached += num_from_disk
             self.choices.before_admission(request, num_cached, self.waiting)
             if self._num_seats_taken + 1 + self.choices.num_unforked(request) > max_num_seqs:
                 break
-            remote = self.remote.wants_remote(request)
             if remote:
                 num_new = self.remote.num_tokens_to_reserve(request, num_cached)
             else:
                 num_new = self._num_tokens_to_schedule(request, num_cached, budget)
             # With nothing running there is no decode to keep headroom for, and insisting on
             # it could leave a long resumed request stuck at the head of the queue forever.
+            # Blocks loaded from disk are new blocks to the pool, filled before the forward.
             new_blocks = self.kv.allocate_slots(
-                request, num_new, computed_blocks, reserve_watermark=bool(self.running)
+                request,
+                num_from_disk + num_new,
+                computed_blocks,
+                reserve_watermark=bool(self.running),
             )
             if new_blocks is None:
                 break
+            if disk_hits:
+                plan.disk_loads[request.request_id] = list(
+                    zip(new_blocks[: len(disk_hits)], disk_hits, strict=True)
+                )
             self.waiting.remove(request)
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
@@ -385,6 +396,13 @@ class Scheduler:
                 continue  # computes nothing here: no budget spent
             self._add_to_plan(plan, request, num_new, new_blocks)
             budget -= num_new
+
+    def _disk_hits(self, request: Request, num_pool_blocks: int, remote: bool) -> list[bytes]:
+        """The prefix blocks after the pool's hits that the worker's KV disk tier holds (none
+        for a remote prefill: its blocks are written by the prefill worker)."""
+        if self.disk is None or remote:
+            return []
+        return self.disk.hits(self.kv.uncached_block_hashes(request, num_pool_blocks))
 
     @property
     def _num_seats_taken(self) -> int:

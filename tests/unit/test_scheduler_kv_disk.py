@@ -67,3 +67,41 @@ def test_without_a_disk_tier_no_stores_are_made() -> None:
     scheduler.update(plan, result_for(scheduler, plan), now=0.0)
     assert scheduler.disk is None
     assert scheduler.schedule(now=0.0).disk_stores == []
+
+
+def stored_hashes(num_tokens: int) -> list[bytes]:
+    probe = disk_scheduler([])
+    (request,) = create_requests(1, num_tokens=num_tokens, max_new_tokens=4)
+    probe.add_request(request)
+    plan = probe.schedule(now=0.0)
+    probe.update(plan, result_for(probe, plan), now=0.0)
+    return [s.block_hash for s in probe.schedule(now=0.0).disk_stores]
+
+
+def test_a_prefix_on_disk_counts_as_cached_and_is_loaded_before_the_prefill() -> None:
+    hashes = stored_hashes(3 * BLOCK_SIZE + 5)
+    scheduler = disk_scheduler(hashes[:2])  # a restarted worker: its pool is empty
+    (request,) = create_requests(1, num_tokens=3 * BLOCK_SIZE + 5, max_new_tokens=4)
+    scheduler.add_request(request)
+    plan = scheduler.schedule(now=0.0)
+    (new,) = plan.new_sequences
+    assert new.num_computed_tokens == 2 * BLOCK_SIZE
+    assert plan.num_scheduled_tokens == {request.request_id: BLOCK_SIZE + 5}
+    assert plan.disk_loads == {
+        request.request_id: list(zip(new.block_ids[:2], hashes[:2], strict=True))
+    }
+    assert request.num_cached_tokens == 2 * BLOCK_SIZE
+    scheduler.update(plan, result_for(scheduler, plan), now=0.0)
+    # the loaded blocks join the pool's cache; only the block the disk lacks goes down
+    assert [s.block_hash for s in scheduler.schedule(now=0.0).disk_stores] == hashes[2:]
+
+
+def test_another_tenants_prefix_on_disk_is_not_a_hit() -> None:
+    hashes = stored_hashes(2 * BLOCK_SIZE + 1)
+    scheduler = disk_scheduler(hashes)
+    (request,) = create_requests(1, num_tokens=2 * BLOCK_SIZE + 1, max_new_tokens=4)
+    request.cache_salt = b"tenant-b"
+    scheduler.add_request(request)
+    plan = scheduler.schedule(now=0.0)
+    assert plan.disk_loads == {}
+    assert plan.new_sequences[0].num_computed_tokens == 0

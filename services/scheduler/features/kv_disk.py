@@ -4,6 +4,7 @@ that the worker should write down (docs/prefix-cache.md, Disk tier)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 from services.contracts.step import DiskStore, StepResult
@@ -32,6 +33,15 @@ class DiskTierView:
             self._stores.append(
                 DiskStore(block_id, block_hash, request.lora_name, request.cache_salt)
             )
+
+    def hits(self, block_hashes: Iterable[bytes]) -> list[bytes]:
+        """The leading hashes of `block_hashes` the disk holds (those after the pool's hits)."""
+        found: list[bytes] = []
+        for block_hash in block_hashes:
+            if block_hash not in self._on_disk:
+                break
+            found.append(block_hash)
+        return found
 
     def take_stores(self) -> list[DiskStore]:
         """The stores for the plan being made. Taken at once, so a plan that reallocates one of
