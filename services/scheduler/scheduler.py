@@ -263,7 +263,13 @@ class Scheduler:
         worker or the caller (so the caller keeps stepping until aborts are delivered)."""
         # Requests awaiting their KV are left out: the handoff's end wakes the loop.
         num_runnable = len(self.running) - self.remote.num_awaiting
-        return bool(self.waiting or num_runnable or self._finished_ids or self._pending_events)
+        return bool(
+            self.waiting
+            or num_runnable
+            or self._finished_ids
+            or self._pending_events
+            or (self.disk is not None and self.disk.has_stores)
+        )
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats.of(self)

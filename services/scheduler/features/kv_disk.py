@@ -43,6 +43,11 @@ class DiskTierView:
             found.append(block_hash)
         return found
 
+    @property
+    def has_stores(self) -> bool:
+        """Blocks wait to go down: a plan is owed to the worker even when nothing runs."""
+        return bool(self._stores)
+
     def take_stores(self) -> list[DiskStore]:
         """The stores for the plan being made. Taken at once, so a plan that reallocates one of
         these blocks carries its store, which the worker reads before the plan's writes."""
