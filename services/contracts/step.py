@@ -66,6 +66,11 @@ class NewSequence:
     this decode worker (services/worker/kv_transfer.py)."""
 
 
+FAILED_DISK_LOAD_PREFIX = "kv disk block unavailable: "
+"""The reason a new sequence fails with when a block of its `disk_loads` cannot be read: the
+scheduler then computes its prefix instead."""
+
+
 @dataclass(frozen=True, slots=True)
 class DiskStore:
     """A full block the scheduler has just cached: the worker copies it out before the next

@@ -20,7 +20,14 @@ from collections import deque
 
 from services.contracts.errors import InvalidRequestError
 from services.contracts.kv_transfer import KvDestination
-from services.contracts.step import BatchPlan, FinishReason, SequenceDelta, StepResult, TokenEvent
+from services.contracts.step import (
+    FAILED_DISK_LOAD_PREFIX,
+    BatchPlan,
+    FinishReason,
+    SequenceDelta,
+    StepResult,
+    TokenEvent,
+)
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.features import admission
 from services.scheduler.features.choices import ChoiceForks
@@ -214,10 +221,11 @@ class Scheduler:
         """
         del now  # part of the contract for timing metrics; stop conditions do not need it
         events, self._pending_events = self._pending_events, []
+        if self.disk is not None:
+            # First: a request whose disk blocks failed is readmitted without them.
+            self.disk.on_result(result)
         if result.failed_sequences:
             self._fail(result.failed_sequences)
-        if self.disk is not None:
-            self.disk.on_result(result)
         finished: list[Request] = []
         for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
@@ -481,16 +489,17 @@ class Scheduler:
         candidates = later or self.running[position : position + 1]
         return self._preempt(self.fair.victim(self.running, candidates))
 
-    def _preempt(self, request: Request) -> Request:
+    def _preempt(self, request: Request, *, counted: bool = True) -> Request:
         """Preempt a running request by recompute: drop its KV, requeue it at the front,
-        resend it whole later. Returns it."""
+        resend it whole later. Returns it. `counted`: a preemption for the metrics."""
         self.running.remove(request)
         self.choices.on_preempted(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
+        if counted:
+            request.num_preemptions += 1
+            self.num_preemptions += 1
         self._drop_from_worker(request.request_id)
         self.waiting.appendleft(request)
         return request
@@ -520,9 +529,20 @@ class Scheduler:
         for request_id, reason in failed.items():
             if (request := self.requests.get(request_id)) is None:
                 continue
+            if reason.startswith(FAILED_DISK_LOAD_PREFIX) and request in self.running:
+                self._recompute_without_disk(request)
+                continue
             public_id = self.choices.public_id(request)
             self.failures[public_id] = reason
             self.abort_request(public_id)
+
+    def _recompute_without_disk(self, request: Request) -> None:
+        """A block it was to load from disk could not be read, so the worker left it out of
+        every step: requeue it at the front as never admitted. The disk's result removed those
+        hashes from the view, so its next admission computes them."""
+        self._preempt(request, counted=False)
+        request.status = RequestStatus.WAITING
+        request.num_pending_tokens = 0  # no step that was to sample for it ran it
 
     def _release(self, request: Request) -> None:
         # Before free(): pinned blocks must not pass through the free queue in between.

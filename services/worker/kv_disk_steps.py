@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from services.contracts.step import BatchPlan, StepResult
+from services.contracts.step import FAILED_DISK_LOAD_PREFIX, BatchPlan, StepResult
 from services.worker.config import GiB
 from services.worker.kv_cache import PagedKVCache
 from services.worker.kv_disk_tier import (
@@ -19,10 +19,6 @@ from services.worker.kv_disk_tier import (
     model_fingerprint,
 )
 from services.worker.kv_transfer import CacheIdentity
-
-FAILED_DISK_LOAD_PREFIX = "kv disk block unavailable: "
-"""A sequence whose disk blocks could not be read fails with this reason (the scheduler
-computes its prefix instead)."""
 
 
 class KvDiskSteps:

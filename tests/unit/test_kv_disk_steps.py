@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from services.contracts.sampling_params import SamplingParams
-from services.contracts.step import BatchPlan, DiskStore, NewSequence
+from services.contracts.step import FAILED_DISK_LOAD_PREFIX, BatchPlan, DiskStore, NewSequence
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
-from services.worker.kv_disk_steps import FAILED_DISK_LOAD_PREFIX, KvDiskSteps
+from services.worker.kv_disk_steps import KvDiskSteps
 from services.worker.kv_disk_tier import DiskIdentity, DiskWriter, KvDiskTier
 from services.worker.kv_transfer import CacheIdentity
 

@@ -3,7 +3,7 @@ the next plan, and the disk's changes from step results keep the view true."""
 
 from __future__ import annotations
 
-from services.contracts.step import StepResult
+from services.contracts.step import FAILED_DISK_LOAD_PREFIX, StepResult
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from tests.unit.factories import BLOCK_SIZE, create_requests, result_for
@@ -105,3 +105,26 @@ def test_another_tenants_prefix_on_disk_is_not_a_hit() -> None:
     plan = scheduler.schedule(now=0.0)
     assert plan.disk_loads == {}
     assert plan.new_sequences[0].num_computed_tokens == 0
+
+
+def test_a_disk_block_that_cannot_be_read_is_recomputed_not_failed() -> None:
+    hashes = stored_hashes(3 * BLOCK_SIZE + 5)
+    scheduler = disk_scheduler(hashes[:2])
+    (request,) = create_requests(1, num_tokens=3 * BLOCK_SIZE + 5, max_new_tokens=4)
+    scheduler.add_request(request)
+    plan = scheduler.schedule(now=0.0)
+    assert plan.disk_loads
+    failed = StepResult(
+        plan.step_id,
+        failed_sequences={request.request_id: FAILED_DISK_LOAD_PREFIX + hashes[0].hex()},
+        disk_evicted=[hashes[0]],  # the worker deleted the bad file
+    )
+    assert scheduler.update(plan, failed, now=0.0) == []
+    assert request.request_id not in scheduler.failures
+    plan = scheduler.schedule(now=0.0)
+    assert plan.finished_request_ids == [request.request_id]  # dropped, then sent afresh
+    (new,) = plan.new_sequences
+    assert new.num_computed_tokens == 0
+    assert plan.disk_loads == {}
+    assert request.num_cached_tokens == 0
+    assert scheduler.num_preemptions == 0
