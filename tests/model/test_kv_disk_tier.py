@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from services.contracts.sampling_params import SamplingParams
 from services.engine.engine import LLMEngine
 from services.worker.loaded_model import LoadedModel
@@ -44,3 +46,18 @@ def test_a_restarted_engine_serves_the_prefix_from_disk(
 
     without_tier = LLMEngine(FP32, loaded=loaded_fp32)
     assert run(without_tier) == (computed, 0)
+
+
+def test_exact_gguf_blocks_from_disk_match_computed(tmp_path: Path) -> None:
+    loaded = LoadedModel.load(None, torch.float32, "cpu", "gguf-exact")
+    config = dataclasses.replace(FP32, kv_disk_dir=str(tmp_path), quantization="gguf-exact")
+    first = LLMEngine(config, loaded=loaded)
+    computed, _ = run(first)
+    assert first.runner.kv_disk is not None
+    first.runner.kv_disk.close()
+    from_disk, cached = run(LLMEngine(config, loaded=loaded))
+    assert (from_disk, cached) == (computed, 5 * BLOCK_SIZE)
+    # another weight format computes other KV: its engine refuses (deletes) these files
+    other = dataclasses.replace(FP32, kv_disk_dir=str(tmp_path))
+    _, cached = run(LLMEngine(other, loaded=LoadedModel.load(None, torch.float32)))
+    assert cached == 0
