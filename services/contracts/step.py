@@ -66,6 +66,22 @@ class NewSequence:
     this decode worker (services/worker/kv_transfer.py)."""
 
 
+FAILED_DISK_LOAD_PREFIX = "kv disk block unavailable: "
+"""The reason a new sequence fails with when a block of its `disk_loads` cannot be read: the
+scheduler then computes its prefix instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStore:
+    """A full block the scheduler has just cached: the worker copies it out before the next
+    forward and writes it to its KV disk tier behind the step (docs/prefix-cache.md)."""
+
+    block_id: int
+    block_hash: bytes
+    lora_name: str = ""
+    cache_salt: bytes = b""
+
+
 @dataclass(slots=True)
 class SequenceDelta:
     """Blocks appended to the block table of a sequence the worker already holds."""
@@ -96,6 +112,14 @@ class BatchPlan:
     reserved for drafts. Applied after finished_request_ids, before new sequences and block
     deltas."""
 
+    disk_stores: list[DiskStore] = field(default_factory=list)
+    """Cached blocks to write to the worker's KV disk tier; read out before this plan's
+    writes, so a block reused by the plan is stored with its old contents."""
+    disk_loads: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+    """request_id of a new sequence -> (block id, chain hash) of prefix blocks to fill from
+    the KV disk tier before the forward: blocks its num_computed_tokens counts as cached
+    because the disk holds them. One that cannot be read fails the sequence alone."""
+
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
@@ -114,6 +138,7 @@ class BatchPlan:
             or self.new_sequences
             or self.block_copies
             or self.block_truncations
+            or self.disk_stores
         )
 
     def without(self, request_ids: set[str] | frozenset[str]) -> BatchPlan:
@@ -127,6 +152,7 @@ class BatchPlan:
                 rid: n for rid, n in self.num_scheduled_tokens.items() if rid not in request_ids
             },
             draft_slots={rid: n for rid, n in self.draft_slots.items() if rid not in request_ids},
+            disk_loads={rid: b for rid, b in self.disk_loads.items() if rid not in request_ids},
             block_truncations={
                 rid: n for rid, n in self.block_truncations.items() if rid not in request_ids
             },
@@ -168,6 +194,10 @@ class StepResult:
     """New sequences the worker could not take on (their LoRA adapter is not loaded, or no
     adapter slot is free), with the reason: they were left out of the step and every later
     one until the scheduler drops them (finished_request_ids)."""
+    disk_added: list[bytes] = field(default_factory=list)
+    """Chain hashes written to the worker's KV disk tier since the last step."""
+    disk_evicted: list[bytes] = field(default_factory=list)
+    """Chain hashes gone from the KV disk tier since the last step (LRU, refused, tier off)."""
 
     def token_ids(self, request_id: str) -> list[int]:
         """Every token the step emitted for a sequence, in order ([] if none)."""

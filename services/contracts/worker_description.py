@@ -35,3 +35,8 @@ class WorkerDescription:
     leaves greedy output as it is, so speculation is on by default on such a worker."""
     memory: MemoryBudget = field(default_factory=MemoryBudget)
     """Weights, KV cache and runtime bytes, measured after the worker's warm-up."""
+    kv_disk_block_hashes: list[bytes] = field(default_factory=list)
+    """Chain hashes of the blocks in the worker's KV disk tier (empty: none, or no tier);
+    StepResult.disk_added / disk_evicted report what changes after."""
+    kv_disk_tier: bool = False
+    """A KV disk tier is open (--kv-disk-dir): the scheduler sends it the blocks it caches."""

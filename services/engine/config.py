@@ -38,6 +38,10 @@ class EngineConfig(
     """"max_length" reserves each request's worst case up front (for comparison only)."""
     threads: int | None = None
     """torch CPU threads; unset = one per core (the worker's flag)."""
+    kv_disk_dir: str | None = None
+    """Directory of the KV disk tier (the worker's flag); unset = none."""
+    kv_disk_gib: float = 10.0
+    """Most bytes the KV disk tier keeps, in GiB (the worker's flag)."""
 
     def __post_init__(self) -> None:
         from services.worker.quantization.formats import (

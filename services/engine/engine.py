@@ -31,6 +31,8 @@ from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats import SchedulerStats
 from services.text.builtin_chat_templates import chat_template_option
 from services.worker.config import resolve_dtype
+from services.worker.kv_disk_steps import KvDiskSteps
+from services.worker.kv_transfer import CacheIdentity
 from services.worker.loaded_model import LoadedModel
 from services.worker.quantization.formats import serves_gguf_blocks
 from services.worker.runner import ModelRunner
@@ -85,6 +87,14 @@ class LLMEngine:
         for name, path in config.lora_module_paths().items():
             self.runner.adapters.load(name, Path(path))
         self.kv_cache = self.runner.kv_cache
+        if config.kv_disk_dir:
+            self.runner.kv_disk = KvDiskSteps.open(
+                Path(config.kv_disk_dir),
+                config.kv_disk_gib,
+                loaded.path,
+                f"{loaded.quantization}:{str(loaded.dtype).removeprefix('torch.')}",
+                CacheIdentity.of(loaded.name, self.kv_cache),
+            )
         self.num_kv_blocks = self.kv_cache.num_blocks
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -102,6 +112,7 @@ class LLMEngine:
             self.num_kv_blocks,
             sliding_window=self.architecture.largest_window,
             max_loras=self.runner.adapters.max_loras,
+            kv_disk_hashes=self.runner.kv_disk.tier.hashes() if self.runner.kv_disk else None,
         )
         self._ids = itertools.count()
         log.info(

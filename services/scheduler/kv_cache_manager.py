@@ -11,10 +11,11 @@ request's future queries can no longer see (services/scheduler/features/sliding_
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from services.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens
 from services.scheduler.config import AllocationPolicy, SchedulerConfig
+from services.scheduler.features.kv_disk import DiskTierView
 from services.scheduler.features.sliding_window import RELEASED_BLOCK, num_dead_blocks
 from services.scheduler.request import Request
 
@@ -51,6 +52,8 @@ class KVCacheManager:
         """Block references forks gave away instead of allocating (running total)."""
         self.num_block_copies = 0
         """Shared blocks copied on a write (running total)."""
+        self.disk: DiskTierView | None = None
+        """The worker's KV disk tier, told of each block cached (None: the worker has none)."""
 
     @classmethod
     def from_config(
@@ -109,6 +112,16 @@ class KVCacheManager:
                 break
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
+
+    def uncached_block_hashes(
+        self, request: Request, num_cached_blocks: int
+    ) -> Iterator[BlockHash]:
+        """Hashes of the full blocks after the first `num_cached_blocks`, up to the same cap as
+        get_computed_blocks (where a lower tier may hold what the pool does not)."""
+        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+            return
+        for index in range(num_cached_blocks, (request.num_tokens - 1) // self.block_size):
+            yield self._block_hash(request, index)
 
     def allocate_slots(
         self,
@@ -263,7 +276,9 @@ class KVCacheManager:
             return  # most steps: no block became full
         table = self._block_tables[request.request_id]
         for index in range(num_cached, num_full):
-            self.pool.cache_block(table[index], self._block_hash(request, index))
+            block_hash = self._block_hash(request, index)
+            if self.pool.cache_block(table[index], block_hash) and self.disk is not None:
+                self.disk.block_cached(table[index], block_hash, request)
         self._num_cached_blocks[request.request_id] = num_full
 
     def _block_hash(self, request: Request, index: int) -> BlockHash:

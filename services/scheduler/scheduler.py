@@ -20,7 +20,14 @@ from collections import deque
 
 from services.contracts.errors import InvalidRequestError
 from services.contracts.kv_transfer import KvDestination
-from services.contracts.step import BatchPlan, FinishReason, SequenceDelta, StepResult, TokenEvent
+from services.contracts.step import (
+    FAILED_DISK_LOAD_PREFIX,
+    BatchPlan,
+    FinishReason,
+    SequenceDelta,
+    StepResult,
+    TokenEvent,
+)
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.features import admission
 from services.scheduler.features.choices import ChoiceForks
@@ -28,6 +35,7 @@ from services.scheduler.features.disaggregation import Handoff, RemotePrefills
 from services.scheduler.features.draft_slots import DraftSlots
 from services.scheduler.features.fair_share import NO_TENANT, FairShare, Tenant
 from services.scheduler.features.grammar_readiness import GrammarReadiness
+from services.scheduler.features.kv_disk import DiskTierView
 from services.scheduler.features.lora_admission import LoraAdmission
 from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -43,10 +51,12 @@ class Scheduler:
         *,
         sliding_window: int = 0,
         max_loras: int = 0,
+        kv_disk_hashes: list[bytes] | None = None,
     ) -> None:
         """`num_blocks`, `sliding_window` and `max_loras` are the worker's: its KV capacity,
         the window every layer of its model attends through (0: some layer sees the whole
-        context), and the LoRA adapters one of its steps may mix."""
+        context), the LoRA adapters one of its steps may mix, and the blocks its KV disk
+        tier holds (None: it has no disk tier)."""
         self.config = config
         self.kv = KVCacheManager.from_config(config, num_blocks, sliding_window)
         self.requests: dict[str, Request] = {}
@@ -68,6 +78,8 @@ class Scheduler:
         self.fair = FairShare(config.fair_share, public_id=self.choices.public_id)
         self.loras = LoraAdmission(max_loras)
         self.grammars = GrammarReadiness()
+        self.disk = None if kv_disk_hashes is None else DiskTierView(kv_disk_hashes)
+        self.kv.disk = self.disk
         self.remote = RemotePrefills()
         self.failures: dict[str, str] = {}
         """Requests (submitted ids) the worker could not run, and why: their owners hear an
@@ -196,6 +208,8 @@ class Scheduler:
         self.drafts.grant(plan, self.requests)
         plan.finished_request_ids, self._finished_ids = self._finished_ids, []
         plan.block_copies = self.kv.take_pending_copies()
+        if self.disk is not None:
+            plan.disk_stores = self.disk.take_stores()
         return plan
 
     def update(self, plan: BatchPlan, result: StepResult, now: float) -> list[TokenEvent]:
@@ -207,6 +221,9 @@ class Scheduler:
         """
         del now  # part of the contract for timing metrics; stop conditions do not need it
         events, self._pending_events = self._pending_events, []
+        if self.disk is not None:
+            # First: a request whose disk blocks failed is readmitted without them.
+            self.disk.on_result(result)
         if result.failed_sequences:
             self._fail(result.failed_sequences)
         finished: list[Request] = []
@@ -254,7 +271,13 @@ class Scheduler:
         worker or the caller (so the caller keeps stepping until aborts are delivered)."""
         # Requests awaiting their KV are left out: the handoff's end wakes the loop.
         num_runnable = len(self.running) - self.remote.num_awaiting
-        return bool(self.waiting or num_runnable or self._finished_ids or self._pending_events)
+        return bool(
+            self.waiting
+            or num_runnable
+            or self._finished_ids
+            or self._pending_events
+            or (self.disk is not None and self.disk.has_stores)
+        )
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats.of(self)
@@ -347,21 +370,32 @@ class Scheduler:
                 # with the next result, and must be part of the sequence it is resent as.
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            remote = self.remote.wants_remote(request)
+            disk_hits = self._disk_hits(request, len(computed_blocks), remote)
+            num_from_disk = len(disk_hits) * self.config.block_size
+            num_cached += num_from_disk
             self.choices.before_admission(request, num_cached, self.waiting)
             if self._num_seats_taken + 1 + self.choices.num_unforked(request) > max_num_seqs:
                 break
-            remote = self.remote.wants_remote(request)
             if remote:
                 num_new = self.remote.num_tokens_to_reserve(request, num_cached)
             else:
                 num_new = self._num_tokens_to_schedule(request, num_cached, budget)
             # With nothing running there is no decode to keep headroom for, and insisting on
             # it could leave a long resumed request stuck at the head of the queue forever.
+            # Blocks loaded from disk are new blocks to the pool, filled before the forward.
             new_blocks = self.kv.allocate_slots(
-                request, num_new, computed_blocks, reserve_watermark=bool(self.running)
+                request,
+                num_from_disk + num_new,
+                computed_blocks,
+                reserve_watermark=bool(self.running),
             )
             if new_blocks is None:
                 break
+            if disk_hits:
+                plan.disk_loads[request.request_id] = list(
+                    zip(new_blocks[: len(disk_hits)], disk_hits, strict=True)
+                )
             self.waiting.remove(request)
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
@@ -376,6 +410,13 @@ class Scheduler:
                 continue  # computes nothing here: no budget spent
             self._add_to_plan(plan, request, num_new, new_blocks)
             budget -= num_new
+
+    def _disk_hits(self, request: Request, num_pool_blocks: int, remote: bool) -> list[bytes]:
+        """The prefix blocks after the pool's hits that the worker's KV disk tier holds (none
+        for a remote prefill: its blocks are written by the prefill worker)."""
+        if self.disk is None or remote:
+            return []
+        return self.disk.hits(self.kv.uncached_block_hashes(request, num_pool_blocks))
 
     @property
     def _num_seats_taken(self) -> int:
@@ -448,16 +489,17 @@ class Scheduler:
         candidates = later or self.running[position : position + 1]
         return self._preempt(self.fair.victim(self.running, candidates))
 
-    def _preempt(self, request: Request) -> Request:
+    def _preempt(self, request: Request, *, counted: bool = True) -> Request:
         """Preempt a running request by recompute: drop its KV, requeue it at the front,
-        resend it whole later. Returns it."""
+        resend it whole later. Returns it. `counted`: a preemption for the metrics."""
         self.running.remove(request)
         self.choices.on_preempted(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
+        if counted:
+            request.num_preemptions += 1
+            self.num_preemptions += 1
         self._drop_from_worker(request.request_id)
         self.waiting.appendleft(request)
         return request
@@ -487,9 +529,20 @@ class Scheduler:
         for request_id, reason in failed.items():
             if (request := self.requests.get(request_id)) is None:
                 continue
+            if reason.startswith(FAILED_DISK_LOAD_PREFIX) and request in self.running:
+                self._recompute_without_disk(request)
+                continue
             public_id = self.choices.public_id(request)
             self.failures[public_id] = reason
             self.abort_request(public_id)
+
+    def _recompute_without_disk(self, request: Request) -> None:
+        """A block it was to load from disk could not be read, so the worker left it out of
+        every step: requeue it at the front as never admitted. The disk's result removed those
+        hashes from the view, so its next admission computes them."""
+        self._preempt(request, counted=False)
+        request.status = RequestStatus.WAITING
+        request.num_pending_tokens = 0  # no step that was to sample for it ran it
 
     def _release(self, request: Request) -> None:
         # Before free(): pinned blocks must not pass through the free queue in between.

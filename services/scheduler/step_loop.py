@@ -231,6 +231,9 @@ class StepLoop:
                     self.description.num_kv_blocks,
                     sliding_window=self.description.sliding_window,
                     max_loras=self.description.max_loras,
+                    kv_disk_hashes=self.description.kv_disk_block_hashes
+                    if self.description.kv_disk_tier
+                    else None,
                 )
                 await self.loras.connect(worker, self.description.max_loras)
                 for info in self.loras.adapters.values():

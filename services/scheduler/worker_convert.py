@@ -28,6 +28,8 @@ def worker_description_from_proto(message: worker_pb2.WorkerDescription) -> Work
         max_loras=message.max_loras,
         max_lora_rank=message.max_lora_rank,
         batch_invariant=message.batch_invariant,
+        kv_disk_block_hashes=list(message.kv_disk_block_hashes),
+        kv_disk_tier=message.kv_disk_tier,
         memory=MemoryBudget(
             weight_bytes_by_kind=dict(message.memory.weight_bytes_by_kind),
             weight_mapped_bytes=message.memory.weight_mapped_bytes,
@@ -71,6 +73,21 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
         block_copies=[worker_pb2.BlockCopy(src=s, dst=d) for s, d in plan.block_copies],
         draft_slots=plan.draft_slots,
         block_truncations=plan.block_truncations,
+        disk_stores=[
+            worker_pb2.DiskStore(
+                block_id=d.block_id,
+                block_hash=d.block_hash,
+                lora_name=d.lora_name,
+                cache_salt=d.cache_salt,
+            )
+            for d in plan.disk_stores
+        ],
+        disk_loads={
+            request_id: worker_pb2.DiskLoads(
+                blocks=[worker_pb2.DiskBlock(block_id=b, block_hash=h) for b, h in loads]
+            )
+            for request_id, loads in plan.disk_loads.items()
+        },
     )
 
 
@@ -98,4 +115,6 @@ def result_from_proto(message: worker_pb2.StepOutput) -> StepResult:
             if outcome.proposer
         },
         failed_sequences=dict(message.failed_sequences),
+        disk_added=list(message.disk_added),
+        disk_evicted=list(message.disk_evicted),
     )

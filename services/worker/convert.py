@@ -8,7 +8,13 @@ from services.common.kv_destination_proto import kv_destination_from_proto
 from services.common.model_description_proto import description_to_proto
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.memory_budget import MemoryBudget
-from services.contracts.step import BatchPlan, NewSequence, SequenceDelta, StepResult
+from services.contracts.step import (
+    BatchPlan,
+    DiskStore,
+    NewSequence,
+    SequenceDelta,
+    StepResult,
+)
 from services.contracts.worker_description import WorkerDescription
 
 
@@ -27,6 +33,8 @@ def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.Wo
         max_loras=description.max_loras,
         max_lora_rank=description.max_lora_rank,
         batch_invariant=description.batch_invariant,
+        kv_disk_block_hashes=description.kv_disk_block_hashes,
+        kv_disk_tier=description.kv_disk_tier,
         memory=memory_budget_to_proto(description.memory),
     )
 
@@ -70,6 +78,14 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
         block_copies=[(c.src, c.dst) for c in message.block_copies],
         draft_slots=dict(message.draft_slots),
         block_truncations=dict(message.block_truncations),
+        disk_stores=[
+            DiskStore(d.block_id, d.block_hash, d.lora_name, d.cache_salt)
+            for d in message.disk_stores
+        ],
+        disk_loads={
+            request_id: [(b.block_id, b.block_hash) for b in loads.blocks]
+            for request_id, loads in message.disk_loads.items()
+        },
     )
 
 
@@ -96,4 +112,6 @@ def result_to_proto(result: StepResult, forward_ms: float) -> worker_pb2.StepOut
         outcome.accepted_token_ids.extend(result.accepted_draft_ids.get(request_id, ()))
         outcome.proposer = result.draft_proposers.get(request_id, "")
     message.failed_sequences.update(result.failed_sequences)
+    message.disk_added.extend(result.disk_added)
+    message.disk_evicted.extend(result.disk_evicted)
     return message

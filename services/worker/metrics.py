@@ -65,6 +65,33 @@ KV_TRANSFERS = Counter(
     registry=REGISTRY,
 )
 
+# KV disk tier (services/worker/kv_disk_tier.py): full blocks kept on disk below the pool.
+KV_DISK_BLOCKS = Counter(
+    "llmserve_kv_disk_blocks_total",
+    "KV blocks by operation: written to disk, read back (a hit), refused (bad header or"
+    " checksum, deleted), evicted (LRU by bytes), dropped (write queue full or tier off).",
+    ["op"],
+    registry=REGISTRY,
+)
+KV_DISK_BYTES = Counter(
+    "llmserve_kv_disk_bytes_total",
+    "KV block bytes written to or read from the disk tier.",
+    ["op"],
+    registry=REGISTRY,
+)
+KV_DISK_LOAD_DURATION = Histogram(
+    "llmserve_kv_disk_load_seconds",
+    "Reading and checking one block file from the disk tier.",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
+KV_DISK_ERRORS = Counter(
+    "llmserve_kv_disk_errors_total",
+    "Disk tier failures (full, vanished, unreadable); after one the worker serves without it.",
+    ["op"],
+    registry=REGISTRY,
+)
+
 
 def on_kv_transfer(direction: str, num_bytes: int, seconds: float, ok: bool) -> None:
     KV_TRANSFERS.labels(direction, "ok" if ok else "failed").inc()

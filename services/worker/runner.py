@@ -17,6 +17,7 @@ from services.worker.fused_decode import FusedDecode
 from services.worker.host_memory import keep_freed_memory
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
+from services.worker.kv_disk_steps import KvDiskSteps
 from services.worker.loaded_model import LoadedModel
 from services.worker.lora.adapters import LoraAdapters
 from services.worker.model.causal_lm import CausalLM
@@ -75,6 +76,7 @@ class ModelRunner:
         ngram_sizes: tuple[int, int] = (2, 4),
         adapters: LoraAdapters | None = None,
         suffix_cache: SuffixCache | None = None,
+        kv_disk: KvDiskSteps | None = None,
     ) -> None:
         if kv_cache.storage.device.type == "cpu":
             keep_freed_memory()
@@ -97,6 +99,8 @@ class ModelRunner:
         holds stays good to draft from."""
         self.sampled_drafts = seed is None
         """Sampled sequences may draft only where no --seed makes their draws repeatable."""
+        self.kv_disk = kv_disk
+        """The KV disk tier's step hook (None: --kv-disk-dir unset, or the tier is off)."""
         self.batch = self._new_batch()
         self.sampler = Sampler(seed=seed)
         self.vocab_size = model.architecture.vocab_size
@@ -267,12 +271,17 @@ class ModelRunner:
     def execute(self, plan: BatchPlan) -> StepResult:
         # A sequence whose adapter cannot be served fails alone, and is left out of the plan.
         plan, failed = self.adapters.admit(plan)
+        if self.kv_disk is not None:
+            plan, disk_failed = self.kv_disk.admit(plan, self.kv_cache)
+            failed.update(disk_failed)
         self.batch.apply(plan)
         grammars = self.grammars
         if grammars is not None:
             grammars.apply(plan)
         self.kv_cache.copy_blocks(plan.block_copies)
         result = StepResult(step_id=plan.step_id, failed_sequences=failed)
+        if self.kv_disk is not None:
+            self.kv_disk.report(result)
         self.last_step_mode = "eager"
         if plan.is_empty:
             return result

@@ -47,6 +47,7 @@ from services.worker.convert import (
     worker_description_to_proto,
 )
 from services.worker.kv_cache import PagedKVCache
+from services.worker.kv_disk_steps import KvDiskSteps
 from services.worker.kv_transfer import CacheIdentity, KvInbox, KvOutbox, OutgoingKv
 from services.worker.kv_transfer_service import KvSender, KvTransferServicer
 from services.worker.loaded_model import LoadedModel
@@ -131,6 +132,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_loras=runner.adapters.max_loras,
             max_lora_rank=runner.adapters.max_lora_rank,
             batch_invariant=runner.batch_invariant,
+            kv_disk_block_hashes=runner.kv_disk.tier.hashes() if runner.kv_disk else [],
+            kv_disk_tier=runner.kv_disk is not None and runner.kv_disk.tier.enabled,
             memory=memory_budget.measure(loaded.model, runner.kv_cache, loaded.path)
             if runner.device.type == "cpu"
             else MemoryBudget(),
@@ -390,6 +393,18 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
     runner.compile_step_graphs()
     log_kernel_path(runner.device)
     warm_up(runner)
+    if config.kv_disk_dir:
+        runner.kv_disk = KvDiskSteps.open(
+            Path(config.kv_disk_dir),
+            config.kv_disk_gib,
+            loaded.path,
+            f"{loaded.quantization}:{str(loaded.dtype).removeprefix('torch.')}",
+            CacheIdentity.of(loaded.name, runner.kv_cache),
+        )
+        log.info(
+            "kv disk tier open",
+            extra={"directory": config.kv_disk_dir, "blocks": len(runner.kv_disk.tier.hashes())},
+        )
     if config.device == "cpu":
         budget = memory_budget.measure(loaded.model, runner.kv_cache, loaded.path)
         log.info("memory budget", extra=budget.log_fields())
@@ -460,6 +475,8 @@ async def serve(config: WorkerConfig) -> None:
     )
     await service.wait_for_signal()
     await service.drain_and_stop(config.drain_s)
+    if runner.kv_disk is not None:
+        runner.kv_disk.close()  # write the blocks still queued
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

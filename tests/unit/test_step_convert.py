@@ -7,6 +7,7 @@ from services.contracts.model_description import ModelDescription
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import (
     BatchPlan,
+    DiskStore,
     NewSequence,
     SequenceDelta,
     StepResult,
@@ -87,6 +88,8 @@ def test_worker_description_round_trip() -> None:
         quantization="q8_0",
         worker_epoch="e1",
         sliding_window=48,
+        kv_disk_block_hashes=[b"\x01" * 32, b"\x02" * 32],
+        kv_disk_tier=True,
     )
     message = worker_description_to_proto(description)
     assert not message.model.HasField("chat_template")
@@ -103,3 +106,14 @@ def test_a_new_sequences_cache_salt_reaches_the_worker() -> None:
     assert sequence.cache_salt == b"tenant"
     plan = BatchPlan(step_id=1, new_sequences=[sequence])
     assert plan_from_proto(plan_to_proto(plan)).new_sequences[0].cache_salt == b"tenant"
+
+
+def test_disk_stores_loads_and_changes_round_trip() -> None:
+    plan = BatchPlan(
+        step_id=3,
+        disk_stores=[DiskStore(5, b"\x01" * 32, "sql", b"tenant")],
+        disk_loads={"a": [(2, b"\x02" * 32), (3, b"\x03" * 32)]},
+    )
+    assert plan_from_proto(plan_to_proto(plan)) == plan
+    result = StepResult(step_id=3, disk_added=[b"\x01" * 32], disk_evicted=[b"\x04" * 32])
+    assert result_from_proto(result_to_proto(result, forward_ms=1.0)) == result

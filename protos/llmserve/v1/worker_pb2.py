@@ -28,7 +28,7 @@ from protos.llmserve.v1 import model_pb2 as protos_dot_llmserve_dot_v1_dot_model
 from protos.llmserve.v1 import sampling_pb2 as protos_dot_llmserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/worker.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a\x1dprotos/llmserve/v1/lora.proto\x1a\x1eprotos/llmserve/v1/model.proto\x1a!protos/llmserve/v1/sampling.proto\"Q\n\x15PrepareGrammarRequest\x12\x38\n\x11structured_output\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\",\n\x16PrepareGrammarResponse\x12\x12\n\ncompile_ms\x18\x01 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\x83\x03\n\x11WorkerDescription\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cworker_epoch\x18\x0c \x01(\t\x12,\n\x05model\x18\r \x01(\x0b\x32\x1d.llmserve.v1.ModelDescription\x12\x16\n\x0esliding_window\x18\x0e \x01(\r\x12\x11\n\tmax_loras\x18\x0f \x01(\r\x12\x15\n\rmax_lora_rank\x18\x10 \x01(\r\x12)\n\x06memory\x18\x11 \x01(\x0b\x32\x19.llmserve.v1.MemoryBudget\x12\x17\n\x0f\x62\x61tch_invariant\x18\x12 \x01(\x08J\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\t\x10\n\"\xad\x02\n\x0cMemoryBudget\x12N\n\x14weight_bytes_by_kind\x18\x01 \x03(\x0b\x32\x30.llmserve.v1.MemoryBudget.WeightBytesByKindEntry\x12\x1b\n\x13weight_mapped_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fkv_cache_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fkv_cache_tokens\x18\x05 \x01(\x04\x12\x15\n\rruntime_bytes\x18\x06 \x01(\x04\x12\x15\n\rmachine_bytes\x18\x07 \x01(\x04\x1a\x38\n\x16WeightBytesByKindEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xf3\x01\n\x10KvTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\x0c\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x14\n\x0cworker_epoch\x18\x0b \x01(\t\"Y\n\x07KvChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.KvTransferHeader\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\x0ePushKvResponse\x12\x1a\n\x12num_blocks_written\x18\x01 \x01(\r\"\xc4\x01\n\rKvDestination\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x14\n\x0cworker_epoch\x18\t \x01(\t\"\x8e\x02\n\x0bNewSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x32\n\x0ekv_destination\x18\t \x01(\x0b\x32\x1a.llmserve.v1.KvDestination\":\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xf7\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12/\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x30\n\x0c\x62lock_deltas\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x1d\n\x15scheduled_request_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12,\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockCopy\x12:\n\x0b\x64raft_slots\x18\x08 \x03(\x0b\x32%.llmserve.v1.StepPlan.DraftSlotsEntry\x12\x46\n\x11\x62lock_truncations\x18\t \x03(\x0b\x32+.llmserve.v1.StepPlan.BlockTruncationsEntry\x1a\x31\n\x0f\x44raftSlotsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15\x42lockTruncationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xed\x03\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1b\n\x13sampled_request_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.llmserve.v1.StepOutput.LogprobsEntry\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x33\n\x06\x64rafts\x18\x06 \x03(\x0b\x32#.llmserve.v1.StepOutput.DraftsEntry\x12\x46\n\x10\x66\x61iled_sequences\x18\x07 \x03(\x0b\x32,.llmserve.v1.StepOutput.FailedSequencesEntry\x1aJ\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.TokenLogprob:\x02\x38\x01\x1aH\n\x0b\x44raftsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.DraftOutcome:\x02\x38\x01\x1a\x36\n\x14\x46\x61iledSequencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"R\n\x0c\x44raftOutcome\x12\x14\n\x0cnum_proposed\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\x05\x12\x10\n\x08proposer\x18\x03 \x01(\t2\x84\x04\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12:\n\x04Step\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepOutput(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".llmserve.v1.PrepareGrammarRequest\x1a#.llmserve.v1.PrepareGrammarResponse\x12T\n\x0fLoadLoraAdapter\x12#.llmserve.v1.LoadLoraAdapterRequest\x1a\x1c.llmserve.v1.LoraAdapterInfo\x12\x62\n\x11UnloadLoraAdapter\x12%.llmserve.v1.UnloadLoraAdapterRequest\x1a&.llmserve.v1.UnloadLoraAdapterResponse\x12_\n\x10ListLoraAdapters\x12$.llmserve.v1.ListLoraAdaptersRequest\x1a%.llmserve.v1.ListLoraAdaptersResponse2K\n\nKvTransfer\x12=\n\x06PushKv\x12\x14.llmserve.v1.KvChunk\x1a\x1b.llmserve.v1.PushKvResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/llmserve/v1/worker.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a\x1dprotos/llmserve/v1/lora.proto\x1a\x1eprotos/llmserve/v1/model.proto\x1a!protos/llmserve/v1/sampling.proto\"Q\n\x15PrepareGrammarRequest\x12\x38\n\x11structured_output\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.StructuredOutput\",\n\x16PrepareGrammarResponse\x12\x12\n\ncompile_ms\x18\x01 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xb7\x03\n\x11WorkerDescription\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cworker_epoch\x18\x0c \x01(\t\x12,\n\x05model\x18\r \x01(\x0b\x32\x1d.llmserve.v1.ModelDescription\x12\x16\n\x0esliding_window\x18\x0e \x01(\r\x12\x11\n\tmax_loras\x18\x0f \x01(\r\x12\x15\n\rmax_lora_rank\x18\x10 \x01(\r\x12)\n\x06memory\x18\x11 \x01(\x0b\x32\x19.llmserve.v1.MemoryBudget\x12\x17\n\x0f\x62\x61tch_invariant\x18\x12 \x01(\x08\x12\x1c\n\x14kv_disk_block_hashes\x18\x13 \x03(\x0c\x12\x14\n\x0ckv_disk_tier\x18\x14 \x01(\x08J\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\t\x10\n\"\xad\x02\n\x0cMemoryBudget\x12N\n\x14weight_bytes_by_kind\x18\x01 \x03(\x0b\x32\x30.llmserve.v1.MemoryBudget.WeightBytesByKindEntry\x12\x1b\n\x13weight_mapped_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fkv_cache_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fkv_cache_tokens\x18\x05 \x01(\x04\x12\x15\n\rruntime_bytes\x18\x06 \x01(\x04\x12\x15\n\rmachine_bytes\x18\x07 \x01(\x04\x1a\x38\n\x16WeightBytesByKindEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xf3\x01\n\x10KvTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\x0c\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x14\n\x0cworker_epoch\x18\x0b \x01(\t\"Y\n\x07KvChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1d.llmserve.v1.KvTransferHeader\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\x0ePushKvResponse\x12\x1a\n\x12num_blocks_written\x18\x01 \x01(\r\"\xc4\x01\n\rKvDestination\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x14\n\x0cworker_epoch\x18\t \x01(\t\"\x8e\x02\n\x0bNewSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x32\n\x0ekv_destination\x18\t \x01(\x0b\x32\x1a.llmserve.v1.KvDestination\":\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"X\n\tDiskStore\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x11\n\tlora_name\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\"1\n\tDiskBlock\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"3\n\tDiskLoads\x12&\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.DiskBlock\"\xa8\x05\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12/\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.NewSequence\x12\x30\n\x0c\x62lock_deltas\x18\x04 \x03(\x0b\x32\x1a.llmserve.v1.SequenceDelta\x12\x1d\n\x15scheduled_request_ids\x18\x05 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x03(\r\x12,\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x16.llmserve.v1.BlockCopy\x12:\n\x0b\x64raft_slots\x18\x08 \x03(\x0b\x32%.llmserve.v1.StepPlan.DraftSlotsEntry\x12\x46\n\x11\x62lock_truncations\x18\t \x03(\x0b\x32+.llmserve.v1.StepPlan.BlockTruncationsEntry\x12+\n\x0b\x64isk_stores\x18\n \x03(\x0b\x32\x16.llmserve.v1.DiskStore\x12\x38\n\ndisk_loads\x18\x0b \x03(\x0b\x32$.llmserve.v1.StepPlan.DiskLoadsEntry\x1a\x31\n\x0f\x44raftSlotsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x37\n\x15\x42lockTruncationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1aH\n\x0e\x44iskLoadsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.llmserve.v1.DiskLoads:\x02\x38\x01\"\x97\x04\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1b\n\x13sampled_request_ids\x18\x02 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\x05\x12\x37\n\x08logprobs\x18\x04 \x03(\x0b\x32%.llmserve.v1.StepOutput.LogprobsEntry\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x33\n\x06\x64rafts\x18\x06 \x03(\x0b\x32#.llmserve.v1.StepOutput.DraftsEntry\x12\x46\n\x10\x66\x61iled_sequences\x18\x07 \x03(\x0b\x32,.llmserve.v1.StepOutput.FailedSequencesEntry\x12\x12\n\ndisk_added\x18\x08 \x03(\x0c\x12\x14\n\x0c\x64isk_evicted\x18\t \x03(\x0c\x1aJ\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.TokenLogprob:\x02\x38\x01\x1aH\n\x0b\x44raftsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.llmserve.v1.DraftOutcome:\x02\x38\x01\x1a\x36\n\x14\x46\x61iledSequencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"R\n\x0c\x44raftOutcome\x12\x14\n\x0cnum_proposed\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\x05\x12\x10\n\x08proposer\x18\x03 \x01(\t2\x84\x04\n\x06Worker\x12H\n\x08\x44\x65scribe\x12\x1c.llmserve.v1.DescribeRequest\x1a\x1e.llmserve.v1.WorkerDescription\x12:\n\x04Step\x12\x15.llmserve.v1.StepPlan\x1a\x17.llmserve.v1.StepOutput(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".llmserve.v1.PrepareGrammarRequest\x1a#.llmserve.v1.PrepareGrammarResponse\x12T\n\x0fLoadLoraAdapter\x12#.llmserve.v1.LoadLoraAdapterRequest\x1a\x1c.llmserve.v1.LoraAdapterInfo\x12\x62\n\x11UnloadLoraAdapter\x12%.llmserve.v1.UnloadLoraAdapterRequest\x1a&.llmserve.v1.UnloadLoraAdapterResponse\x12_\n\x10ListLoraAdapters\x12$.llmserve.v1.ListLoraAdaptersRequest\x1a%.llmserve.v1.ListLoraAdaptersResponse2K\n\nKvTransfer\x12=\n\x06PushKv\x12\x14.llmserve.v1.KvChunk\x1a\x1b.llmserve.v1.PushKvResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,6 +41,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_options = b'8\001'
   _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._loaded_options = None
   _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_options = b'8\001'
+  _globals['_STEPPLAN_DISKLOADSENTRY']._loaded_options = None
+  _globals['_STEPPLAN_DISKLOADSENTRY']._serialized_options = b'8\001'
   _globals['_STEPOUTPUT_LOGPROBSENTRY']._loaded_options = None
   _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_STEPOUTPUT_DRAFTSENTRY']._loaded_options = None
@@ -54,43 +56,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=310
   _globals['_DESCRIBEREQUEST']._serialized_end=327
   _globals['_WORKERDESCRIPTION']._serialized_start=330
-  _globals['_WORKERDESCRIPTION']._serialized_end=717
-  _globals['_MEMORYBUDGET']._serialized_start=720
-  _globals['_MEMORYBUDGET']._serialized_end=1021
-  _globals['_MEMORYBUDGET_WEIGHTBYTESBYKINDENTRY']._serialized_start=965
-  _globals['_MEMORYBUDGET_WEIGHTBYTESBYKINDENTRY']._serialized_end=1021
-  _globals['_KVTRANSFERHEADER']._serialized_start=1024
-  _globals['_KVTRANSFERHEADER']._serialized_end=1267
-  _globals['_KVCHUNK']._serialized_start=1269
-  _globals['_KVCHUNK']._serialized_end=1358
-  _globals['_PUSHKVRESPONSE']._serialized_start=1360
-  _globals['_PUSHKVRESPONSE']._serialized_end=1404
-  _globals['_KVDESTINATION']._serialized_start=1407
-  _globals['_KVDESTINATION']._serialized_end=1603
-  _globals['_NEWSEQUENCE']._serialized_start=1606
-  _globals['_NEWSEQUENCE']._serialized_end=1876
-  _globals['_SEQUENCEDELTA']._serialized_start=1878
-  _globals['_SEQUENCEDELTA']._serialized_end=1936
-  _globals['_BLOCKCOPY']._serialized_start=1938
-  _globals['_BLOCKCOPY']._serialized_end=1975
-  _globals['_STEPPLAN']._serialized_start=1978
-  _globals['_STEPPLAN']._serialized_end=2481
-  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_start=2375
-  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_end=2424
-  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_start=2426
-  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_end=2481
-  _globals['_STEPOUTPUT']._serialized_start=2484
-  _globals['_STEPOUTPUT']._serialized_end=2977
-  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_start=2773
-  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_end=2847
-  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_start=2849
-  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_end=2921
-  _globals['_STEPOUTPUT_FAILEDSEQUENCESENTRY']._serialized_start=2923
-  _globals['_STEPOUTPUT_FAILEDSEQUENCESENTRY']._serialized_end=2977
-  _globals['_DRAFTOUTCOME']._serialized_start=2979
-  _globals['_DRAFTOUTCOME']._serialized_end=3061
-  _globals['_WORKER']._serialized_start=3064
-  _globals['_WORKER']._serialized_end=3580
-  _globals['_KVTRANSFER']._serialized_start=3582
-  _globals['_KVTRANSFER']._serialized_end=3657
+  _globals['_WORKERDESCRIPTION']._serialized_end=769
+  _globals['_MEMORYBUDGET']._serialized_start=772
+  _globals['_MEMORYBUDGET']._serialized_end=1073
+  _globals['_MEMORYBUDGET_WEIGHTBYTESBYKINDENTRY']._serialized_start=1017
+  _globals['_MEMORYBUDGET_WEIGHTBYTESBYKINDENTRY']._serialized_end=1073
+  _globals['_KVTRANSFERHEADER']._serialized_start=1076
+  _globals['_KVTRANSFERHEADER']._serialized_end=1319
+  _globals['_KVCHUNK']._serialized_start=1321
+  _globals['_KVCHUNK']._serialized_end=1410
+  _globals['_PUSHKVRESPONSE']._serialized_start=1412
+  _globals['_PUSHKVRESPONSE']._serialized_end=1456
+  _globals['_KVDESTINATION']._serialized_start=1459
+  _globals['_KVDESTINATION']._serialized_end=1655
+  _globals['_NEWSEQUENCE']._serialized_start=1658
+  _globals['_NEWSEQUENCE']._serialized_end=1928
+  _globals['_SEQUENCEDELTA']._serialized_start=1930
+  _globals['_SEQUENCEDELTA']._serialized_end=1988
+  _globals['_BLOCKCOPY']._serialized_start=1990
+  _globals['_BLOCKCOPY']._serialized_end=2027
+  _globals['_DISKSTORE']._serialized_start=2029
+  _globals['_DISKSTORE']._serialized_end=2117
+  _globals['_DISKBLOCK']._serialized_start=2119
+  _globals['_DISKBLOCK']._serialized_end=2168
+  _globals['_DISKLOADS']._serialized_start=2170
+  _globals['_DISKLOADS']._serialized_end=2221
+  _globals['_STEPPLAN']._serialized_start=2224
+  _globals['_STEPPLAN']._serialized_end=2904
+  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_start=2724
+  _globals['_STEPPLAN_DRAFTSLOTSENTRY']._serialized_end=2773
+  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_start=2775
+  _globals['_STEPPLAN_BLOCKTRUNCATIONSENTRY']._serialized_end=2830
+  _globals['_STEPPLAN_DISKLOADSENTRY']._serialized_start=2832
+  _globals['_STEPPLAN_DISKLOADSENTRY']._serialized_end=2904
+  _globals['_STEPOUTPUT']._serialized_start=2907
+  _globals['_STEPOUTPUT']._serialized_end=3442
+  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_start=3238
+  _globals['_STEPOUTPUT_LOGPROBSENTRY']._serialized_end=3312
+  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_start=3314
+  _globals['_STEPOUTPUT_DRAFTSENTRY']._serialized_end=3386
+  _globals['_STEPOUTPUT_FAILEDSEQUENCESENTRY']._serialized_start=3388
+  _globals['_STEPOUTPUT_FAILEDSEQUENCESENTRY']._serialized_end=3442
+  _globals['_DRAFTOUTCOME']._serialized_start=3444
+  _globals['_DRAFTOUTCOME']._serialized_end=3526
+  _globals['_WORKER']._serialized_start=3529
+  _globals['_WORKER']._serialized_end=4045
+  _globals['_KVTRANSFER']._serialized_start=4047
+  _globals['_KVTRANSFER']._serialized_end=4122
 # @@protoc_insertion_point(module_scope)

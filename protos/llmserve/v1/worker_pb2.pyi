@@ -27,7 +27,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank", "memory", "batch_invariant")
+    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank", "memory", "batch_invariant", "kv_disk_block_hashes", "kv_disk_tier")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class WorkerDescription(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_TIER_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     dtype: str
     device: str
@@ -56,7 +58,9 @@ class WorkerDescription(_message.Message):
     max_lora_rank: int
     memory: MemoryBudget
     batch_invariant: bool
-    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., memory: _Optional[_Union[MemoryBudget, _Mapping]] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
+    kv_disk_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    kv_disk_tier: bool
+    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., memory: _Optional[_Union[MemoryBudget, _Mapping]] = ..., batch_invariant: _Optional[bool] = ..., kv_disk_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_disk_tier: _Optional[bool] = ...) -> None: ...
 
 class MemoryBudget(_message.Message):
     __slots__ = ("weight_bytes_by_kind", "weight_mapped_bytes", "kv_cache_bytes", "kv_cache_blocks", "kv_cache_tokens", "runtime_bytes", "machine_bytes")
@@ -185,8 +189,34 @@ class BlockCopy(_message.Message):
     dst: int
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
+class DiskStore(_message.Message):
+    __slots__ = ("block_id", "block_hash", "lora_name", "cache_salt")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    block_hash: bytes
+    lora_name: str
+    cache_salt: bytes
+    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+
+class DiskBlock(_message.Message):
+    __slots__ = ("block_id", "block_hash")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    block_hash: bytes
+    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+
+class DiskLoads(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[DiskBlock]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "finished_request_ids", "new_sequences", "block_deltas", "scheduled_request_ids", "num_scheduled_tokens", "block_copies", "draft_slots", "block_truncations")
+    __slots__ = ("step_id", "finished_request_ids", "new_sequences", "block_deltas", "scheduled_request_ids", "num_scheduled_tokens", "block_copies", "draft_slots", "block_truncations", "disk_stores", "disk_loads")
     class DraftSlotsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +231,13 @@ class StepPlan(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DiskLoadsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: DiskLoads
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[DiskLoads, _Mapping]] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +247,8 @@ class StepPlan(_message.Message):
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TRUNCATIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_STORES_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
@@ -219,10 +258,12 @@ class StepPlan(_message.Message):
     block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     draft_slots: _containers.ScalarMap[str, int]
     block_truncations: _containers.ScalarMap[str, int]
-    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., block_deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., scheduled_request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., draft_slots: _Optional[_Mapping[str, int]] = ..., block_truncations: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    disk_stores: _containers.RepeatedCompositeFieldContainer[DiskStore]
+    disk_loads: _containers.MessageMap[str, DiskLoads]
+    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., block_deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., scheduled_request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., draft_slots: _Optional[_Mapping[str, int]] = ..., block_truncations: _Optional[_Mapping[str, int]] = ..., disk_stores: _Optional[_Iterable[_Union[DiskStore, _Mapping]]] = ..., disk_loads: _Optional[_Mapping[str, DiskLoads]] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("step_id", "sampled_request_ids", "sampled_token_ids", "logprobs", "forward_ms", "drafts", "failed_sequences")
+    __slots__ = ("step_id", "sampled_request_ids", "sampled_token_ids", "logprobs", "forward_ms", "drafts", "failed_sequences", "disk_added", "disk_evicted")
     class LogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +292,8 @@ class StepOutput(_message.Message):
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     FAILED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    DISK_ADDED_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_request_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -258,7 +301,9 @@ class StepOutput(_message.Message):
     forward_ms: float
     drafts: _containers.MessageMap[str, DraftOutcome]
     failed_sequences: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Mapping[str, _logprobs_pb2.TokenLogprob]] = ..., forward_ms: _Optional[float] = ..., drafts: _Optional[_Mapping[str, DraftOutcome]] = ..., failed_sequences: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    disk_added: _containers.RepeatedScalarFieldContainer[bytes]
+    disk_evicted: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Mapping[str, _logprobs_pb2.TokenLogprob]] = ..., forward_ms: _Optional[float] = ..., drafts: _Optional[_Mapping[str, DraftOutcome]] = ..., failed_sequences: _Optional[_Mapping[str, str]] = ..., disk_added: _Optional[_Iterable[bytes]] = ..., disk_evicted: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DraftOutcome(_message.Message):
     __slots__ = ("num_proposed", "accepted_token_ids", "proposer")
