@@ -45,7 +45,8 @@ class KvDiskSteps:
     def admit(self, plan: BatchPlan, kv_cache: PagedKVCache) -> tuple[BatchPlan, dict[str, str]]:
         """Store, then load (a block the plan reuses is stored with its old contents first).
         Returns the plan without the sequences whose blocks could not be loaded, and those."""
-        if plan.disk_stores:
+        # A tier that turned itself off (disk full, gone) costs the step no copy.
+        if plan.disk_stores and self.tier.enabled:
             rows = kv_cache.read_blocks([store.block_id for store in plan.disk_stores])
             for store, row in zip(plan.disk_stores, rows, strict=True):
                 scope = BlockScope(store.lora_name, store.cache_salt)

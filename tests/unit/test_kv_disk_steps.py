@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.contracts.sampling_params import SamplingParams
@@ -78,4 +79,23 @@ def test_a_missing_disk_block_fails_its_sequence_alone(tmp_path: Path) -> None:
     assert [s.request_id for s in admitted.new_sequences] == ["fine"]
     assert admitted.num_scheduled_tokens == {"fine": 12}
     assert admitted.disk_loads == {}
+    hook.close()
+
+
+def test_a_tier_that_turned_itself_off_copies_no_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a disk error the scheduler may still name blocks to store: the step copies none
+    of them out of the cache (the copy would only be dropped)."""
+    hook = steps(tmp_path)
+    cache = PagedKVCache(SPEC, num_blocks=4, device="cpu")
+    reads: list[list[int]] = []
+    real_read = cache.read_blocks
+    monkeypatch.setattr(cache, "read_blocks", lambda ids: reads.append(ids) or real_read(ids))
+    store = [DiskStore(0, b"\x03" * 32, "", SALT)]
+    hook.admit(BatchPlan(step_id=1, disk_stores=store), cache)
+    assert reads == [[0]]
+    hook.tier.enabled = False
+    hook.admit(BatchPlan(step_id=2, disk_stores=store), cache)
+    assert reads == [[0]]
     hook.close()
