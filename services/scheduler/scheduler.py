@@ -3,31 +3,22 @@
 No prefill phase: every request has num_computed_tokens and num_tokens, and a step gives each
 scheduled request a slice of the token budget (a decode takes 1, a prompt takes a chunk).
 
-Features live in services/scheduler/features/, one object each, called at named points and
-keeping their own state by request id: n > 1 choices (choices.py: fork, split, seats, events),
-speculative draft slots (draft_slots.py), pinned prefixes (pins.py), fair shares between
-tenants (fair_share.py: whom to admit, preempt and queue), LoRA adapters per step
-(lora_admission.py: whom to admit), grammar readiness (grammar_readiness.py), remote prefills
-(disaggregation.py: reserve, await KV, never preempt). Each gets the KV manager and the lists it
-edits, never the scheduler.
+This core decides who runs in a step; the request book (request_book.py) carries out the
+moves between queues and frees what each one must. Features live in features/, one object
+each, called at named points and keeping their own state by request id: n > 1 choices
+(choices.py), draft slots (draft_slots.py), pinned prefixes (pins.py), fair shares
+(fair_share.py: whom to admit, preempt and queue), LoRA admission, grammar readiness, remote
+prefills (disaggregation.py: reserve, await KV, never preempt) and the KV disk tier (kv_disk.py).
+Each gets the KV manager and the lists it edits, never the scheduler.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
-from collections import deque
 
 from services.contracts.errors import InvalidRequestError
 from services.contracts.kv_transfer import KvDestination
-from services.contracts.step import (
-    FAILED_DISK_LOAD_PREFIX,
-    BatchPlan,
-    FinishReason,
-    SequenceDelta,
-    StepResult,
-    TokenEvent,
-)
+from services.contracts.step import BatchPlan, FinishReason, SequenceDelta, StepResult, TokenEvent
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.features import admission
 from services.scheduler.features.choices import ChoiceForks
@@ -40,6 +31,7 @@ from services.scheduler.features.lora_admission import LoraAdmission
 from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.request_book import HeldState, RequestBook
 from services.scheduler.stats import SchedulerStats
 
 
@@ -60,17 +52,8 @@ class Scheduler:
         self.config = config
         self.kv = KVCacheManager.from_config(config, num_blocks, sliding_window)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        # Sorted by priority (arrival, then submission order), so the preemption victim, the
-        # latest arrival, is always last and never already scheduled in the current step.
-        self.running: list[Request] = []
         self._priority: dict[str, tuple[float, int]] = {}
-        self._num_submitted = 0
-        self._on_worker: set[str] = set()  # membership only, never iterated
-        self._finished_ids: list[str] = []  # the worker must drop these in the next plan
-        self._pending_events: list[TokenEvent] = []  # aborts/expiries, out with the next update
         self._step_id = 0
-        self.num_preemptions = 0
         self.choices = ChoiceForks(self.kv, self.requests, self._priority)
         # Speculative decoding: which decodes of the plan being made may draft, and how many.
         self.drafts = DraftSlots(config, self.kv)
@@ -81,9 +64,13 @@ class Scheduler:
         self.disk = None if kv_disk_hashes is None else DiskTierView(kv_disk_hashes)
         self.kv.disk = self.disk
         self.remote = RemotePrefills()
-        self.failures: dict[str, str] = {}
-        """Requests (submitted ids) the worker could not run, and why: their owners hear an
-        error instead of tokens (the step loop takes them after each update)."""
+        held = HeldState(
+            self.choices, self.drafts, self.pins, self.fair, self.grammars, self.remote
+        )
+        self.book = RequestBook(config, self.kv, self.requests, self._priority, held)
+        # The book's lists and dict, edited in place only: these names stay theirs.
+        book = self.book
+        self.waiting, self.running, self.failures = book.waiting, book.running, book.failures
 
     # ---- the callers' API ---------------------------------------------------------------
 
@@ -113,11 +100,7 @@ class Scheduler:
             tenant, [*self.waiting, *self.running], bound
         ):
             raise admission.queue_full(len(self.waiting), len(self.running), self.config)
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self._priority[request.request_id] = (request.arrival_time, self._num_submitted)
-        self._num_submitted += 1
-        self.waiting.append(request)
+        self.book.queue(request)
         self.fair.on_queued(request.request_id, tenant)
         if grammar_pending:
             self.grammars.hold(request.request_id)
@@ -131,8 +114,11 @@ class Scheduler:
 
     @property
     def num_unfinished_requests(self) -> int:
-        """Requests held: waiting (never admitted, or preempted) or running."""
-        return len(self.waiting) + len(self.running)
+        return self.book.num_unfinished
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.book.num_preemptions
 
     @property
     def max_num_unfinished_requests(self) -> int:
@@ -152,8 +138,7 @@ class Scheduler:
     def abort_request(self, request_id: str) -> None:
         """Cancel a request (every choice of it); its blocks are free on return. Unknown or
         finished ids are ignored."""
-        for request in self.choices.sequences(request_id):
-            self._finish_early(request, FinishReason.ABORT)
+        self.book.abort(request_id)
 
     def abort_choice(self, request_id: str, index: int) -> None:
         """End one forked choice of a request with n > 1 (its text hit a stop string); the
@@ -161,41 +146,22 @@ class Scheduler:
         are ignored."""
         choice = self.choices.choice(request_id, index)
         if choice is not None:
-            self._finish_early(choice, FinishReason.ABORT)
+            self.book.finish_early(choice, FinishReason.ABORT)
 
     def take_handoffs(self) -> list[Handoff]:
         """Requests admitted since the last call whose KV a prefill scheduler is to send."""
         return self.remote.take_new_handoffs()
 
     def complete_remote_prefill(self, request_id: str, token_ids: list[int]) -> None:
-        """The prefill pair sampled `token_ids` (the first token) and its worker wrote the
-        prompt's KV into the reserved blocks: the prompt counts as computed; the token goes
-        out with the next update. Ignored for a request no longer awaiting."""
-        request = self.requests.get(request_id)
-        if request is None or not self.remote.end_wait(request_id):
-            return
-        request.num_computed_tokens = request.num_prompt_tokens
-        emitted, reason = request.append_output(token_ids[:1], self.config.max_model_len)
-        self.kv.cache_full_blocks(request)
-        self._pending_events.append(self.choices.event(request, emitted, reason))
-        if reason is not None:
-            request.finish_reason, request.status = reason, RequestStatus.FINISHED
-            self.running.remove(request)
-            self._release(request)
+        """The prefill pair sent the first token and the prompt's KV (request_book.py)."""
+        self.book.complete_remote_prefill(request_id, token_ids)
 
     def fall_back_to_local_prefill(self, request_id: str) -> None:
         """The prefill pair failed: the request prefills here, in the blocks it holds."""
-        if self.remote.end_wait(request_id):
-            self._close_transfer(request_id)
-
-    def _close_transfer(self, request_id: str) -> None:
-        """A transfer given up (fallback, abort) may still be pushed late: the worker, told
-        by the id among the next plan's dropped ones (a sequence it never held), discards
-        any write for it from then on, before those blocks can be anyone else's."""
-        self._finished_ids.append(request_id)
+        self.book.fall_back_to_local_prefill(request_id)
 
     def schedule(self, now: float) -> BatchPlan:
-        self._expire_deadlines(now)
+        self.book.expire_deadlines(now)
         plan = BatchPlan(step_id=self._step_id)
         self._step_id += 1
         budget = self.config.max_num_batched_tokens
@@ -206,7 +172,7 @@ class Scheduler:
             # Admitting while decodes are being evicted would only thrash the cache.
             self._schedule_waiting(plan, budget)
         self.drafts.grant(plan, self.requests)
-        plan.finished_request_ids, self._finished_ids = self._finished_ids, []
+        plan.finished_request_ids = self.book.take_dropped_ids()
         plan.block_copies = self.kv.take_pending_copies()
         if self.disk is not None:
             plan.disk_stores = self.disk.take_stores()
@@ -220,12 +186,12 @@ class Scheduler:
         plan was already made (and its tokens counted as computed) when this result arrives.
         """
         del now  # part of the contract for timing metrics; stop conditions do not need it
-        events, self._pending_events = self._pending_events, []
+        events, self.book.pending_events = self.book.pending_events, []
         if self.disk is not None:
             # First: a request whose disk blocks failed is readmitted without them.
             self.disk.on_result(result)
         if result.failed_sequences:
-            self._fail(result.failed_sequences)
+            self.book.fail(result.failed_sequences)
         finished: list[Request] = []
         for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
@@ -252,16 +218,16 @@ class Scheduler:
             events.append(self.choices.event(request, emitted, reason, logprobs))
             if reason is None:
                 continue
-            request.finish_reason, request.status = reason, RequestStatus.FINISHED
+            self.book.finish(request, reason)
             if running:
                 finished.append(request)
             else:
                 self.waiting.remove(request)
-                self._release(request)
+                self.book.release(request)
         if finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.running[:] = [r for r in self.running if r.status is RequestStatus.RUNNING]
             for request in finished:
-                self._release(request)
+                self.book.release(request)
         if self.config.debug_checks:
             self.check_integrity()
         return events
@@ -274,8 +240,8 @@ class Scheduler:
         return bool(
             self.waiting
             or num_runnable
-            or self._finished_ids
-            or self._pending_events
+            or self.book.dropped_ids
+            or self.book.pending_events
             or (self.disk is not None and self.disk.has_stores)
         )
 
@@ -288,16 +254,8 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.pins.tables())
-        queued_requests = [*self.waiting, *self.running]
-        queued = [r.request_id for r in queued_requests]
-        assert len(queued) == len(set(queued)) == len(self.requests), "request lists disagree"
-        for request in self.running:
-            assert request.status is RequestStatus.RUNNING, request.request_id
+        self.book.check_integrity()
         self.choices.check_integrity(self.running, self.config.max_num_seqs)
-        # Features keep per-request state only for requests held: each forgets on release.
-        for state in (self.drafts, self.grammars, self.pins, self.remote):
-            assert state.request_ids() <= self.requests.keys(), type(state).__name__
-        assert self.fair.request_ids() <= {self.choices.public_id(r) for r in queued_requests}
 
     # ---- scheduling ---------------------------------------------------------------------
 
@@ -342,7 +300,7 @@ class Scheduler:
             if len(self.running) == 1:
                 # Alone and still short of blocks: it can never grow, so end it like
                 # max_model_len would rather than preempt it into a queue it cannot leave.
-                self._finish_early(request, FinishReason.LENGTH)
+                self.book.finish_early(request, FinishReason.LENGTH)
                 return None
             if self._preempt_after(position) is request:
                 return None
@@ -396,13 +354,7 @@ class Scheduler:
                 plan.disk_loads[request.request_id] = list(
                     zip(new_blocks[: len(disk_hits)], disk_hits, strict=True)
                 )
-            self.waiting.remove(request)
-            if request.status is RequestStatus.WAITING:
-                request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            self.choices.on_admitted(request)
-            bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
+            self.book.admit(request, num_cached)
             self.loras.note_admitted(request)
             if remote:
                 block_table = self.kv.get_block_table(request.request_id)
@@ -427,11 +379,10 @@ class Scheduler:
     ) -> None:
         """Schedule `num_new` tokens of a running request: sent whole the first time the
         worker sees it (admitted, resumed or forked), as a block delta after that."""
-        if request.request_id in self._on_worker:
+        if not self.book.send_whole(request.request_id):
             if new_blocks:
                 plan.block_deltas.append(SequenceDelta(request.request_id, new_blocks))
         else:
-            self._on_worker.add(request.request_id)
             block_table = self.kv.get_block_table(request.request_id)
             destination = self.remote.destination(request.request_id)
             plan.new_sequences.append(request.new_sequence(block_table, destination))
@@ -450,7 +401,7 @@ class Scheduler:
         needed = self.choices.num_blocks_to_fork(first)
         while self.kv.num_free_blocks < needed:
             if len(self.running) == 1:
-                self._finish_early(first, FinishReason.LENGTH)
+                self.book.finish_early(first, FinishReason.LENGTH)
                 return False
             if len(self.running) - 1 <= position:
                 return False  # only earlier arrivals hold blocks: wait for them to finish
@@ -479,7 +430,7 @@ class Scheduler:
             self.waiting, self.running, self.config.max_num_seqs, num_free, self.grammars.is_ready
         ):
             if not self.remote.is_awaiting(victim):
-                self._preempt(victim)
+                self.book.preempt(victim)
 
     def _preempt_after(self, position: int) -> Request:
         """Preempt one of the running requests after `position` (the one there when none
@@ -487,79 +438,4 @@ class Scheduler:
         # Never one awaiting its KV: the transfer would land in blocks given to someone else.
         later = [r for r in self.running[position + 1 :] if not self.remote.is_awaiting(r)]
         candidates = later or self.running[position : position + 1]
-        return self._preempt(self.fair.victim(self.running, candidates))
-
-    def _preempt(self, request: Request, *, counted: bool = True) -> Request:
-        """Preempt a running request by recompute: drop its KV, requeue it at the front,
-        resend it whole later. Returns it. `counted`: a preemption for the metrics."""
-        self.running.remove(request)
-        self.choices.on_preempted(request)
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        if counted:
-            request.num_preemptions += 1
-            self.num_preemptions += 1
-        self._drop_from_worker(request.request_id)
-        self.waiting.appendleft(request)
-        return request
-
-    def _expire_deadlines(self, now: float) -> None:
-        held = [*self.waiting, *self.running]
-        for request in [r for r in held if r.deadline is not None and r.deadline <= now]:
-            self._finish_early(request, FinishReason.DEADLINE)
-
-    # ---- finishing ----------------------------------------------------------------------
-
-    def _finish_early(self, request: Request, reason: FinishReason) -> None:
-        """Finish a request outside update() (abort, deadline); its event goes out next update.
-        Choices it has not forked yet end with it, for the same reason."""
-        was_running = request.status is RequestStatus.RUNNING
-        (self.running if was_running else self.waiting).remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        self._pending_events.append(self.choices.event(request, [], reason))
-        self._pending_events.extend(self.choices.end_unforked(request, reason, was_running))
-        self._release(request)
-
-    def _fail(self, failed: dict[str, str]) -> None:
-        """End the sequences the worker could not take on (their adapter is gone from it),
-        every choice of their request with them. Before their results are read: KV they were
-        to compute is not cached."""
-        for request_id, reason in failed.items():
-            if (request := self.requests.get(request_id)) is None:
-                continue
-            if reason.startswith(FAILED_DISK_LOAD_PREFIX) and request in self.running:
-                self._recompute_without_disk(request)
-                continue
-            public_id = self.choices.public_id(request)
-            self.failures[public_id] = reason
-            self.abort_request(public_id)
-
-    def _recompute_without_disk(self, request: Request) -> None:
-        """A block it was to load from disk could not be read, so the worker left it out of
-        every step: requeue it at the front as never admitted. The disk's result removed those
-        hashes from the view, so its next admission computes them."""
-        self._preempt(request, counted=False)
-        request.status = RequestStatus.WAITING
-        request.num_pending_tokens = 0  # no step that was to sample for it ran it
-
-    def _release(self, request: Request) -> None:
-        # Before free(): pinned blocks must not pass through the free queue in between.
-        self.pins.on_released(request)
-        self.kv.free(request)
-        self.drafts.forget(request.request_id)
-        self.grammars.forget(request.request_id)
-        if self.remote.is_awaiting(request):
-            self._close_transfer(request.request_id)
-        self.remote.forget(request.request_id)
-        self._drop_from_worker(request.request_id)
-        del self.requests[request.request_id]
-        del self._priority[request.request_id]
-        if (public_id := self.choices.on_released(request)) is not None:
-            self.fair.forget(public_id)  # none of its sequences is left
-
-    def _drop_from_worker(self, request_id: str) -> None:
-        if request_id in self._on_worker:
-            self._on_worker.discard(request_id)
-            self._finished_ids.append(request_id)
+        return self.book.preempt(self.fair.victim(self.running, candidates))

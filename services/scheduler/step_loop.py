@@ -374,7 +374,8 @@ class StepLoop:
         """Requests the worker could not run (their LoRA adapter left it): each owner hears
         NOT_FOUND, or UNAVAILABLE for a prompt whose KV could not reach its decode pair; their
         abort events, out with the next update, find no queue."""
-        failures, scheduler.failures = scheduler.failures, {}
+        failures = dict(scheduler.failures)
+        scheduler.failures.clear()
         for request_id, reason in failures.items():
             log.warning("request failed", extra={"request_id": request_id, "error": reason})
             queue = self._queues.pop(request_id, None)

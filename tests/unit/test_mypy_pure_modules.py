@@ -15,6 +15,7 @@ PURE_MODULES = (
     # allocation policy (config), the sliding-window release, the request state and the
     # Submit stream's event merging
     "services/scheduler/scheduler.py",
+    "services/scheduler/request_book.py",
     "services/scheduler/kv_cache_manager.py",
     "services/scheduler/features/sliding_window.py",
     "services/scheduler/block_pool.py",
