@@ -204,9 +204,7 @@ class SchedulerPool:
         cached = [0] * len(clients)
         hashes: list[BlockHash] = []
         if self.policy == "cache_aware":
-            # The scheduler caches an adapter's blocks under the adapter's salt.
-            salt = adapter_salt(cache_salt, lora_name)
-            hashes = self._block_hashes(clients, prompt_token_ids, salt)
+            hashes = self._block_hashes(clients, prompt_token_ids, cache_salt, lora_name)
             cached = self._recent.leading_blocks(hashes, [c.address for c in clients])
             if self.locator is not None and hashes:
                 indexed = await self._indexed_blocks(clients, hashes)
@@ -244,15 +242,16 @@ class SchedulerPool:
         clients: Sequence[SchedulerClient],
         prompt_token_ids: Sequence[int],
         cache_salt: bytes,
+        lora_name: str,
     ) -> list[BlockHash]:
         """The prompt's full-block hashes at the schedulers' block size (all serve one model
-        with one block size; a scheduler reporting another size never matches)."""
+        with one block size; a scheduler reporting another size never matches), under the
+        salt the schedulers cache them with (an adapter's blocks under the adapter's salt)."""
         block_size = next((c.stats.block_size for c in clients if c.stats), 0)
         if not block_size:
             return []
-        return prefix_block_hashes(
-            prompt_token_ids, block_size, cache_salt, max_blocks=MAX_LOOKUP_BLOCKS
-        )
+        salt = adapter_salt(cache_salt, lora_name)
+        return prefix_block_hashes(prompt_token_ids, block_size, salt, max_blocks=MAX_LOOKUP_BLOCKS)
 
     async def _indexed_blocks(
         self, clients: Sequence[SchedulerClient], hashes: Sequence[BlockHash]
