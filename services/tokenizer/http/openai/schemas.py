@@ -32,8 +32,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from services.contracts.errors import InvalidRequestError, quoted, shortened
 from services.contracts.sampling_params import logit_bias_from_json
 from services.contracts.structured_output import StructuredOutput, StructuredOutputKind
-from services.text.chat_template import ChatMessage, MessageToolCall
-from services.text.chat_template import TextPart as ChatTextPart
+from services.text.chat_template import ChatMessage, MessageToolCall, TextPart
 from services.tokenizer.http.common import validated_body
 from services.tokenizer.tool_request import FunctionTool, ToolChoiceMode, ToolRequest
 from services.tokenizer.validation import (
@@ -78,7 +77,9 @@ class StreamOptions(_Body):
     """One more chunk before [DONE] with usage and no choices."""
 
 
-class TextPart(_Body):
+class TextContentPart(_Body):
+    """A `{"type": "text"}` part of an OpenAI message's content."""
+
     type: Literal["text"]
     text: str
 
@@ -97,7 +98,7 @@ class ToolCallBody(_Body):
 
 class ChatMessageBody(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextContentPart] | None = None
     name: None = None
     """Accepted only absent or null: our chat templates have no participant names."""
     tool_calls: list[ToolCallBody] | None = None
@@ -460,7 +461,7 @@ def _message(message: ChatMessageBody, index: int) -> ChatMessage:
         raise InvalidRequestError(f"messages[{index}].tool_call_id", "is required")
     if message.tool_call_id and message.role != "tool":
         raise InvalidRequestError(f"messages[{index}].tool_call_id", "only tool messages")
-    content: str | tuple[ChatTextPart, ...] = ""
+    content: str | tuple[TextPart, ...] = ""
     if message.content is not None or not calls:
         content = _content(message.content, index)
     return ChatMessage(
@@ -476,13 +477,13 @@ def _role(role: str) -> str:
     return "system" if role == "developer" else role
 
 
-def _content(content: str | list[TextPart] | None, index: int) -> str | tuple[ChatTextPart, ...]:
+def _content(content: str | list[TextContentPart] | None, index: int) -> str | tuple[TextPart, ...]:
     """A string stays one; text parts stay parts (the chat template sees what was sent)."""
     if content is None:
         raise InvalidRequestError(f"messages[{index}].content", "is required")
     if isinstance(content, str):
         return content
-    return tuple(ChatTextPart(part.text) for part in content)
+    return tuple(TextPart(part.text) for part in content)
 
 
 def _prompts(
