@@ -3,6 +3,8 @@
     llmserve:v1:{model}:blk:{scheduler_id}:{block_hash_hex} -> worker epoch   (TTL)
         "this scheduler holds this full block in its prefix cache"; an entry whose epoch is
         not the scheduler's current worker epoch is stale (the worker restarted) and ignored.
+        "{epoch}:disk": the block is not in the KV pool but in the worker's disk tier (loaded
+        back before a prefill, far cheaper than recomputing it).
     llmserve:v1:{model}:prompt:{tenant}:{name}              -> named prompt JSON (TTL)
     llmserve:v1:ratelimit:{key_id}:req:{window}             -> requests of an API key in a
     llmserve:v1:ratelimit:{key_id}:tok:{window}             -> tokens   one-minute window (TTL)
@@ -32,6 +34,24 @@ def _safe(part: str) -> str:
 def tenant_key(tenant_id: str) -> str:
     # Hashed, not sanitized: two tenant ids must never map to one key.
     return tenant_salt(tenant_id).hex() if tenant_id else "shared"
+
+
+DISK_TIER_SUFFIX = ":disk"
+
+
+def block_entry(epoch: str, *, on_disk: bool) -> str:
+    """The value of a block's entry: the worker epoch, tagged when the block is on disk only."""
+    return epoch + DISK_TIER_SUFFIX if on_disk else epoch
+
+
+def entry_tier(value: bytes, epoch: str) -> str | None:
+    """ "pool" or "disk" for an entry of this worker epoch; None for a stale or missing one."""
+    expected = epoch.encode()
+    if value == expected:
+        return "pool"
+    if value == expected + DISK_TIER_SUFFIX.encode():
+        return "disk"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

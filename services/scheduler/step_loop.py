@@ -239,11 +239,15 @@ class StepLoop:
                 for info in self.loras.adapters.values():
                     lora_metrics.on_loaded(info)
                 if self.prefix_index is not None:
+                    disk = self.scheduler.disk
                     self.scheduler.kv.pool.listener = self.prefix_index
+                    if disk is not None:
+                        disk.listener = self.prefix_index
                     self.prefix_index.attach(
                         self.description.worker_epoch,
                         CacheKeys(self.description.model.model_name),
                         self.scheduler.kv.pool.cached_hashes,
+                        None if disk is None else disk.hashes,
                     )
                 steps = await worker.open_steps()
                 refusal_logged = None

@@ -59,6 +59,41 @@ def test_index_round_trip_epochs_and_evictions(redis: RedisServer) -> None:
     run(scenario())
 
 
+def test_disk_tier_blocks_stay_indexed_after_the_pool_evicts_them(redis: RedisServer) -> None:
+    async def scenario() -> None:
+        store = RedisStore(redis.url)
+        publisher = PrefixIndexPublisher(store, "sched-a")
+        locator = PrefixLocator(store, KEYS)
+        on_disk = [HASHES[0], HASHES[1]]  # a restarted worker's disk: its pool is empty
+        publisher.attach("epoch-2", KEYS, lambda: [], lambda: list(on_disk))
+        await publisher.flush()
+        assert await locator.cached_blocks(HASHES, [("sched-a", "epoch-2")]) == [2]
+        entry = KEYS.block("sched-a", HASHES[0])
+        assert redis.command("GET", entry).split(b"\r\n")[1] == b"epoch-2:disk"
+        # Loaded back into the pool, then written down: the pool's tier is what the entry says.
+        publisher.block_cached(HASHES[0])
+        publisher.block_cached(HASHES[2])
+        publisher.disk_added(HASHES[2])
+        await publisher.flush()
+        assert redis.command("GET", entry).split(b"\r\n")[1] == b"epoch-2"
+        assert await locator.cached_blocks(HASHES, [("sched-a", "epoch-2")]) == [3]
+        # The pool evicts block 0, the disk still has it: still indexed, as a disk block.
+        publisher.block_evicted(HASHES[0])
+        await publisher.flush()
+        assert redis.command("GET", entry).split(b"\r\n")[1] == b"epoch-2:disk"
+        # The disk evicts block 1 too, which the pool never held: its entry goes, and the
+        # prefix is cut there.
+        publisher.disk_evicted(HASHES[1])
+        await publisher.flush()
+        assert redis.command("EXISTS", KEYS.block("sched-a", HASHES[1])) == b":0\r\n"
+        assert await locator.cached_blocks(HASHES, [("sched-a", "epoch-2")]) == [1]
+        # Another epoch's disk entries are stale like any other.
+        assert await locator.cached_blocks(HASHES, [("sched-a", "epoch-3")]) == [0]
+        await store.close()
+
+    run(scenario())
+
+
 def test_flushed_redis_is_repaired_by_the_periodic_refresh(redis: RedisServer) -> None:
     async def scenario() -> None:
         now = [0.0]

@@ -18,10 +18,22 @@ class CachedRequest(Protocol):
     def cache_salt(self) -> bytes: ...
 
 
+class DiskListener(Protocol):
+    """Hears what the disk gains and loses (the Redis prefix index: prefix_index.py)."""
+
+    def disk_added(self, block_hash: bytes) -> None: ...
+
+    def disk_evicted(self, block_hash: bytes) -> None: ...
+
+
 class DiskTierView:
     def __init__(self, hashes: list[bytes]) -> None:
         self._on_disk: dict[bytes, None] = dict.fromkeys(hashes)
         self._stores: list[DiskStore] = []
+        self.listener: DiskListener | None = None
+
+    def hashes(self) -> list[bytes]:
+        return list(self._on_disk)
 
     def holds(self, block_hash: bytes) -> bool:
         return block_hash in self._on_disk
@@ -55,7 +67,12 @@ class DiskTierView:
         return stores
 
     def on_result(self, result: StepResult) -> None:
+        listener = self.listener
         for block_hash in result.disk_added:
             self._on_disk[block_hash] = None
+            if listener is not None:
+                listener.disk_added(block_hash)
         for block_hash in result.disk_evicted:
             self._on_disk.pop(block_hash, None)
+            if listener is not None:
+                listener.disk_evicted(block_hash)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.cache_keys import CacheKeys
+from services.common.cache_keys import CacheKeys, entry_tier
 from services.common.prefix_hash import BlockHash
 from services.common.redis_store import RedisStore
 
@@ -21,8 +21,9 @@ class PrefixLocator:
     async def cached_blocks(
         self, block_hashes: Sequence[BlockHash], schedulers: Sequence[tuple[str, str]]
     ) -> list[int]:
-        """For each (scheduler_id, worker_epoch): how many leading blocks it holds. Entries of
-        another epoch are stale (written before a worker restart) and do not count. All zeros
+        """For each (scheduler_id, worker_epoch): how many leading blocks it holds, in its KV
+        pool or its disk tier. Entries of another epoch are stale (written before a worker
+        restart) and do not count. All zeros
         when Redis does not answer: a routing miss, never an error."""
         hashes = list(block_hashes[:MAX_LOOKUP_BLOCKS])
         if not hashes or not schedulers:
@@ -38,10 +39,9 @@ class PrefixLocator:
         counts: list[int] = []
         for index, (_, epoch) in enumerate(schedulers):
             row = values[index * len(hashes) : (index + 1) * len(hashes)]
-            expected = epoch.encode()
             count = 0
             for value in row:
-                if value != expected:
+                if value is None or entry_tier(value, epoch) is None:
                     break
                 count += 1
             counts.append(count)
