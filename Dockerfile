@@ -69,7 +69,8 @@ ENV PATH=/opt/llmserve/bin:$PATH TORCH_EXTENSIONS_DIR=/opt/llmserve/kernels \
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libgomp1 >/dev/null \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --create-home --home-dir /home/llmserve --uid 10001 --user-group llmserve
+ && useradd --create-home --home-dir /home/llmserve --uid 10001 --user-group llmserve \
+ && install -d -o llmserve -g llmserve /var/lib/llmserve/kv
 COPY --from=build /opt/llmserve /opt/llmserve
 COPY --from=build /app /app
 WORKDIR /app

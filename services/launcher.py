@@ -55,6 +55,7 @@ from services.common.serving_config import (
     DeviceConfig,
     DisaggregationConfig,
     InternalConfig,
+    KvTierConfig,
     LoraConfig,
     ModelConfig,
     PublicConfig,
@@ -72,6 +73,7 @@ class StackConfig(
     ModelConfig,
     WeightsConfig,
     DeviceConfig,
+    KvTierConfig,
     BatchingConfig,
     StepLoopConfig,
     RuntimeConfig,
@@ -122,12 +124,16 @@ class StackConfig(
     """Write the addresses and pids as JSON here once ready (for scripts and tests)."""
     metrics_port: int | None = None
     """Port of the stack's merged Prometheus /metrics (0 = any free port); unset = none."""
+    kv_disk_dir: str | None = None
+    """Directory of the KV disk tier: each worker keeps its blocks in its own subdirectory,
+    DIR/pair-<index>, so a restarted stack finds its prefixes again; unset = no disk tier."""
 
     def __post_init__(self) -> None:
         self.check_public()
         self.check_speculation()
         self.check_lora()
         self.check_disaggregation()
+        self.check_kv_tiers()
         if self.prefill_pairs < 0 or self.decode_pairs < 0:
             raise ValueError("--prefill-pairs and --decode-pairs must be at least 0")
 
@@ -137,6 +143,14 @@ class StackConfig(
         if not self.prefill_pairs and not self.decode_pairs:
             return ["both"] * self.workers
         return ["prefill"] * self.prefill_pairs + ["decode"] * max(1, self.decode_pairs)
+
+
+def pair_kv_disk_dir(config: KvTierConfig, index: int) -> str | None:
+    """The disk tier directory of pair `index`: its own, since a worker refuses a directory
+    another live worker holds; the same index finds the same blocks after a restart."""
+    if config.kv_disk_dir is None:
+        return None
+    return str(Path(config.kv_disk_dir) / f"pair-{index}")
 
 
 CHILD_GROUPS = SERVICE_GROUPS
@@ -304,7 +318,10 @@ def build_children(
     def child(name: str, kind: str, port: int, args: list[str], index: int = 0) -> Child:
         address = f"{host}:{port}"
         args = [kind, "--host", host, "--port", str(port), *args]
-        args += config_argv(config, *CHILD_GROUPS[kind])
+        own = config
+        if kind == "worker":
+            own = replace(config, kv_disk_dir=pair_kv_disk_dir(config, index))
+        args += config_argv(own, *CHILD_GROUPS[kind])
         metrics_url = None
         if config.metrics_port is not None:
             metrics_port = free_port(host)

@@ -9,6 +9,7 @@ children unchanged (services.common.config_flags.config_argv).
     ChatConfig      tokenizer, engine, stack
     WeightsConfig   worker, engine, stack
     DeviceConfig    worker, stack
+    KvTierConfig    worker, engine, stack
     BatchingConfig  scheduler (core and server), worker, engine, stack
     StepLoopConfig  scheduler (server), stack
     RuntimeConfig   worker, engine, stack
@@ -98,6 +99,22 @@ class DeviceConfig:
     """cpu or cuda[:N]."""
     kv_cache_gib: float = 1.0
     """Memory for the paged KV cache, GiB; the number of blocks follows."""
+
+
+@dataclass(frozen=True)
+class KvTierConfig:
+    """Where the prefix cache's blocks go below the worker's KV pool (docs/prefix-cache.md,
+    Disk tier)."""
+
+    kv_disk_dir: str | None = None
+    """Directory of the KV disk tier: full cached blocks written below the pool, kept across
+    restarts; one live worker per directory (a second is refused); unset = no disk tier."""
+    kv_disk_gib: float = 10.0
+    """Most bytes the KV disk tier keeps, in GiB; the least recently used blocks go first."""
+
+    def check_kv_tiers(self) -> None:
+        if self.kv_disk_gib <= 0:
+            raise ValueError(f"kv_disk_gib must be positive; got {self.kv_disk_gib}")
 
 
 @dataclass(frozen=True)
@@ -408,6 +425,7 @@ SERVICE_GROUPS: dict[str, tuple[type, ...]] = {
         ModelConfig,
         WeightsConfig,
         DeviceConfig,
+        KvTierConfig,
         BatchingConfig,
         RuntimeConfig,
         SpeculationConfig,

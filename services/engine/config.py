@@ -9,6 +9,7 @@ from services.common.serving_config import (
     ChatConfig,
     DebugConfig,
     DeviceConfig,
+    KvTierConfig,
     LoraConfig,
     ModelConfig,
     RuntimeConfig,
@@ -28,6 +29,7 @@ class EngineConfig(
     SpeculationConfig,
     LoraConfig,
     DeviceConfig,
+    KvTierConfig,
     DebugConfig,
 ):
     """The worker's and the scheduler's shared groups (services.common.serving_config), plus
@@ -38,10 +40,6 @@ class EngineConfig(
     """"max_length" reserves each request's worst case up front (for comparison only)."""
     threads: int | None = None
     """torch CPU threads; unset = one per core (the worker's flag)."""
-    kv_disk_dir: str | None = None
-    """Directory of the KV disk tier (the worker's flag); unset = none."""
-    kv_disk_gib: float = 10.0
-    """Most bytes the KV disk tier keeps, in GiB (the worker's flag)."""
 
     def __post_init__(self) -> None:
         from services.worker.quantization.formats import (
@@ -55,3 +53,4 @@ class EngineConfig(
         check_quantization(self.quantization)
         self.check_speculation()
         self.check_lora()
+        self.check_kv_tiers()

@@ -32,11 +32,6 @@ class WorkerConfig(*SERVICE_GROUPS["worker"]):  # type: ignore[misc]
     """On SIGTERM, how long an in-flight step stream may take to finish."""
     metrics_port: int | None = None
     """Port of the Prometheus /metrics HTTP endpoint (0 = any free port); unset = none."""
-    kv_disk_dir: str | None = None
-    """Directory of the KV disk tier: full cached blocks written below the pool, kept across
-    restarts (docs/prefix-cache.md, Disk tier); unset = no disk tier."""
-    kv_disk_gib: float = 10.0
-    """Most bytes the KV disk tier keeps, in GiB; the least recently used blocks go first."""
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -44,8 +39,7 @@ class WorkerConfig(*SERVICE_GROUPS["worker"]):  # type: ignore[misc]
         check_quantization(self.quantization)
         self.check_speculation()
         self.check_lora()
-        if self.kv_disk_gib <= 0:
-            raise ValueError(f"kv_disk_gib must be positive; got {self.kv_disk_gib}")
+        self.check_kv_tiers()
 
 
 def resolve_dtype(name: str, device: str, *, gguf_blocks: bool = False) -> torch.dtype:

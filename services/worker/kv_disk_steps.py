@@ -11,6 +11,7 @@ import torch
 from services.contracts.step import FAILED_DISK_LOAD_PREFIX, BatchPlan, StepResult
 from services.worker.config import GiB
 from services.worker.kv_cache import PagedKVCache
+from services.worker.kv_disk_lock import DirectoryLock
 from services.worker.kv_disk_tier import (
     BlockScope,
     DiskIdentity,
@@ -22,9 +23,12 @@ from services.worker.kv_transfer import CacheIdentity
 
 
 class KvDiskSteps:
-    def __init__(self, tier: KvDiskTier, writer: DiskWriter) -> None:
+    def __init__(
+        self, tier: KvDiskTier, writer: DiskWriter, lock: DirectoryLock | None = None
+    ) -> None:
         self.tier = tier
         self.writer = writer
+        self.lock = lock
 
     @classmethod
     def open(
@@ -36,21 +40,25 @@ class KvDiskSteps:
         identity: CacheIdentity,
     ) -> KvDiskSteps:
         """Index `directory` for this model and cache. `weights` names how the weights run
-        (quantization and compute dtype): the same file quantized otherwise computes other KV."""
+        (quantization and compute dtype): the same file quantized otherwise computes other KV.
+        Refuses (KvDiskInUseError) a directory another live worker holds."""
+        lock = DirectoryLock(directory)
         fingerprint = f"{model_fingerprint(model_path)}:{weights}"
         tier = KvDiskTier(directory, int(gib * GiB), DiskIdentity(fingerprint, identity))
         tier.open()
-        return cls(tier, DiskWriter(tier))
+        return cls(tier, DiskWriter(tier), lock)
 
     def admit(self, plan: BatchPlan, kv_cache: PagedKVCache) -> tuple[BatchPlan, dict[str, str]]:
         """Store, then load (a block the plan reuses is stored with its old contents first).
         Returns the plan without the sequences whose blocks could not be loaded, and those."""
         # A tier that turned itself off (disk full, gone) costs the step no copy.
         if plan.disk_stores and self.tier.enabled:
-            rows = kv_cache.read_blocks([store.block_id for store in plan.disk_stores])
+            # The one copy on the step path: the rows are views of it, handed over as buffers;
+            # the writer thread hashes and writes them (no bytes made here).
+            rows = kv_cache.read_blocks([store.block_id for store in plan.disk_stores]).numpy()
             for store, row in zip(plan.disk_stores, rows, strict=True):
                 scope = BlockScope(store.lora_name, store.cache_salt)
-                self.writer.submit(store.block_hash, scope, row.numpy().tobytes())
+                self.writer.submit(store.block_hash, scope, memoryview(row))
         if not plan.disk_loads:
             return plan, {}
         failed: dict[str, str] = {}
@@ -72,5 +80,7 @@ class KvDiskSteps:
         result.disk_added, result.disk_evicted = self.tier.take_changes()
 
     def close(self) -> None:
-        """A graceful stop: write what is pending."""
+        """A graceful stop: write what is pending, then let another worker have the directory."""
         self.writer.close()
+        if self.lock is not None:
+            self.lock.release()

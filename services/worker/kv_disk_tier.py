@@ -34,6 +34,10 @@ from services.worker.kv_transfer import CacheIdentity
 
 log = logging.getLogger(__name__)
 
+# The step path hands the writer the block's row as a buffer (a view of the one copy out of
+# the cache): turning it into bytes, hashing and writing it all happen on the writer thread.
+Payload = bytes | memoryview
+
 MAGIC = b"LLMKVD01"
 _LENGTH = struct.Struct("<I")
 _TMP_SUFFIX = ".tmp"
@@ -103,6 +107,8 @@ class KvDiskTier:
             self._disable("open", exc)
             return []
         for path in entries:
+            if path.name.startswith("."):  # the directory's lock (kv_disk_lock.py)
+                continue
             if path.name.endswith(_TMP_SUFFIX):
                 _unlink(path)
                 continue
@@ -116,7 +122,7 @@ class KvDiskTier:
 
     # --- writes (writer thread) ------------------------------------------------------------
 
-    def put(self, block_hash: bytes, scope: BlockScope, payload: bytes) -> bool:
+    def put(self, block_hash: bytes, scope: BlockScope, payload: Payload) -> bool:
         """Write one block; False when it is already there or the tier is off."""
         name = block_hash.hex()
         if not self.enabled or name in self._sizes:
@@ -127,12 +133,12 @@ class KvDiskTier:
                 **self._expected,
                 "lora_name": scope.lora_name,
                 "cache_salt": scope.cache_salt.hex(),
-                "payload_bytes": len(payload),
+                "payload_bytes": _nbytes(payload),
                 "payload_blake2b": hashlib.blake2b(payload, digest_size=32).hexdigest(),
             },
             sort_keys=True,
         ).encode()
-        size = len(MAGIC) + _LENGTH.size + len(header) + len(payload)
+        size = len(MAGIC) + _LENGTH.size + len(header) + _nbytes(payload)
         if size > self.capacity_bytes:
             return False
         tmp = self.directory / f"{name}.{os.getpid()}{_TMP_SUFFIX}"
@@ -152,7 +158,7 @@ class KvDiskTier:
             self.num_bytes += size
             self._changed[name] = None
         metrics.KV_DISK_BLOCKS.labels("written").inc()
-        metrics.KV_DISK_BYTES.labels("written").inc(len(payload))
+        metrics.KV_DISK_BYTES.labels("written").inc(_nbytes(payload))
         return True
 
     def _evict_to(self, incoming: int) -> None:
@@ -282,13 +288,13 @@ class DiskWriter:
 
     def __init__(self, tier: KvDiskTier) -> None:
         self.tier = tier
-        self._queue: queue.Queue[tuple[bytes, BlockScope, bytes] | None] = queue.Queue(
+        self._queue: queue.Queue[tuple[bytes, BlockScope, Payload] | None] = queue.Queue(
             self.MAX_PENDING
         )
         self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, block_hash: bytes, scope: BlockScope, payload: bytes) -> None:
+    def submit(self, block_hash: bytes, scope: BlockScope, payload: Payload) -> None:
         if not self.tier.enabled:
             return
         try:
@@ -316,6 +322,10 @@ class DiskWriter:
                 log.exception("kv disk write failed")
             finally:
                 self._queue.task_done()
+
+
+def _nbytes(payload: Payload) -> int:
+    return payload.nbytes if isinstance(payload, memoryview) else len(payload)
 
 
 def _mtime(path: Path) -> float:

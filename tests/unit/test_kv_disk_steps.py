@@ -12,7 +12,7 @@ from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import FAILED_DISK_LOAD_PREFIX, BatchPlan, DiskStore, NewSequence
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
 from services.worker.kv_disk_steps import KvDiskSteps
-from services.worker.kv_disk_tier import DiskIdentity, DiskWriter, KvDiskTier
+from services.worker.kv_disk_tier import BlockScope, DiskIdentity, DiskWriter, KvDiskTier
 from services.worker.kv_transfer import CacheIdentity
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
@@ -98,4 +98,47 @@ def test_a_tier_that_turned_itself_off_copies_no_block(
     hook.tier.enabled = False
     hook.admit(BatchPlan(step_id=2, disk_stores=store), cache)
     assert reads == [[0]]
+    hook.close()
+
+
+def test_a_second_worker_on_the_same_directory_is_refused(tmp_path: Path) -> None:
+    from services.worker.kv_disk_lock import KvDiskInUseError
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(64))
+    identity = CacheIdentity.of("m", PagedKVCache(SPEC, 1, "cpu"))
+    first = KvDiskSteps.open(tmp_path / "kv", 0.01, model, "gguf:float32", identity)
+    with pytest.raises(KvDiskInUseError, match="--kv-disk-dir"):
+        KvDiskSteps.open(tmp_path / "kv", 0.01, model, "gguf:float32", identity)
+    first.close()
+    # The lock file is not a block: a reopened tier indexes it as nothing and keeps it.
+    second = KvDiskSteps.open(tmp_path / "kv", 0.01, model, "gguf:float32", identity)
+    assert second.tier.hashes() == []
+    assert (tmp_path / "kv" / ".lock").exists()
+    second.close()
+
+
+def test_stores_hand_the_writer_views_not_bytes(tmp_path: Path) -> None:
+    """The step path makes one copy (read_blocks); the bytes are written from views of it."""
+    submitted: list[object] = []
+    hook = steps(tmp_path)
+    real_submit = hook.writer.submit
+    hook.writer.submit = lambda h, s, payload: (
+        submitted.append(payload),
+        real_submit(h, s, payload),
+    )  # type: ignore[method-assign]
+    cache = PagedKVCache(SPEC, num_blocks=4, device="cpu")
+    cache.storage.copy_(
+        torch.randn(cache.storage.shape, generator=torch.Generator().manual_seed(3))
+    )
+    stores = [DiskStore(1, b"\x05" * 32, "", SALT), DiskStore(3, b"\x06" * 32, "", SALT)]
+    hook.admit(BatchPlan(step_id=1, disk_stores=stores), cache)
+    hook.writer.flush()
+    assert all(isinstance(p, memoryview) for p in submitted)
+    expected = cache.read_blocks([1, 3])
+    got = [
+        hook.tier.get(b"\x05" * 32, BlockScope("", SALT)),
+        hook.tier.get(b"\x06" * 32, BlockScope("", SALT)),
+    ]
+    assert got == [expected[0].numpy().tobytes(), expected[1].numpy().tobytes()]
     hook.close()
