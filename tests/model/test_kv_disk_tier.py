@@ -36,7 +36,7 @@ def test_a_restarted_engine_serves_the_prefix_from_disk(
     assert from_pool == computed
     assert first.runner.kv_disk is not None
     first.runner.kv_disk.close()  # a graceful stop writes what is pending
-    assert len(list(tmp_path.iterdir())) == 5
+    assert len(list(tmp_path.glob("[0-9a-f]*"))) == 5  # one file per block (and the lock)
 
     restarted = LLMEngine(config, loaded=loaded_fp32)  # an empty pool, the same directory
     assert restarted.scheduler.disk is not None
