@@ -133,7 +133,7 @@ class StackConfig(
         self.check_speculation()
         self.check_lora()
         self.check_disaggregation()
-        self.check_kv_tiers()
+        self.check_kv_tiers(self.device)
         if self.prefill_pairs < 0 or self.decode_pairs < 0:
             raise ValueError("--prefill-pairs and --decode-pairs must be at least 0")
 

@@ -29,6 +29,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.contracts.errors import LLMServeError
 from services.contracts.sampling_params import MAX_SPECULATIVE_TOKENS
 from services.contracts.text_parsers import ReasoningParserName, ToolCallParserName
 
@@ -101,6 +102,25 @@ class DeviceConfig:
     """Memory for the paged KV cache, GiB; the number of blocks follows."""
 
 
+class KvTierFlagError(LLMServeError, ValueError):
+    """A KV tier flag the deployment cannot honour; the message names the flag and why."""
+
+
+HOST_TIER_ON_CPU = (
+    "--kv-offload-gib: there is no host-memory tier on a CPU worker: its KV pool already "
+    "lives in host memory, and a second copy there would only pay if it were smaller, which "
+    "KV does not get (lossless compression saves 7-16% at ~100 MB/s to decompress, about "
+    "what recomputing the block costs; docs/prefix-cache.md, Host tier). Give the pool the "
+    "memory instead (a bigger --kv-cache-gib, or --kv-cache-dtype int8 for ~1.6x the "
+    "blocks), and add --kv-disk-dir: its block files stay in the OS page cache while memory "
+    "is free, and on disk when it is not"
+)
+HOST_TIER_ON_GPU = (
+    "--kv-offload-gib: the host-memory tier below a GPU's KV pool is not built yet; use "
+    "--kv-disk-dir (its block files stay in the OS page cache while host memory is free)"
+)
+
+
 @dataclass(frozen=True)
 class KvTierConfig:
     """Where the prefix cache's blocks go below the worker's KV pool (docs/prefix-cache.md,
@@ -111,10 +131,18 @@ class KvTierConfig:
     restarts; one live worker per directory (a second is refused); unset = no disk tier."""
     kv_disk_gib: float = 10.0
     """Most bytes the KV disk tier keeps, in GiB; the least recently used blocks go first."""
+    kv_offload_gib: float = 0.0
+    """A host-memory tier between the pool and the disk, in GiB: refused on a CPU, whose pool
+    is host memory already (the message says what to use instead); not built yet for a GPU.
+    0 = none."""
 
-    def check_kv_tiers(self) -> None:
+    def check_kv_tiers(self, device: str) -> None:
         if self.kv_disk_gib <= 0:
-            raise ValueError(f"kv_disk_gib must be positive; got {self.kv_disk_gib}")
+            raise KvTierFlagError(f"--kv-disk-gib must be positive; got {self.kv_disk_gib}")
+        if self.kv_offload_gib < 0:
+            raise KvTierFlagError(f"--kv-offload-gib must be >= 0; got {self.kv_offload_gib}")
+        if self.kv_offload_gib:
+            raise KvTierFlagError(HOST_TIER_ON_CPU if device == "cpu" else HOST_TIER_ON_GPU)
 
 
 @dataclass(frozen=True)

@@ -53,4 +53,4 @@ class EngineConfig(
         check_quantization(self.quantization)
         self.check_speculation()
         self.check_lora()
-        self.check_kv_tiers()
+        self.check_kv_tiers(self.device)

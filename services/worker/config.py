@@ -39,7 +39,7 @@ class WorkerConfig(*SERVICE_GROUPS["worker"]):  # type: ignore[misc]
         check_quantization(self.quantization)
         self.check_speculation()
         self.check_lora()
-        self.check_kv_tiers()
+        self.check_kv_tiers(self.device)
 
 
 def resolve_dtype(name: str, device: str, *, gguf_blocks: bool = False) -> torch.dtype:

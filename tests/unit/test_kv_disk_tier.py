@@ -154,5 +154,5 @@ def test_model_fingerprint_tells_files_apart(tmp_path: Path) -> None:
 
 
 def test_kv_disk_gib_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="kv_disk_gib"):
+    with pytest.raises(ValueError, match="--kv-disk-gib"):
         WorkerConfig(kv_disk_gib=0)

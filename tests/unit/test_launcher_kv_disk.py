@@ -32,5 +32,5 @@ def test_without_a_directory_no_worker_gets_one() -> None:
 
 
 def test_the_disk_budget_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="kv_disk_gib"):
+    with pytest.raises(ValueError, match="--kv-disk-gib"):
         StackConfig(kv_disk_dir="/var/kv", kv_disk_gib=0)
