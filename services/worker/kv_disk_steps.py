@@ -42,9 +42,13 @@ class KvDiskSteps:
         """Index `directory` for this model and cache. `weights` names how the weights run
         (quantization and compute dtype): the same file quantized otherwise computes other KV.
         Refuses (KvDiskInUseError) a directory another live worker holds."""
-        lock = DirectoryLock(directory)
         fingerprint = f"{model_fingerprint(model_path)}:{weights}"
         tier = KvDiskTier(directory, int(gib * GiB), DiskIdentity(fingerprint, identity))
+        try:
+            lock = DirectoryLock(directory)
+        except OSError as exc:  # cannot even make the directory or its lock: serve without it
+            tier.disable("open", exc)
+            return cls(tier, DiskWriter(tier))
         tier.open()
         return cls(tier, DiskWriter(tier), lock)
 

@@ -104,7 +104,7 @@ class KvDiskTier:
             self.directory.mkdir(parents=True, exist_ok=True)
             entries = sorted(self.directory.iterdir(), key=_mtime)
         except OSError as exc:
-            self._disable("open", exc)
+            self.disable("open", exc)
             return []
         for path in entries:
             if path.name.startswith("."):  # the directory's lock (kv_disk_lock.py)
@@ -150,7 +150,7 @@ class KvDiskTier:
             os.replace(tmp, self.directory / name)
         except OSError as exc:
             _unlink(tmp)
-            self._disable("write", exc)
+            self.disable("write", exc)
             return False
         with self._lock:
             self._evict_to(size)
@@ -202,7 +202,7 @@ class KvDiskTier:
             self._forget(name)
             return None
         except OSError as exc:
-            self._disable("read", exc)
+            self.disable("read", exc)
             return None
         problem, payload = self._check(name, data, scope)
         if problem is None:
@@ -263,7 +263,7 @@ class KvDiskTier:
             evicted = [bytes.fromhex(n) for n in changed if n not in self._sizes]
         return added, evicted
 
-    def _disable(self, op: str, exc: OSError) -> None:
+    def disable(self, op: str, exc: OSError) -> None:
         """Degrade, never fail: one warning, one metric, then serve without the tier."""
         metrics.KV_DISK_ERRORS.labels(op).inc()
         if not self.enabled:

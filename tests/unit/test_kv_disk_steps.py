@@ -142,3 +142,17 @@ def test_stores_hand_the_writer_views_not_bytes(tmp_path: Path) -> None:
     ]
     assert got == [expected[0].numpy().tobytes(), expected[1].numpy().tobytes()]
     hook.close()
+
+
+def test_a_directory_that_cannot_be_made_turns_the_tier_off_not_the_worker(tmp_path: Path) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(64))
+    identity = CacheIdentity.of("m", PagedKVCache(SPEC, 1, "cpu"))
+    hook = KvDiskSteps.open(model / "kv", 0.01, model, "gguf:float32", identity)  # under a file
+    assert not hook.tier.enabled and hook.lock is None
+    cache = PagedKVCache(SPEC, num_blocks=4, device="cpu")
+    _plan, failed = hook.admit(
+        BatchPlan(step_id=1, disk_stores=[DiskStore(0, b"\x07" * 32, "", SALT)]), cache
+    )
+    assert failed == {} and hook.tier.hashes() == []
+    hook.close()
