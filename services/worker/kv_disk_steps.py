@@ -22,6 +22,16 @@ from services.worker.kv_disk_tier import (
 from services.worker.kv_transfer import CacheIdentity
 
 
+def claim_directory(directory: Path) -> DirectoryLock | OSError:
+    """Take the directory for this worker: first thing at start, so a second worker on it is
+    refused (KvDiskInUseError) in a moment, not after loading a model. Any other error is
+    returned, for the tier to turn itself off: serving goes on without it."""
+    try:
+        return DirectoryLock(directory)
+    except OSError as exc:
+        return exc
+
+
 class KvDiskSteps:
     def __init__(
         self, tier: KvDiskTier, writer: DiskWriter, lock: DirectoryLock | None = None
@@ -38,19 +48,20 @@ class KvDiskSteps:
         model_path: Path,
         weights: str,
         identity: CacheIdentity,
+        claim: DirectoryLock | OSError | None = None,
     ) -> KvDiskSteps:
         """Index `directory` for this model and cache. `weights` names how the weights run
         (quantization and compute dtype): the same file quantized otherwise computes other KV.
-        Refuses (KvDiskInUseError) a directory another live worker holds."""
+        `claim`: the directory claimed already (claim_directory), else claimed here."""
+        if claim is None:
+            claim = claim_directory(directory)
         fingerprint = f"{model_fingerprint(model_path)}:{weights}"
         tier = KvDiskTier(directory, int(gib * GiB), DiskIdentity(fingerprint, identity))
-        try:
-            lock = DirectoryLock(directory)
-        except OSError as exc:  # cannot even make the directory or its lock: serve without it
-            tier.disable("open", exc)
+        if isinstance(claim, OSError):  # cannot even make the directory or its lock
+            tier.disable("open", claim)
             return cls(tier, DiskWriter(tier))
         tier.open()
-        return cls(tier, DiskWriter(tier), lock)
+        return cls(tier, DiskWriter(tier), claim)
 
     def admit(self, plan: BatchPlan, kv_cache: PagedKVCache) -> tuple[BatchPlan, dict[str, str]]:
         """Store, then load (a block the plan reuses is stored with its old contents first).

@@ -47,7 +47,7 @@ from services.worker.convert import (
     worker_description_to_proto,
 )
 from services.worker.kv_cache import PagedKVCache
-from services.worker.kv_disk_steps import KvDiskSteps
+from services.worker.kv_disk_steps import KvDiskSteps, claim_directory
 from services.worker.kv_transfer import CacheIdentity, KvInbox, KvOutbox, OutgoingKv
 from services.worker.kv_transfer_service import KvSender, KvTransferServicer
 from services.worker.loaded_model import LoadedModel
@@ -382,6 +382,8 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
     thread runs every parallel region the process ever runs (see WorkerServicer)."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    # Before the weights: a directory another worker holds stops this start at once.
+    disk_claim = claim_directory(Path(config.kv_disk_dir)) if config.kv_disk_dir else None
     gguf_blocks = serves_gguf_blocks(config.quantization, config.model)
     dtype = resolve_dtype(config.dtype, config.device, gguf_blocks=gguf_blocks)
     if config.device == "cpu":
@@ -400,6 +402,7 @@ def load_runner(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner]:
             loaded.path,
             f"{loaded.quantization}:{str(loaded.dtype).removeprefix('torch.')}",
             CacheIdentity.of(loaded.name, runner.kv_cache),
+            disk_claim,
         )
         log.info(
             "kv disk tier open",
@@ -460,7 +463,13 @@ async def serve(config: WorkerConfig) -> None:
     port = await service.start(config.host, config.port)
     log.info("worker listening", extra={"address": f"{config.host}:{port}"})
     start_metrics_server(metrics.REGISTRY, config.host, config.metrics_port, "worker")
-    loaded, runner = await servicer.on_forward_thread(load_runner, config)
+    try:
+        loaded, runner = await servicer.on_forward_thread(load_runner, config)
+    except BaseException:
+        # A start that fails (a bad model, a taken --kv-disk-dir) stops its server while the
+        # loop runs: the error is then the one line the CLI prints, no shutdown noise after.
+        await service.server.stop(grace=None)
+        raise
     servicer.attach(loaded, runner)
     await service.set_serving()
     log.info(

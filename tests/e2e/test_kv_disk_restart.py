@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 from protos.llmserve.v1 import text_pb2
 from services.stack import RunningStack, wait_serving, wait_until
+from services.worker.kv_disk_lock import DirectoryLock
 from tests.e2e.conftest import e2e_stack
 
 BLOCK_SIZE = 16
@@ -110,6 +113,37 @@ def test_a_restarted_stack_serves_a_long_prompt_from_its_disk_tier(tmp_path: Pat
         assert ids == first_ids
         assert usage.cached_prompt_tokens >= full_block_tokens(usage.prompt_tokens)
     assert second.returncode == 0
+
+
+def test_a_second_worker_on_a_taken_directory_stops_before_loading_its_model(
+    tmp_path: Path,
+) -> None:
+    held = DirectoryLock(tmp_path)  # as a live worker holds it
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "worker",
+            "--port",
+            "0",
+            "--kv-disk-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    held.release()
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        f"llmserve: error: --kv-disk-dir {tmp_path} is in use by another worker "
+        f"(pid {os.getpid()}); give each worker its own directory"
+    )
+    assert "Traceback" not in done.stderr
+    # Refused before the weights load: a model load alone takes longer on this machine.
+    assert time.monotonic() - started < 30
 
 
 def _answers(stack: RunningStack) -> bool:
