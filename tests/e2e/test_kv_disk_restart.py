@@ -14,12 +14,16 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
+import openai
 import pytest
 
 from protos.llmserve.v1 import text_pb2
 from services.stack import RunningStack, wait_serving, wait_until
 from services.worker.kv_disk_lock import DirectoryLock
 from tests.e2e.conftest import e2e_stack
+
+pytestmark = pytest.mark.slow
 
 BLOCK_SIZE = 16
 NEW_TOKENS = 8
@@ -58,6 +62,18 @@ def generate(stack: RunningStack, prompt: str) -> tuple[list[int], text_pb2.Usag
     return ids, usage
 
 
+def http_completion(stack: RunningStack, prompt: str) -> tuple[str, int]:
+    """The greedy text and usage.prompt_tokens_details.cached_tokens of /v1/completions, by
+    the official client."""
+    client = openai.OpenAI(base_url=stack.http, api_key="unused", max_retries=0, timeout=120)
+    model = str(httpx.get(f"{stack.http}/models", timeout=10).json()["data"][0]["id"])
+    answer = client.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0
+    )
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    return answer.choices[0].text, answer.usage.prompt_tokens_details.cached_tokens or 0
+
+
 def full_block_tokens(prompt_tokens: int) -> int:
     """The prompt tokens in full blocks a hit can cover (the last token is always computed)."""
     return (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -73,6 +89,7 @@ def test_a_restarted_stack_serves_a_long_prompt_from_its_disk_tier(tmp_path: Pat
     with e2e_stack(flags) as first:
         first_ids, first_usage = generate(first, PROMPT)
         other_ids, _ = generate(first, OTHER_PROMPT)
+        first_text, _ = http_completion(first, PROMPT)
     assert first.returncode == 0  # a graceful stop: the writer wrote what was queued
     assert first_usage.cached_prompt_tokens == 0
     assert first_usage.prompt_tokens >= 6 * BLOCK_SIZE
@@ -88,6 +105,11 @@ def test_a_restarted_stack_serves_a_long_prompt_from_its_disk_tier(tmp_path: Pat
         assert ids == first_ids
         assert usage.prompt_tokens == first_usage.prompt_tokens
         assert usage.cached_prompt_tokens >= full_block_tokens(usage.prompt_tokens)
+
+        # The OpenAI door reports it as usage.prompt_tokens_details.cached_tokens.
+        text, cached = http_completion(second, PROMPT)
+        assert text == first_text
+        assert cached >= full_block_tokens(usage.prompt_tokens)
 
         # SIGKILL the worker while it copies a fresh prompt's blocks out and writes them.
         fresh = "In a different voice. " + OTHER_PROMPT
