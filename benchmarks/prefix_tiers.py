@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from benchmarks.common import machine_header, random_prompts
 from benchmarks.prefix_tiers_workload import (
