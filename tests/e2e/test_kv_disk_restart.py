@@ -22,6 +22,7 @@ from protos.llmserve.v1 import text_pb2
 from services.stack import RunningStack, wait_serving, wait_until
 from services.worker.kv_disk_lock import DirectoryLock
 from tests.e2e.conftest import e2e_stack
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +136,39 @@ def test_a_restarted_stack_serves_a_long_prompt_from_its_disk_tier(tmp_path: Pat
         assert ids == first_ids
         assert usage.cached_prompt_tokens >= full_block_tokens(usage.prompt_tokens)
     assert second.returncode == 0
+
+
+def test_after_a_restart_routing_sends_a_prefix_to_the_pair_whose_disk_holds_it(
+    tmp_path: Path,
+) -> None:
+    """Two pairs behind one Redis: after a restart every pool is empty, so only the index's
+    disk entries (published under the new worker epochs) can tell the tier which pair holds a
+    prefix; the other pair would compute it again."""
+    kv_dir = tmp_path / "kv"
+    redis = RedisServer().start()
+    flags = ["--workers", "2", "--tokenizer-replicas", "1", "--redis-url", redis.url]
+    flags += ["--kv-disk-dir", str(kv_dir)]
+    topics = ("rivers", "comets", "violins", "glaciers")
+    try:
+        with e2e_stack(flags) as first:
+            answers = {topic: generate(first, _notes(topic))[0] for topic in topics}
+        assert first.returncode == 0
+        # The prompts were spread over both pairs, so a blind choice would miss some.
+        assert all(block_files(kv_dir / f"pair-{index}") for index in (0, 1))
+        with e2e_stack(flags) as second:
+            # In the reverse order: ties are broken by turn, so the first run's order alone
+            # would land each prompt on its pair again.
+            for topic in reversed(topics):
+                ids, usage = generate(second, _notes(topic))
+                assert ids == answers[topic], topic
+                assert usage.cached_prompt_tokens >= full_block_tokens(usage.prompt_tokens), topic
+        assert second.returncode == 0
+    finally:
+        redis.stop()
+
+
+def _notes(topic: str) -> str:
+    return f"Notes about {topic}. " + " ".join(f"{topic} fact number {i}." for i in range(30))
 
 
 def test_a_second_worker_on_a_taken_directory_stops_before_loading_its_model(
