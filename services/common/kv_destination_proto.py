@@ -19,6 +19,7 @@ def kv_destination_to_proto(destination: KvDestination | None) -> worker_pb2.KvD
         lora_name=destination.lora_name,
         cache_salt=destination.cache_salt,
         worker_epoch=destination.worker_epoch,
+        host_identity=destination.host_identity,
     )
 
 
@@ -36,4 +37,5 @@ def kv_destination_from_proto(message: worker_pb2.KvDestination) -> KvDestinatio
         lora_name=message.lora_name,
         cache_salt=message.cache_salt,
         worker_epoch=message.worker_epoch,
+        host_identity=message.host_identity,
     )

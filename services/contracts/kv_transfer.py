@@ -26,6 +26,9 @@ class KvDestination:
     cache_salt: bytes = b""
     worker_epoch: str = ""
     """The decode worker's epoch at reservation: a restarted worker refuses the transfer."""
+    host_identity: str = ""
+    """The decode worker's host (WorkerDescription.host_identity): a prefill worker on the
+    same one hands the blocks over through shared memory; empty = never."""
 
     @property
     def num_blocks(self) -> int:

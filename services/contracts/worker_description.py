@@ -40,3 +40,6 @@ class WorkerDescription:
     StepResult.disk_added / disk_evicted report what changes after."""
     kv_disk_tier: bool = False
     """A KV disk tier is open (--kv-disk-dir): the scheduler sends it the blocks it caches."""
+    host_identity: str = ""
+    """Boot id, hostname and shared-memory directory of the worker's host (empty: no shared
+    memory): a prefill worker on the same one hands KV over through a file (disaggregation)."""

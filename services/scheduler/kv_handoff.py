@@ -1,6 +1,8 @@
 """Decode side of disaggregation, the calls (docs/disaggregation.md): for each request the core
 admitted to await its KV (features/disaggregation.py), ask its prefill scheduler to compute the
-prompt and send the blocks to this pair's worker; its first token means they are written.
+prompt and send the blocks to this pair's worker. The prefill pair's first token comes as soon
+as it is sampled, the push runs beside it: the KV counts as in place only once this pair's own
+worker says it wrote it (KvTransfer.AwaitKv).
 
 Any failure (prefill scheduler unreachable or killed, worker refused, a timeout) falls back:
 the request prefills here, in the blocks it holds. An aborted request's call is cancelled,
@@ -17,12 +19,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos.llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from protos.llmserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.internal_auth import internal_channel
 from services.common.kv_destination_proto import kv_destination_to_proto
 from services.contracts.kv_transfer import KvDestination
 from services.contracts.sampling_params import SamplingParams
+from services.contracts.step import TokenEvent
 from services.contracts.worker_description import WorkerDescription
 from services.scheduler import metrics
 from services.scheduler.features.disaggregation import Handoff
@@ -73,6 +76,10 @@ class KvHandoffs:
         self._calls: dict[str, PrefillCall] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
+        self._worker: worker_pb2_grpc.KvTransferStub | None = None
+        self._in_place_at: dict[str, tuple[float, int]] = {}
+        """Requests whose KV is in place and whose first decode step is still to come: when
+        (perf_counter), and the tokens still to arrive before it (the prefill pair's first)."""
 
     def register(self, request_id: str, call: PrefillCall) -> None:
         self._calls[request_id] = call
@@ -105,12 +112,15 @@ class KvHandoffs:
                 lora_name=request.lora_name,
                 cache_salt=request.cache_salt,
                 worker_epoch=description.worker_epoch,
+                host_identity=description.host_identity,
             )
             submit.kv_destination.CopyFrom(kv_destination_to_proto(destination))
             timeout_s = self.timeout_s
             if request.deadline is not None:
                 timeout_s = max(0.001, min(timeout_s, request.deadline - now))
-            task = asyncio.create_task(self._run(scheduler, handoff, submit, timeout_s))
+            task = asyncio.create_task(
+                self._run(scheduler, handoff, submit, timeout_s, description.worker_epoch)
+            )
             self._tasks[handoff.request_id] = task
 
     async def _run(
@@ -119,6 +129,7 @@ class KvHandoffs:
         handoff: Handoff,
         submit: scheduler_pb2.SubmitRequest,
         timeout_s: float,
+        worker_epoch: str,
     ) -> None:
         request_id = handoff.request_id
         started = time.perf_counter()
@@ -129,11 +140,26 @@ class KvHandoffs:
                 token_ids.extend(response.token_ids)
             if not token_ids:
                 raise RuntimeError("the prefill scheduler answered no token")
+            prefilled = time.perf_counter()
+            # What is left of the same timeout: the push started when that token was sampled.
+            await self._worker_stub().AwaitKv(
+                worker_pb2.AwaitKvRequest(request_id=request_id, worker_epoch=worker_epoch),
+                timeout=max(0.001, timeout_s - (prefilled - started)),
+            )
+            in_place = time.perf_counter()
             scheduler.complete_remote_prefill(request_id, token_ids)
-            metrics.REMOTE_PREFILL.labels("done").observe(time.perf_counter() - started)
+            self._in_place_at[request_id] = (in_place, len(token_ids))
+            metrics.REMOTE_PREFILL.labels("done").observe(in_place - started)
+            metrics.DISAGG_TTFT.labels("prefill").observe(prefilled - started)
+            metrics.DISAGG_TTFT.labels("transfer").observe(in_place - prefilled)
             log.info(
                 "remote prefill done",
-                extra={"request_id": request_id, "prefill": handoff.prefill_scheduler},
+                extra={
+                    "request_id": request_id,
+                    "prefill": handoff.prefill_scheduler,
+                    "prefill_ms": (prefilled - started) * 1000,
+                    "transfer_ms": (in_place - prefilled) * 1000,
+                },
             )
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -151,9 +177,29 @@ class KvHandoffs:
             self._tasks.pop(request_id, None)
             self.wake()
 
+    def on_events(self, events: list[TokenEvent]) -> None:
+        """Time the first decode step of each request whose KV came in: the first token
+        beyond the prefill pair's (those come out first, at once)."""
+        if not self._in_place_at:
+            return
+        now = time.perf_counter()
+        for event in events:
+            entry = self._in_place_at.get(event.request_id)
+            if entry is None:
+                continue
+            in_place, remote_tokens = entry
+            remote_tokens -= len(event.new_token_ids)
+            if remote_tokens < 0:
+                metrics.DISAGG_TTFT.labels("first_decode").observe(now - in_place)
+            if remote_tokens < 0 or event.request_finished:
+                del self._in_place_at[event.request_id]
+            else:
+                self._in_place_at[event.request_id] = (in_place, remote_tokens)
+
     def forget(self, request_id: str) -> None:
         """The request ended here (aborted, expired): its prefill call ends too."""
         self._calls.pop(request_id, None)
+        self._in_place_at.pop(request_id, None)
         task = self._tasks.pop(request_id, None)
         if task is not None:
             task.cancel()
@@ -162,6 +208,14 @@ class KvHandoffs:
         """The worker is gone and every request with it: cancel every call."""
         for request_id in [*self._calls, *self._tasks]:
             self.forget(request_id)
+        self._in_place_at.clear()
+
+    def _worker_stub(self) -> worker_pb2_grpc.KvTransferStub:
+        """This pair's worker, at the address the prefill worker pushes to."""
+        if self._worker is None:
+            channel = internal_channel(self.worker_address, self.internal_secret, CHANNEL_OPTIONS)
+            self._worker = worker_pb2_grpc.KvTransferStub(channel)
+        return self._worker
 
     def _stub(self, address: str) -> scheduler_pb2_grpc.SchedulerStub:
         stub = self._stubs.get(address)

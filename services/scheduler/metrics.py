@@ -146,6 +146,19 @@ REMOTE_PREFILL = Histogram(
 )
 for _outcome in ("done", "fallback"):
     REMOTE_PREFILL.labels(_outcome)
+DISAGG_TTFT = Histogram(
+    "llmserve_disagg_ttft_seconds",
+    "Decode pair of a disaggregated stack, per remotely prefilled request, its time to first "
+    "token split by phase: prefill (the call to a prefill pair until its first token: that "
+    "pair's queue and prefill), transfer (that first token until this pair's worker has the "
+    "KV: the part of the push the prefill did not hide), first_decode (the KV in place until "
+    "this pair's first decode step produced a token).",
+    ("phase",),
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
+for _phase in ("prefill", "transfer", "first_decode"):
+    DISAGG_TTFT.labels(_phase)
 REJECTED = Counter(
     "llmserve_requests_rejected_total",
     "Requests refused before generating, by reason.",

@@ -363,6 +363,7 @@ class StepLoop:
                 self._scheduled_at.setdefault(seq.request_id, now)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
+        self.handoffs.on_events(events)
         for event in events:
             queue = self._queues.get(event.request_id)
             if event.request_finished:

@@ -30,6 +30,7 @@ def worker_description_from_proto(message: worker_pb2.WorkerDescription) -> Work
         batch_invariant=message.batch_invariant,
         kv_disk_block_hashes=list(message.kv_disk_block_hashes),
         kv_disk_tier=message.kv_disk_tier,
+        host_identity=message.host_identity,
         memory=MemoryBudget(
             weight_bytes_by_kind=dict(message.memory.weight_bytes_by_kind),
             weight_mapped_bytes=message.memory.weight_mapped_bytes,

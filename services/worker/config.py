@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.serving_config import SERVICE_GROUPS
+from services.worker.kv_transfer_shm import DEFAULT_DIRECTORY
 from services.worker.quantization.formats import (
     check_kv_cache_dtype,
     check_kv_cache_group_size,
@@ -26,6 +27,9 @@ class WorkerConfig(*SERVICE_GROUPS["worker"]):  # type: ignore[misc]
     a container, behind the stack's network and its internal secret)."""
     port: int = 50070
     """Port of the Worker service (0 = any free port)."""
+    kv_transfer_shm_dir: str = DEFAULT_DIRECTORY
+    """Shared-memory directory through which KV moves between two workers of one host
+    (docs/disaggregation.md, Transport); empty = always the gRPC byte stream."""
     threads: int | None = None
     """torch CPU threads; unset = one per core."""
     drain_s: float = 10.0

@@ -35,6 +35,7 @@ def worker_description_to_proto(description: WorkerDescription) -> worker_pb2.Wo
         batch_invariant=description.batch_invariant,
         kv_disk_block_hashes=description.kv_disk_block_hashes,
         kv_disk_tier=description.kv_disk_tier,
+        host_identity=description.host_identity,
         memory=memory_budget_to_proto(description.memory),
     )
 

@@ -16,6 +16,7 @@ import torch
 
 from services.contracts.kv_transfer import FAILED_TRANSFER_PREFIX, KvDestination
 from services.contracts.step import BatchPlan, StepResult
+from services.worker import kv_transfer_shm
 from services.worker.input_batch import CachedSequence
 from services.worker.kv_cache import PagedKVCache
 
@@ -75,15 +76,42 @@ class OutgoingKv:
     lora_name: str
     cache_salt: bytes
     data: torch.Tensor
-    """[destination.num_blocks, bytes per block] uint8, on the CPU."""
+    """[destination.num_blocks, bytes per block] uint8, on the CPU (a mapped file for a
+    shared-memory transfer)."""
+    shm_name: str = ""
+    """The shared-memory file `data` maps, in the sender's shm directory; empty = the bytes
+    travel in the gRPC stream."""
+
+
+class Transports:
+    """Which way a destination's blocks go: through a shared-memory file when the decode
+    worker reported this worker's own host identity (same boot, hostname and shm mount),
+    else the gRPC byte stream. A destination that once refused a file is sent bytes from
+    then on (its directory turned out not to be this one)."""
+
+    def __init__(self, host_identity: str) -> None:
+        self.host_identity = host_identity
+        self._refused: set[str] = set()
+
+    def shm_directory(self, destination: KvDestination) -> str:
+        """The directory to write the destination's file in; empty = the byte stream."""
+        if not self.host_identity or destination.host_identity != self.host_identity:
+            return ""
+        if destination.worker in self._refused:
+            return ""
+        return kv_transfer_shm.directory_of(self.host_identity)
+
+    def refused(self, worker: str) -> None:
+        self._refused.add(worker)
 
 
 class KvOutbox:
     """Which sequences of the batch send their prompt's KV where; `collect` runs on the forward
     thread right after each step, so no later plan can have reused the blocks yet."""
 
-    def __init__(self, identity: CacheIdentity) -> None:
+    def __init__(self, identity: CacheIdentity, transports: Transports | None = None) -> None:
         self.identity = identity
+        self.transports = transports or Transports("")
         self._destinations: dict[str, KvDestination] = {}
 
     def clear(self) -> None:
@@ -137,8 +165,24 @@ class KvOutbox:
                 f"kv_destination has {destination.num_blocks} blocks for prompt blocks"
                 f" {destination.first_block}..{num_prompt_blocks - 1}"
             )
-        data = kv_cache.read_blocks(source) if source else torch.empty(0, dtype=torch.uint8)
-        return OutgoingKv(request_id, destination, lora_name, salt, data)
+        num_bytes = len(source) * kv_cache.spec.bytes_per_block
+        directory = self.transports.shm_directory(destination)
+        shm_name = ""
+        if directory:
+            try:
+                shm_name, mapped = kv_transfer_shm.create(directory, num_bytes)
+            except OSError:  # full or gone: this transfer takes the byte stream
+                directory = ""
+        if not directory:
+            mapped = torch.empty(num_bytes, dtype=torch.uint8)
+        data = mapped.view(len(source), kv_cache.spec.bytes_per_block)
+        try:
+            kv_transfer_shm.copy_out(kv_cache, source, data)
+        except BaseException:
+            if shm_name:
+                kv_transfer_shm.remove(directory, shm_name)
+            raise
+        return OutgoingKv(request_id, destination, lora_name, salt, data, shm_name)
 
 
 class KvInbox:
@@ -157,12 +201,15 @@ class KvInbox:
         self._closed: OrderedDict[str, None] = OrderedDict()
 
     def header_problem(self, theirs: CacheIdentity, worker_epoch: str) -> str | None:
+        return self.epoch_problem(worker_epoch) or self.identity.mismatch(theirs)
+
+    def epoch_problem(self, worker_epoch: str) -> str | None:
         if worker_epoch != self.worker_epoch:
             return (
                 f"worker_epoch {worker_epoch!r} is not this worker's: it restarted since the"
                 " blocks were reserved"
             )
-        return self.identity.mismatch(theirs)
+        return None
 
     def on_plan(self, plan: BatchPlan, sequences: dict[str, CachedSequence]) -> None:
         for request_id in plan.finished_request_ids:

@@ -64,6 +64,13 @@ KV_TRANSFERS = Counter(
     ["direction", "outcome"],
     registry=REGISTRY,
 )
+KV_TRANSFERS_SHM = Counter(
+    "llmserve_kv_transfers_shm_total",
+    "Successful KV transfers whose bytes went through a shared-memory file (both workers on "
+    "one host) rather than the gRPC stream.",
+    ["direction"],
+    registry=REGISTRY,
+)
 
 # KV disk tier (services/worker/kv_disk_tier.py): full blocks kept on disk below the pool.
 KV_DISK_BLOCKS = Counter(
@@ -93,11 +100,15 @@ KV_DISK_ERRORS = Counter(
 )
 
 
-def on_kv_transfer(direction: str, num_bytes: int, seconds: float, ok: bool) -> None:
+def on_kv_transfer(
+    direction: str, num_bytes: int, seconds: float, ok: bool, shm: bool = False
+) -> None:
     KV_TRANSFERS.labels(direction, "ok" if ok else "failed").inc()
     if ok:
         KV_TRANSFER_BYTES.labels(direction).inc(num_bytes)
         KV_TRANSFER_DURATION.labels(direction).observe(seconds)
+        if shm:
+            KV_TRANSFERS_SHM.labels(direction).inc()
 
 
 def on_step(plan: BatchPlan, forward_s: float, mode: str) -> None:

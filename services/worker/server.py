@@ -39,7 +39,7 @@ from services.contracts.memory_budget import MemoryBudget
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.contracts.worker_description import WorkerDescription
-from services.worker import kv_transfer_service, memory_budget, metrics
+from services.worker import kv_transfer_service, kv_transfer_shm, memory_budget, metrics
 from services.worker.config import GiB, WorkerConfig, resolve_dtype
 from services.worker.convert import (
     plan_from_proto,
@@ -48,7 +48,7 @@ from services.worker.convert import (
 )
 from services.worker.kv_cache import PagedKVCache
 from services.worker.kv_disk_steps import KvDiskSteps, claim_directory
-from services.worker.kv_transfer import CacheIdentity, KvInbox, KvOutbox, OutgoingKv
+from services.worker.kv_transfer import CacheIdentity, KvInbox, KvOutbox, OutgoingKv, Transports
 from services.worker.kv_transfer_service import KvSender, KvTransferServicer
 from services.worker.loaded_model import LoadedModel
 from services.worker.lora.errors import LoraAdapterError, LoraConflictError, LoraNotFoundError
@@ -70,6 +70,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.loaded: LoadedModel | None = None
         self.runner: ModelRunner | None = None
         self.epoch = uuid.uuid4().hex
+        self.host_identity = kv_transfer_shm.host_identity(config.kv_transfer_shm_dir)
         self._session = 0
         self._controller: Controller | None = None
         """The live Step stream, if any: the one scheduler driving the batch."""
@@ -98,8 +99,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.loaded = loaded
         self.runner = runner
         identity = CacheIdentity.of(loaded.name, runner.kv_cache)
-        self.kv_outbox = KvOutbox(identity)
-        self.kv_sender = KvSender(identity, self.config.internal_secret)
+        transports = Transports(self.host_identity)
+        self.kv_outbox = KvOutbox(identity, transports)
+        self.kv_sender = KvSender(identity, self.config.internal_secret, transports)
         self.kv_inbox = KvInbox(identity, self.epoch)
 
     def kv_receiver(self) -> tuple[PagedKVCache, KvInbox] | None:
@@ -134,6 +136,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             batch_invariant=runner.batch_invariant,
             kv_disk_block_hashes=runner.kv_disk.tier.hashes() if runner.kv_disk else [],
             kv_disk_tier=runner.kv_disk is not None and runner.kv_disk.tier.enabled,
+            host_identity=self.host_identity,
             memory=memory_budget.measure(loaded.model, runner.kv_cache, loaded.path)
             if runner.device.type == "cpu"
             else MemoryBudget(),
@@ -273,9 +276,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     raise
                 queued.remove(future)
                 if timed.outgoing:
-                    # The first token goes out only once its prompt's KV is on the decode
-                    # worker: its arrival tells the decode side the blocks are written.
-                    await sender.send_all(timed.result, timed.outgoing)
+                    # Pushed beside the results, never in front of them: the decode side
+                    # waits on its own worker (AwaitKv), not on this first token.
+                    sender.start(timed.outgoing)
                 metrics.on_step(plan, timed.forward_s, timed.mode)
                 yield result_to_proto(timed.result, timed.forward_s * 1000)
             await reader  # re-raises a failure to read the stream
@@ -457,8 +460,14 @@ async def serve(config: WorkerConfig) -> None:
     service.add(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
     service.add(
         worker_pb2_grpc.add_KvTransferServicer_to_server,
-        KvTransferServicer(servicer.kv_receiver, servicer.on_forward_thread),
+        KvTransferServicer(
+            servicer.kv_receiver, servicer.on_forward_thread, config.kv_transfer_shm_dir
+        ),
     )
+    # Transfer files a crashed worker of this host left behind.
+    swept = kv_transfer_shm.sweep(config.kv_transfer_shm_dir)
+    if swept:
+        log.info("stale kv transfer files removed", extra={"count": swept})
     # Listen first (health NOT_SERVING) so a supervisor sees the port while the model loads.
     port = await service.start(config.host, config.port)
     log.info("worker listening", extra={"address": f"{config.host}:{port}"})

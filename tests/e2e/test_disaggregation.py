@@ -25,6 +25,7 @@ from benchmarks.lora_adapters import write_random_adapter
 from protos.llmserve.v1 import text_pb2, worker_pb2, worker_pb2_grpc
 from services.common.model_source import embedded_model_path
 from services.stack import RunningStack
+from services.worker import kv_transfer_shm
 from tests.e2e.conftest import e2e_stack
 
 pytestmark = pytest.mark.slow
@@ -93,7 +94,9 @@ def counter(stack: RunningStack, process: str, name: str) -> float:
     return 0.0
 
 
-def histogram_count(stack: RunningStack, process: str, name: str, outcome: str) -> float:
+def histogram_count(
+    stack: RunningStack, process: str, name: str, value: str, label: str = "outcome"
+) -> float:
     """Observations of one labelled series of a histogram on one process's /metrics page."""
     url = stack.info["process_metrics"][process]
     with urllib.request.urlopen(url, timeout=5) as answer:
@@ -103,9 +106,20 @@ def histogram_count(stack: RunningStack, process: str, name: str, outcome: str) 
             return sum(
                 s.value
                 for s in family.samples
-                if s.name.endswith("_count") and s.labels.get("outcome") == outcome
+                if s.name.endswith("_count") and s.labels.get(label) == value
             )
     return 0.0
+
+
+def shm_files_of(stack: RunningStack) -> list[str]:
+    """KV transfer files in /dev/shm made by this stack's workers (named by creator pid)."""
+    pids = {str(stack.info["pids"][name]) for name in ("worker-0", "worker-1")}
+    return [
+        name
+        for name in os.listdir(kv_transfer_shm.DEFAULT_DIRECTORY)
+        if name.startswith(kv_transfer_shm.PREFIX)
+        and name.removeprefix(kv_transfer_shm.PREFIX).split("-")[0] in pids
+    ]
 
 
 def prompt_tokens_admitted(stack: RunningStack, name: str) -> float:
@@ -161,9 +175,19 @@ def test_greedy_ids_equal_the_colocated_stack(
     sent = counter(stack, "worker-0", "llmserve_kv_transfer_bytes_total")
     received = counter(stack, "worker-1", "llmserve_kv_transfer_bytes_total")
     assert sent == received > 0
-    # The decode side timed each remote prefill.
+    # Both workers run on this host: every transfer went through a shared-memory file, and
+    # none is left behind.
+    assert counter(stack, "worker-0", "llmserve_kv_transfers_shm_total") >= len(LONG_PROMPTS)
+    assert counter(stack, "worker-1", "llmserve_kv_transfers_shm_total") >= len(LONG_PROMPTS)
+    assert shm_files_of(stack) == []
+    # The decode side timed each remote prefill, and split its TTFT by phase.
     remote = histogram_count(stack, "scheduler-1", "llmserve_remote_prefill_seconds", "done")
     assert remote >= len(LONG_PROMPTS)
+    for phase in ("prefill", "transfer", "first_decode"):
+        observed = histogram_count(
+            stack, "scheduler-1", "llmserve_disagg_ttft_seconds", phase, label="phase"
+        )
+        assert observed >= len(LONG_PROMPTS), phase
     for address in (prefill, decode):
         stats = stack.stats(address)
         assert stats.num_free_blocks == stats.num_total_blocks, address

@@ -27,7 +27,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank", "memory", "batch_invariant", "kv_disk_block_hashes", "kv_disk_tier")
+    __slots__ = ("architecture", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_dtype", "quantization", "worker_epoch", "model", "sliding_window", "max_loras", "max_lora_rank", "memory", "batch_invariant", "kv_disk_block_hashes", "kv_disk_tier", "host_identity")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class WorkerDescription(_message.Message):
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_TIER_FIELD_NUMBER: _ClassVar[int]
+    HOST_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     dtype: str
     device: str
@@ -60,7 +61,8 @@ class WorkerDescription(_message.Message):
     batch_invariant: bool
     kv_disk_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     kv_disk_tier: bool
-    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., memory: _Optional[_Union[MemoryBudget, _Mapping]] = ..., batch_invariant: _Optional[bool] = ..., kv_disk_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_disk_tier: _Optional[bool] = ...) -> None: ...
+    host_identity: str
+    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., worker_epoch: _Optional[str] = ..., model: _Optional[_Union[_model_pb2.ModelDescription, _Mapping]] = ..., sliding_window: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., memory: _Optional[_Union[MemoryBudget, _Mapping]] = ..., batch_invariant: _Optional[bool] = ..., kv_disk_block_hashes: _Optional[_Iterable[bytes]] = ..., kv_disk_tier: _Optional[bool] = ..., host_identity: _Optional[str] = ...) -> None: ...
 
 class MemoryBudget(_message.Message):
     __slots__ = ("weight_bytes_by_kind", "weight_mapped_bytes", "kv_cache_bytes", "kv_cache_blocks", "kv_cache_tokens", "runtime_bytes", "machine_bytes")
@@ -86,6 +88,14 @@ class MemoryBudget(_message.Message):
     runtime_bytes: int
     machine_bytes: int
     def __init__(self, weight_bytes_by_kind: _Optional[_Mapping[str, int]] = ..., weight_mapped_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., machine_bytes: _Optional[int] = ...) -> None: ...
+
+class AwaitKvRequest(_message.Message):
+    __slots__ = ("request_id", "worker_epoch")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_epoch: str
+    def __init__(self, request_id: _Optional[str] = ..., worker_epoch: _Optional[str] = ...) -> None: ...
 
 class KvTransferHeader(_message.Message):
     __slots__ = ("request_id", "model_name", "kv_cache_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "lora_name", "cache_salt", "num_blocks", "worker_epoch")
@@ -114,14 +124,18 @@ class KvTransferHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., worker_epoch: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("header", "block_ids", "data")
+    __slots__ = ("header", "block_ids", "data", "shm_name", "shm_num_bytes")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     header: KvTransferHeader
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, header: _Optional[_Union[KvTransferHeader, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shm_name: str
+    shm_num_bytes: int
+    def __init__(self, header: _Optional[_Union[KvTransferHeader, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ..., shm_num_bytes: _Optional[int] = ...) -> None: ...
 
 class PushKvResponse(_message.Message):
     __slots__ = ("num_blocks_written",)
@@ -130,7 +144,7 @@ class PushKvResponse(_message.Message):
     def __init__(self, num_blocks_written: _Optional[int] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("worker", "first_block", "block_ids", "model_name", "kv_cache_dtype", "block_size", "lora_name", "cache_salt", "worker_epoch")
+    __slots__ = ("worker", "first_block", "block_ids", "model_name", "kv_cache_dtype", "block_size", "lora_name", "cache_salt", "worker_epoch", "host_identity")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +154,7 @@ class KvDestination(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     WORKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOST_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     worker: str
     first_block: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -149,7 +164,8 @@ class KvDestination(_message.Message):
     lora_name: str
     cache_salt: bytes
     worker_epoch: str
-    def __init__(self, worker: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., worker_epoch: _Optional[str] = ...) -> None: ...
+    host_identity: str
+    def __init__(self, worker: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., model_name: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., worker_epoch: _Optional[str] = ..., host_identity: _Optional[str] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling", "lora_name", "cache_salt", "kv_destination")

@@ -336,6 +336,11 @@ class KvTransferStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
                 _registered_method=True)
+        self.AwaitKv = channel.unary_unary(
+                '/llmserve.v1.KvTransfer/AwaitKv',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.AwaitKvRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer:
@@ -349,6 +354,16 @@ class KvTransferServicer:
         comes once every block is written. FAILED_PRECONDITION when the header does not match
         this worker's cache (model, dtype, block size, shapes); INVALID_ARGUMENT for a block id
         out of range or a chunk of the wrong size.
+        A shared-memory transfer is one message: the header, every block id and shm_name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AwaitKv(self, request, context):
+        """Answers once the transfer of request_id is written (at once if it already is), or with
+        the error that ended it: the decode scheduler's signal that the KV is in place.
+        FAILED_PRECONDITION for another worker_epoch; DEADLINE_EXCEEDED if no push comes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -360,6 +375,11 @@ def add_KvTransferServicer_to_server(servicer, server):
             'PushKv': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKv,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.KvChunk.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PushKvResponse.SerializeToString,
+            ),
+            'AwaitKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitKv,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.AwaitKvRequest.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_worker__pb2.PushKvResponse.SerializeToString,
             ),
     }
@@ -392,6 +412,33 @@ class KvTransfer:
             target,
             '/llmserve.v1.KvTransfer/PushKv',
             protos_dot_llmserve_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.KvTransfer/AwaitKv',
+            protos_dot_llmserve_dot_v1_dot_worker__pb2.AwaitKvRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_worker__pb2.PushKvResponse.FromString,
             options,
             channel_credentials,
