@@ -61,9 +61,15 @@ def create(directory: str, num_bytes: int) -> tuple[str, torch.Tensor]:
     path = os.path.join(directory, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, num_bytes)
-    finally:
+        # Reserve the pages now: writing a mapping of a sparse file on a full tmpfs would kill
+        # the process (SIGBUS); a full directory fails here instead (ENOSPC: bytes then).
+        if num_bytes:
+            os.posix_fallocate(fd, 0, num_bytes)
+    except OSError:
         os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
     if num_bytes == 0:
         return name, torch.empty(0, dtype=torch.uint8)
     return name, torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)

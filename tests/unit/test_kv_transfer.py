@@ -5,6 +5,7 @@ another cache, byte for byte."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import subprocess
@@ -415,3 +416,20 @@ def test_only_sequences_never_held_count_as_given_up_transfers() -> None:
     data = cache.read_blocks([1])
     assert inbox.write("done", [2], data, cache)
     assert not inbox.write("gone", [3], data, cache)
+
+
+def test_a_full_shm_directory_sends_that_transfer_as_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cache = filled_cache()
+    here = host_identity(str(tmp_path))
+    outbox = KvOutbox(identity(cache), Transports(here))
+    plan, result, sequences = prefill_step(destination(0, [1, 2, 3], host_identity=here), True)
+    (outgoing,) = outbox.collect(plan, result, sequences, cache)
+    assert outgoing.shm_name == ""
+    assert torch.equal(outgoing.data, cache.read_blocks([3, 7, 5]))
+    assert list(tmp_path.iterdir()) == []  # the half-made file is gone
