@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,9 +63,18 @@ async def push(
     async def on_forward_thread(function: Any, *args: Any) -> Any:
         return await loop.run_in_executor(forward_thread, function, *args)
 
+    step_ends: list[float] = []
+    a = torch.randn(256, 256)
+    repeats = max(1, int(step_ms / 0.5))  # ~0.5 ms a product on one thread, roughly
+
+    def step() -> None:
+        for _ in range(repeats):
+            torch.mm(a, a)
+        step_ends.append(time.perf_counter())
+
     async def steps() -> None:
         while step_ms:
-            await loop.run_in_executor(forward_thread, time.sleep, step_ms / 1000)
+            await loop.run_in_executor(forward_thread, step)
 
     stepping = asyncio.create_task(steps())
 
@@ -91,11 +101,22 @@ async def push(
         f" {(time.perf_counter() - started) * 1000:8.1f} ms"
     )
     kv_sender = KvSender(identity, None, transports)
+    await asyncio.sleep(0.5)  # steps before the push: the baseline step gap
     started = time.perf_counter()
     assert await kv_sender.send(kv)
+    ended = time.perf_counter()
+    await asyncio.sleep(0.2)
+    gaps = [(b - a_, b) for a_, b in itertools.pairwise(step_ends)]
+    before = sorted(g for g, end in gaps if end < started)
+    during = [g for g, end in gaps if started <= end <= ended + 0.05]
+    if before and during:
+        print(
+            f"{'  decode step gap: median before, max during':<40}"
+            f" {before[len(before) // 2] * 1000:8.1f} ms {max(during) * 1000:8.1f} ms"
+        )
     label = "push, shared memory" if shm else "push, gRPC byte stream"
     label += f", decode steps of {step_ms:g} ms"
-    print(f"{label:<40} {(time.perf_counter() - started) * 1000:8.1f} ms")
+    print(f"{label:<40} {(ended - started) * 1000:8.1f} ms")
     stepping.cancel()
     await server.stop(0)
     forward_thread.shutdown()
