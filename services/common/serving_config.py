@@ -186,8 +186,8 @@ class DisaggregationConfig:
     """Shortest prompt (tokens) the tokenizer tier sends to a prefill pair when one answers;
     shorter ones are prefilled on the decode pair that serves them."""
     kv_transfer_timeout_s: float = 60.0
-    """Longest a decode scheduler waits for a prefill pair's first token (the KV has landed
-    by then) before it prefills the prompt itself."""
+    """Longest a decode scheduler waits for a prefill pair's first token and its own worker's
+    word that the KV has landed (AwaitKv) before it prefills the prompt itself."""
 
     def check_disaggregation(self) -> None:
         if self.disaggregate_min_prompt < 1:
