@@ -224,10 +224,38 @@ def llmserve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+# Internal listeners take ports below the kernel's ephemeral range: a port picked there (bind
+# to port 0) is free only until some process's outgoing connection is handed it, and a child
+# binds its port seconds later (a worker's metrics port after its model loads). Below the range
+# only another listener can take it.
+_LOWEST_PICKED_PORT = 15000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str) -> int:
+    """A port no listener holds now, outside the ephemeral range when the system says where
+    that is (else one the kernel picks)."""
+    try:
+        ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    if ephemeral_low > _LOWEST_PICKED_PORT:
+        for _ in range(64):
+            port = secrets.randbelow(ephemeral_low - _LOWEST_PICKED_PORT) + _LOWEST_PICKED_PORT
+            if _bindable(host, port):
+                return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def redis_answers(address: str, password: str | None = None, timeout: float = 1.0) -> bool:

@@ -189,3 +189,20 @@ def test_without_roles_every_pair_serves_both_and_prefill_pairs_alone_get_a_deco
         StackConfig(prefill_pairs=-1)
     with pytest.raises(ValueError, match="disaggregate-min-prompt"):
         StackConfig(disaggregate_min_prompt=0)
+
+
+def test_internal_ports_are_picked_below_the_ephemeral_range() -> None:
+    # A port from the ephemeral range could be handed to an outgoing connection before the
+    # child binds it; below the range only another listener can take it.
+    import socket
+    from pathlib import Path
+
+    from services.launcher import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(15000 <= port < low for port in ports)
+    assert len(ports) > 1  # picked at random, not one fixed port
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
