@@ -44,14 +44,10 @@ def block_entry(epoch: str, *, on_disk: bool) -> str:
     return epoch + DISK_TIER_SUFFIX if on_disk else epoch
 
 
-def entry_tier(value: bytes, epoch: str) -> str | None:
-    """ "pool" or "disk" for an entry of this worker epoch; None for a stale or missing one."""
-    expected = epoch.encode()
-    if value == expected:
-        return "pool"
-    if value == expected + DISK_TIER_SUFFIX.encode():
-        return "disk"
-    return None
+def current_entries(epoch: str) -> frozenset[bytes]:
+    """The values an entry of this worker epoch may hold (in the pool, on disk); any other
+    value is stale."""
+    return frozenset({epoch.encode(), block_entry(epoch, on_disk=True).encode()})
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.cache_keys import CacheKeys, entry_tier
+from services.common.cache_keys import CacheKeys, current_entries
 from services.common.prefix_hash import BlockHash
 from services.common.redis_store import RedisStore
 
@@ -39,9 +39,10 @@ class PrefixLocator:
         counts: list[int] = []
         for index, (_, epoch) in enumerate(schedulers):
             row = values[index * len(hashes) : (index + 1) * len(hashes)]
+            current = current_entries(epoch)
             count = 0
             for value in row:
-                if value is None or entry_tier(value, epoch) is None:
+                if value not in current:
                     break
                 count += 1
             counts.append(count)
