@@ -4,6 +4,7 @@ above every table."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import platform
@@ -240,3 +241,19 @@ def time_ms(fn: Callable[[], object], budget_s: float) -> float:
         best = min(best, time.perf_counter() - begin)
         count += 1
     return best * 1e3
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a float > 0."""
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value

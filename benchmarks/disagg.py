@@ -26,7 +26,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from benchmarks.common import command_line, cpu_model_name, cpu_simd_flags, format_table
+from benchmarks.common import (
+    command_line,
+    cpu_model_name,
+    cpu_simd_flags,
+    format_table,
+    positive_float,
+    positive_int,
+)
 from benchmarks.common import load_average as load_average_line
 from benchmarks.disagg_report import (
     HEADERS,
@@ -302,20 +309,6 @@ def positive_int_list(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"--chunk-sizes: positive ints, got {text!r}")
     return values
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-from benchmarks.common import machine_header, random_prompts
+from benchmarks.common import machine_header, positive_float, positive_int, random_prompts
 from benchmarks.prefix_tiers_workload import (
     RunSummary,
     Turn,
@@ -154,22 +154,24 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="a GGUF file (e.g. ~/.cache/llmserve/shapes/llama-3.2-1b/*Q4_K_M*.gguf); "
         "default: the embedded model",
     )
-    parser.add_argument("--conversations", type=int, default=20)
-    parser.add_argument("--turns", type=int, default=10, help="turns per conversation")
-    parser.add_argument("--history-tokens", type=int, default=2000)
-    parser.add_argument("--turn-tokens", type=int, default=64, help="tokens each turn adds")
-    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--conversations", type=positive_int, default=20)
+    parser.add_argument("--turns", type=positive_int, default=10, help="turns per conversation")
+    parser.add_argument("--history-tokens", type=positive_int, default=2000)
+    parser.add_argument(
+        "--turn-tokens", type=positive_int, default=64, help="tokens each turn adds"
+    )
+    parser.add_argument("--output-tokens", type=positive_int, default=16)
     parser.add_argument(
         "--pool-conversations",
-        type=float,
+        type=positive_float,
         default=3.0,
         help="conversations the KV pool holds (sets --kv-cache-gib from the model's shape)",
     )
     parser.add_argument(
-        "--kv-cache-gib", type=float, default=None, help="the pool's size instead (GiB)"
+        "--kv-cache-gib", type=positive_float, default=None, help="the pool's size instead (GiB)"
     )
-    parser.add_argument("--kv-disk-gib", type=float, default=10.0)
-    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--kv-disk-gib", type=positive_float, default=10.0)
+    parser.add_argument("--concurrency", type=positive_int, default=1)
     parser.add_argument(
         "--quick",
         action="store_true",

@@ -206,3 +206,16 @@ def test_internal_ports_are_picked_below_the_ephemeral_range() -> None:
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_without_the_ephemeral_range_the_kernel_picks_the_port(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import socket
+
+    from services import launcher
+
+    monkeypatch.setattr(launcher, "_EPHEMERAL_RANGE", tmp_path / "absent")
+    port = launcher.free_port("127.0.0.1")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))

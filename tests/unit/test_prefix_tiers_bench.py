@@ -104,3 +104,20 @@ def test_ratios_against_the_targets() -> None:
     nan_ttft = tier_ratios(tiers, failed, restarted, cold)[1]
     assert math.isnan(nan_ttft.value) and nan_ttft.met is None
     assert "tiers" in runs_table([tiers, pool_only]) and "90.0" in runs_table([tiers])
+
+
+@pytest.mark.parametrize(
+    "flags", [["--conversations", "0"], ["--turns", "-1"], ["--pool-conversations", "0"]]
+)
+def test_bad_sizes_are_refused_naming_the_flag(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from benchmarks.prefix_tiers import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["prefix-tiers", *flags])
+    assert flags[0] in capsys.readouterr().err
