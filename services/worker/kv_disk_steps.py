@@ -87,7 +87,8 @@ class KvDiskSteps:
             if missing:
                 failed[seq.request_id] = FAILED_DISK_LOAD_PREFIX + ", ".join(missing)
                 continue
-            data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)  # type: ignore[arg-type]
+            # One copy of the payloads, into a writable buffer (frombuffer needs one).
+            data = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8)  # type: ignore[arg-type]
             kv_cache.write_blocks([block_id for block_id, _ in loads], data)
         return (plan.without(set(failed)) if failed else plan), failed
 
