@@ -34,7 +34,7 @@ from tests.e2e.conftest import STARTUP_TIMEOUT_S
 HOST_A, HOST_B = "127.0.0.2", "127.0.0.3"
 SHORT = text_pb2.SamplingParams(temperature=0.0, max_new_tokens=4)
 # Long enough to be still running on A when it is killed, seconds after it started.
-LONG = text_pb2.SamplingParams(temperature=0.0, max_new_tokens=256, ignore_eos=True)
+LONG = text_pb2.SamplingParams(temperature=0.0, max_new_tokens=1024, ignore_eos=True)
 RESOLVE_S = 0.2
 
 
