@@ -8,7 +8,10 @@
 (b) The stack of (a) stopped and started again on the same directory; each conversation's
     next turn: its cached share and mean TTFT against the same turns on a cold start (the
     same flags, an empty directory).
-(c) A prefix cached on pair A served on pair B: not built yet, printed as such.
+(c) Two pairs behind Redis, routed round robin: each conversation's first two turns back to
+    back, so the second lands on the pair that did not compute the first. Its cached share
+    and mean TTFT with prefix fetch (the blocks come from the other pair's pool) against the
+    same run with fetching off (`--prefix-fetch-min-blocks 0`: it recomputes them).
 
 Each run is a fresh stack, warmed on prompts unrelated to the workload; requests go one at a
 time (`--concurrency`), so a TTFT is the request's own prefill, not a queue.
@@ -33,6 +36,7 @@ from benchmarks.prefix_tiers_workload import (
     RunSummary,
     Turn,
     conversations,
+    cross_pair_turns,
     kv_bytes_per_token,
     pool_gib,
     ratios_table,
@@ -44,6 +48,7 @@ from benchmarks.prefix_tiers_workload import (
 )
 from benchmarks.serve_clients import GrpcClient
 from benchmarks.serve_load import AsyncTarget, Generation
+from benchmarks.serve_metrics import RequestRecord
 from benchmarks.serve_workload import Sample
 from services.common.gguf_metadata import read_metadata
 from services.common.model_source import resolve_model_path
@@ -72,9 +77,37 @@ def stack_flags(args: argparse.Namespace, kv_cache_gib: float, max_model_len: in
     return [*flags, *shlex.split(args.up_flags)]
 
 
+def cross_pair_flags(args: argparse.Namespace, max_model_len: int, fetch: bool) -> list[str]:
+    """Two pairs with Redis (a private redis-server), their pools large enough to keep every
+    history: only the pair that computed a prefix holds it."""
+    flags = [
+        *("--workers", "2", "--routing", "round_robin"),
+        *("--kv-cache-dtype", KV_DTYPE, "--block-size", str(BLOCK_SIZE)),
+        *("--max-model-len", str(max_model_len)),
+    ]
+    if not fetch:
+        flags += ["--prefix-fetch-min-blocks", "0"]
+    if args.model not in (None, "", "embedded"):
+        flags += ["--model", args.model]
+    return [*flags, *shlex.split(args.up_flags)]
+
+
 def run_stack(
     label: str, flags: list[str], turns: Sequence[Turn], args: argparse.Namespace
 ) -> RunSummary:
+    return summarize(label, serve(label, flags, turns, args))
+
+
+def run_cross_pair(
+    label: str, flags: list[str], turns: Sequence[Turn], args: argparse.Namespace
+) -> RunSummary:
+    """Only the second of each conversation's two turns counts: the one on the other pair."""
+    return summarize(label, serve(label, flags, turns, args)[1::2])
+
+
+def serve(
+    label: str, flags: list[str], turns: Sequence[Turn], args: argparse.Namespace
+) -> list[RequestRecord]:
     print(f"{label}: llmserve up {' '.join(flags)}", flush=True)
     generation = Generation(temperature=0.0, ignore_eos=True, timeout_s=1800)
     samples = [Sample(t.prompt_token_ids, args.output_tokens) for t in turns]
@@ -84,8 +117,7 @@ def run_stack(
         warm = [Sample(tuple(p), 2) for p in random_prompts(2, 24, seed=999_999)]
         target.run(warm, [0.0] * len(warm), 1, None)
         with tqdm(total=len(samples), desc=label, unit="req") as progress:
-            records = target.run(samples, [0.0] * len(samples), args.concurrency, progress)
-    return summarize(label, records)
+            return target.run(samples, [0.0] * len(samples), args.concurrency, progress)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,8 +146,16 @@ def run(args: argparse.Namespace) -> int:
         tiers = run_stack("tiers", tiers_flags, sent, args)
         restarted = run_stack("restarted", tiers_flags, resumed, args)
         cold = run_stack("cold start", cold_flags, resumed, args)
-    runs = [pool_only, tiers, restarted, cold]
-    ratios = tier_ratios(tiers, pool_only, restarted, cold)
+    # Round robin alternates from the first request, so each pair of turns splits in two.
+    paired = cross_pair_turns(convs)
+    fetched = run_cross_pair(
+        "fetched (pair B)", cross_pair_flags(args, max_model_len, True), paired, args
+    )
+    recomputed = run_cross_pair(
+        "recomputed (pair B)", cross_pair_flags(args, max_model_len, False), paired, args
+    )
+    runs = [pool_only, tiers, restarted, cold, fetched, recomputed]
+    ratios = tier_ratios(tiers, pool_only, restarted, cold, fetched, recomputed)
     print()
     print(machine_header(torch_threads=os.cpu_count() or 1))
     print(
@@ -123,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.turns} turns over {args.history_tokens}-token histories (+{args.turn_tokens} "
         f"tokens a turn), {args.output_tokens} output tokens, concurrency {args.concurrency}; "
         f"KV pool {kv_cache_gib:.3f} GiB ({KV_DTYPE}) ~ {args.pool_conversations:g} "
-        f"conversations; one scheduler+worker pair"
+        f"conversations; one scheduler+worker pair, two for (c)"
     )
     print()
     print(runs_table(runs))
@@ -146,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "prefix-tiers",
-        help="hit rate and TTFT with the KV disk tier vs the pool alone, and after a restart",
+        help="hit rate and TTFT with the KV disk tier vs the pool alone, after a restart, and "
+        "with a prefix fetched from another pair vs recomputed",
     )
     parser.add_argument(
         "--model",

@@ -1,9 +1,10 @@
-"""KvDestination ↔ its proto (worker.proto), for the scheduler (Submit, plans) and the worker."""
+"""KvDestination and KvExport ↔ their protos (worker.proto), for the scheduler (Submit, ExportKv,
+plans) and the worker."""
 
 from __future__ import annotations
 
 from protos.llmserve.v1 import worker_pb2
-from services.contracts.kv_transfer import KvDestination
+from services.contracts.kv_transfer import KvDestination, KvExport
 
 
 def kv_destination_to_proto(destination: KvDestination | None) -> worker_pb2.KvDestination | None:
@@ -39,3 +40,18 @@ def kv_destination_from_proto(message: worker_pb2.KvDestination) -> KvDestinatio
         worker_epoch=message.worker_epoch,
         host_identity=message.host_identity,
     )
+
+
+def kv_export_to_proto(export: KvExport) -> worker_pb2.KvExport:
+    return worker_pb2.KvExport(
+        request_id=export.request_id,
+        block_ids=export.block_ids,
+        kv_destination=kv_destination_to_proto(export.destination),
+    )
+
+
+def kv_export_from_proto(message: worker_pb2.KvExport) -> KvExport:
+    destination = kv_destination_from_proto(message.kv_destination)
+    if destination is None:
+        raise ValueError(f"kv export {message.request_id!r} has no kv_destination")
+    return KvExport(message.request_id, list(message.block_ids), destination)

@@ -179,21 +179,30 @@ class StepLoopConfig:
 
 @dataclass(frozen=True)
 class DisaggregationConfig:
-    """Prefill/decode disaggregation (docs/disaggregation.md): which prompts are prefilled on a
-    prefill pair, and how long a decode pair waits for their KV."""
+    """KV moving between pairs: prefill/decode disaggregation (docs/disaggregation.md), which
+    prompts are prefilled on a prefill pair and how long a decode pair waits for their KV; and
+    prefix fetch (docs/prefix-cache.md)."""
 
     disaggregate_min_prompt: int = 512
     """Shortest prompt (tokens) the tokenizer tier sends to a prefill pair when one answers;
     shorter ones are prefilled on the decode pair that serves them."""
     kv_transfer_timeout_s: float = 60.0
     """Longest a decode scheduler waits for a prefill pair's first token and its own worker's
-    word that the KV has landed (AwaitKv) before it prefills the prompt itself."""
+    word that the KV has landed (AwaitKv) before it prefills the prompt itself; also bounds a
+    prefix fetch."""
+    prefix_fetch_min_blocks: int = 4
+    """Prefix fetch (docs/prefix-cache.md): when routing sends a prompt to a pair that holds at
+    least this many fewer of its leading blocks than another pair does (by the Redis prefix
+    index), the request names that pair, and the chosen one fetches those blocks' KV from its
+    cache instead of computing them, while fetching measures cheaper. 0: never."""
 
     def check_disaggregation(self) -> None:
         if self.disaggregate_min_prompt < 1:
             raise ValueError("--disaggregate-min-prompt must be at least 1")
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("--kv-transfer-timeout-s must be positive")
+        if self.prefix_fetch_min_blocks < 0:
+            raise ValueError("--prefix-fetch-min-blocks must be 0 (off) or more")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Where a prompt's KV goes after a remote prefill (docs/disaggregation.md): the blocks a decode
-pair reserved, and the cache facts both workers must share for the bytes to mean the same."""
+"""Where a prompt's KV goes after a remote prefill (docs/disaggregation.md) or a prefix export
+(docs/prefix-cache.md): the blocks the receiving pair reserved, and the cache facts both workers
+must share for the bytes to mean the same."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ class KvDestination:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class KvExport:
+    """Cached blocks of one pair sent to another pair's request (docs/prefix-cache.md, Prefix
+    fetch): the exporting worker copies them out before the plan's writes and pushes them as
+    it pushes a prefill's KV, under the receiving request's id."""
+
+    request_id: str
+    block_ids: list[int]
+    """The exporting worker's blocks, in prefix order: one per destination block."""
+    destination: KvDestination

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from services.contracts.kv_transfer import KvDestination
+from services.contracts.kv_transfer import KvDestination, KvExport
 from services.contracts.sampling_params import SamplingParams
 
 
@@ -119,6 +119,10 @@ class BatchPlan:
     """request_id of a new sequence -> (block id, chain hash) of prefix blocks to fill from
     the KV disk tier before the forward: blocks its num_computed_tokens counts as cached
     because the disk holds them. One that cannot be read fails the sequence alone."""
+    kv_exports: list[KvExport] = field(default_factory=list)
+    """Cached blocks another pair's request fetches: read out before this plan's writes (as
+    disk stores are), then pushed. One that cannot be sent fails under its request id
+    (failed_sequences), which no sequence here has."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -139,6 +143,7 @@ class BatchPlan:
             or self.block_copies
             or self.block_truncations
             or self.disk_stores
+            or self.kv_exports
         )
 
     def without(self, request_ids: set[str] | frozenset[str]) -> BatchPlan:

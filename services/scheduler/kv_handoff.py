@@ -4,6 +4,10 @@ prompt and send the blocks to this pair's worker. The prefill pair's first token
 as it is sampled, the push runs beside it: the KV counts as in place only once this pair's own
 worker says it wrote it (KvTransfer.AwaitKv).
 
+A prefix fetch (docs/prefix-cache.md) asks the pair whose cache holds the prefix to export its
+blocks (ExportKv: copied out of that pool, nothing computed) to this pair's worker, then waits
+for them the same way; the request then prefills the rest of its prompt here.
+
 Any failure (prefill scheduler unreachable or killed, worker refused, a timeout) falls back:
 the request prefills here, in the blocks it holds. An aborted request's call is cancelled,
 which aborts it on the prefill side too.
@@ -29,6 +33,8 @@ from services.contracts.step import TokenEvent
 from services.contracts.worker_description import WorkerDescription
 from services.scheduler import metrics
 from services.scheduler.features.disaggregation import Handoff
+from services.scheduler.kv_fetch_cost import FetchCost
+from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,29 @@ class PrefillCall:
     prefill_scheduler: str
     submit: scheduler_pb2.SubmitRequest
     """The request as it arrived, turned into a one-token prefill (`prefill_call`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixFetch:
+    """Where a request may fetch its prefix's KV from, and how many tokens of it."""
+
+    source: str
+    """The scheduler (host:port) whose cache routing found the prefix in."""
+    num_prefix_tokens: int
+    """Whole blocks, at least one prompt token short of the prompt (the step that computes the
+    last prompt token samples the first output token here)."""
+
+
+def prefix_fetch(request: scheduler_pb2.SubmitRequest, block_size: int) -> PrefixFetch | None:
+    """The fetch routing suggested for this request, or None (none suggested, or nothing
+    left to fetch once capped)."""
+    if not request.prefix_source or block_size <= 0:
+        return None
+    num_prompt_tokens = len(request.prompt_token_ids)
+    num_blocks = min(request.prefix_source_blocks, (num_prompt_tokens - 1) // block_size)
+    if num_blocks <= 0:
+        return None
+    return PrefixFetch(request.prefix_source, num_blocks * block_size)
 
 
 def disaggregates(sampling: SamplingParams) -> bool:
@@ -77,6 +106,7 @@ class KvHandoffs:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
         self._worker: worker_pb2_grpc.KvTransferStub | None = None
+        self.fetch_cost = FetchCost()
         self._in_place_at: dict[str, tuple[float, int]] = {}
         """Requests whose KV is in place and whose first decode step is still to come: when
         (perf_counter), and the tokens still to arrive before it (the prefill pair's first)."""
@@ -97,31 +127,93 @@ class KvHandoffs:
         for handoff in handoffs:
             call = self._calls.pop(handoff.request_id, None)
             request = scheduler.requests.get(handoff.request_id)
-            if call is None or request is None:
+            if request is None or (call is None and not handoff.num_prefix_tokens):
                 scheduler.fall_back_to_local_prefill(handoff.request_id)
                 continue
-            submit = scheduler_pb2.SubmitRequest()
-            submit.CopyFrom(call.submit)
-            destination = KvDestination(
-                worker=self.worker_address,
-                first_block=handoff.first_block,
-                block_ids=handoff.block_ids,
-                model_name=description.model.model_name,
-                kv_cache_dtype=description.kv_cache_dtype,
-                block_size=description.block_size,
-                lora_name=request.lora_name,
-                cache_salt=request.cache_salt,
-                worker_epoch=description.worker_epoch,
-                host_identity=description.host_identity,
-            )
-            submit.kv_destination.CopyFrom(kv_destination_to_proto(destination))
+            destination = self._destination(handoff, request, description)
             timeout_s = self.timeout_s
             if request.deadline is not None:
                 timeout_s = max(0.001, min(timeout_s, request.deadline - now))
-            task = asyncio.create_task(
-                self._run(scheduler, handoff, submit, timeout_s, description.worker_epoch)
+            if handoff.num_prefix_tokens:
+                fetch = scheduler_pb2.ExportKvRequest(
+                    request_id=handoff.request_id,
+                    prompt_token_ids=request.prompt_token_ids[: handoff.num_prefix_tokens],
+                    kv_destination=kv_destination_to_proto(destination),
+                )
+                work = self._fetch(scheduler, handoff, fetch, timeout_s, description.worker_epoch)
+            else:
+                assert call is not None
+                submit = scheduler_pb2.SubmitRequest()
+                submit.CopyFrom(call.submit)
+                submit.kv_destination.CopyFrom(kv_destination_to_proto(destination))
+                work = self._run(scheduler, handoff, submit, timeout_s, description.worker_epoch)
+            self._tasks[handoff.request_id] = asyncio.create_task(work)
+
+    def _destination(
+        self, handoff: Handoff, request: Request, description: WorkerDescription
+    ) -> KvDestination:
+        return KvDestination(
+            worker=self.worker_address,
+            first_block=handoff.first_block,
+            block_ids=handoff.block_ids,
+            model_name=description.model.model_name,
+            kv_cache_dtype=description.kv_cache_dtype,
+            block_size=description.block_size,
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+            worker_epoch=description.worker_epoch,
+            host_identity=description.host_identity,
+        )
+
+    async def _fetch(
+        self,
+        scheduler: Scheduler,
+        handoff: Handoff,
+        fetch: scheduler_pb2.ExportKvRequest,
+        timeout_s: float,
+        worker_epoch: str,
+    ) -> None:
+        """A prefix fetch: the exporting pair copies the blocks out of its pool on its next
+        step and pushes them; they count once this pair's worker has written them."""
+        request_id = handoff.request_id
+        started = time.perf_counter()
+        try:
+            await self._stub(handoff.prefill_scheduler).ExportKv(fetch, timeout=timeout_s)
+            await self._worker_stub().AwaitKv(
+                worker_pb2.AwaitKvRequest(request_id=request_id, worker_epoch=worker_epoch),
+                timeout=max(0.001, timeout_s - (time.perf_counter() - started)),
             )
-            self._tasks[handoff.request_id] = task
+        except grpc.aio.AioRpcError as exc:
+            log.info(
+                "prefix fetch failed; computing here",
+                extra={
+                    "request_id": request_id,
+                    "source": handoff.prefill_scheduler,
+                    "code": exc.code().name,
+                    "error": exc.details(),
+                },
+            )
+            metrics.KV_FETCHES.labels("fallback").inc()
+            scheduler.fall_back_to_local_prefill(request_id)
+        else:
+            seconds = time.perf_counter() - started
+            num_tokens = len(handoff.block_ids) * (scheduler.config.block_size)
+            self.fetch_cost.observe_fetch(num_tokens, seconds)
+            scheduler.complete_remote_prefill(request_id, [])
+            metrics.KV_FETCHES.labels("done").inc()
+            metrics.KV_FETCH_SECONDS.observe(seconds)
+            log.info(
+                "prefix fetched",
+                extra={
+                    "request_id": request_id,
+                    "source": handoff.prefill_scheduler,
+                    "blocks": len(handoff.block_ids),
+                    "fetch_ms": seconds * 1000,
+                },
+            )
+        finally:
+            self._tasks.pop(request_id, None)
+            self.wake()
 
     async def _run(
         self,

@@ -159,6 +159,34 @@ DISAGG_TTFT = Histogram(
 )
 for _phase in ("prefill", "transfer", "first_decode"):
     DISAGG_TTFT.labels(_phase)
+KV_FETCHES = Counter(
+    "llmserve_kv_fetches_total",
+    "Requests whose routing named another pair holding more of their prefix (prefix fetch, "
+    "docs/prefix-cache.md), by outcome: done (its KV came from that pair), fallback (the "
+    "fetch failed or timed out; computed here), declined (computing measured cheaper than "
+    "fetching).",
+    ("outcome",),
+    registry=REGISTRY,
+)
+for _outcome in ("done", "fallback", "declined"):
+    KV_FETCHES.labels(_outcome)
+KV_FETCH_SECONDS = Histogram(
+    "llmserve_kv_fetch_seconds",
+    "Prefix fetches that completed: from the call to the exporting pair until this pair's "
+    "worker had the blocks.",
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
+KV_EXPORTS = Counter(
+    "llmserve_kv_exports_total",
+    "ExportKv calls from other pairs fetching a prefix this pool holds, by outcome: sent (the "
+    "worker copied the blocks out and pushes them), refused (no longer cached, a bad ask, or "
+    "no worker).",
+    ("outcome",),
+    registry=REGISTRY,
+)
+for _outcome in ("sent", "refused"):
+    KV_EXPORTS.labels(_outcome)
 REJECTED = Counter(
     "llmserve_requests_rejected_total",
     "Requests refused before generating, by reason.",

@@ -158,9 +158,14 @@ class RequestBook:
     def complete_remote_prefill(self, request_id: str, token_ids: list[int]) -> None:
         """The prefill pair sampled `token_ids` (the first token) and its worker wrote the
         prompt's KV into the reserved blocks: the prompt counts as computed; the token goes
-        out with the next update. Ignored for a request no longer awaiting."""
+        out with the next update. For a prefix fetch, the prefix's KV came (no token).
+        Ignored for a request no longer awaiting."""
         request = self.requests.get(request_id)
-        if request is None or not self.held.remote.end_wait(request_id):
+        handoff = self.held.remote.end_wait(request_id)
+        if request is None or handoff is None:
+            return
+        if handoff.num_prefix_tokens:
+            self._complete_prefix_fetch(request, handoff.num_prefix_tokens)
             return
         request.num_computed_tokens = request.num_prompt_tokens
         emitted, reason = request.append_output(token_ids[:1], self.config.max_model_len)
@@ -170,6 +175,13 @@ class RequestBook:
             self.finish(request, reason)
             self.running.remove(request)
             self.release(request)
+
+    def _complete_prefix_fetch(self, request: Request, num_prefix_tokens: int) -> None:
+        """The other pair's worker wrote the fetched prefix's KV into the reserved blocks:
+        those tokens count as computed, and as cached in its usage; the rest of the prompt
+        prefills here."""
+        request.num_computed_tokens = request.num_cached_tokens = num_prefix_tokens
+        self.kv.cache_full_blocks(request)
 
     def fall_back_to_local_prefill(self, request_id: str) -> None:
         """The prefill pair failed: the request prefills here, in the blocks it holds."""

@@ -8,8 +8,9 @@ moves between queues and frees what each one must. Features live in features/, o
 each, called at named points and keeping their own state by request id: n > 1 choices
 (choices.py), draft slots (draft_slots.py), pinned prefixes (pins.py), fair shares
 (fair_share.py: whom to admit, preempt and queue), LoRA admission, grammar readiness, remote
-prefills (disaggregation.py: reserve, await KV, never preempt) and the KV disk tier (kv_disk.py).
-Each gets the KV manager and the lists it edits, never the scheduler.
+prefills and prefix fetches (disaggregation.py: reserve, await KV, never preempt), prefix
+exports (kv_exports.py), the KV disk tier (kv_disk.py). Each gets the KV manager and the lists
+it edits, never the scheduler.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from services.scheduler.features.draft_slots import DraftSlots
 from services.scheduler.features.fair_share import NO_TENANT, FairShare, Tenant
 from services.scheduler.features.grammar_readiness import GrammarReadiness
 from services.scheduler.features.kv_disk import DiskTierView
+from services.scheduler.features.kv_exports import KvExports
 from services.scheduler.features.lora_admission import LoraAdmission
 from services.scheduler.features.pins import PinnedPrefixes
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -64,6 +66,7 @@ class Scheduler:
         self.disk = None if kv_disk_hashes is None else DiskTierView(kv_disk_hashes)
         self.kv.disk = self.disk
         self.remote = RemotePrefills()
+        self.exports = KvExports(self.kv.pool, config.block_size)
         held = HeldState(
             self.choices, self.drafts, self.pins, self.fair, self.grammars, self.remote
         )
@@ -83,13 +86,15 @@ class Scheduler:
         pin_name: str | None = None,
         prefill_scheduler: str = "",
         kv_destination: KvDestination | None = None,
+        num_prefix_tokens: int = 0,
     ) -> None:
         """Queue a request. Raises QueueFullError (back off) or CapacityError (never fits).
         `tenant`: whose fair share it uses; `grammar_pending`: it waits until
         `set_grammar_ready` (the worker compiles it); `pin_name`: once completed, its
         prompt's blocks stay pinned under that name. `prefill_scheduler`: its prompt's KV
-        comes from that prefill scheduler (disaggregation.py); `kv_destination`: its
-        prompt's KV goes there once computed."""
+        comes from that prefill scheduler (disaggregation.py), or with `num_prefix_tokens`
+        only that prefix's, from its cache; `kv_destination`: its prompt's KV goes there
+        once computed."""
         if request.request_id in self.requests or request.request_id in self.choices.groups:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
         admission.check_servable(request, self.config, self.kv)
@@ -107,7 +112,7 @@ class Scheduler:
         if pin_name is not None:
             self.pins.pin_on_finish(request.request_id, pin_name)
         if prefill_scheduler:
-            self.remote.hold(request.request_id, prefill_scheduler)
+            self.remote.hold(request.request_id, prefill_scheduler, num_prefix_tokens)
         if kv_destination is not None:
             self.remote.send_to(request.request_id, kv_destination)
         self.choices.on_queued(request, self.waiting)
@@ -153,7 +158,7 @@ class Scheduler:
         return self.remote.take_new_handoffs()
 
     def complete_remote_prefill(self, request_id: str, token_ids: list[int]) -> None:
-        """The prefill pair sent the first token and the prompt's KV (request_book.py)."""
+        """The prompt's KV and first token came, or a fetched prefix's KV (request_book.py)."""
         self.book.complete_remote_prefill(request_id, token_ids)
 
     def fall_back_to_local_prefill(self, request_id: str) -> None:
@@ -176,6 +181,7 @@ class Scheduler:
         plan.block_copies = self.kv.take_pending_copies()
         if self.disk is not None:
             plan.disk_stores = self.disk.take_stores()
+        plan.kv_exports = self.exports.take()
         return plan
 
     def update(self, plan: BatchPlan, result: StepResult, now: float) -> list[TokenEvent]:
@@ -243,6 +249,7 @@ class Scheduler:
             or self.book.dropped_ids
             or self.book.pending_events
             or (self.disk is not None and self.disk.has_stores)
+            or self.exports.has_pending
         )
 
     def get_stats(self) -> SchedulerStats:
@@ -328,9 +335,11 @@ class Scheduler:
                 # with the next result, and must be part of the sequence it is resent as.
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            remote = self.remote.wants_remote(request)
-            disk_hits = self._disk_hits(request, len(computed_blocks), remote)
+            disk_hits = self._disk_hits(request, len(computed_blocks))
             num_from_disk = len(disk_hits) * self.config.block_size
+            remote = self.remote.wants_remote(request, num_cached + num_from_disk)
+            if remote:  # the other pair sends every block after the pool's
+                disk_hits, num_from_disk = [], 0
             num_cached += num_from_disk
             self.choices.before_admission(request, num_cached, self.waiting)
             if self._num_seats_taken + 1 + self.choices.num_unforked(request) > max_num_seqs:
@@ -363,10 +372,10 @@ class Scheduler:
             self._add_to_plan(plan, request, num_new, new_blocks)
             budget -= num_new
 
-    def _disk_hits(self, request: Request, num_pool_blocks: int, remote: bool) -> list[bytes]:
+    def _disk_hits(self, request: Request, num_pool_blocks: int) -> list[bytes]:
         """The prefix blocks after the pool's hits that the worker's KV disk tier holds (none
         for a remote prefill: its blocks are written by the prefill worker)."""
-        if self.disk is None or remote:
+        if self.disk is None or self.remote.prefills_whole(request):
             return []
         return self.disk.hits(self.kv.uncached_block_hashes(request, num_pool_blocks))
 

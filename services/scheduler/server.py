@@ -37,7 +37,7 @@ from services.scheduler import lora_metrics, metrics, tenant_metrics
 from services.scheduler.convert import event_to_proto, stats_to_proto
 from services.scheduler.features.coalesce import QueueItem, merge_by_choice, take_batch
 from services.scheduler.features.fair_share import Tenant
-from services.scheduler.kv_handoff import disaggregates, prefill_call
+from services.scheduler.kv_handoff import disaggregates, prefill_call, prefix_fetch
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.server_config import SchedulerServerConfig
@@ -86,14 +86,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             tenant = Tenant(request.tenant_id, max(1, request.tenant_weight))
             # Disaggregation: a decode pair's request may name a prefill pair; a prefill
             # pair's, where its KV goes (docs/disaggregation.md).
-            prefill = None
+            # Prefix fetch: another pair holds more of its prefix (docs/prefix-cache.md).
+            prefill, fetch = None, None
             if request.prefill_scheduler and disaggregates(sampling):
                 prefill = prefill_call(request)
+            elif description is not None:
+                fetch = prefix_fetch(request, description.block_size)
             queue = self.loop.submit(
                 scheduled,
                 tenant=tenant,
                 prefill=prefill,
                 kv_destination=kv_destination_from_proto(request.kv_destination),
+                fetch=fetch,
             )
             metrics.on_admitted(scheduled)
             lora_metrics.on_admitted(request.lora_name)
@@ -238,6 +242,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.CancelChoiceResponse:
         self.loop.abort_choice(request.request_id, request.index)
         return scheduler_pb2.CancelChoiceResponse()
+
+    async def ExportKv(
+        self, request: scheduler_pb2.ExportKvRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ExportKvResponse:
+        """Another pair's request fetches a prefix this pool holds (docs/prefix-cache.md)."""
+        destination = kv_destination_from_proto(request.kv_destination)
+        try:
+            if destination is None:
+                raise InvalidRequestError("kv_destination", "must name the receiving worker")
+            num_blocks = await self.loop.export_kv(
+                request.request_id, list(request.prompt_token_ids), destination
+            )
+        except Exception as exc:  # typed errors → their status; anything else → INTERNAL
+            code, message = status_for(exc)
+            metrics.KV_EXPORTS.labels("refused").inc()
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("kv export failed", extra={"request_id": request.request_id})
+            await context.abort(code, message)
+        metrics.KV_EXPORTS.labels("sent").inc()
+        return scheduler_pb2.ExportKvResponse(num_blocks=num_blocks)
 
     async def LoadLoraAdapter(
         self, request: lora_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext

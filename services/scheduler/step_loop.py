@@ -33,7 +33,8 @@ from services.scheduler.features.fair_share import NO_TENANT, Tenant
 from services.scheduler.features.lora_registry import LoraRegistry
 from services.scheduler.features.pin_keeper import PinKeeper, PromptSource
 from services.scheduler.features.retry_hint import StepTimeAverage, retry_after_ms
-from services.scheduler.kv_handoff import KvHandoffs, PrefillCall
+from services.scheduler.kv_export_waits import ExportWaits
+from services.scheduler.kv_handoff import KvHandoffs, PrefillCall, PrefixFetch
 from services.scheduler.prefix_index import PrefixIndexPublisher
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
@@ -82,6 +83,7 @@ class StepLoop:
         self.step_time = StepTimeAverage()
         self._worker: WorkerClient | None = None
         self._grammar_tasks: set[asyncio.Task[None]] = set()
+        self._exports = ExportWaits()  # ExportKv calls until their plan's result
         self.loras = LoraRegistry()
         # Disaggregation: prefill calls for requests whose KV comes from a prefill pair.
         self.handoffs = KvHandoffs(
@@ -101,24 +103,33 @@ class StepLoop:
         pin_name: str | None = None,
         prefill: PrefillCall | None = None,
         kv_destination: KvDestination | None = None,
+        fetch: PrefixFetch | None = None,
     ) -> EventQueue:
         """Queue a request; its events arrive on the returned queue. Raises WorkerUnavailable,
         or the scheduler's typed errors (invalid, queue full with a retry hint, can never
         fit). `tenant`: whose fair share it uses; `pin_name`: a pinning request's (pins.py);
         `prefill`: the prefill pair to compute its prompt's KV; `kv_destination`: where its
-        prompt's KV goes (docs/disaggregation.md)."""
+        prompt's KV goes (docs/disaggregation.md); `fetch`: the pair whose cache may send its
+        prefix's KV, taken while fetching measures cheaper than computing (kv_fetch_cost.py)."""
         if self.scheduler is None or not self.connected.is_set():
             raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
         self.loras.check(request.lora_name)
         spec = request.sampling.structured_output
+        if fetch is not None and not self.handoffs.fetch_cost.worth_fetching():
+            metrics.KV_FETCHES.labels("declined").inc()
+            fetch = None
+        source = prefill.prefill_scheduler if prefill is not None else ""
+        if fetch is not None:
+            source = fetch.source
         try:
             self.scheduler.add_request(
                 request,
                 tenant=tenant,
                 grammar_pending=spec is not None,
                 pin_name=pin_name,
-                prefill_scheduler=prefill.prefill_scheduler if prefill is not None else "",
+                prefill_scheduler=source,
                 kv_destination=kv_destination,
+                num_prefix_tokens=fetch.num_prefix_tokens if fetch is not None else 0,
             )
         except QueueFullError as exc:
             # The core counts steps; this loop knows how long they take.
@@ -135,6 +146,24 @@ class StepLoop:
             task.add_done_callback(self._grammar_tasks.discard)
         self._wakeup.set()
         return queue
+
+    async def export_kv(
+        self, request_id: str, token_ids: list[int], destination: KvDestination
+    ) -> int:
+        """Send the cached blocks of the prefix `token_ids` to another pair's request
+        (features/kv_exports.py); returns the number of blocks once the worker has copied them
+        out (its push runs on). Raises WorkerUnavailable, InvalidRequestError, ConflictError."""
+        scheduler = self.scheduler
+        if scheduler is None or not self.connected.is_set():
+            raise WorkerUnavailable(f"worker {self.config.worker} is not connected")
+        num_blocks = scheduler.exports.add(request_id, token_ids, destination)
+        done = self._exports.wait(request_id)
+        self._wakeup.set()
+        try:
+            await done
+        finally:
+            self._exports.forget(request_id)
+        return num_blocks
 
     async def _prepare_grammar(self, request_id: str, spec: StructuredOutput) -> None:
         """Have the worker compile the request's grammar (off its step loop; cached per spec)
@@ -347,7 +376,9 @@ class StepLoop:
             self.num_steps += 1
             if plan.num_scheduled_tokens:  # a plan of drops only is no step time
                 self.step_time.observe(step_s)
+                self.handoffs.fetch_cost.observe_step(plan.total_num_scheduled_tokens, step_s)
             scheduler.observe_step(plan, result, step_s)
+            self._exports.on_result(plan, result)
             events = scheduler.update(plan, result, self.clock())
             if scheduler.failures:
                 self._fail_requests(scheduler)
@@ -398,6 +429,7 @@ class StepLoop:
         self._queues.clear()
         self._scheduled_at.clear()
         self.handoffs.clear()
+        self._exports.fail_all(message)
         self.scheduler = None
         if self.prefix_index is not None:
             self.prefix_index.detach()

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from protos.llmserve.v1 import worker_pb2
-from services.common.kv_destination_proto import kv_destination_to_proto
+from services.common.kv_destination_proto import kv_destination_to_proto, kv_export_to_proto
 from services.common.model_description_proto import description_from_proto
 from services.common.sampling_proto import sampling_to_proto, structured_output_to_proto
 from services.contracts.memory_budget import MemoryBudget
@@ -89,6 +89,7 @@ def plan_to_proto(plan: BatchPlan) -> worker_pb2.StepPlan:
             )
             for request_id, loads in plan.disk_loads.items()
         },
+        kv_exports=[kv_export_to_proto(export) for export in plan.kv_exports],
     )
 
 

@@ -44,6 +44,7 @@ from services.tokenizer.output import PUBLIC_FINISH_REASONS, OutputDelta, Output
 from services.tokenizer.preparation import PreparationStep, preparation_steps
 from services.tokenizer.routing.adapters import PoolAdapters
 from services.tokenizer.routing.pool import SchedulerClient, SchedulerPool
+from services.tokenizer.routing.prefix_fetch import PrefixSource
 from services.tokenizer.routing.submit_stream import SubmitStream
 from services.tokenizer.served_model import ServedModel
 from services.tokenizer.validation import GenerateInput, Limits, ValidatedRequest, validate_generate
@@ -77,6 +78,8 @@ class Prepared:
     prefill_scheduler: str = ""
     """The prefill pair that computes its prompt's KV first (docs/disaggregation.md); empty:
     the scheduler prefills it itself."""
+    prefix_source: PrefixSource | None = None
+    """Another scheduler holding more of its prefix, to fetch the KV from (prefix_fetch.py)."""
 
     @property
     def quota(self) -> Quota | None:
@@ -172,7 +175,7 @@ class Generator:
         timeout = remaining_budget(time_remaining_s, validated.deadline_s)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceededError("deadline passed on arrival")
-        scheduler = await self.pool.pick(
+        route = await self.pool.route(
             validated.prompt_token_ids, validated.cache_salt, validated.lora_name
         )
         admission = None
@@ -181,7 +184,16 @@ class Generator:
             num_prompt_tokens = len(validated.prompt_token_ids)
             admission = await self.limiter.admit(caller.key_id, caller.limits, num_prompt_tokens)
         prefill = self.pool.pick_prefill(len(validated.prompt_token_ids), validated.sampling)
-        return Prepared(validated, scheduler, timeout, arrival_unix_s, started, admission, prefill)
+        return Prepared(
+            validated,
+            route.client,
+            timeout,
+            arrival_unix_s,
+            started,
+            admission,
+            prefill,
+            route.prefix_source,
+        )
 
     def stream(self, prepared: Prepared) -> GenerationStream:
         """Submit the request; its deltas come from the returned stream."""
@@ -233,6 +245,7 @@ class GenerationStream:
             prepared.timeout_s,
             self._extra,
             prefill_scheduler=prepared.prefill_scheduler,
+            prefix_source=prepared.prefix_source,
         )
 
     def cancel(self) -> None:

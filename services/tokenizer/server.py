@@ -73,6 +73,7 @@ class TokenizerServer:
             drain_s=config.drain_s,
             resolve=resolve,
             disaggregate_min_prompt=config.disaggregate_min_prompt,
+            prefix_fetch_min_blocks=config.prefix_fetch_min_blocks,
         )
         self.access = AccessPolicy.from_settings(
             config.api_key, config.admin_api_key, config.api_key_file

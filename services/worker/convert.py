@@ -4,7 +4,7 @@ place the worker touches protos; the scheduler's side is services/scheduler/work
 from __future__ import annotations
 
 from protos.llmserve.v1 import logprobs_pb2, worker_pb2
-from services.common.kv_destination_proto import kv_destination_from_proto
+from services.common.kv_destination_proto import kv_destination_from_proto, kv_export_from_proto
 from services.common.model_description_proto import description_to_proto
 from services.common.sampling_proto import sampling_from_proto
 from services.contracts.memory_budget import MemoryBudget
@@ -87,6 +87,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> BatchPlan:
             request_id: [(b.block_id, b.block_hash) for b in loads.blocks]
             for request_id, loads in message.disk_loads.items()
         },
+        kv_exports=[kv_export_from_proto(export) for export in message.kv_exports],
     )
 
 

@@ -165,6 +165,50 @@ class KvOutbox:
                 f"kv_destination has {destination.num_blocks} blocks for prompt blocks"
                 f" {destination.first_block}..{num_prompt_blocks - 1}"
             )
+        return self._copy_blocks(request_id, destination, source, lora_name, salt, kv_cache)
+
+    def export(
+        self, plan: BatchPlan, kv_cache: PagedKVCache
+    ) -> tuple[list[OutgoingKv], dict[str, str]]:
+        """Copy out the cached blocks the plan exports to other pairs' requests; run before
+        the plan's writes, which may reuse them. Returns the transfers and, by request id,
+        the exports that cannot be made (each fails alone)."""
+        outgoing: list[OutgoingKv] = []
+        failed: dict[str, str] = {}
+        for export in plan.kv_exports:
+            destination = export.destination
+            try:
+                self.identity.check_destination(destination)
+                if len(export.block_ids) != destination.num_blocks:
+                    raise KvTransferError(
+                        f"kv export has {len(export.block_ids)} blocks for"
+                        f" {destination.num_blocks} destination blocks"
+                    )
+                outgoing.append(
+                    self._copy_blocks(
+                        export.request_id,
+                        destination,
+                        export.block_ids,
+                        destination.lora_name,
+                        destination.cache_salt,
+                        kv_cache,
+                    )
+                )
+            except KvTransferError as exc:
+                failed[export.request_id] = FAILED_TRANSFER_PREFIX + str(exc)
+        return outgoing, failed
+
+    def _copy_blocks(
+        self,
+        request_id: str,
+        destination: KvDestination,
+        source: list[int],
+        lora_name: str,
+        salt: bytes,
+        kv_cache: PagedKVCache,
+    ) -> OutgoingKv:
+        """`source` blocks copied into a shared-memory file when the destination shares this
+        host, else into memory for the byte stream."""
         num_bytes = len(source) * kv_cache.spec.bytes_per_block
         directory = self.transports.shm_directory(destination)
         shm_name = ""

@@ -338,13 +338,16 @@ def _timed_step(
     runner: ModelRunner, plan: BatchPlan, outbox: KvOutbox, inbox: KvInbox
 ) -> TimedResult:
     """Run one plan on the forward thread, then copy out the KV due to decode workers (before
-    any later plan can reuse those blocks). Transfers the plan gives up are closed first."""
+    any later plan can reuse those blocks); the plan's prefix exports are copied out before
+    it runs. Transfers the plan gives up are closed first."""
     inbox.on_plan(plan, runner.batch.sequences)
+    exported, failed_exports = outbox.export(plan, runner.kv_cache)  # before the plan's writes
     started = time.perf_counter()
     result = runner.execute(plan)
     forward_s = time.perf_counter() - started
+    result.failed_sequences.update(failed_exports)
     outgoing = outbox.collect(plan, result, runner.batch.sequences, runner.kv_cache)
-    return TimedResult(result, forward_s, runner.last_step_mode, outgoing)
+    return TimedResult(result, forward_s, runner.last_step_mode, [*exported, *outgoing])
 
 
 def _log_sequences(plan: BatchPlan) -> None:

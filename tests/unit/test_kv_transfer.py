@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
-from services.contracts.kv_transfer import KvDestination
+from services.contracts.kv_transfer import KvDestination, KvExport
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.worker import kv_transfer_service, kv_transfer_shm
@@ -100,6 +100,21 @@ def test_a_destination_with_the_wrong_number_of_blocks_is_refused() -> None:
     plan, result, sequences = prefill_step(destination(0, [1, 2]), sampled=True)
     assert outbox.collect(plan, result, sequences, cache) == []
     assert "2 blocks" in result.failed_sequences["r"]
+
+
+def test_an_export_copies_its_cached_blocks_and_fails_alone() -> None:
+    cache = filled_cache()
+    outbox = KvOutbox(identity(cache))
+    good = KvExport("fetch-1", [6, 2], destination(1, [9, 10], cache_salt=b"s"))
+    wrong_size = KvExport("fetch-2", [6, 2], destination(0, [1, 2], block_size=16))
+    too_few = KvExport("fetch-3", [6], destination(0, [1, 2]))
+    plan = BatchPlan(step_id=0, kv_exports=[good, wrong_size, too_few])
+    (outgoing,), failed = outbox.export(plan, cache)
+    assert outgoing.request_id == "fetch-1" and outgoing.cache_salt == b"s"
+    assert torch.equal(outgoing.data, cache.read_blocks([6, 2]))
+    assert outgoing.destination == good.destination
+    assert "block size" in failed["fetch-2"] and "1 blocks for 2" in failed["fetch-3"]
+    assert outbox.export(BatchPlan(step_id=1), cache) == ([], {})
 
 
 def test_identity_names_the_first_field_that_differs() -> None:

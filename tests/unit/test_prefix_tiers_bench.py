@@ -12,6 +12,7 @@ from benchmarks.prefix_tiers_workload import (
     GiB,
     RunSummary,
     conversations,
+    cross_pair_turns,
     kv_bytes_per_token,
     pool_gib,
     ratios_table,
@@ -72,6 +73,13 @@ def record(prompt: int, cached: int, ttft_s: float, error: str | None = None) ->
     return r
 
 
+def test_cross_pair_turns_send_each_conversations_first_two_back_to_back() -> None:
+    convs = conversations(3, 4, 20, 5)
+    turns = cross_pair_turns(convs)
+    assert [(t.conversation, t.turn) for t in turns] == [(c, t) for c in range(3) for t in (0, 1)]
+    assert turns[1].prompt_token_ids[: len(turns[0].prompt_token_ids)] == turns[0].prompt_token_ids
+
+
 def test_a_summary_counts_only_completed_requests() -> None:
     run = summarize("tiers", [record(100, 80, 0.2), record(100, 100, 0.4), record(50, 0, 0, "x")])
     assert (run.requests, run.prompt_tokens, run.cached_prompt_tokens, run.errors) == (
@@ -90,7 +98,11 @@ def test_ratios_against_the_targets() -> None:
     pool_only = RunSummary("pool only", 10, 1000, 100, 500.0, 0)
     restarted = RunSummary("restarted", 4, 400, 350, 60.0, 0)
     cold = RunSummary("cold start", 4, 400, 0, 400.0, 0)
-    hit, ttft, cached, restart_ttft = tier_ratios(tiers, pool_only, restarted, cold)
+    fetched = RunSummary("fetched", 4, 400, 360, 30.0, 0)
+    recomputed = RunSummary("recomputed", 4, 400, 0, 200.0, 0)
+    hit, ttft, cached, restart_ttft, pair_cached, pair_ttft = tier_ratios(
+        tiers, pool_only, restarted, cold, fetched, recomputed
+    )
     assert (hit.value, hit.met) == (0.9, True)
     assert (ttft.value, ttft.met) == (0.2, True)
     assert cached.value == pytest.approx(0.875) and cached.met is False
@@ -98,10 +110,12 @@ def test_ratios_against_the_targets() -> None:
     table = ratios_table([hit, ttft, cached, restart_ttft])
     assert "| 90.0% " in table and ">= 85%" in table and "0.20x" in table and "<= 0.3x" in table
     assert "87.5%" in table and "| no " in table
-    assert "not built yet" in table  # (c) cross-pair
+    assert (pair_cached.value, pair_cached.met) == (0.9, True)
+    assert (pair_ttft.value, pair_ttft.met) == (0.15, True)
+    assert "(c) cross-pair" in ratios_table([pair_cached, pair_ttft])
     # A run that failed every request has no ratio, and no verdict.
     failed = RunSummary("pool only", 10, 0, 0, math.nan, 10)
-    nan_ttft = tier_ratios(tiers, failed, restarted, cold)[1]
+    nan_ttft = tier_ratios(tiers, failed, restarted, cold, fetched, recomputed)[1]
     assert math.isnan(nan_ttft.value) and nan_ttft.met is None
     assert "tiers" in runs_table([tiers, pool_only]) and "90.0" in runs_table([tiers])
 

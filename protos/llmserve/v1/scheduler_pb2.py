@@ -29,7 +29,7 @@ from protos.llmserve.v1 import sampling_pb2 as protos_dot_llmserve_dot_v1_dot_sa
 from protos.llmserve.v1 import worker_pb2 as protos_dot_llmserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/llmserve/v1/scheduler.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a\x1dprotos/llmserve/v1/lora.proto\x1a\x1eprotos/llmserve/v1/model.proto\x1a!protos/llmserve/v1/sampling.proto\x1a\x1fprotos/llmserve/v1/worker.proto\"\xa9\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\x12\x16\n\x0e\x61rrival_unix_s\x18\x04 \x01(\x01\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x12\x11\n\ttenant_id\x18\x06 \x01(\t\x12\x15\n\rtenant_weight\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x19\n\x11prefill_scheduler\x18\t \x01(\t\x12\x32\n\x0ekv_destination\x18\n \x01(\x0b\x32\x1a.llmserve.v1.KvDestination\"\xbe\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\r\n\x05index\x18\x07 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xdf\x04\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x07 \x01(\t\x12\x1c\n\x14max_waiting_requests\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x14\n\x0cworker_epoch\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x0c \x01(\r\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x1d\n\x15num_forked_block_refs\x18\x10 \x01(\x04\x12\x18\n\x10num_block_copies\x18\x11 \x01(\x04\x12!\n\x19num_draft_tokens_proposed\x18\x12 \x01(\x04\x12!\n\x19num_draft_tokens_accepted\x18\x13 \x01(\x04\x12\x1d\n\x15num_speculative_steps\x18\x14 \x01(\x04\x12\x15\n\rlora_adapters\x18\x15 \x03(\t\x12\x1c\n\x14\x61\x63tive_lora_adapters\x18\x16 \x03(\t\x12\x11\n\tmax_loras\x18\x17 \x01(\r\x12\x0c\n\x04role\x18\x18 \x01(\t\"P\n\nPinRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ncache_salt\x18\x03 \x01(\x0c\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"(\n\x0bPinResponse\x12\x19\n\x11num_pinned_tokens\x18\x01 \x01(\r\"\x1c\n\x0cUnpinRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"!\n\rUnpinResponse\x12\x10\n\x08unpinned\x18\x01 \x01(\x08\"8\n\x13\x43\x61ncelChoiceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"\x16\n\x14\x43\x61ncelChoiceResponse2\xcf\x05\n\tScheduler\x12\x43\n\x06Submit\x12\x1a.llmserve.v1.SubmitRequest\x1a\x1b.llmserve.v1.SubmitResponse0\x01\x12\x45\n\x08GetStats\x12\x1c.llmserve.v1.GetStatsRequest\x1a\x1b.llmserve.v1.SchedulerStats\x12L\n\x08\x44\x65scribe\x12!.llmserve.v1.DescribeModelRequest\x1a\x1d.llmserve.v1.ModelDescription\x12\x38\n\x03Pin\x12\x17.llmserve.v1.PinRequest\x1a\x18.llmserve.v1.PinResponse\x12>\n\x05Unpin\x12\x19.llmserve.v1.UnpinRequest\x1a\x1a.llmserve.v1.UnpinResponse\x12S\n\x0c\x43\x61ncelChoice\x12 .llmserve.v1.CancelChoiceRequest\x1a!.llmserve.v1.CancelChoiceResponse\x12T\n\x0fLoadLoraAdapter\x12#.llmserve.v1.LoadLoraAdapterRequest\x1a\x1c.llmserve.v1.LoraAdapterInfo\x12\x62\n\x11UnloadLoraAdapter\x12%.llmserve.v1.UnloadLoraAdapterRequest\x1a&.llmserve.v1.UnloadLoraAdapterResponse\x12_\n\x10ListLoraAdapters\x12$.llmserve.v1.ListLoraAdaptersRequest\x1a%.llmserve.v1.ListLoraAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/llmserve/v1/scheduler.proto\x12\x0bllmserve.v1\x1a!protos/llmserve/v1/logprobs.proto\x1a\x1dprotos/llmserve/v1/lora.proto\x1a\x1eprotos/llmserve/v1/model.proto\x1a!protos/llmserve/v1/sampling.proto\x1a\x1fprotos/llmserve/v1/worker.proto\"\xde\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .llmserve.v1.TokenSamplingParams\x12\x16\n\x0e\x61rrival_unix_s\x18\x04 \x01(\x01\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x12\x11\n\ttenant_id\x18\x06 \x01(\t\x12\x15\n\rtenant_weight\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x19\n\x11prefill_scheduler\x18\t \x01(\t\x12\x32\n\x0ekv_destination\x18\n \x01(\x0b\x32\x1a.llmserve.v1.KvDestination\x12\x15\n\rprefix_source\x18\x0b \x01(\t\x12\x1c\n\x14prefix_source_blocks\x18\x0c \x01(\r\"s\n\x0f\x45xportKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x0ekv_destination\x18\x03 \x01(\x0b\x32\x1a.llmserve.v1.KvDestination\"&\n\x10\x45xportKvResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\xbe\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.llmserve.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\r\n\x05index\x18\x07 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xdf\x04\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x07 \x01(\t\x12\x1c\n\x14max_waiting_requests\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x14\n\x0cworker_epoch\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x19\n\x11num_pinned_blocks\x18\x0c \x01(\r\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\x12\x14\n\x0cquantization\x18\x0f \x01(\t\x12\x1d\n\x15num_forked_block_refs\x18\x10 \x01(\x04\x12\x18\n\x10num_block_copies\x18\x11 \x01(\x04\x12!\n\x19num_draft_tokens_proposed\x18\x12 \x01(\x04\x12!\n\x19num_draft_tokens_accepted\x18\x13 \x01(\x04\x12\x1d\n\x15num_speculative_steps\x18\x14 \x01(\x04\x12\x15\n\rlora_adapters\x18\x15 \x03(\t\x12\x1c\n\x14\x61\x63tive_lora_adapters\x18\x16 \x03(\t\x12\x11\n\tmax_loras\x18\x17 \x01(\r\x12\x0c\n\x04role\x18\x18 \x01(\t\"P\n\nPinRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ncache_salt\x18\x03 \x01(\x0c\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"(\n\x0bPinResponse\x12\x19\n\x11num_pinned_tokens\x18\x01 \x01(\r\"\x1c\n\x0cUnpinRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"!\n\rUnpinResponse\x12\x10\n\x08unpinned\x18\x01 \x01(\x08\"8\n\x13\x43\x61ncelChoiceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"\x16\n\x14\x43\x61ncelChoiceResponse2\x98\x06\n\tScheduler\x12\x43\n\x06Submit\x12\x1a.llmserve.v1.SubmitRequest\x1a\x1b.llmserve.v1.SubmitResponse0\x01\x12\x45\n\x08GetStats\x12\x1c.llmserve.v1.GetStatsRequest\x1a\x1b.llmserve.v1.SchedulerStats\x12L\n\x08\x44\x65scribe\x12!.llmserve.v1.DescribeModelRequest\x1a\x1d.llmserve.v1.ModelDescription\x12\x38\n\x03Pin\x12\x17.llmserve.v1.PinRequest\x1a\x18.llmserve.v1.PinResponse\x12>\n\x05Unpin\x12\x19.llmserve.v1.UnpinRequest\x1a\x1a.llmserve.v1.UnpinResponse\x12S\n\x0c\x43\x61ncelChoice\x12 .llmserve.v1.CancelChoiceRequest\x1a!.llmserve.v1.CancelChoiceResponse\x12G\n\x08\x45xportKv\x12\x1c.llmserve.v1.ExportKvRequest\x1a\x1d.llmserve.v1.ExportKvResponse\x12T\n\x0fLoadLoraAdapter\x12#.llmserve.v1.LoadLoraAdapterRequest\x1a\x1c.llmserve.v1.LoraAdapterInfo\x12\x62\n\x11UnloadLoraAdapter\x12%.llmserve.v1.UnloadLoraAdapterRequest\x1a&.llmserve.v1.UnloadLoraAdapterResponse\x12_\n\x10ListLoraAdapters\x12$.llmserve.v1.ListLoraAdaptersRequest\x1a%.llmserve.v1.ListLoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.llmserve.v1.schedule
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=218
-  _globals['_SUBMITREQUEST']._serialized_end=515
-  _globals['_SUBMITRESPONSE']._serialized_start=518
-  _globals['_SUBMITRESPONSE']._serialized_end=708
-  _globals['_GETSTATSREQUEST']._serialized_start=710
-  _globals['_GETSTATSREQUEST']._serialized_end=727
-  _globals['_SCHEDULERSTATS']._serialized_start=730
-  _globals['_SCHEDULERSTATS']._serialized_end=1337
-  _globals['_PINREQUEST']._serialized_start=1339
-  _globals['_PINREQUEST']._serialized_end=1419
-  _globals['_PINRESPONSE']._serialized_start=1421
-  _globals['_PINRESPONSE']._serialized_end=1461
-  _globals['_UNPINREQUEST']._serialized_start=1463
-  _globals['_UNPINREQUEST']._serialized_end=1491
-  _globals['_UNPINRESPONSE']._serialized_start=1493
-  _globals['_UNPINRESPONSE']._serialized_end=1526
-  _globals['_CANCELCHOICEREQUEST']._serialized_start=1528
-  _globals['_CANCELCHOICEREQUEST']._serialized_end=1584
-  _globals['_CANCELCHOICERESPONSE']._serialized_start=1586
-  _globals['_CANCELCHOICERESPONSE']._serialized_end=1608
-  _globals['_SCHEDULER']._serialized_start=1611
-  _globals['_SCHEDULER']._serialized_end=2330
+  _globals['_SUBMITREQUEST']._serialized_end=568
+  _globals['_EXPORTKVREQUEST']._serialized_start=570
+  _globals['_EXPORTKVREQUEST']._serialized_end=685
+  _globals['_EXPORTKVRESPONSE']._serialized_start=687
+  _globals['_EXPORTKVRESPONSE']._serialized_end=725
+  _globals['_SUBMITRESPONSE']._serialized_start=728
+  _globals['_SUBMITRESPONSE']._serialized_end=918
+  _globals['_GETSTATSREQUEST']._serialized_start=920
+  _globals['_GETSTATSREQUEST']._serialized_end=937
+  _globals['_SCHEDULERSTATS']._serialized_start=940
+  _globals['_SCHEDULERSTATS']._serialized_end=1547
+  _globals['_PINREQUEST']._serialized_start=1549
+  _globals['_PINREQUEST']._serialized_end=1629
+  _globals['_PINRESPONSE']._serialized_start=1631
+  _globals['_PINRESPONSE']._serialized_end=1671
+  _globals['_UNPINREQUEST']._serialized_start=1673
+  _globals['_UNPINREQUEST']._serialized_end=1701
+  _globals['_UNPINRESPONSE']._serialized_start=1703
+  _globals['_UNPINRESPONSE']._serialized_end=1736
+  _globals['_CANCELCHOICEREQUEST']._serialized_start=1738
+  _globals['_CANCELCHOICEREQUEST']._serialized_end=1794
+  _globals['_CANCELCHOICERESPONSE']._serialized_start=1796
+  _globals['_CANCELCHOICERESPONSE']._serialized_end=1818
+  _globals['_SCHEDULER']._serialized_start=1821
+  _globals['_SCHEDULER']._serialized_end=2613
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_unix_s", "cache_salt", "tenant_id", "tenant_weight", "lora_name", "prefill_scheduler", "kv_destination")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_unix_s", "cache_salt", "tenant_id", "tenant_weight", "lora_name", "prefill_scheduler", "kv_destination", "prefix_source", "prefix_source_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class SubmitRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.TokenSamplingParams
@@ -33,7 +35,25 @@ class SubmitRequest(_message.Message):
     lora_name: str
     prefill_scheduler: str
     kv_destination: _worker_pb2.KvDestination
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., arrival_unix_s: _Optional[float] = ..., cache_salt: _Optional[bytes] = ..., tenant_id: _Optional[str] = ..., tenant_weight: _Optional[int] = ..., lora_name: _Optional[str] = ..., prefill_scheduler: _Optional[str] = ..., kv_destination: _Optional[_Union[_worker_pb2.KvDestination, _Mapping]] = ...) -> None: ...
+    prefix_source: str
+    prefix_source_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.TokenSamplingParams, _Mapping]] = ..., arrival_unix_s: _Optional[float] = ..., cache_salt: _Optional[bytes] = ..., tenant_id: _Optional[str] = ..., tenant_weight: _Optional[int] = ..., lora_name: _Optional[str] = ..., prefill_scheduler: _Optional[str] = ..., kv_destination: _Optional[_Union[_worker_pb2.KvDestination, _Mapping]] = ..., prefix_source: _Optional[str] = ..., prefix_source_blocks: _Optional[int] = ...) -> None: ...
+
+class ExportKvRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "kv_destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_destination: _worker_pb2.KvDestination
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., kv_destination: _Optional[_Union[_worker_pb2.KvDestination, _Mapping]] = ...) -> None: ...
+
+class ExportKvResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "logprobs", "num_prompt_tokens", "num_cached_tokens", "queue_ms", "index")

@@ -66,6 +66,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceRequest.SerializeToString,
                 response_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceResponse.FromString,
                 _registered_method=True)
+        self.ExportKv = channel.unary_unary(
+                '/llmserve.v1.Scheduler/ExportKv',
+                request_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.ExportKvRequest.SerializeToString,
+                response_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.ExportKvResponse.FromString,
+                _registered_method=True)
         self.LoadLoraAdapter = channel.unary_unary(
                 '/llmserve.v1.Scheduler/LoadLoraAdapter',
                 request_serializer=protos_dot_llmserve_dot_v1_dot_lora__pb2.LoadLoraAdapterRequest.SerializeToString,
@@ -130,6 +135,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKv(self, request, context):
+        """Prefix fetch (docs/prefix-cache.md): send the KV of a prefix this scheduler's pool holds to
+        another pair's worker, copied out on the next step, with no compute and no seat taken.
+        Answers once the copy is made (the push runs on); FAILED_PRECONDITION when the pool no
+        longer holds every block asked for, UNAVAILABLE while no worker is connected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadLoraAdapter(self, request, context):
         """LoRA adapters on this scheduler's worker (services/scheduler/features/lora_registry.py). Load:
         ALREADY_EXISTS for a loaded name, INVALID_ARGUMENT naming what does not fit the model.
@@ -184,6 +199,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.CancelChoice,
                     request_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceRequest.FromString,
                     response_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceResponse.SerializeToString,
+            ),
+            'ExportKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportKv,
+                    request_deserializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.ExportKvRequest.FromString,
+                    response_serializer=protos_dot_llmserve_dot_v1_dot_scheduler__pb2.ExportKvResponse.SerializeToString,
             ),
             'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoraAdapter,
@@ -363,6 +383,33 @@ class Scheduler:
             '/llmserve.v1.Scheduler/CancelChoice',
             protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceRequest.SerializeToString,
             protos_dot_llmserve_dot_v1_dot_scheduler__pb2.CancelChoiceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/ExportKv',
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.ExportKvRequest.SerializeToString,
+            protos_dot_llmserve_dot_v1_dot_scheduler__pb2.ExportKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

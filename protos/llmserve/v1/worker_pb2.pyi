@@ -232,7 +232,7 @@ class DiskLoads(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "finished_request_ids", "new_sequences", "block_deltas", "scheduled_request_ids", "num_scheduled_tokens", "block_copies", "draft_slots", "block_truncations", "disk_stores", "disk_loads")
+    __slots__ = ("step_id", "finished_request_ids", "new_sequences", "block_deltas", "scheduled_request_ids", "num_scheduled_tokens", "block_copies", "draft_slots", "block_truncations", "disk_stores", "disk_loads", "kv_exports")
     class DraftSlotsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class StepPlan(_message.Message):
     BLOCK_TRUNCATIONS_FIELD_NUMBER: _ClassVar[int]
     DISK_STORES_FIELD_NUMBER: _ClassVar[int]
     DISK_LOADS_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPORTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
@@ -276,7 +277,18 @@ class StepPlan(_message.Message):
     block_truncations: _containers.ScalarMap[str, int]
     disk_stores: _containers.RepeatedCompositeFieldContainer[DiskStore]
     disk_loads: _containers.MessageMap[str, DiskLoads]
-    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., block_deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., scheduled_request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., draft_slots: _Optional[_Mapping[str, int]] = ..., block_truncations: _Optional[_Mapping[str, int]] = ..., disk_stores: _Optional[_Iterable[_Union[DiskStore, _Mapping]]] = ..., disk_loads: _Optional[_Mapping[str, DiskLoads]] = ...) -> None: ...
+    kv_exports: _containers.RepeatedCompositeFieldContainer[KvExport]
+    def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., block_deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., scheduled_request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., draft_slots: _Optional[_Mapping[str, int]] = ..., block_truncations: _Optional[_Mapping[str, int]] = ..., disk_stores: _Optional[_Iterable[_Union[DiskStore, _Mapping]]] = ..., disk_loads: _Optional[_Mapping[str, DiskLoads]] = ..., kv_exports: _Optional[_Iterable[_Union[KvExport, _Mapping]]] = ...) -> None: ...
+
+class KvExport(_message.Message):
+    __slots__ = ("request_id", "block_ids", "kv_destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_destination: KvDestination
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
 
 class StepOutput(_message.Message):
     __slots__ = ("step_id", "sampled_request_ids", "sampled_token_ids", "logprobs", "forward_ms", "drafts", "failed_sequences", "disk_added", "disk_evicted")

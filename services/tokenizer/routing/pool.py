@@ -55,6 +55,7 @@ from services.tokenizer.routing.policy import (
     SchedulerLoad,
     choose_scheduler,
 )
+from services.tokenizer.routing.prefix_fetch import PrefixSource, choose_prefix_source
 from services.tokenizer.routing.prefix_locator import MAX_LOOKUP_BLOCKS, PrefixLocator
 from services.tokenizer.routing.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.served_model import one_model
@@ -108,6 +109,15 @@ class SchedulerClient:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a request goes, and where its prefix's KV may come from."""
+
+    client: SchedulerClient
+    prefix_source: PrefixSource | None = None
+    """Another scheduler holding more of the prompt's prefix (prefix_fetch.py); None: none."""
+
+
 class SchedulerPool:
     def __init__(
         self,
@@ -122,6 +132,7 @@ class SchedulerPool:
         drain_s: float = 30.0,
         resolve: Resolve = resolve_ips,
         disaggregate_min_prompt: int = 512,
+        prefix_fetch_min_blocks: int = 0,
     ) -> None:
         self.entries = tuple(entries)
         self.internal_secret = internal_secret
@@ -133,6 +144,7 @@ class SchedulerPool:
         self.drain_s = drain_s
         self.resolve = resolve
         self.disaggregate_min_prompt = disaggregate_min_prompt
+        self.prefix_fetch_min_blocks = prefix_fetch_min_blocks
         self.membership = Membership(self.entries)
         self.clients: list[SchedulerClient] = []
         """Every member, pending or active, in membership order (pins go to all of them)."""
@@ -143,6 +155,8 @@ class SchedulerPool:
         self._by_address: dict[str, SchedulerClient] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._turn = itertools.count()
+        # Apart: a long prompt's prefill choice must not skip a scheduler's turn (round robin).
+        self._prefill_turn = itertools.count()
         self._recent = RecentRoutes()
 
     @property
@@ -186,6 +200,13 @@ class SchedulerPool:
         """The scheduler for this prompt (run with the LoRA adapter `lora_name`, if named),
         among the active ones; DependencyUnavailableError when none is (every DNS member still
         pending), NotFoundError when none holds the adapter."""
+        return (await self.route(prompt_token_ids, cache_salt, lora_name)).client
+
+    async def route(
+        self, prompt_token_ids: Sequence[int], cache_salt: bytes, lora_name: str = ""
+    ) -> Route:
+        """`pick`'s scheduler, with another one to fetch the prefix's KV from when it holds
+        at least --prefix-fetch-min-blocks more of it (looked up whatever the policy)."""
         turn = next(self._turn)
         # Prefill pairs take prompts from decode pairs, never requests (disaggregation.py).
         clients = [c for c in self.routable if takes_requests(c.stats.role if c.stats else None)]
@@ -200,10 +221,10 @@ class SchedulerPool:
             )
         if len(clients) == 1:
             metrics.ROUTED.labels(self.policy, "only").inc()
-            return clients[0]
+            return Route(clients[0])
         cached = [0] * len(clients)
         hashes: list[BlockHash] = []
-        if self.policy == "cache_aware":
+        if self.policy == "cache_aware" or self.prefix_fetch_min_blocks:
             hashes = self._block_hashes(clients, prompt_token_ids, cache_salt, lora_name)
             cached = self._recent.leading_blocks(hashes, [c.address for c in clients])
             if self.locator is not None and hashes:
@@ -220,7 +241,12 @@ class SchedulerPool:
         self._recent.remember(hashes, client.address)
         client.num_sent_since_poll += 1
         metrics.ROUTED.labels(self.policy, _reason(self.policy, candidates, index)).inc()
-        return client
+        # Only schedulers whose stats answer: a fetch from one that does not would fail.
+        holders = [n if c.stats else 0 for n, c in zip(cached, clients, strict=True)]
+        source = choose_prefix_source(
+            holders, [c.address for c in clients], index, self.prefix_fetch_min_blocks
+        )
+        return Route(client, source)
 
     def pick_prefill(self, num_prompt_tokens: int, sampling: SamplingParams) -> str:
         """The prefill scheduler for this request's prompt (docs/disaggregation.md), or ""
@@ -231,7 +257,7 @@ class SchedulerPool:
             PrefillCandidate(c.address, c.stats.role if c.stats else None, c.load())
             for c in self.routable
         ]
-        address = choose_prefill(candidates, next(self._turn))
+        address = choose_prefill(candidates, next(self._prefill_turn))
         if address is None:
             return ""
         self._by_address[address].num_sent_since_poll += 1

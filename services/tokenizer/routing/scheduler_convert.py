@@ -12,14 +12,19 @@ from services.common.prefix_hash import tenant_salt
 from services.common.sampling_proto import sampling_to_proto
 from services.tokenizer.output import SchedulerOutput, TokenLogprob
 from services.tokenizer.routing.adapter_info import AdapterInfo
+from services.tokenizer.routing.prefix_fetch import PrefixSource
 from services.tokenizer.routing.scheduler_snapshot import SchedulerSnapshot
 from services.tokenizer.validation import ValidatedRequest
 
 
 def submit_request(
-    request: ValidatedRequest, arrival_unix_s: float, prefill_scheduler: str = ""
+    request: ValidatedRequest,
+    arrival_unix_s: float,
+    prefill_scheduler: str = "",
+    prefix_source: PrefixSource | None = None,
 ) -> scheduler_pb2.SubmitRequest:
-    """`prefill_scheduler`: the prefill pair for its prompt (docs/disaggregation.md)."""
+    """`prefill_scheduler`: the prefill pair for its prompt (docs/disaggregation.md);
+    `prefix_source`: another scheduler holding more of its prefix (prefix_fetch.py)."""
     return scheduler_pb2.SubmitRequest(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
@@ -30,6 +35,8 @@ def submit_request(
         tenant_weight=request.tenant_weight,
         lora_name=request.lora_name,
         prefill_scheduler=prefill_scheduler,
+        prefix_source=prefix_source.address if prefix_source else "",
+        prefix_source_blocks=prefix_source.num_blocks if prefix_source else 0,
     )
 
 

@@ -23,6 +23,7 @@ from services.contracts.errors import DeadlineExceededError
 from services.tokenizer.output import SchedulerOutput
 from services.tokenizer.routing import scheduler_convert
 from services.tokenizer.routing.pool import SchedulerClient, closed_under
+from services.tokenizer.routing.prefix_fetch import PrefixSource
 from services.tokenizer.routing.scheduler_errors import scheduler_error, scheduler_gone
 from services.tokenizer.validation import ValidatedRequest
 
@@ -47,6 +48,7 @@ class SubmitStream:
         log_extra: Mapping[str, object],
         *,
         prefill_scheduler: str = "",
+        prefix_source: PrefixSource | None = None,
     ) -> None:
         self.scheduler = scheduler
         self._request_id = request.request_id
@@ -56,7 +58,9 @@ class SubmitStream:
         self._call: grpc.aio.UnaryStreamCall | None = None
         if not scheduler.closed:
             self._call = scheduler.stub.Submit(
-                scheduler_convert.submit_request(request, arrival_unix_s, prefill_scheduler),
+                scheduler_convert.submit_request(
+                    request, arrival_unix_s, prefill_scheduler, prefix_source
+                ),
                 timeout=timeout_s,
             )
         # The client may be slower than the scheduler. Read the scheduler stream at once into a
