@@ -47,6 +47,7 @@ def kv_export_to_proto(export: KvExport) -> worker_pb2.KvExport:
         request_id=export.request_id,
         block_ids=export.block_ids,
         kv_destination=kv_destination_to_proto(export.destination),
+        block_hashes=export.block_hashes,
     )
 
 
@@ -54,4 +55,6 @@ def kv_export_from_proto(message: worker_pb2.KvExport) -> KvExport:
     destination = kv_destination_from_proto(message.kv_destination)
     if destination is None:
         raise ValueError(f"kv export {message.request_id!r} has no kv_destination")
-    return KvExport(message.request_id, list(message.block_ids), destination)
+    return KvExport(
+        message.request_id, list(message.block_ids), destination, list(message.block_hashes)
+    )

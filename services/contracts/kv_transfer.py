@@ -44,5 +44,12 @@ class KvExport:
 
     request_id: str
     block_ids: list[int]
-    """The exporting worker's blocks, in prefix order: one per destination block."""
+    """The exporting worker's blocks, in prefix order: one per destination block; ON_DISK for
+    a block its pool evicted and its KV disk tier keeps."""
     destination: KvDestination
+    block_hashes: list[bytes] = field(default_factory=list)
+    """The blocks' chain hashes, parallel to block_ids: a block on disk is read by its hash."""
+
+
+ON_DISK = -1
+"""A KvExport block id: read the block from the exporting worker's KV disk tier."""

@@ -66,7 +66,7 @@ class Scheduler:
         self.disk = None if kv_disk_hashes is None else DiskTierView(kv_disk_hashes)
         self.kv.disk = self.disk
         self.remote = RemotePrefills()
-        self.exports = KvExports(self.kv.pool, config.block_size)
+        self.exports = KvExports(self.kv.pool, config.block_size, self.disk)
         held = HeldState(
             self.choices, self.drafts, self.pins, self.fair, self.grammars, self.remote
         )

@@ -192,6 +192,10 @@ class KvDiskTier:
         metrics.KV_DISK_BYTES.labels("read").inc(len(payload))
         return payload
 
+    def payload(self, block_hash: bytes, lora_name: str, cache_salt: bytes) -> bytes | None:
+        """`get` for a KV export to another pair (kv_transfer.DiskBlocks)."""
+        return self.get(block_hash, BlockScope(lora_name, cache_salt))
+
     def _read_checked(self, name: str, scope: BlockScope | None) -> bytes | None:
         """Read a block file and check it against this worker (and `scope` when given); a
         file that does not check is deleted and forgotten, never used."""

@@ -11,14 +11,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy
 import torch
 
-from services.contracts.kv_transfer import FAILED_TRANSFER_PREFIX, KvDestination
+from services.contracts.kv_transfer import FAILED_TRANSFER_PREFIX, ON_DISK, KvDestination, KvExport
 from services.contracts.step import BatchPlan, StepResult
 from services.worker import kv_transfer_shm
 from services.worker.input_batch import CachedSequence
 from services.worker.kv_cache import PagedKVCache
+
+
+class DiskBlocks(Protocol):
+    """The worker's KV disk tier, as an export reads it (kv_disk_tier.py)."""
+
+    def payload(self, block_hash: bytes, lora_name: str, cache_salt: bytes) -> bytes | None: ...
 
 
 class KvTransferError(Exception):
@@ -168,10 +176,11 @@ class KvOutbox:
         return self._copy_blocks(request_id, destination, source, lora_name, salt, kv_cache)
 
     def export(
-        self, plan: BatchPlan, kv_cache: PagedKVCache
+        self, plan: BatchPlan, kv_cache: PagedKVCache, disk: DiskBlocks | None = None
     ) -> tuple[list[OutgoingKv], dict[str, str]]:
         """Copy out the cached blocks the plan exports to other pairs' requests; run before
-        the plan's writes, which may reuse them. Returns the transfers and, by request id,
+        the plan's writes, which may reuse them. Blocks the pool evicted come from the KV disk
+        tier (`disk`), checked as any disk read is. Returns the transfers and, by request id,
         the exports that cannot be made (each fails alone)."""
         outgoing: list[OutgoingKv] = []
         failed: dict[str, str] = {}
@@ -192,6 +201,7 @@ class KvOutbox:
                         destination.lora_name,
                         destination.cache_salt,
                         kv_cache,
+                        _disk_rows(export, disk, kv_cache.spec.bytes_per_block),
                     )
                 )
             except KvTransferError as exc:
@@ -206,9 +216,10 @@ class KvOutbox:
         lora_name: str,
         salt: bytes,
         kv_cache: PagedKVCache,
+        disk_rows: dict[int, bytes] | None = None,
     ) -> OutgoingKv:
         """`source` blocks copied into a shared-memory file when the destination shares this
-        host, else into memory for the byte stream."""
+        host, else into memory for the byte stream; row i from `disk_rows[i]` when given."""
         num_bytes = len(source) * kv_cache.spec.bytes_per_block
         directory = self.transports.shm_directory(destination)
         shm_name = ""
@@ -221,7 +232,14 @@ class KvOutbox:
             mapped = torch.empty(num_bytes, dtype=torch.uint8)
         data = mapped.view(len(source), kv_cache.spec.bytes_per_block)
         try:
-            kv_transfer_shm.copy_out(kv_cache, source, data)
+            if not disk_rows:
+                kv_transfer_shm.copy_out(kv_cache, source, data)
+            else:
+                for i, block_id in enumerate(source):
+                    if i in disk_rows:
+                        data[i].numpy()[:] = numpy.frombuffer(disk_rows[i], dtype=numpy.uint8)
+                    else:
+                        kv_transfer_shm.copy_out(kv_cache, [block_id], data[i : i + 1])
         except BaseException:
             if shm_name:
                 kv_transfer_shm.remove(directory, shm_name)
@@ -270,6 +288,24 @@ class KvInbox:
             return False
         kv_cache.write_blocks(block_ids, data)
         return True
+
+
+def _disk_rows(export: KvExport, disk: DiskBlocks | None, row_bytes: int) -> dict[int, bytes]:
+    """The payloads of the export's blocks on the disk tier, by row; KvTransferError when one
+    is gone or fails its check (the receiving pair then computes the prefix)."""
+    rows: dict[int, bytes] = {}
+    salt, lora_name = export.destination.cache_salt, export.destination.lora_name
+    for i, block_id in enumerate(export.block_ids):
+        if block_id != ON_DISK:
+            continue
+        block_hash = export.block_hashes[i] if i < len(export.block_hashes) else b""
+        payload = None if disk is None else disk.payload(block_hash, lora_name, salt)
+        if payload is None or len(payload) != row_bytes:
+            raise KvTransferError(
+                f"block {block_hash.hex()[:16]} of the export is no longer on this worker's disk"
+            )
+        rows[i] = payload
+    return rows
 
 
 def fail(result: StepResult, request_id: str, reason: str) -> None:

@@ -341,7 +341,8 @@ def _timed_step(
     any later plan can reuse those blocks); the plan's prefix exports are copied out before
     it runs. Transfers the plan gives up are closed first."""
     inbox.on_plan(plan, runner.batch.sequences)
-    exported, failed_exports = outbox.export(plan, runner.kv_cache)  # before the plan's writes
+    disk = runner.kv_disk.tier if runner.kv_disk is not None else None
+    exported, failed_exports = outbox.export(plan, runner.kv_cache, disk)  # before its writes
     started = time.perf_counter()
     result = runner.execute(plan)
     forward_s = time.perf_counter() - started

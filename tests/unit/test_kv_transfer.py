@@ -19,13 +19,14 @@ import pytest
 import torch
 
 from protos.llmserve.v1 import worker_pb2, worker_pb2_grpc
-from services.contracts.kv_transfer import KvDestination, KvExport
+from services.contracts.kv_transfer import ON_DISK, KvDestination, KvExport
 from services.contracts.sampling_params import SamplingParams
 from services.contracts.step import BatchPlan, NewSequence, StepResult
 from services.worker import kv_transfer_service, kv_transfer_shm
 from services.worker.input_batch import CachedSequence
 from services.worker.kv_arrivals import KvArrivals, TransferFailed
 from services.worker.kv_cache import KVCacheSpec, PagedKVCache
+from services.worker.kv_disk_tier import BlockScope, DiskIdentity, DiskWriter, KvDiskTier
 from services.worker.kv_transfer import CacheIdentity, KvInbox, KvOutbox, OutgoingKv, Transports
 from services.worker.kv_transfer_service import KvSender, KvTransferServicer
 from services.worker.kv_transfer_shm import host_identity
@@ -115,6 +116,33 @@ def test_an_export_copies_its_cached_blocks_and_fails_alone() -> None:
     assert outgoing.destination == good.destination
     assert "block size" in failed["fetch-2"] and "1 blocks for 2" in failed["fetch-3"]
     assert outbox.export(BatchPlan(step_id=1), cache) == ([], {})
+
+
+def test_an_export_reads_blocks_the_pool_evicted_from_the_disk_tier(tmp_path: Path) -> None:
+    cache = filled_cache()
+    on_disk = filled_cache(seed=5)  # the evicted block's contents, kept by the disk tier
+    disk = KvDiskTier(tmp_path, 1 << 20, DiskIdentity("model", identity(cache)))
+    disk.open()
+    writer = DiskWriter(disk)
+    writer.submit(b"\x01" * 32, BlockScope("", b"s"), on_disk.read_blocks([4])[0].numpy().tobytes())
+    writer.close()
+    outbox = KvOutbox(identity(cache))
+    dest = destination(0, [9, 10, 11], cache_salt=b"s")
+    export = KvExport("fetch-1", [6, ON_DISK, 2], dest, [b"\x00" * 32, b"\x01" * 32, b"\x02" * 32])
+    (outgoing,), failed = outbox.export(BatchPlan(step_id=0, kv_exports=[export]), cache, disk)
+    assert failed == {}
+    assert torch.equal(outgoing.data[0], cache.read_blocks([6])[0])
+    assert torch.equal(outgoing.data[1], on_disk.read_blocks([4])[0])
+    assert torch.equal(outgoing.data[2], cache.read_blocks([2])[0])
+    # Under another salt the file is not this block (another tenant's): the export fails.
+    one = destination(0, [9], cache_salt=b"s")
+    other = KvExport("fetch-2", [ON_DISK], destination(0, [9], cache_salt=b"t"), [b"\x01" * 32])
+    gone = KvExport("fetch-3", [ON_DISK], one, [b"\x07" * 32])
+    no_tier = KvExport("fetch-4", [ON_DISK], one, [b"\x01" * 32])
+    outgoing, failed = outbox.export(BatchPlan(step_id=1, kv_exports=[other, gone]), cache, disk)
+    assert outgoing == [] and set(failed) == {"fetch-2", "fetch-3"}
+    _, failed = outbox.export(BatchPlan(step_id=2, kv_exports=[no_tier]), cache, None)
+    assert "no longer on this worker's disk" in failed["fetch-4"]
 
 
 def test_identity_names_the_first_field_that_differs() -> None:

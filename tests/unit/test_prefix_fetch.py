@@ -12,8 +12,9 @@ from protos.llmserve.v1 import scheduler_pb2, worker_pb2
 from services.common.kv_destination_proto import kv_export_from_proto, kv_export_to_proto
 from services.common.prefix_hash import prefix_block_hashes
 from services.contracts.errors import ConflictError, InvalidRequestError
-from services.contracts.kv_transfer import KvDestination, KvExport
+from services.contracts.kv_transfer import ON_DISK, KvDestination, KvExport
 from services.contracts.step import BatchPlan, StepResult
+from services.scheduler.features.kv_disk import DiskTierView
 from services.scheduler.kv_export_waits import ExportWaits
 from services.scheduler.kv_fetch_cost import PROBE_EVERY, FetchCost
 from services.scheduler.kv_handoff import PrefixFetch, prefix_fetch
@@ -145,9 +146,23 @@ def test_an_export_names_the_cached_blocks_in_the_next_plan() -> None:
     assert scheduler.exports.add("remote-1", prefix, _destination(1, [11, 12])) == 2
     assert scheduler.has_unfinished_requests()  # a plan is owed, though nothing runs
     plan = scheduler.schedule(1.0)
-    assert plan.kv_exports == [KvExport("remote-1", table[1:3], _destination(1, [11, 12]))]
+    hashes = prefix_block_hashes(prefix, BLOCK_SIZE)[1:3]
+    expected = KvExport("remote-1", table[1:3], _destination(1, [11, 12]), hashes)
+    assert plan.kv_exports == [expected]
     assert plan.needs_worker and plan.num_scheduled_tokens == {}
     assert not scheduler.has_unfinished_requests()
+
+
+def test_an_export_names_blocks_only_the_disk_tier_keeps_by_hash() -> None:
+    scheduler = create_scheduler(num_blocks=20)
+    prefix = list(range(2 * BLOCK_SIZE))
+    hashes = prefix_block_hashes(prefix, BLOCK_SIZE)
+    scheduler.disk = scheduler.exports.disk = DiskTierView([hashes[1]])
+    with pytest.raises(ConflictError, match="block 0"):  # block 0 is nowhere
+        scheduler.exports.add("r", prefix, _destination(0, [1, 2]))
+    scheduler.exports.add("r", prefix, _destination(1, [2]))
+    (export,) = scheduler.schedule(0.0).kv_exports
+    assert export.block_ids == [ON_DISK] and export.block_hashes == [hashes[1]]
 
 
 def test_an_export_refuses_what_the_pool_does_not_hold() -> None:

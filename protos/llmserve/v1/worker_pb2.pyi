@@ -281,14 +281,16 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., block_deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., scheduled_request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., draft_slots: _Optional[_Mapping[str, int]] = ..., block_truncations: _Optional[_Mapping[str, int]] = ..., disk_stores: _Optional[_Iterable[_Union[DiskStore, _Mapping]]] = ..., disk_loads: _Optional[_Mapping[str, DiskLoads]] = ..., kv_exports: _Optional[_Iterable[_Union[KvExport, _Mapping]]] = ...) -> None: ...
 
 class KvExport(_message.Message):
-    __slots__ = ("request_id", "block_ids", "kv_destination")
+    __slots__ = ("request_id", "block_ids", "kv_destination", "block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_destination: KvDestination
-    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_destination: _Optional[_Union[KvDestination, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepOutput(_message.Message):
     __slots__ = ("step_id", "sampled_request_ids", "sampled_token_ids", "logprobs", "forward_ms", "drafts", "failed_sequences", "disk_added", "disk_evicted")

@@ -4,7 +4,8 @@ request fetches the KV of a prefix this pool holds, instead of computing it.
 The blocks are found by the prefix's chain hashes, named in the next plan and copied out by the
 worker before that plan's writes, as disk stores are. So an export holds no block reference and
 takes no seat or token budget: a block the same plan reallocates is read with its old contents
-first, and one evicted before the plan is made is simply not found (the caller computes it).
+first. A block the pool evicted but the worker's KV disk tier keeps is read from disk by its
+hash; one in neither is not found (the caller computes it).
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from collections.abc import Sequence
 
 from services.common.prefix_hash import prefix_block_hashes
 from services.contracts.errors import ConflictError, InvalidRequestError
-from services.contracts.kv_transfer import KvDestination, KvExport
+from services.contracts.kv_transfer import ON_DISK, KvDestination, KvExport
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.features.kv_disk import DiskTierView
 
 
 class KvExports:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, disk: DiskTierView | None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.disk = disk
         self._pending: list[KvExport] = []
 
     def add(self, request_id: str, token_ids: Sequence[int], destination: KvDestination) -> int:
@@ -46,12 +49,15 @@ class KvExports:
         block_ids: list[int] = []
         for index in range(destination.first_block, end):
             block_id = self.pool.get_cached_block(hashes[index])
+            if block_id is None and self.disk is not None and self.disk.holds(hashes[index]):
+                block_id = ON_DISK
             if block_id is None:
                 raise ConflictError(
                     f"block {index} of the prefix is no longer cached here; compute it instead"
                 )
             block_ids.append(block_id)
-        self._pending.append(KvExport(request_id, block_ids, destination))
+        sent_hashes = list(hashes[destination.first_block : end])
+        self._pending.append(KvExport(request_id, block_ids, destination, sent_hashes))
         return len(block_ids)
 
     @property
