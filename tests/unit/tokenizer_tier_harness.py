@@ -54,6 +54,8 @@ class FakeEngine(scheduler_pb2_grpc.SchedulerServicer):
     fail_after_script: tuple[grpc.StatusCode, str] | None = None
     """After the script, end the stream with this status."""
     stats_available: bool = True
+    stats_delay_s: float = 0.0
+    """GetStats answers after this long (a busy scheduler)."""
     description: model_pb2.ModelDescription | None = None
     """What Describe answers (running_stack sets the served model's)."""
     requests: list[scheduler_pb2.SubmitRequest] = field(default_factory=list)
@@ -89,6 +91,8 @@ class FakeEngine(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.SchedulerStats:
+        if self.stats_delay_s:
+            await asyncio.sleep(self.stats_delay_s)
         if not self.stats_available:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker not connected")
         return scheduler_pb2.SchedulerStats(scheduler_id="fake", num_free_blocks=100)

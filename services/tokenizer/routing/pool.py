@@ -69,6 +69,14 @@ TimeoutError when it cannot. The default asks the system resolver; tests inject 
 RESOLVE_TIMEOUT_S = 5.0
 """Longest wait for one resolution; then it counts as failed (the last known set stays)."""
 
+STATS_TIMEOUT_S = 1.0
+"""Longest wait for one GetStats answer."""
+MAX_SLOW_POLLS = 2
+"""Consecutive GetStats timeouts over which a scheduler keeps its last stats: a scheduler whose
+event loop is busy for a second (a long prefill's step results, a burst of submits) is slow,
+not gone, and dropping its stats would take it out of routing and of the prefill pairs. Any
+other failure (UNAVAILABLE: down, or its worker is not connected) drops them at once."""
+
 
 async def resolve_ips(name: str, port: int) -> list[str]:
     """Every A/AAAA address of `name`, sorted (DNS rotates its answers; joins stay in a stable
@@ -96,6 +104,8 @@ class SchedulerClient:
     num_sent_since_poll: int = 0
     num_in_flight: int = 0
     """Submit streams open on it: a scheduler that left closes its channel once none is."""
+    num_slow_polls: int = 0
+    """Consecutive GetStats timeouts (MAX_SLOW_POLLS)."""
     draining: bool = False
     """It left the pool (gone from DNS): no new request; its streams may finish."""
     closed: bool = False
@@ -309,9 +319,15 @@ class SchedulerPool:
         if client.closed:
             return
         try:
-            answer = await client.stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=1.0)
+            answer = await client.stub.GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=STATS_TIMEOUT_S
+            )
             stats: SchedulerSnapshot | None = scheduler_convert.scheduler_snapshot(answer)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
+            slow = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if slow and client.stats is not None and client.num_slow_polls < MAX_SLOW_POLLS:
+                client.num_slow_polls += 1
+                return  # its last stats stand, and so do the requests sent since
             stats = None
         except asyncio.CancelledError:
             if closed_under(client):
@@ -319,6 +335,7 @@ class SchedulerPool:
             raise
         self._answered(client, stats)
         client.num_sent_since_poll = 0
+        client.num_slow_polls = 0
 
     def _answered(self, client: SchedulerClient, stats: SchedulerSnapshot | None) -> None:
         client.stats = stats
