@@ -23,7 +23,14 @@ from services.scheduler.worker_client import WorkerUnavailable
 from services.scheduler.worker_convert import plan_to_proto
 from services.tokenizer.routing.prefix_fetch import PrefixSource, choose_prefix_source
 from services.worker.convert import plan_from_proto
-from tests.unit.factories import BLOCK_SIZE, create_requests, create_scheduler, result_for
+from tests.unit.factories import (
+    BLOCK_SIZE,
+    FakeWorker,
+    create_requests,
+    create_scheduler,
+    result_for,
+    run_until_done,
+)
 
 SOURCE = "127.0.0.1:2"
 
@@ -242,3 +249,26 @@ def test_fetching_is_tried_until_measured_dearer_then_probed() -> None:
         cost.observe_fetch(100, 1.0)
     decisions = [cost.worth_fetching() for _ in range(2 * PROBE_EVERY)]
     assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1]
+
+
+def test_a_fetched_request_with_several_choices_forks_after_its_prefill() -> None:
+    scheduler = create_scheduler(num_blocks=40)
+    worker = FakeWorker()
+    (request,) = create_requests(1, num_tokens=3 * BLOCK_SIZE + 5, max_new_tokens=3, n=3)
+    scheduler.add_request(request, prefill_scheduler=SOURCE, num_prefix_tokens=3 * BLOCK_SIZE)
+    plan = scheduler.schedule(0.0)
+    worker.step(plan)
+    (handoff,) = scheduler.take_handoffs()
+    # The fetched blocks' KV lands in the worker (what the push writes), then it completes;
+    # the fake worker checks every later read finds the request's own tokens there.
+    for position, token in enumerate(request.prompt_token_ids[: 3 * BLOCK_SIZE]):
+        worker.kv[(handoff.block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE)] = token
+    scheduler.complete_remote_prefill(request.request_id, [])
+    events = run_until_done(scheduler, worker)
+    counts: dict[int, int] = {}
+    for event in [e for group in events.values() for e in group]:
+        counts[event.index] = counts.get(event.index, 0) + len(event.new_token_ids)
+    assert counts == {0: 3, 1: 3, 2: 3}
+    assert scheduler.get_stats().num_free_blocks == 40
+    hashes = prefix_block_hashes(request.prompt_token_ids, BLOCK_SIZE)
+    assert all(scheduler.kv.pool.get_cached_block(h) is not None for h in hashes)
