@@ -963,11 +963,17 @@ constexpr int kX8UnitGroups = 1;
 // more for that than a tile of few rows wins. `bench gemm-tiles`, gate|up, 2 threads, GOPS
 // of 256-bit / 512-bit tiles: M = 1: Q4_K 344 / 453, Q4_0 373 / 448, Q6_K 183 / 107, Q8_0
 // 305 / 132; M = 4: Q4_K 646 / 1036, Q6_K 396 / 330, Q8_0 596 / 360; M = 8: equal or better.
+// Those are weights in the caches. A decode step of one or two sequences reads them from
+// memory, where Q4_K's 256-bit tiles win: each walks one 8-row group from end to end, one
+// stream per thread, where a 512-bit tile walks two groups side by side (`bench gemm-tiles
+// --from-memory`, ms of 512-bit / 256-bit tiles, the builds alternated 3 times: M = 1 q|k|v
+// 0.100 / 0.091, gate|up 0.484 / 0.440, down 0.248 / 0.239; M = 2 0.103 / 0.092, 0.489 /
+// 0.435, 0.262 / 0.251; M = 3 about equal, gate|up 0.52 / 0.53).
 template <int64_t KIND>
 constexpr int v16_min_rows() {
   const bool vector_per_word = KIND == kQ8_0 || KIND == gguf::kQ6_K ||
                                KIND == gguf::kQ3_K || KIND == gguf::kQ2_K;
-  return vector_per_word ? 8 : 1;
+  return vector_per_word ? 8 : KIND == gguf::kQ4_K ? 3 : 1;
 }
 
 #ifdef GGUF_AVX2
