@@ -33,6 +33,7 @@ class FakeRunner:
     the cache and batch a KV transfer would read)."""
 
     last_step_mode = "eager"
+    kv_disk = None  # no KV disk tier
 
     def __init__(self) -> None:
         self.resets = 0
