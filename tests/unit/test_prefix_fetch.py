@@ -13,11 +13,14 @@ from services.common.kv_destination_proto import kv_export_from_proto, kv_export
 from services.common.prefix_hash import prefix_block_hashes
 from services.contracts.errors import ConflictError, InvalidRequestError
 from services.contracts.kv_transfer import ON_DISK, KvDestination, KvExport
+from services.contracts.model_description import ModelDescription
 from services.contracts.step import BatchPlan, StepResult
+from services.contracts.worker_description import WorkerDescription
+from services.scheduler import metrics
 from services.scheduler.features.kv_disk import DiskTierView
 from services.scheduler.kv_export_waits import ExportWaits
 from services.scheduler.kv_fetch_cost import PROBE_EVERY, FetchCost
-from services.scheduler.kv_handoff import PrefixFetch, prefix_fetch
+from services.scheduler.kv_handoff import KvHandoffs, PrefixFetch, prefix_fetch
 from services.scheduler.request import RequestStatus
 from services.scheduler.worker_client import WorkerUnavailable
 from services.scheduler.worker_convert import plan_to_proto
@@ -272,3 +275,28 @@ def test_a_fetched_request_with_several_choices_forks_after_its_prefill() -> Non
     assert scheduler.get_stats().num_free_blocks == 40
     hashes = prefix_block_hashes(request.prompt_token_ids, BLOCK_SIZE)
     assert all(scheduler.kv.pool.get_cached_block(h) is not None for h in hashes)
+
+
+def test_a_fetch_from_a_holder_that_does_not_answer_falls_back_to_computing() -> None:
+    """kv_handoff's fetch against a real (closed) address: the ExportKv call fails, the
+    request prefills its whole prompt here, and the fallback is counted."""
+
+    async def scenario() -> None:
+        scheduler = create_scheduler(num_blocks=20)
+        (request,) = create_requests(1, num_tokens=3 * BLOCK_SIZE + 1, max_new_tokens=2)
+        scheduler.add_request(
+            request, prefill_scheduler="127.0.0.1:1", num_prefix_tokens=2 * BLOCK_SIZE
+        )
+        scheduler.schedule(0.0)
+        woken = asyncio.Event()
+        handoffs = KvHandoffs("127.0.0.1:9", None, 5.0, woken.set)
+        model = ModelDescription("m", 10, 64, "{}", None, None, (), False)
+        description = WorkerDescription(model, block_size=BLOCK_SIZE, worker_epoch="e")
+        handoffs.start(scheduler, scheduler.take_handoffs(), description, 0.0)
+        await asyncio.wait_for(woken.wait(), 10)
+        plan = scheduler.schedule(1.0)
+        assert plan.num_scheduled_tokens == {request.request_id: 3 * BLOCK_SIZE + 1}
+
+    fallbacks = metrics.KV_FETCHES.labels("fallback")._value.get()
+    asyncio.run(scenario())
+    assert metrics.KV_FETCHES.labels("fallback")._value.get() == fallbacks + 1
