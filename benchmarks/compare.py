@@ -119,6 +119,9 @@ class EngineSpec:
     """The GGUF's type label: which file the column ran."""
     file_in_title: bool = False
     """llmserve columns name their file when they ran more than one."""
+    speculation: bool = True
+    """llmserve: the server's default drafting; False runs it with --no-speculation, one
+    token per step, as llama-server runs here (the kernels alone, compared)."""
 
     @property
     def name(self) -> str:
@@ -126,7 +129,8 @@ class EngineSpec:
         if self.kind == "llamacpp":
             return f"llamacpp-{self.quantization.lower()}"
         suffix = f"-{self.file.lower()}" if self.file_in_title else ""
-        return f"{self.kind}-{self.quantization}{suffix}"
+        drafts = "" if self.speculation else "-nospec"
+        return f"{self.kind}-{self.quantization}{suffix}{drafts}"
 
     @property
     def title(self) -> str:
@@ -134,7 +138,8 @@ class EngineSpec:
             return f"llama.cpp {self.quantization}"
         stack = " stack" if self.kind == "llmserve-stack" else ""
         suffix = f" {self.file}" if self.file_in_title else ""
-        return f"llmserve{stack} {self.quantization}{suffix}"
+        drafts = "" if self.speculation else " no drafts"
+        return f"llmserve{stack} {self.quantization}{suffix}{drafts}"
 
     @property
     def is_llmserve(self) -> bool:
@@ -161,10 +166,12 @@ def engine_specs(
     llamacpp_models: Mapping[str, Path],
     llmserve_model: Path,
     llmserve_files: Sequence[str] = (),
+    llmserve_drafting: Sequence[bool] = (True,),
 ) -> list[EngineSpec]:
     """llama.cpp columns first (in `llamacpp_quants` order), then llmserve's in-process
     columns, then the stack's, one per quantization each, and per file of `llmserve_files`
-    (default: the shipped file, `llmserve_model`; other labels load `llamacpp_models`)."""
+    (default: the shipped file, `llmserve_model`; other labels load `llamacpp_models`); the
+    in-process ones once per value of `llmserve_drafting` (False: --no-speculation)."""
     files = list(llmserve_files) or [SHIPPED_QUANT]
     many = len(files) > 1
 
@@ -172,15 +179,17 @@ def engine_specs(
         return llmserve_model if file == SHIPPED_QUANT else llamacpp_models[file]
 
     specs = [EngineSpec("llamacpp", llamacpp_models[q], q, q) for q in llamacpp_quants]
-    for kind, quantizations in (
-        ("llmserve", llmserve_quantizations),
-        ("llmserve-stack", stack_quantizations),
-    ):
-        specs += [
-            EngineSpec(kind, model(f), q, f, many)  # type: ignore[arg-type]
-            for f in files
-            for q in quantizations
-        ]
+    specs += [
+        EngineSpec("llmserve", model(f), q, f, many, drafting)
+        for f in files
+        for q in llmserve_quantizations
+        for drafting in llmserve_drafting
+    ]
+    specs += [
+        EngineSpec("llmserve-stack", model(f), q, f, many)
+        for f in files
+        for q in stack_quantizations
+    ]
     return specs
 
 
@@ -259,6 +268,7 @@ def batched_bench_command(batched_bench: Path, model: Path, config: PeersConfig)
 def _llmserve_engine_flags(engine: EngineSpec, config: PeersConfig) -> list[str]:
     flags = ["--model", str(engine.model), "--quantization", engine.quantization]
     flags += ["--threads", str(config.threads)]
+    flags += [] if engine.speculation else ["--no-speculation"]
     return flags + (["--enforce-eager"] if config.enforce_eager else [])
 
 

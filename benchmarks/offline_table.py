@@ -155,6 +155,7 @@ def engine_config(loaded: LoadedModel, cell: Cell, args: argparse.Namespace) -> 
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
         enforce_eager=args.enforce_eager,
+        speculation=False if args.no_speculation else None,
         seed=0,
     )
 
@@ -287,6 +288,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="weight format, as `llmserve up --quantization` (default: the engine's)",
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no compiled step graphs")
+    parser.add_argument(
+        "--no-speculation", action="store_true", help="every draft proposer off: one token a step"
+    )
     parser.add_argument("--json-out", default=None, help="also write every run here")
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: embedded)"

@@ -58,7 +58,23 @@ from benchmarks.peers_shapes import run_shapes
 from benchmarks.peers_table import RATIO_LEGEND, measures, peers_table, settings_line
 from benchmarks.shapes_table import DEFAULT_TYPE, ShapeRef, parse_shapes_spec
 
-ENGINE_CHOICES = ("llamacpp-q4_0", "llamacpp-q4_1", "llamacpp-q4_k_m", "llmserve")
+ENGINE_CHOICES = (
+    "llamacpp-q4_0",
+    "llamacpp-q4_1",
+    "llamacpp-q4_k_m",
+    "llmserve",
+    "llmserve-nospec",
+)
+
+
+def llmserve_drafting(chosen: Sequence[str]) -> list[bool]:
+    """The in-process columns' speculation settings: `llmserve` is the server's default,
+    `llmserve-nospec` the same with --no-speculation (one token per step, as llama-server)."""
+    return [
+        drafting
+        for name, drafting in (("llmserve", True), ("llmserve-nospec", False))
+        if name in chosen
+    ]
 
 
 # ---- the command -------------------------------------------------------------------------
@@ -141,8 +157,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.shapes is not None:
         with_llamacpp = any(engine.startswith("llamacpp-") for engine in chosen)
-        on_llmserve = quantizations if "llmserve" in chosen else []
-        return run_shapes(args, config, workloads, refs, with_llamacpp, on_llmserve)
+        drafting = llmserve_drafting(chosen)
+        on_llmserve = quantizations if drafting else []
+        return run_shapes(args, config, workloads, refs, with_llamacpp, on_llmserve, drafting)
     llamacpp_quants = [q for q in LLAMACPP_QUANTS if f"llamacpp-{q.lower()}" in chosen]
     binaries: PeerBinaries | None = None
     models = {SHIPPED_QUANT: model}
@@ -159,13 +176,15 @@ def run(args: argparse.Namespace) -> int:
         assert binaries is not None
         print(f"{binaries.bin_dir}\n{models['Q4_0']}")
         return 0
+    drafting = llmserve_drafting(chosen)
     engines = engine_specs(
         llamacpp_quants,
-        quantizations if "llmserve" in chosen else [],
+        quantizations if drafting else [],
         quantizations if args.with_stack else [],
         models,
         model,
         files,
+        drafting,
     )
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -219,8 +238,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--engines",
-        default=",".join(ENGINE_CHOICES),
-        help=f"some of {', '.join(ENGINE_CHOICES)}, comma-separated",
+        default=",".join(c for c in ENGINE_CHOICES if c != "llmserve-nospec"),
+        help=f"some of {', '.join(ENGINE_CHOICES)}, comma-separated (default: all but "
+        "llmserve-nospec, llmserve with --no-speculation)",
     )
     parser.add_argument(
         "--llmserve-quantization",

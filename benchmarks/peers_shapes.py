@@ -92,6 +92,7 @@ def run_shapes(
     refs: Sequence[ShapeRef],
     with_llamacpp: bool,
     llmserve_quantizations: Sequence[str],
+    llmserve_drafting: Sequence[bool] = (True,),
 ) -> int:
     """Every workload of `workloads` on each file, llama.cpp first, then llmserve per
     quantization (and the stack with --with-stack); returns the command's exit code."""
@@ -134,7 +135,7 @@ def run_shapes(
         weights = read_weights(path)
         header = file_header(ref, path, weights)
         engines = file_engines(
-            ref, path, with_llamacpp, llmserve_quantizations, stack_quantizations
+            ref, path, with_llamacpp, llmserve_quantizations, stack_quantizations, llmserve_drafting
         )
         print(header + "\n", flush=True)
         runner = Runner(config, list(workloads), out_dir / ref.slug, binaries)

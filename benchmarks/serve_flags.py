@@ -173,6 +173,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run every step eagerly, without compiled step graphs",
     )
+    engine.add_argument(
+        "--no-speculation",
+        action="store_true",
+        help="every draft proposer off (as `llmserve up --no-speculation`): one token per step",
+    )
     compare = parser.add_argument_group("in-process vs stack")
     compare.add_argument(
         "--compare-inprocess",

@@ -53,6 +53,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         threads=args.threads,
         enforce_eager=args.enforce_eager,
+        speculation=False if args.no_speculation else None,
         seed=ENGINE_SEED,
     )
     # Without --quantization the engine's own default applies.

@@ -77,9 +77,10 @@ def file_engines(
     with_llamacpp: bool,
     llmserve_quantizations: Sequence[str],
     stack_quantizations: Sequence[str] = (),
+    llmserve_drafting: Sequence[bool] = (True,),
 ) -> list[EngineSpec]:
     """The columns of one file's table, every one loading that file: llama.cpp first, then
-    llmserve per quantization, then the stack's."""
+    llmserve per quantization (and per drafting setting), then the stack's."""
     return engine_specs(
         [ref.quant_type] if with_llamacpp else [],
         llmserve_quantizations,
@@ -87,6 +88,7 @@ def file_engines(
         {ref.quant_type: path},
         path,
         [ref.quant_type],
+        llmserve_drafting,
     )
 
 

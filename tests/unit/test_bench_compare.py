@@ -157,6 +157,42 @@ def test_offline_commands_run_the_batch_and_batch_one_prefills(tmp_path: Path) -
     assert _flag(prefill, "--shapes") == "128x1,1024x1"
 
 
+def test_a_no_drafts_column_runs_llmserve_with_speculation_off(tmp_path: Path) -> None:
+    models = {"Q4_0": Q4_0}
+    engines = engine_specs(["Q4_0"], ["gguf"], [], models, Q4_0, ["Q4_0"], (True, False))
+    assert [e.name for e in engines] == [
+        "llamacpp-q4_0",
+        "llmserve-gguf",
+        "llmserve-gguf-nospec",
+    ]
+    drafting, plain = engines[1], engines[2]
+    assert plain.title.endswith("no drafts") and plain.model == drafting.model
+    config = PeersConfig()
+    for workload in ("a", "b"):
+        command = serve_command("py", plain, "inprocess", config, workload, tmp_path / "o.json")
+        assert "--no-speculation" in command
+        default = serve_command("py", drafting, "inprocess", config, workload, tmp_path / "o.json")
+        assert "--no-speculation" not in default
+    for workload in ("c", "d"):
+        assert "--no-speculation" in offline_command("py", plain, config, workload, tmp_path / "c")
+
+
+def test_the_benchmarks_take_no_speculation_into_the_engine_config() -> None:
+    import argparse
+
+    from benchmarks import offline_table, serve
+    from benchmarks.serve_targets import engine_config
+
+    parser = argparse.ArgumentParser()
+    serve.configure_parser(parser)
+    off = engine_config(parser.parse_args(["--target", "inprocess", "--no-speculation"]))
+    assert off.speculation is False
+    assert engine_config(parser.parse_args(["--target", "inprocess"])).speculation is None
+    offline = argparse.ArgumentParser()
+    offline_table.configure_parser(offline)
+    assert offline.parse_args(["--no-speculation"]).no_speculation is True
+
+
 def test_stack_gets_the_engine_settings() -> None:
     flags = stack_flags(_engines(with_stack=True)[-1], PeersConfig(dtype="float32"))
     assert _flag(flags, "--quantization") == "gguf" and _flag(flags, "--dtype") == "float32"
