@@ -5,18 +5,23 @@
 //   block_tables [B, W] int32               float (= query dtype), or int8 with k_scale/v_scale
 //   context_lens [B] int32 (0: padding row)   [num_blocks, block_size, Hkv, D / group]
 //
-// Work is cut into items (sequence, token range), all heads. Tokens go in chunks of kChunk;
-// the G = Hq / Hkv query heads sharing a KV head are scored together (q . k, scores in L1),
-// folded into a running max and sum (online softmax at chunk granularity), and the values
-// accumulated. Both passes walk a chunk W token rows at a time with every KV head inside, so
-// each row (Hkv x D contiguous values) comes from memory once, whole, while the prefetches
-// fetch the next rows: one item per (sequence, kv head) touched 1 / Hkv of each row per pass
-// and ran 1.4-1.8x slower on a 50 MB cache (B 64, context 1024, one thread). Several key rows
-// are scored at once and the value sums run several tokens in flight, so the FMAs do not wait
-// on each other: 1.7x at batch 16, context 192, 9 / 3 heads of 64 (cache in L3).
+// Work is cut into items (sequence, token range, KV heads: all of them unless items are few).
+// Tokens go in chunks of kChunk; the G = Hq / Hkv query heads sharing a KV head are scored
+// together (q . k, scores in L1), folded into a running max and sum (online softmax at chunk
+// granularity), and the values accumulated. Both passes walk a chunk W token rows at a time
+// with every KV head of the item inside, so each row (Hkv x D contiguous values) comes from
+// memory once, whole, while the prefetches fetch the next rows: one item per (sequence, kv
+// head) touched 1 / Hkv of each row per pass and ran 1.4-1.8x slower on a 50 MB cache (B 64,
+// context 1024, one thread). Several key rows are scored at once and the value sums run
+// several tokens in flight, so the FMAs do not wait on each other: 1.7x at batch 16, context
+// 192, 9 / 3 heads of 64 (cache in L3).
 // Contexts too long for the batch to balance across the threads (batch 1 on 2 threads) are
 // split into ranges processed in parallel and merged with their log-sum-exp
-// (flash-decoding).
+// (flash-decoding). With fewer ranges than the threads can share (one user's context under
+// kInvariantSplit is one range) each range is also cut into a few runs of adjacent KV heads,
+// one per thread, which changes no arithmetic (each thread reads its contiguous part of every
+// row): one user at context 256, Llama 3.2 1B's 32 / 8 heads, 2 threads, cache from memory:
+// 2.0x faster.
 //
 // Sliding window W > 0: a sequence's items cover only its last W tokens (positions
 // context_len - W .. context_len - 1), so the blocks before the window are never read and a
@@ -98,7 +103,13 @@ inline int64_t window_start(const DecodeArgs& a, int64_t context_len) {
 
 struct WorkItem {
   int64_t batch, begin, end;
+  int64_t first_kv_head, end_kv_head;  // the KV heads [first, end) and their query heads
   int64_t partial;  // -1: the whole context, written to the output; else its partial slot
+};
+
+// KV heads [first, end) of an item, with their group's query heads.
+struct HeadRange {
+  int64_t first, end;
 };
 
 // Per-thread buffers, sized once per op call.
@@ -369,10 +380,11 @@ void with_group_tile(int64_t count, F&& f) {
   }
 }
 
-// Calls f(kv_head, first query head, group tile size) for every group tile of every KV head.
+// Calls f(kv_head, first query head, group tile size) for every group tile of the KV heads
+// [first_kv_head, end_kv_head).
 template <class F>
-void for_each_group_tile(const DecodeArgs& a, F&& f) {
-  for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+void for_each_group_tile(const DecodeArgs& a, int64_t first_kv_head, int64_t end_kv_head, F&& f) {
+  for (int64_t h = first_kv_head; h < end_kv_head; ++h) {
     for (int64_t g0 = 0; g0 < a.group; g0 += kMaxGroupTile) {
       f(h, h * a.group + g0, std::min(kMaxGroupTile, a.group - g0));
     }
@@ -387,16 +399,19 @@ void for_each_group_tile(const DecodeArgs& a, F&& f) {
 // (Scoring one KV head over the whole chunk before the next fetched every row during the
 // first head's pass alone: 2.7x slower at batch 16, context 192, cache from memory.)
 template <class V, typename KV>
-void attend_chunk(const DecodeArgs& a, Scratch<V>& s, int64_t n, bool first_chunk) {
+void attend_chunk(const DecodeArgs& a, const HeadRange& heads, Scratch<V>& s, int64_t n,
+                  bool first_chunk) {
   using Reg = typename V::Reg;
   constexpr int64_t W = V::kWidth;
   const int64_t head_dim = a.head_dim;
   const int64_t element = static_cast<int64_t>(sizeof(KV));
-  const int64_t k_row_bytes = ((a.num_kv_heads - 1) * a.k_strides.head + head_dim) * element;
-  const int64_t v_row_bytes = ((a.num_kv_heads - 1) * a.v_strides.head + head_dim) * element;
+  // The bytes of a token row the range's heads occupy (the token pointers point at its first).
+  const int64_t num_heads = heads.end - heads.first;
+  const int64_t k_row_bytes = ((num_heads - 1) * a.k_strides.head + head_dim) * element;
+  const int64_t v_row_bytes = ((num_heads - 1) * a.v_strides.head + head_dim) * element;
   const bool quantized = a.quant_group > 0;
   auto rows_of = [&](const std::vector<const char*>& tokens, int64_t head_stride, int64_t h) {
-    return ChunkRows{tokens.data(), h * head_stride * element};
+    return ChunkRows{tokens.data(), (h - heads.first) * head_stride * element};
   };
   auto scales_of = [&](const std::vector<float>& scales, int64_t h) {
     return quantized ? scales.data() + h * a.num_scales : nullptr;
@@ -409,7 +424,7 @@ void attend_chunk(const DecodeArgs& a, Scratch<V>& s, int64_t n, bool first_chun
                     std::min(n, ahead + W - n));
     }
     const int64_t rows = std::min(W, n - t0);
-    for_each_group_tile(a, [&](int64_t h, int64_t first, int64_t count) {
+    for_each_group_tile(a, heads.first, heads.end, [&](int64_t h, int64_t first, int64_t count) {
       const ChunkRows keys = rows_of(s.k_tokens, a.k_strides.head, h);
       with_group_tile(count, [&](auto group_tile) {
         score_tile<V, KV, decltype(group_tile)::value>(
@@ -420,7 +435,7 @@ void attend_chunk(const DecodeArgs& a, Scratch<V>& s, int64_t n, bool first_chun
   }
   // Pad the chunk to whole vectors with -inf scores (weight 0).
   const int64_t padded = (n + W - 1) / W * W;
-  for (int64_t qh = 0; qh < a.num_q_heads; ++qh) {
+  for (int64_t qh = heads.first * a.group; qh < heads.end * a.group; ++qh) {
     float* scores = s.scores.data() + qh * kChunk;
     if (a.logit_softcap > 0.f) {
       const Reg cap = V::set1(a.logit_softcap), inverse_cap = V::set1(1.f / a.logit_softcap);
@@ -458,7 +473,7 @@ void attend_chunk(const DecodeArgs& a, Scratch<V>& s, int64_t n, bool first_chun
     const int64_t ahead = t0 + kPrefetchTiles * W;
     prefetch_rows(s.v_tokens.data(), v_row_bytes, std::min(n, ahead), std::min(n, ahead + W));
     const int64_t t1 = std::min(n, t0 + W);
-    for_each_group_tile(a, [&](int64_t h, int64_t first, int64_t count) {
+    for_each_group_tile(a, heads.first, heads.end, [&](int64_t h, int64_t first, int64_t count) {
       const ChunkRows values = rows_of(s.v_tokens, a.v_strides.head, h);
       with_group_tile(count, [&](auto group_tile) {
         accumulate_rows<V, KV, decltype(group_tile)::value>(
@@ -469,15 +484,17 @@ void attend_chunk(const DecodeArgs& a, Scratch<V>& s, int64_t n, bool first_chun
   }
 }
 
-// Attention of every query head of `batch` over tokens [begin, end) of its context: leaves
-// the running max, the sum of exponentials and the unnormalized weighted sum of values of
-// each query head in the scratch.
+// Attention of the query heads of `heads` of `batch` over tokens [begin, end) of its context:
+// leaves the running max, the sum of exponentials and the unnormalized weighted sum of values
+// of each of those query heads in the scratch (at its own head's place).
 template <class V, typename KV>
-void attend_range(const DecodeArgs& a, int64_t batch, int64_t begin, int64_t end, Scratch<V>& s) {
-  load_query_rows<V>(a, batch, 0, a.num_q_heads, s.query.data());
-  std::fill(s.acc.begin(), s.acc.end(), 0.f);
-  std::fill(s.max_score.begin(), s.max_score.end(), -std::numeric_limits<float>::infinity());
-  std::fill(s.sum_exp.begin(), s.sum_exp.end(), 0.f);
+void attend_range(const DecodeArgs& a, int64_t batch, int64_t begin, int64_t end,
+                  const HeadRange& heads, Scratch<V>& s) {
+  const int64_t first_q = heads.first * a.group, num_q = (heads.end - heads.first) * a.group;
+  load_query_rows<V>(a, batch, first_q, num_q, s.query.data() + first_q * a.head_dim);
+  std::fill_n(s.acc.begin() + first_q * a.head_dim, num_q * a.head_dim, 0.f);
+  std::fill_n(s.max_score.begin() + first_q, num_q, -std::numeric_limits<float>::infinity());
+  std::fill_n(s.sum_exp.begin() + first_q, num_q, 0.f);
   const int32_t* table = a.block_tables + batch * a.table_stride;
   const int64_t element = static_cast<int64_t>(sizeof(KV));
   const int64_t scale_element = a.quant_group > 0 ? c10::elementSize(a.scale_dtype) : 0;
@@ -487,17 +504,17 @@ void attend_range(const DecodeArgs& a, int64_t batch, int64_t begin, int64_t end
     int64_t block_index = chunk / a.block_size, offset = chunk % a.block_size;
     for (int64_t t = 0; t < n; ++t) {
       const int64_t block_id = table[block_index];
-      s.k_tokens[t] =
-          static_cast<const char*>(a.k_cache) + element * a.k_strides.at(block_id, offset, 0);
-      s.v_tokens[t] =
-          static_cast<const char*>(a.v_cache) + element * a.v_strides.at(block_id, offset, 0);
+      s.k_tokens[t] = static_cast<const char*>(a.k_cache) +
+                      element * a.k_strides.at(block_id, offset, heads.first);
+      s.v_tokens[t] = static_cast<const char*>(a.v_cache) +
+                      element * a.v_strides.at(block_id, offset, heads.first);
       if (a.quant_group > 0) {
-        // Widen the token's scales for all heads at once when they are contiguous (they are
-        // in the worker's layout): one call per token instead of one per head.
+        // Widen the token's scales for all the range's heads at once when they are contiguous
+        // (they are in the worker's layout): one call per token instead of one per head.
         const bool packed =
             a.k_scale_strides.head == a.num_scales && a.v_scale_strides.head == a.num_scales;
-        const int64_t heads_per_call = packed ? a.num_kv_heads : 1;
-        for (int64_t h = 0; h < a.num_kv_heads; h += heads_per_call) {
+        const int64_t heads_per_call = packed ? heads.end - heads.first : 1;
+        for (int64_t h = heads.first; h < heads.end; h += heads_per_call) {
           const int64_t count = heads_per_call * a.num_scales;
           load_scales(static_cast<const char*>(a.k_scale) +
                           scale_element * a.k_scale_strides.at(block_id, offset, h),
@@ -514,8 +531,31 @@ void attend_range(const DecodeArgs& a, int64_t batch, int64_t begin, int64_t end
         ++block_index;
       }
     }
-    attend_chunk<V, KV>(a, s, n, chunk == begin);
+    attend_chunk<V, KV>(a, heads, s, n, chunk == begin);
   }
+}
+
+// Into how many parts (a divisor of Hkv) to cut each of `num_ranges` token ranges by KV
+// heads, so that the threads finish together: a context shorter than kInvariantSplit is one
+// range, which left all threads but one idle (batch 1, 2 threads: 2x slower). The heads'
+// arithmetic is independent, so a row's result is the same, bit for bit, however its heads
+// are cut. Among the cuts, the one whose busiest thread has the least work (in ranges), and
+// the fewest parts among those: each part walks the block table and loads its query again.
+int64_t head_parts_for(int64_t num_ranges, int64_t threads, int64_t num_kv_heads) {
+  if (num_ranges == 0 || num_ranges >= threads * kItemsPerThread) return 1;
+  int64_t best = 1;
+  double best_load = static_cast<double>((num_ranges + threads - 1) / threads);
+  for (int64_t parts = 2; parts <= num_kv_heads; ++parts) {
+    if (num_kv_heads % parts != 0) continue;
+    const int64_t items = num_ranges * parts;
+    const double load =
+        static_cast<double>((items + threads - 1) / threads) / static_cast<double>(parts);
+    if (load < best_load) {
+      best = parts;
+      best_load = load;
+    }
+  }
+  return best;
 }
 
 // Items, the contiguous runs of items each part (thread) takes, and the splits to merge.
@@ -546,6 +586,14 @@ Schedule plan(const DecodeArgs& a, int64_t batch_size) {
                             ? std::max(kMinSplit, (total_tokens + threads * kItemsPerThread - 1) /
                                                       (threads * kItemsPerThread))
                             : std::numeric_limits<int64_t>::max();
+  int64_t num_ranges = 0;
+  for (int64_t b = 0; b < batch_size; ++b) {
+    const int64_t len = a.context_lens[b] - window_start(a, a.context_lens[b]);
+    if (len > 0) num_ranges += len <= split ? 1 : (len + split - 1) / split;
+  }
+  const int64_t head_parts =
+      schedule.parallel ? head_parts_for(num_ranges, threads, a.num_kv_heads) : 1;
+  const int64_t heads_per_part = a.num_kv_heads / head_parts;
   for (int64_t b = 0; b < batch_size; ++b) {
     const int64_t first = window_start(a, a.context_lens[b]);
     const int64_t len = a.context_lens[b] - first;  // tokens attended
@@ -555,14 +603,19 @@ Schedule plan(const DecodeArgs& a, int64_t batch_size) {
     if (splits > 1) schedule.merges.push_back({b, schedule.num_partials, splits});
     for (int64_t i = 0; i < splits; ++i) {
       const int64_t begin = first + i * range, end = first + std::min(len, i * range + range);
+      // The head parts of a range share its partial slot, each filling its own heads' rows.
       const int64_t partial = splits > 1 ? schedule.num_partials++ : -1;
-      schedule.items.push_back({b, begin, end, partial});
+      for (int64_t h = 0; h < a.num_kv_heads; h += heads_per_part) {
+        schedule.items.push_back({b, begin, end, h, h + heads_per_part, partial});
+      }
     }
   }
   // Cut the item list into parts of near-equal cost: item i goes to the part its cost
   // midpoint falls in.
   const int64_t parts = schedule.parallel ? threads : 1;
-  auto cost_of = [](const WorkItem& item) { return item.end - item.begin + kItemOverhead; };
+  auto cost_of = [](const WorkItem& item) {
+    return (item.end - item.begin + kItemOverhead) * (item.end_kv_head - item.first_kv_head);
+  };
   int64_t total_cost = 0;
   for (const WorkItem& item : schedule.items) total_cost += cost_of(item);
   schedule.part_begin.assign(parts + 1, static_cast<int64_t>(schedule.items.size()));
@@ -589,8 +642,9 @@ void run_decode(const DecodeArgs& a, int64_t batch_size) {
     Scratch<V> s(a);
     for (int64_t i = schedule.part_begin[first_part]; i < schedule.part_begin[last_part]; ++i) {
       const WorkItem& item = schedule.items[i];
-      attend_range<V, KV>(a, item.batch, item.begin, item.end, s);
-      for (int64_t qh = 0; qh < num_q_heads; ++qh) {
+      const HeadRange heads{item.first_kv_head, item.end_kv_head};
+      attend_range<V, KV>(a, item.batch, item.begin, item.end, heads, s);
+      for (int64_t qh = heads.first * a.group; qh < heads.end * a.group; ++qh) {
         const float* acc = s.acc.data() + qh * head_dim;
         if (item.partial < 0) {
           store_output_row<V>(a, item.batch * num_q_heads + qh, acc, 1.f / s.sum_exp[qh]);

@@ -134,6 +134,54 @@ def test_paged_decode_attention_long_context_split(
     torch.testing.assert_close(unsplit.float(), split.float(), **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype", "quant_group"),
+    [
+        (torch.float32, torch.float16, None),
+        (torch.bfloat16, None, None),
+        (torch.float32, None, 8),
+    ],
+)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(32, 8), (9, 3), (12, 4), (8, 1)])
+@pytest.mark.parametrize(
+    ("lengths", "batch_invariant"),
+    # The default mode splits a context by the batch's tokens and the threads: only one short
+    # enough to stay one range keeps one thread's ranges.
+    [([256], True), ([300, 17], True), ([1100], True), ([128], False)],
+)
+def test_heads_split_across_threads_change_no_bit(
+    extension,
+    two_threads: None,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None,
+    quant_group: int | None,
+    num_q_heads: int,
+    num_kv_heads: int,
+    lengths: list[int],
+    batch_invariant: bool,
+) -> None:  # type: ignore[no-untyped-def]
+    """Few token ranges for the threads (one user, a context under one invariant split): the
+    KV heads are cut across the threads. Each head's arithmetic is its own, so the result is
+    one thread's (no head split), bit for bit."""
+    g = seeded("heads", dtype, quant_group, num_q_heads, len(lengths), lengths[0])
+    case = make_decode_case(
+        lengths,
+        num_q_heads,
+        num_kv_heads,
+        64,
+        dtype,
+        g,
+        quant_group=quant_group,
+        cache_dtype=cache_dtype,
+        sliding_window=200 if len(lengths) == 2 else 0,
+    )
+    args = (*case.args()[:8], batch_invariant, *case.args()[9:])
+    split = extension.paged_decode_attention(*args)
+    torch.testing.assert_close(split.float(), case.reference().float(), **TOLERANCES[dtype])
+    torch.set_num_threads(1)
+    assert torch.equal(split, extension.paged_decode_attention(*args))
+
+
 def test_paged_decode_attention_rejects_bad_tables(extension) -> None:  # type: ignore[no-untyped-def]
     case = make_decode_case([20], 4, 4, 64, torch.float32, seeded("bad"))
     case.block_tables[0, 1] = case.k_cache.shape[0]  # used (token 16..19) and out of range
