@@ -90,7 +90,9 @@ def check(variant: str) -> int:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for head_dim in (64, 128):
             for num_q_heads, num_kv_heads in GQA:
-                for lengths in ([1], [17, 0, 40, 16], [129, 3, 64]):
+                # [600]: one context of fewer token ranges than the threads can share, cut
+                # by KV heads too where there are several (paged_decode_attention.cpp).
+                for lengths in ([1], [17, 0, 40, 16], [129, 3, 64], [600]):
                     g = seeded(variant, dtype, head_dim, num_q_heads, len(lengths))
                     case = make_decode_case(lengths, num_q_heads, num_kv_heads, head_dim, dtype, g)
                     check_decode(ops, case, dtype)
