@@ -91,7 +91,8 @@ def check(variant: str) -> int:
         for head_dim in (64, 128):
             for num_q_heads, num_kv_heads in GQA:
                 # [600]: one context of fewer token ranges than the threads can share, cut
-                # by KV heads too where there are several (paged_decode_attention.cpp).
+                # by KV heads too (paged_decode_attention.cpp) where it is parallel work: with
+                # 3 or 4 KV heads, except 4 x 64 query lanes (under kMinParallelWork).
                 for lengths in ([1], [17, 0, 40, 16], [129, 3, 64], [600]):
                     g = seeded(variant, dtype, head_dim, num_q_heads, len(lengths))
                     case = make_decode_case(lengths, num_q_heads, num_kv_heads, head_dim, dtype, g)
