@@ -48,6 +48,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "activation_codes.h"
 #include "gguf_formats.h"
 #include "gguf_x8_layout.h"
 
@@ -181,15 +182,6 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// One activation block's int8 scale: s = amax / 127 and its inverse (0 for an all-zero block),
-// the same fp32 operations as kernels/gguf_blocks_torch.quantize_activation_blocks.
-inline void block_scale_of(const float* v, int n, float& s, float& inverse) {
-  float amax = 0.f;
-  for (int j = 0; j < n; ++j) amax = std::max(amax, std::fabs(v[j]));
-  s = amax / 127.f;
-  inverse = s != 0.f ? 1.f / s : 0.f;
-}
-
 struct Activations {
   int64_t rows = 0, in_features = 0, num_blocks = 0;
   std::vector<int8_t> codes;  // [rows, K]
@@ -204,6 +196,17 @@ struct Activations {
   std::vector<float> sum4;
 };
 
+// Row m of x as fp32: x itself when it is fp32, else converted into `buffer`.
+inline const float* float_row(const float* x, int64_t m, int64_t k, std::vector<float>&) {
+  return x + m * k;
+}
+template <typename scalar_t>
+const float* float_row(const scalar_t* x, int64_t m, int64_t k, std::vector<float>& buffer) {
+  buffer.resize(k);
+  to_float(x + m * k, buffer.data(), k);
+  return buffer.data();
+}
+
 template <typename scalar_t>
 Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, float sum_factor) {
   Activations a;
@@ -217,31 +220,24 @@ Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, flo
   a.pair.resize(rows * a.num_blocks * 2);
   a.sum4.resize(rows * a.num_blocks * 8);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(k);
+    std::vector<float> buffer;
     for (int64_t m = begin; m < end; ++m) {
-      to_float(x + m * k, row.data(), k);
+      const float* row = float_row(x, m, k, buffer);
       for (int64_t b = 0; b < a.num_blocks; ++b) {
-        const float* v = row.data() + b * kBlock;
-        float s, inverse;
-        block_scale_of(v, kBlock, s, inverse);
-        int8_t* c = a.codes.data() + m * k + b * kBlock;
+        const int64_t at = m * a.num_blocks + b;
+        int32_t quads[kBlock / 4];
+        const auto [s, inverse] = activation_codes::quantize_block(
+            row + b * kBlock, kBlock, a.codes.data() + m * k + b * kBlock, quads);
         int32_t total = 0;
-        float* quads = a.sum4.data() + (m * a.num_blocks + b) * 8;
         for (int i = 0; i < 8; ++i) {
-          int32_t quad = 0;
-          for (int j = 4 * i; j < 4 * i + 4; ++j) {
-            const int32_t code = static_cast<int32_t>(std::nearbyint(v[j] * inverse));
-            c[j] = static_cast<int8_t>(code);
-            quad += code;
-          }
-          quads[i] = s * static_cast<float>(quad);
-          total += quad;
+          a.sum4[at * 8 + i] = s * static_cast<float>(quads[i]);
+          total += quads[i];
         }
-        a.scale[m * a.num_blocks + b] = s;
-        a.sum[m * a.num_blocks + b] = s * static_cast<float>(total);
-        a.isum[m * a.num_blocks + b] = total;
-        a.pair[(m * a.num_blocks + b) * 2] = s;
-        a.pair[(m * a.num_blocks + b) * 2 + 1] = sum_factor * a.sum[m * a.num_blocks + b];
+        a.scale[at] = s;
+        a.sum[at] = s * static_cast<float>(total);
+        a.isum[at] = total;
+        a.pair[at * 2] = s;
+        a.pair[at * 2 + 1] = sum_factor * a.sum[at];
       }
     }
   });
@@ -1097,32 +1093,26 @@ SuperActivations quantize_super_activations(const scalar_t* x, int64_t rows, int
   a.bsum32.resize(rows * k / 32);
   a.bsum_q6.resize(rows * k / 16);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(k);
+    std::vector<float> buffer;
     for (int64_t m = begin; m < end; ++m) {
-      to_float(x + m * k, row.data(), k);
+      const float* row = float_row(x, m, k, buffer);
       for (int64_t g = 0; g < a.num_supers; ++g) {
-        const float* v = row.data() + g * kSuper;
-        float s, inverse;
-        block_scale_of(v, kSuper, s, inverse);
-        int8_t* c = a.codes.data() + m * k + g * kSuper;
+        int32_t quads[kSuper / 4];
+        const int64_t at = m * k + g * kSuper;
+        a.scale[m * a.num_supers + g] = activation_codes::quantize_block(
+            row + g * kSuper, kSuper, a.codes.data() + at, quads).scale;
+        int16_t* sums = a.bsum.data() + at / 16;
         for (int h = 0; h < 16; ++h) {
-          int32_t total = 0;
-          for (int j = 16 * h; j < 16 * h + 16; ++j) {
-            const int32_t code = static_cast<int32_t>(std::nearbyint(v[j] * inverse));
-            c[j] = static_cast<int8_t>(code);
-            total += code;
-          }
-          a.bsum[(m * k + g * kSuper) / 16 + h] = static_cast<int16_t>(total);
+          sums[h] = static_cast<int16_t>(quads[4 * h] + quads[4 * h + 1] + quads[4 * h + 2] +
+                                         quads[4 * h + 3]);
         }
-        const int16_t* sums = a.bsum.data() + (m * k + g * kSuper) / 16;
         for (int h = 0; h < 8; ++h) {
-          a.bsum32[(m * k + g * kSuper) / 32 + h] = static_cast<int16_t>(sums[2 * h] + sums[2 * h + 1]);
+          a.bsum32[at / 32 + h] = static_cast<int16_t>(sums[2 * h] + sums[2 * h + 1]);
         }
         constexpr int kPairOrder[4] = {0, 2, 1, 3};
         for (int h = 0; h < 16; ++h) {
-          a.bsum_q6[(m * k + g * kSuper) / 16 + h] = sums[4 * (h / 4) + kPairOrder[h % 4]];
+          a.bsum_q6[at / 16 + h] = sums[4 * (h / 4) + kPairOrder[h % 4]];
         }
-        a.scale[m * a.num_supers + g] = s;
       }
     }
   });

@@ -452,3 +452,55 @@ def test_repacking_in_place_refuses_what_it_cannot_regroup(extension) -> None:  
     strided = random_blocks(16, 512, GGUF_Q4_0, seed=0)[:, : 8 * 18]
     with pytest.raises(RuntimeError, match="contiguous"):
         extension.gguf_repack_(strided, GGUF_Q4_0)
+
+
+def identity_blocks(k: int, kind: int) -> torch.Tensor:
+    """W = I [k, k] as blocks of `kind` (Q8_0, or Q6_K with every sub-block scale 1 and the
+    codes at the zero point 32 but one): each output is one activation code times its scale,
+    so a product is the rounded activation itself, exactly."""
+    values, size = group_shape(kind)
+    raw = torch.zeros(k, k // values, size, dtype=torch.uint8)
+    rows = torch.arange(k)
+    one = torch.tensor([1.0]).half().view(torch.uint8)
+    if kind == GGUF_Q8_0:
+        raw[..., 0:2] = one
+        raw[rows, rows // values, 2 + rows % values] = 1
+    else:  # Q6_K: ql[128] | qh[64] | scales[16] | d
+        raw[..., 128:192] = 0xAA  # the two high bits of every code: 2, so 32 with ql = 0
+        raw[..., 192:208] = 1
+        raw[..., 208:210] = one
+        position = rows % values
+        half, quarter, lane = position // 128, position % 128 // 32, position % 32
+        ql = half * 64 + lane + 32 * (quarter % 2)
+        raw[rows, rows // values, ql] = torch.where(quarter < 2, 1, 0x10).to(torch.uint8)
+    return raw.view(k, k // values * size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", [GGUF_Q8_0, GGUF_KINDS["Q6_K"]], ids=["Q8_0", "Q6_K"])
+def test_activation_codes_are_the_torch_rounding_exactly(  # type: ignore[no-untyped-def]
+    linear_op, kind: int, dtype: torch.dtype
+) -> None:
+    """The int8 rounding of activations (kernels/csrc/activation_codes.h: SIMD where the build
+    has it) gives quantize_activation_blocks' codes and scales bit for bit: an all-zero
+    block, ties to even, both signs, bf16 inputs."""
+    namespace = linear_op._qualified_op_name.split("::")[0]
+    ops_namespace = getattr(torch.ops, namespace)
+    block = activation_block(kind)
+    k = 2 * block if block == 256 else 3 * block
+    blocks = identity_blocks(k, kind)
+    assert torch.equal(dequantize_blocks(blocks, kind), torch.eye(k))
+    x = activations(5, k, seed=kind)
+    # amax 127: scale 1, so the halves are ties (2.5 -> 2, -3.5 -> -4, 0.5 -> 0).
+    x[1, block : 2 * block] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5] * (block // 5 + 1))[:block]
+    x = x.to(dtype)
+    expected = quantize_activation_blocks(x, block)
+    layouts = [(ops_namespace.gguf_repack(blocks, kind), kind | GGUF_REPACKED_X8)]
+    if kind == GGUF_Q8_0:
+        # A K-quant's file-layout kernel rounds d times the sub-block scale apart from the
+        # activation scale (a second rounding of the same codes); Q8_0's has one, as x8's.
+        layouts.append((blocks, kind))
+    for weights, laid_kind in layouts:
+        for m in (1, 5):
+            got = linear_op(x[:m].contiguous(), weights, laid_kind, True)
+            assert torch.equal(got.float(), expected[:m].to(dtype).float()), (laid_kind, m)
