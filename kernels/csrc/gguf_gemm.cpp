@@ -1078,6 +1078,9 @@ struct SuperActivations {
   // [rows, K / 16]: bsum in the order 0 2 1 3 4 6 5 7 ..., so that each int32 is the pair
   // of 16-value sums a Q6_K x8 kernel's vpmaddwd takes (gguf_super_x8.h).
   std::vector<int16_t> bsum_q6;
+  // [rows, K / 16]: -32 times the sum of each 16 codes, the start of a Q6_K sub-block's dot
+  // chain with VNNI (the zero point taken off in the chain; gguf_super_x8.h).
+  std::vector<int32_t> q6_zero_point;
 };
 
 template <typename scalar_t>
@@ -1092,6 +1095,7 @@ SuperActivations quantize_super_activations(const scalar_t* x, int64_t rows, int
   a.bsum.resize(rows * k / 16);
   a.bsum32.resize(rows * k / 32);
   a.bsum_q6.resize(rows * k / 16);
+  a.q6_zero_point.resize(rows * k / 16);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
     for (int64_t m = begin; m < end; ++m) {
@@ -1112,6 +1116,7 @@ SuperActivations quantize_super_activations(const scalar_t* x, int64_t rows, int
         constexpr int kPairOrder[4] = {0, 2, 1, 3};
         for (int h = 0; h < 16; ++h) {
           a.bsum_q6[at / 16 + h] = sums[4 * (h / 4) + kPairOrder[h % 4]];
+          a.q6_zero_point[at / 16 + h] = -32 * sums[h];
         }
       }
     }

@@ -12,10 +12,14 @@
 //                  z = 32 and 4
 //     out += s d (first term) - s dmin (second term)       (Q6_K, Q3_K: s d (first - second))
 // With VNNI each 32-value (Q2_K, Q3_K, Q6_K: 16-value) sub-block's dot is one vpdpbusd chain,
-// then one vpmulld by the rows' sub-block scales; without it, vpmaddubsw pair sums add up in
-// int16 (at most 2 x 15 x 127 x 8 for Q4_K, 2 x 31 x 127 x 4 for Q5_K, 2 x 63 x 127 for Q6_K)
-// and vpmaddwd multiplies them by the scales. The min and zero-point terms need only the
-// activations' code sums per sub-block (SuperActivations::bsum32, bsum_q6) and vpmaddwd.
+// then one vpmulld by the rows' sub-block scales (Q2_K, Q3_K), or, for Q4_K, Q5_K and Q6_K,
+// converted to fp32 and multiplied by d scale_s (exact) in one multiply-add: fewer micro-ops
+// on the vector ports the dots need, in the tiles that are bound by them (Q6_K's chains start
+// at its zero point's term, so the first line's last term is in the chain). Without VNNI,
+// vpmaddubsw pair sums add up in int16 (at most 2 x 15 x 127 x 8 for Q4_K, 2 x 31 x 127 x 4
+// for Q5_K, 2 x 63 x 127 for Q6_K) and vpmaddwd multiplies them by the scales. The min and
+// zero-point terms need only the activations' code sums per sub-block
+// (SuperActivations::bsum32, bsum_q6) and vpmaddwd (vpdpwssd with VNNI).
 //
 // Each output row's arithmetic is the same whatever the tile, the vector width and the batch:
 // a row is a lane, and the order of its sums never depends on its neighbours (batch-invariant
@@ -118,8 +122,18 @@ void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
     prefetch_next_groups<V>(block, row_bytes, bytes);
     const ScalesMins<V> sm = unpack_scales_mins<V>(block, word_at<kind>(0), stride);
     const int8_t* codes = a.codes.data() + m0 * k + g * 256;
+    const F d = V::halves(block + half_at<kind>(0), stride),
+            dmin = V::halves(block + half_at<kind>(1), stride);
+#ifdef GGUF_VNNI
+    // sum_s dot_s (d scale_s) in fp32, sub-block by sub-block: a conversion and a multiply-add
+    // per sub-block and row where the integer form took a 32-bit multiply (two micro-ops on
+    // Intel's cores) and an add, and d's multiply per row (d scale_s is exact: 11 x 6 bits).
+    F part[MR];
+    for (int m = 0; m < MR; ++m) part[m] = V::zero_ps();
+#else
     I sumi[MR];
     for (int m = 0; m < MR; ++m) sumi[m] = V::zero();
+#endif
     for (int p = 0; p < 4; ++p) {
       const I scales = p < 2 ? sm.scales_lo : sm.scales_hi;
       const I scale_lo = lane_byte<V>(scales, 2 * (p % 2)),
@@ -165,9 +179,10 @@ void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
         }
       }
 #ifdef GGUF_VNNI
+      const F factor_lo = V::mul(d, V::cvt(scale_lo)), factor_hi = V::mul(d, V::cvt(scale_hi));
       for (int m = 0; m < MR; ++m) {
-        sumi[m] = V::add32(sumi[m], V::add32(V::mullo32(dot_lo[m], scale_lo),
-                                             V::mullo32(dot_hi[m], scale_hi)));
+        part[m] = V::fmadd(V::cvt(dot_lo[m]), factor_lo, part[m]);
+        part[m] = V::fmadd(V::cvt(dot_hi[m]), factor_hi, part[m]);
       }
 #endif
     }
@@ -176,19 +191,20 @@ void q45_k_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
     for (int t = 0; t < 4; ++t) {
       min_pairs[t] = lane_byte_pair<V>(t < 2 ? sm.mins_lo : sm.mins_hi, t % 2);
     }
-    const F d = V::halves(block + half_at<kind>(0), stride),
-            dmin = V::halves(block + half_at<kind>(1), stride);
     for (int m = 0; m < MR; ++m) {
       const int16_t* sums = a.bsum32.data() + ((m0 + m) * k + g * 256) / 32;
       I corr = V::zero();
       for (int t = 0; t < 4; ++t) {
         // Sums 2t and 2t + 1, adjacent: one int32 broadcast.
-        const I pair = V::broadcast4(reinterpret_cast<const int8_t*>(sums + 2 * t));
-        corr = V::add32(corr, V::madd16(min_pairs[t], pair));
+        corr = V::dpwssd(corr, min_pairs[t], reinterpret_cast<const int8_t*>(sums + 2 * t));
       }
       const F s = V::set1_ps(a.scale[(m0 + m) * num_supers + g]);
+#ifdef GGUF_VNNI
+      acc[m] = V::fmadd(V::fnmadd(V::cvt(corr), dmin, part[m]), s, acc[m]);
+#else
       acc[m] = V::fmadd(V::cvt(sumi[m]), V::mul(d, s), acc[m]);
       acc[m] = V::fnmadd(V::cvt(corr), V::mul(dmin, s), acc[m]);
+#endif
     }
   }
   for (int m = 0; m < MR; ++m) V::store(out + m * ldo, acc[m]);
@@ -233,6 +249,20 @@ struct Sub16FactorSums {
     return sum;
   }
 };
+
+// Q6_K with VNNI: each 16-value sub-block's dot chain starts at -32 times the activations'
+// code sum (SuperActivations::q6_zero_point), so it ends as the exact sum of (q - 32) c, and
+// its scale d scale_s (exact in fp32: 11 x 8 bits) is one conversion and one multiply-add per
+// row, where the integer form took a 32-bit multiply (two micro-ops on Intel's cores), an add
+// and the zero-point sums afterwards.
+template <int64_t KIND>
+constexpr bool float_scales() {
+#ifdef GGUF_VNNI
+  return KIND == gguf::kQ6_K;
+#else
+  return false;
+#endif
+}
 
 template <int64_t KIND>
 constexpr int zero_point_shift() {  // log2 of the zero point; Q2_K has mins instead
@@ -284,8 +314,13 @@ void sub16_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
       }
     }
     const int8_t* codes = a.codes.data() + m0 * k + g * 256;
+    const F d = V::halves(block + half_at<KIND>(0), stride);
     I sumi[MR];
-    for (int m = 0; m < MR; ++m) sumi[m] = V::zero();
+    F part[MR];  // kFloatScales: sum_s (dot_s - 32 sum_s c) (d scale_s) in fp32
+    for (int m = 0; m < MR; ++m) {
+      sumi[m] = V::zero();
+      part[m] = V::zero_ps();
+    }
     for (int c = 0; c < 8; ++c) {
       const int h = c / 4, j = c % 4;
       const __m128i pair_shift = _mm_cvtsi32_si128(2 * j);
@@ -350,7 +385,15 @@ void sub16_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
 #ifdef GGUF_VNNI
       // The two halves' dot chains side by side (word i of the first, i + 4 of the second).
       I dot_a[MR], dot_b[MR];
-      for (int m = 0; m < MR; ++m) dot_a[m] = dot_b[m] = V::zero();
+      for (int m = 0; m < MR; ++m) {
+        if constexpr (float_scales<KIND>()) {
+          const int32_t* zero_point = a.q6_zero_point.data() + ((m0 + m) * k + g * 256) / 16;
+          dot_a[m] = V::broadcast4(reinterpret_cast<const int8_t*>(zero_point + 2 * c));
+          dot_b[m] = V::broadcast4(reinterpret_cast<const int8_t*>(zero_point + 2 * c + 1));
+        } else {
+          dot_a[m] = dot_b[m] = V::zero();
+        }
+      }
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const I q_a = decode(i), q_b = decode(i + 4);
@@ -359,9 +402,17 @@ void sub16_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
           dot_b[m] = V::dpbusd(dot_b[m], q_b, chunk_codes + m * k + 16 + 4 * i);
         }
       }
-      for (int m = 0; m < MR; ++m) {
-        sumi[m] = V::add32(sumi[m], V::add32(V::mullo32(dot_a[m], scale_a),
-                                             V::mullo32(dot_b[m], scale_b)));
+      if constexpr (float_scales<KIND>()) {
+        const F factor_a = V::mul(d, V::cvt(scale_a)), factor_b = V::mul(d, V::cvt(scale_b));
+        for (int m = 0; m < MR; ++m) {
+          part[m] = V::fmadd(V::cvt(dot_a[m]), factor_a, part[m]);
+          part[m] = V::fmadd(V::cvt(dot_b[m]), factor_b, part[m]);
+        }
+      } else {
+        for (int m = 0; m < MR; ++m) {
+          sumi[m] = V::add32(sumi[m], V::add32(V::mullo32(dot_a[m], scale_a),
+                                               V::mullo32(dot_b[m], scale_b)));
+        }
       }
 #else
       const I scale16_a = twice16<V>(scale_a), scale16_b = twice16<V>(scale_b);
@@ -379,8 +430,13 @@ void sub16_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
     // The zero point (Q6_K, Q3_K: z sum_s scale_s (sum of the sub-block's codes)) or Q2_K's
     // mins (sum_s min_s (...)): the per-byte factors in int16 pairs (even bytes 4t, 4t + 2 and
     // odd 4t + 1, 4t + 3 of word t) against code-sum pairs.
+    if constexpr (float_scales<KIND>()) {
+      for (int m = 0; m < MR; ++m) {
+        acc[m] = V::fmadd(part[m], V::set1_ps(a.scale[(m0 + m) * num_supers + g]), acc[m]);
+      }
+      continue;
+    }
     const Sub16FactorSums<V> factor_sums(KIND == gguf::kQ2_K ? min_words : scale_words);
-    const F d = V::halves(block + half_at<KIND>(0), stride);
     for (int m = 0; m < MR; ++m) {
       const I corr = factor_sums.of(a, m0 + m, g);
       const F s = V::set1_ps(a.scale[(m0 + m) * num_supers + g]);
@@ -435,12 +491,20 @@ void q6_k_shared_words_tile(const Acts& a, int64_t m0, const uint8_t* group, int
           V::sll32(scale_words[sub / 4], _mm_cvtsi32_si128(24 - 8 * (sub % 4))));
     };
     const int8_t* codes = a.codes.data() + m0 * k + g * 256;
-    I sumi[MR];
-    for (int m = 0; m < MR; ++m) sumi[m] = V::zero();
+    const F d = V::halves(block + half_at<kind>(0), stride);
+    F part[MR];
+    for (int m = 0; m < MR; ++m) part[m] = V::zero_ps();
     for (int h = 0; h < 2; ++h) {
       I dot[MR][4][2];
-      for (int m = 0; m < MR; ++m)
-        for (int j = 0; j < 4; ++j) dot[m][j][0] = dot[m][j][1] = V::zero();
+      for (int m = 0; m < MR; ++m) {
+        const int32_t* zero_point = a.q6_zero_point.data() + ((m0 + m) * k + g * 256) / 16;
+        for (int j = 0; j < 4; ++j) {
+          for (int half = 0; half < 2; ++half) {
+            dot[m][j][half] = V::broadcast4(
+                reinterpret_cast<const int8_t*>(zero_point + 2 * (4 * h + j) + half));
+          }
+        }
+      }
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) {
         const I nibbles_a = V::load(block + word_at<kind>(16 * h + i), stride);
@@ -468,21 +532,16 @@ void q6_k_shared_words_tile(const Acts& a, int64_t m0, const uint8_t* group, int
       }
       for (int j = 0; j < 4; ++j) {
         const int c = 4 * h + j;
-        const I scale_a = sub_scale(2 * c), scale_b = sub_scale(2 * c + 1);
+        const F factor_a = V::mul(d, V::cvt(sub_scale(2 * c))),
+                factor_b = V::mul(d, V::cvt(sub_scale(2 * c + 1)));
         for (int m = 0; m < MR; ++m) {
-          sumi[m] = V::add32(sumi[m], V::add32(V::mullo32(dot[m][j][0], scale_a),
-                                               V::mullo32(dot[m][j][1], scale_b)));
+          part[m] = V::fmadd(V::cvt(dot[m][j][0]), factor_a, part[m]);
+          part[m] = V::fmadd(V::cvt(dot[m][j][1]), factor_b, part[m]);
         }
       }
     }
-    // The zero point, as sub16_tile: 32 sum_s scale_s (sum of the sub-block's codes).
-    const Sub16FactorSums<V> factor_sums(scale_words);
-    const F d = V::halves(block + half_at<kind>(0), stride);
     for (int m = 0; m < MR; ++m) {
-      const I corr = factor_sums.of(a, m0 + m, g);
-      const F s = V::set1_ps(a.scale[(m0 + m) * num_supers + g]);
-      const I total = V::sub32(sumi[m], V::template slli32<zero_point_shift<kind>()>(corr));
-      acc[m] = V::fmadd(V::cvt(total), V::mul(d, s), acc[m]);
+      acc[m] = V::fmadd(part[m], V::set1_ps(a.scale[(m0 + m) * num_supers + g]), acc[m]);
     }
   }
   for (int m = 0; m < MR; ++m) V::store(out + m * ldo, acc[m]);

@@ -94,6 +94,22 @@ struct V8 {
   }
 #endif
 
+  // acc + the int16 pair products of a against the pair at p in every lane (vpdpwssd where
+  // the build has VNNI: one instruction for vpmaddwd and the add).
+  static I dpwssd(I acc, I a, const int8_t* p) {
+#if defined(GGUF_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
+    !defined(GGUF_VNNI_EMULATED)
+    asm("vpdpwssd %2%{1to8%}, %1, %0"
+        : "+v"(acc)
+        : "v"(a), "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+#elif defined(GGUF_VNNI) && defined(__AVXVNNI__) && !defined(GGUF_VNNI_EMULATED)
+    return _mm256_dpwssd_avx_epi32(acc, a, broadcast4(p));
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, broadcast4(p)));
+#endif
+  }
+
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -175,6 +191,17 @@ struct V16 {
     return acc;
   }
 #endif
+
+  static I dpwssd(I acc, I a, const int8_t* p) {
+#ifdef GGUF_VNNI
+    asm("vpdpwssd %2%{1to16%}, %1, %0"
+        : "+v"(acc)
+        : "v"(a), "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, broadcast4(p)));
+#endif
+  }
 
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
