@@ -187,7 +187,10 @@ struct Activations {
   std::vector<int8_t> codes;  // [rows, K]
   std::vector<float> scale;   // [rows, K / 32]: s
   std::vector<float> sum;     // [rows, K / 32]: s * sum_j c_j
-  std::vector<int32_t> isum;  // [rows, K / 32]: sum_j c_j
+  // [rows, K / 32]: -z sum_j c_j for the zero points z = 8 (Q4_0), 16 (Q5_0) and 128 (Q8_0
+  // and IQ4_NL, whose signed codes are offset by 128 with VNNI): an x8 tile's dot chain
+  // starts there (a broadcast from memory, no vector operation to take it off afterwards).
+  std::vector<int32_t> zero_point8, zero_point16, zero_point128;
   // [rows, K / 32, 2]: (s, f * s * sum_j c_j), f = 1 (Q4_1), -8 (Q4_0), 0 (Q8_0): one 8-byte
   // load gives a block's two activation factors to the small-M kernel.
   std::vector<float> pair;
@@ -216,7 +219,9 @@ Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, flo
   a.codes.resize(rows * k);
   a.scale.resize(rows * a.num_blocks);
   a.sum.resize(rows * a.num_blocks);
-  a.isum.resize(rows * a.num_blocks);
+  a.zero_point8.resize(rows * a.num_blocks);
+  a.zero_point16.resize(rows * a.num_blocks);
+  a.zero_point128.resize(rows * a.num_blocks);
   a.pair.resize(rows * a.num_blocks * 2);
   a.sum4.resize(rows * a.num_blocks * 8);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -235,7 +240,9 @@ Activations quantize_activations(const scalar_t* x, int64_t rows, int64_t k, flo
         }
         a.scale[at] = s;
         a.sum[at] = s * static_cast<float>(total);
-        a.isum[at] = total;
+        a.zero_point8[at] = -8 * total;
+        a.zero_point16[at] = -16 * total;
+        a.zero_point128[at] = -128 * total;
         a.pair[at * 2] = s;
         a.pair[at * 2 + 1] = sum_factor * a.sum[at];
       }
@@ -804,8 +811,21 @@ void x8_tile(const Activations& a, int64_t m0, const uint8_t* group, int64_t row
     gguf_x8::prefetch_next_groups<V>(block, row_bytes, bytes);
     const int8_t* c[MR];
     for (int m = 0; m < MR; ++m) c[m] = a.codes.data() + (m0 + m) * k + b * kBlock;
+    // Each row's dot chain starts at its zero point's term, -z sum c (d s (sum q c - z sum c)
+    // in integers, exact), or at 0.
+    const int32_t* zero_point = nullptr;
+    if constexpr (KIND == kQ4_0) zero_point = a.zero_point8.data();
+    if constexpr (KIND == gguf::kQ5_0) zero_point = a.zero_point16.data();
+#ifdef GGUF_VNNI
+    if constexpr (KIND == kQ8_0 || KIND == gguf::kIQ4_NL) zero_point = a.zero_point128.data();
+#endif
     I dot[MR];
-    for (int m = 0; m < MR; ++m) dot[m] = V::zero();
+    for (int m = 0; m < MR; ++m) {
+      dot[m] = zero_point == nullptr
+                   ? V::zero()
+                   : V::broadcast4(reinterpret_cast<const int8_t*>(
+                         zero_point + (m0 + m) * nb + b));
+    }
     if constexpr (KIND == gguf::kIQ4_NL) {
       // Each nibble indexes the 16 signed levels (one vpshufb), then the signed weights go
       // as Q8_0's do.
@@ -837,8 +857,8 @@ void x8_tile(const Activations& a, int64_t m0, const uint8_t* group, int64_t row
       for (int i = 0; i < 8; ++i) {
         const I v = V::load(q + 32 * i, stride);
 #ifdef GGUF_VNNI
-        // q + 128 as the unsigned operand (vpdpbusd does not saturate), 128 sum c taken off
-        // below: one shared xor where |q| and c's sign took one operation per row.
+        // q + 128 as the unsigned operand (vpdpbusd does not saturate), the chain started at
+        // -128 sum c: one shared xor where |q| and c's sign took one operation per row.
         const I u = V::xor_(v, V::set1_8(static_cast<char>(0x80)));
         for (int m = 0; m < MR; ++m) dot[m] = V::dpbusd(dot[m], u, c[m] + 4 * i);
 #else
@@ -881,16 +901,6 @@ void x8_tile(const Activations& a, int64_t m0, const uint8_t* group, int64_t row
     for (int m = 0; m < MR; ++m) {
       const int64_t ab = (m0 + m) * nb + b;
       const F ds = V::mul(d, V::set1_ps(a.scale[ab]));
-      if constexpr (KIND == kQ4_0 || KIND == gguf::kQ5_0) {
-        // d s (sum q c - z sum c), z = 8 or 16: the offset in integers, exact.
-        constexpr int zero = KIND == kQ4_0 ? 8 : 16;
-        dot[m] = V::sub32(dot[m], V::set1_32(zero * a.isum[ab]));
-      }
-#ifdef GGUF_VNNI
-      if constexpr (KIND == kQ8_0 || KIND == gguf::kIQ4_NL) {
-        dot[m] = V::sub32(dot[m], V::set1_32(128 * a.isum[ab]));
-      }
-#endif
       acc[m] = V::fmadd(V::cvt(dot[m]), ds, acc[m]);
       if constexpr (has_min(KIND)) {
         acc[m] = V::fmadd(V::halves(block + 16, stride), V::set1_ps(a.sum[ab]), acc[m]);
