@@ -170,3 +170,24 @@ def test_new_sequences_in_a_batch_whose_drafts_fail_start_low() -> None:
     assert granted[0] == 4
     assert granted[-10:] == [0] * 10
     assert policy.acceptance("new") < MIN_DRAFT_VALUE
+
+
+def test_prefill_steps_do_not_flatten_the_decode_line() -> None:
+    """Four users on a compute-bound machine: a decode row costs 1.8 ms, a prompt token
+    0.3 ms (large tiles, causal attention). Steps with prefill chunks among the decode steps
+    must not pull the line's slope down to the prompt tokens' cost: drafts accepted 89 % of
+    the time do not pay at 1.8 ms a row, and the step with prefill is priced by its own rate."""
+    fixed, per_row, per_prompt_token = 0.0002, 0.0018, 0.0003
+    policy = SpeculationPolicy(3)
+    for step in range(200):
+        rows = 4 + step % 13  # 4 decodes and 0..12 drafts
+        policy.observe_step(rows, fixed + per_row * rows)
+        if step % 10 == 0:  # a new request's 128-token prompt beside 4 decodes
+            policy.observe_step(4, fixed + per_row * 4 + per_prompt_token * 128, 128)
+    for index in range(4):
+        policy.observe_drafts(str(index), proposed=100, accepted=89)
+    line = policy.cost.line()
+    assert line is not None and line[1] == pytest.approx(per_row, rel=0.01)
+    assert policy.prefill_cost.per_token(0.0) == pytest.approx(per_prompt_token, rel=0.01)
+    assert policy.draft_slots(["0", "1", "2", "3"]) == {}
+    assert policy.is_compute_bound(4)

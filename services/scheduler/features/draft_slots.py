@@ -182,4 +182,8 @@ class DraftSlots:
             self.step_outcomes["drafted" if result.num_proposed_drafts else "no_proposals"] += 1
         if plan.num_scheduled_tokens:
             num_drafts = sum(result.num_proposed_drafts.values())
-            self.policy.observe_step(plan.total_num_scheduled_tokens + num_drafts, seconds)
+            # A sequence scheduled for one token is a decode row (or a prompt's last token,
+            # which costs the same); more is a prefill chunk.
+            num_prefill = sum(n for n in plan.num_scheduled_tokens.values() if n > 1)
+            num_rows = plan.total_num_scheduled_tokens - num_prefill + num_drafts
+            self.policy.observe_step(num_rows, seconds, num_prefill)

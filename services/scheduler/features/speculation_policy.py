@@ -6,13 +6,18 @@ almost nothing and every accepted draft is nearly free; in a large batch the ste
 arithmetic, each extra token costs its full share, and drafts lose. The policy decides from two
 things it measures (pure: times are passed in, nothing is read from a clock):
 
-    step cost      seconds = fixed + per_token * tokens, a least-squares line over recent
-                   steps (decayed, so it follows the machine)
+    step cost      seconds = fixed + per_row * rows, a least-squares line over recent
+                   decode steps (decayed, so it follows the machine; a row is a decode or a
+                   draft), and the cost of a prefill token above that line, kept apart: a
+                   prompt token goes through large tiles and attends causally, so it costs
+                   a fraction of a decode row, and steps with prefill chunks on the line
+                   would flatten it and price drafts below their cost (measured: 4 users on
+                   2 Intel cores lost 4-10 % of output tok/s to drafts that way)
     acceptance     for each sequence, the share of its proposed drafts accepted (decayed),
                    starting from the batch-wide share
 
 With a step expected to yield N output tokens in D seconds, one more draft whose chance of
-being accepted is v raises the output tokens per second iff v > per_token * N / D. Draft j of
+being accepted is v raises the output tokens per second iff v > per_row * N / D. Draft j of
 a sequence is accepted only if drafts 1..j-1 were (chance alpha^j), so each sequence's
 candidates come in decreasing value; the policy takes the most valuable candidates of the whole
 batch while they pay, and stops at the first that does not. (A step that is long anyway, with a
@@ -83,6 +88,24 @@ class StepCostModel:
 
 
 @dataclass(slots=True)
+class PrefillCost:
+    """Seconds per prefill token beyond the decode line, a decayed mean over steps with
+    prefill chunks."""
+
+    decay: float = STEP_DECAY
+    _tokens: float = 0.0
+    _seconds: float = 0.0
+
+    def observe(self, num_tokens: int, extra_seconds: float) -> None:
+        self._tokens = self.decay * self._tokens + num_tokens
+        self._seconds = self.decay * self._seconds + max(extra_seconds, 0.0)
+
+    def per_token(self, fallback: float) -> float:
+        """The mean, or `fallback` before any prefill step was seen."""
+        return self._seconds / self._tokens if self._tokens > 0.0 else fallback
+
+
+@dataclass(slots=True)
 class _Acceptance:
     proposed: float = 0.0
     accepted: float = 0.0
@@ -102,14 +125,39 @@ class SpeculationPolicy:
 
     max_draft_tokens: int
     cost: StepCostModel = field(default_factory=StepCostModel)
+    """Decode steps: seconds = fixed + per_row * rows (decodes and drafts)."""
+    prefill_cost: PrefillCost = field(default_factory=PrefillCost)
+    _first_steps: StepCostModel = field(default_factory=StepCostModel)
+    """Every step, prefill too, until a decode step is measured: the first decodes' line (a
+    request's first decode follows its prefill)."""
     _batch: _Acceptance = field(default_factory=_Acceptance)
     _sequences: dict[str, _Acceptance] = field(default_factory=dict)
     _idle_decodes: dict[str, int] = field(default_factory=dict)
     """Decodes since a sequence was last granted a draft (no entry: none yet)."""
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step computed `num_tokens` tokens (prefill, decode and draft) in `seconds`."""
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_rows: int, seconds: float, num_prefill_tokens: int = 0) -> None:
+        """A step computed `num_rows` decode and draft rows and `num_prefill_tokens` prompt
+        tokens in `seconds`. Decode steps fit the line; a step with prefill tells what its
+        prompt tokens cost above the line (once the line exists)."""
+        if num_prefill_tokens <= 0:
+            self.cost.observe(num_rows, seconds)
+            return
+        line = self.cost.line()
+        if line is None:
+            self._first_steps.observe(num_rows + num_prefill_tokens, seconds)
+        else:
+            fixed, per_row = line
+            self.prefill_cost.observe(num_prefill_tokens, seconds - fixed - per_row * num_rows)
+
+    def _step_seconds(self, num_rows: int, other_tokens: int) -> tuple[float, float] | None:
+        """(seconds a step of `num_rows` rows and `other_tokens` of prefill is expected to
+        take, seconds per more row), or None before any step was measured."""
+        line = self.cost.line() or self._first_steps.line()
+        if line is None:
+            return None
+        fixed, per_row = line
+        prefill = self.prefill_cost.per_token(per_row) * other_tokens
+        return fixed + per_row * num_rows + prefill, per_row
 
     def observe_drafts(self, request_id: str, proposed: int, accepted: int) -> None:
         """`accepted` of the `proposed` drafts a sequence verified were accepted."""
@@ -140,13 +188,12 @@ class SpeculationPolicy:
         Sequences that should not speculate are left out."""
         if self.max_draft_tokens <= 0 or not decoding:
             return {}
-        line = self.cost.line()
-        if line is None:
+        estimate = self._step_seconds(len(decoding), other_tokens)
+        if estimate is None:
             return {}
-        fixed, per_token = line
         # Output tokens the step is expected to yield, and what it costs.
         expected = float(len(decoding))
-        seconds = fixed + per_token * (len(decoding) + other_tokens)
+        seconds, per_token = estimate
         # Candidates by value, best first: (-alpha^j, request index, j).
         rates = [self.acceptance(request_id) for request_id in decoding]
         limits = [
@@ -190,11 +237,10 @@ class SpeculationPolicy:
         """Whether the next step (`num_decoding` decodes, `other_tokens` of prefill) is too
         costly per token for even a draft as likely as the prior to pay: where no drafts are
         granted because of the step, not the sequences (also before any step is measured)."""
-        line = self.cost.line()
-        if line is None:
+        estimate = self._step_seconds(num_decoding, other_tokens)
+        if estimate is None:
             return True
-        fixed, per_token = line
-        seconds = fixed + per_token * (num_decoding + other_tokens)
+        seconds, per_token = estimate
         return not _pays(PRIOR_ACCEPTANCE, float(num_decoding), seconds, per_token)
 
 
