@@ -4,8 +4,8 @@
 // A super-block of a tile's rows is one pass over its words: each vector of codes (4 values
 // of each of the 8 rows, or of 16 rows in a 512-bit vector: gguf_vec.h) meets the 4 broadcast
 // activation codes of those values in one byte dot, so the int32 lanes are the rows' partial
-// sums and no horizontal sum remains. Per row and super-block, all in integers except the
-// last line:
+// sums and no horizontal sum remains. Per row and super-block, in integers except the last
+// line (with VNNI, Q4_K, Q5_K and Q6_K scale each sub-block's sum in fp32: below):
 //     Q4_K / Q5_K  sum_s scale_s (sum_{j in s} q_j c_j) - dmin/d-free: sum_s min_s (sum c_j)
 //     Q2_K         the same over 16-value sub-blocks
 //     Q6_K, Q3_K   sum_s scale_s (sum_{j in s} q_j c_j) - z sum_s scale_s (sum_{j in s} c_j),
@@ -316,7 +316,7 @@ void sub16_tile(const Acts& a, int64_t m0, const uint8_t* group, int64_t row_byt
     const int8_t* codes = a.codes.data() + m0 * k + g * 256;
     const F d = V::halves(block + half_at<KIND>(0), stride);
     I sumi[MR];
-    F part[MR];  // kFloatScales: sum_s (dot_s - 32 sum_s c) (d scale_s) in fp32
+    F part[MR];  // float_scales: sum_s (dot_s - 32 sum_s c) (d scale_s) in fp32
     for (int m = 0; m < MR; ++m) {
       sumi[m] = V::zero();
       part[m] = V::zero_ps();
