@@ -40,6 +40,7 @@ from kernels.gguf_blocks_torch import (
     SCALE_OFFSETS,
     group_shape,
 )
+from services.worker.huge_pages import HugePageArena
 
 SHAPES = (("q|k|v", 3072, 2048), ("gate|up", 16384, 2048), ("down", 2048, 8192))
 DEFAULT_KINDS = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
@@ -137,8 +138,12 @@ def from_memory_table(
         for layer, n, k in SHAPES:
             first = ops.gguf_repack(random_blocks(n, k, kind), kind)
             copies = max(2, args.memory_mib * (1 << 20) // first.numel())
-            # Copies of one random tensor: the kernels' work does not depend on the values.
-            weights = itertools.cycle([first] + [first.clone() for _ in range(copies - 1)])
+            # Copies of one random tensor (the kernels' work does not depend on the values),
+            # back to back on huge pages as a model's weights are.
+            arena = HugePageArena(copies * (first.numel() + 64))
+            weights = itertools.cycle(
+                [arena.take(first.numel()).view_as(first).copy_(first) for _ in range(copies)]
+            )
             for m in ms:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 call = partial(next_call, ops.gguf_linear, x, weights, kind | GGUF_REPACKED_X8)

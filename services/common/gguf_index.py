@@ -133,11 +133,15 @@ class GGUFIndex:
         flat = np.frombuffer(self._mapping, np.uint8, tensor.num_bytes, tensor.offset)
         return flat.reshape(tensor.row_shape)
 
-    def read(self, tensor: GGUFTensor) -> np.ndarray:
+    def read(self, tensor: GGUFTensor, out: np.ndarray | None = None) -> np.ndarray:
         """A writable copy of the tensor's bytes [rows, bytes per row], read from the file
-        (not through the mapping, so the process does not keep the pages it copied)."""
-        out = np.empty(tensor.num_bytes, np.uint8)
-        view = memoryview(out)
+        (not through the mapping, so the process does not keep the pages it copied); into
+        `out` (contiguous uint8 of the tensor's size) when given."""
+        if out is None:
+            out = np.empty(tensor.num_bytes, np.uint8)
+        elif out.dtype != np.uint8 or out.size != tensor.num_bytes or not out.flags.c_contiguous:
+            raise ValueError(f"GGUF tensor {tensor.name!r}: `out` is not {tensor.num_bytes} bytes")
+        view = memoryview(out.reshape(-1))
         done = 0
         while done < tensor.num_bytes:
             got = os.preadv(self._file.fileno(), [view[done:]], tensor.offset + done)

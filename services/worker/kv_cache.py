@@ -17,12 +17,14 @@ write and dequantize only the blocks an attention call reads):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from services.contracts.errors import CapacityError
+from services.worker.huge_pages import huge_page_buffer
 from services.worker.model.architecture import ModelArchitecture
 from services.worker.quantization.formats import InvalidFormatError
 
@@ -102,21 +104,31 @@ class KVCacheSpec:
         return int(num_blocks)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros of `shape`, resident from the start (a machine short of memory fails here, not
+    under load); on the host, on huge pages: attention reads blocks scattered over the whole
+    cache, and a decode batch of 32 steps 2-3 % faster on the 1B-shaped file."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    element = torch.empty((), dtype=dtype).element_size()
+    buffer = huge_page_buffer(max(1, numel * element))[: numel * element]
+    return buffer.zero_().view(dtype).view(shape)
+
+
 class PagedKVCache:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        self.storage = torch.zeros(
+        self.storage = _zeros(
             (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=spec.dtype,
-            device=device,
+            spec.dtype,
+            device,
         )
         self.scales: torch.Tensor | None = None
         if spec.is_quantized:
-            self.scales = torch.zeros(
-                (*self.storage.shape[:-1], spec.num_scales_per_head),
-                dtype=spec.scale_dtype,
-                device=device,
+            self.scales = _zeros(
+                (*self.storage.shape[:-1], spec.num_scales_per_head), spec.scale_dtype, device
             )
         self.layers: list[LayerKVCache] = [
             LayerKVCache(

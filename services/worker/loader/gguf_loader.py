@@ -79,13 +79,18 @@ def placed_tensors(
     return placed
 
 
-def part_bytes(index: GGUFIndex, placed: PlacedPart) -> np.ndarray:
-    """A part's bytes [rows, bytes per row] as a copy, its rows in our order (llama.cpp's
-    permutation moves whole rows of blocks)."""
-    rows = index.read(placed.tensor)
-    if placed.permuted_heads:
-        rows = np.ascontiguousarray(unpermute_rows(rows, placed.permuted_heads))
-    return rows
+def part_bytes(index: GGUFIndex, placed: PlacedPart, out: np.ndarray | None = None) -> np.ndarray:
+    """A part's bytes [rows, bytes per row] as a copy (into `out`, contiguous uint8 of the
+    part's size, when given), its rows in our order (llama.cpp's permutation moves whole rows
+    of blocks)."""
+    if not placed.permuted_heads:
+        return index.read(placed.tensor, out)
+    rows = unpermute_rows(index.read(placed.tensor), placed.permuted_heads)
+    if out is None:
+        return np.ascontiguousarray(rows)
+    target = out.reshape(rows.shape)
+    target[...] = rows
+    return target
 
 
 def float_part(index: GGUFIndex, placed: PlacedPart) -> torch.Tensor:

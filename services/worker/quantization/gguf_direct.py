@@ -9,9 +9,10 @@ no moment of the load holds a float copy of the model:
     tensors of a layer                       becomes
     parts the kernels read as stored         GGUFLinear over views of the file's mapping (no
       (no row fix, no repacking)               copy: its pages are the page cache's)
-    parts that are repacked (the int8        GGUFLinear over one new buffer per run of parts
-      kernels' 8-row layout) or whose rows     of one kind, filled part by part from reads of
-      llama.cpp permuted                       the file (never through the mapping)
+    parts that are repacked (the int8        GGUFLinear over one slice per run of parts of
+      kernels' 8-row layout) or whose rows     one kind, filled part by part from reads of the
+      llama.cpp permuted                       file (never through the mapping); the slices
+                                               are back to back on huge pages (huge_pages.py)
     any part of another kind (F16, F32,      a float layer, dequantized tensor by tensor by
       BF16, IQ2/IQ3 ...)                       the float pass of services/worker/loader/
 
@@ -34,6 +35,7 @@ from torch import Tensor
 from kernels import ops
 from kernels.gguf_blocks_torch import GGUF_KINDS, REPACKABLE_KINDS
 from services.common.gguf_index import GGUFIndex
+from services.worker.huge_pages import HugePageArena
 from services.worker.loader.gguf_loader import PlacedPart, float_part, part_bytes
 from services.worker.model.causal_lm import CausalLM
 from services.worker.quantization.gguf_linear import GGUFEmbedding, GGUFLinear
@@ -65,6 +67,9 @@ class BlockLayerBuilder:
     def __init__(self, index: GGUFIndex, *, int8_activations: bool) -> None:
         self.index = index
         self.int8_activations = int8_activations
+        # What is copied out of the file is at most the file's tensors: a reservation of their
+        # size, written only as far as the copies go (services/worker/huge_pages.py).
+        self.arena = HugePageArena(max(1, sum(t.num_bytes for t in index.tensors)))
 
     def _repacked(self, part: PlacedPart) -> bool:
         rows = part.tensor.row_shape[0]
@@ -86,9 +91,7 @@ class BlockLayerBuilder:
                     tensors.append(_mapped(self.index.view(part.tensor)))
                     kinds.append(kind)
                 continue
-            rows = [part_bytes(self.index, part) for part in run]
-            stacked = torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
-            del rows
+            stacked = self._read_run(run)
             laid_out, laid_kind = (
                 ops.gguf_kernel_layout(stacked, kind, in_place=True)
                 if self.int8_activations
@@ -97,6 +100,18 @@ class BlockLayerBuilder:
             tensors.append(laid_out)
             kinds.append(laid_kind)
         return tensors, kinds
+
+    def _read_run(self, run: list[PlacedPart]) -> Tensor:
+        """The parts' bytes stacked row-wise [rows, bytes per row], read from the file into
+        the next slice of the arena."""
+        shapes = [part.tensor.row_shape for part in run]
+        sizes = [rows * width for rows, width in shapes]
+        buffer = self.arena.take(sum(sizes)).numpy()
+        at = 0
+        for part, size in zip(run, sizes, strict=True):
+            part_bytes(self.index, part, buffer[at : at + size])
+            at += size
+        return torch.from_numpy(buffer).view(sum(rows for rows, _ in shapes), shapes[0][1])
 
     def linear(self, parts: list[PlacedPart], bias: Tensor | None) -> GGUFLinear:
         tensors, kinds = self.blocks(parts)
