@@ -66,8 +66,8 @@ class HugePageArena:
 
 
 def huge_page_buffer(nbytes: int) -> Tensor:
-    """One buffer of `nbytes` (uint8) on huge pages where the kernel offers them."""
-    return HugePageArena(nbytes).take(nbytes)
+    """One buffer of `nbytes` (uint8, may be 0) on huge pages where the kernel offers them."""
+    return HugePageArena(max(1, nbytes)).take(nbytes)
 
 
 def _round_up(value: int, to: int = HUGE_PAGE) -> int:

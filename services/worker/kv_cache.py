@@ -110,10 +110,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     cache, and a decode batch of 32 steps 2-3 % faster on the 1B-shaped file."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = math.prod(shape)
-    element = torch.empty((), dtype=dtype).element_size()
-    buffer = huge_page_buffer(max(1, numel * element))[: numel * element]
-    return buffer.zero_().view(dtype).view(shape)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return huge_page_buffer(nbytes).zero_().view(dtype).view(shape)
 
 
 class PagedKVCache:

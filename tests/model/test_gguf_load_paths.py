@@ -196,3 +196,20 @@ def test_max_model_len_sizes_the_rope_tables_and_never_exceeds_the_context() -> 
     context = short.architecture.max_position_embeddings
     long = load_model(path, quantization="gguf", max_positions=10 * context)
     assert long.rope.shape[0] == context
+
+
+def test_a_part_is_read_into_a_given_buffer_as_into_its_own() -> None:
+    """`part_bytes(…, out=)` (the loader's arena slices) gives the bytes a fresh read gives,
+    row fix included; a buffer of the wrong size is refused naming the tensor."""
+    from services.worker.loader.gguf_loader import PlacedPart, part_bytes
+
+    index = GGUFIndex(embedded_model_path())
+    query = index.by_name["blk.0.attn_q.weight"]
+    for heads in (0, 9):  # as stored, and with llama.cpp's rotary rows undone
+        placed = PlacedPart(query, 0, heads)
+        into = np.full(query.num_bytes, 0xAB, np.uint8)
+        got = part_bytes(index, placed, into)
+        assert np.shares_memory(got, into)
+        assert np.array_equal(got, part_bytes(index, placed))
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight"):
+        index.read(query, np.empty(query.num_bytes - 1, np.uint8))

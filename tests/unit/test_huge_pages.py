@@ -75,3 +75,4 @@ def test_a_buffer_is_a_whole_arena() -> None:
     buffer = huge_page_buffer(12345)
     assert buffer.dtype == torch.uint8 and buffer.numel() == 12345
     assert buffer.data_ptr() % HUGE_PAGE == 0
+    assert huge_page_buffer(0).numel() == 0  # an empty tensor's storage
