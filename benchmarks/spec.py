@@ -12,9 +12,13 @@ warmed by one round of every workload (a different seed: the suffix cache then h
 traffic of each kind, as a serving worker's would, never the answers measured). A round sends
 `users` greedy requests at once and runs them to the end; the table holds medians over rounds
 of output tok/s (tokens / wall time), ms per token as each user sees it (wall time / the mean
-answer length), and tokens per speculating step (1 + accepted / sequence-steps that verified
-drafts, from the scheduler's counters), with the speed-up over `off`. The scheduler's own
-policy decides who drafts (drafts are granted only while they pay), as in serving.
+answer length), decode ms per token (TPOT: a request's time from its first token to its last
+over the tokens after the first, averaged over requests), and tokens per speculating step
+(1 + accepted / sequence-steps that verified drafts, from the scheduler's counters), with the
+speed-ups over `off` of tok/s and of decode time. Speculation only shortens decoding: the
+prompt's prefill is in tok/s and ms/token but not in the decode figures, so the two speed-ups
+part where prompts are long against the answers. The scheduler's own policy decides who
+drafts (drafts are granted only while they pay), as in serving.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from benchmarks.common import command_line, cpu_model_name, format_table, load_average
@@ -41,16 +46,40 @@ HEADERS = (
     "mode",
     "tok/s",
     "ms/token",
+    "decode ms/token",
     "tokens/step",
     "accepted",
     "speed-up",
+    "decode speed-up",
 )
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """When a request's first and last tokens arrived (perf_counter seconds), and how many."""
+
+    first_token_s: float
+    last_token_s: float
+    num_tokens: int
+
+
+def decode_ms_per_token(timings: Iterable[RequestTiming]) -> float:
+    """Mean over requests of (last token - first token) / (tokens - 1) in ms: the time per
+    output token after the first, as a streaming user sees it. Requests of one token have no
+    decode and are left out (0.0 when none has two)."""
+    per_request = [
+        1000 * (t.last_token_s - t.first_token_s) / (t.num_tokens - 1)
+        for t in timings
+        if t.num_tokens > 1
+    ]
+    return statistics.mean(per_request) if per_request else 0.0
 
 
 @dataclass(slots=True)
 class Round:
     output_tok_s: float
     ms_per_token: float
+    decode_ms_per_token: float
     tokens_per_step: float
     acceptance: float
 
@@ -79,24 +108,37 @@ def engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
 
 def run_round(engine: LLMEngine, requests: list[SpecRequest], output_len: int) -> Round:
     prompts = [engine.tokenizer.apply_chat_template(r.messages) for r in requests]
-    params = [
-        SamplingParams(
-            temperature=0.0, max_new_tokens=output_len, structured_output=r.structured_output
-        )
-        for r in requests
-    ]
     before = engine.get_stats()
     start = time.perf_counter()
-    results = engine.generate(prompts, params)
+    request_ids = [
+        engine.add_request(
+            prompt,
+            SamplingParams(
+                temperature=0.0, max_new_tokens=output_len, structured_output=r.structured_output
+            ),
+        )
+        for prompt, r in zip(prompts, requests, strict=True)
+    ]
+    timings = {request_id: RequestTiming(0.0, 0.0, 0) for request_id in request_ids}
+    for event in engine.stream():
+        timing = timings.get(event.request_id)
+        if timing is None or not event.new_token_ids:
+            continue
+        now = time.perf_counter()
+        if timing.num_tokens == 0:
+            timing.first_token_s = now
+        timing.last_token_s = now
+        timing.num_tokens += len(event.new_token_ids)
     wall_s = time.perf_counter() - start
     after = engine.get_stats()
-    lengths = [len(r.token_ids) for r in results]
+    lengths = [t.num_tokens for t in timings.values()]
     proposed = after.num_draft_tokens_proposed - before.num_draft_tokens_proposed
     accepted = after.num_draft_tokens_accepted - before.num_draft_tokens_accepted
     steps = after.num_speculative_steps - before.num_speculative_steps
     return Round(
         output_tok_s=sum(lengths) / wall_s,
         ms_per_token=1000 * wall_s / max(1.0, statistics.mean(lengths)),
+        decode_ms_per_token=decode_ms_per_token(timings.values()),
         tokens_per_step=1 + accepted / steps if steps else 1.0,
         acceptance=accepted / proposed if proposed else 0.0,
     )
@@ -107,7 +149,11 @@ def table_rows(cells: dict[tuple[str, int, str], Cell]) -> list[list[object]]:
     for (workload, users, mode), cell in cells.items():
         off = cells.get((workload, users, "off"))
         tok_s = cell.median("output_tok_s")
+        decode_ms = cell.median("decode_ms_per_token")
         speed_up = f"{tok_s / off.median('output_tok_s'):.2f}x" if off else "-"
+        decode_speed_up = (
+            f"{off.median('decode_ms_per_token') / decode_ms:.2f}x" if off and decode_ms else "-"
+        )
         rows.append(
             [
                 workload,
@@ -115,9 +161,11 @@ def table_rows(cells: dict[tuple[str, int, str], Cell]) -> list[list[object]]:
                 mode,
                 round(tok_s, 1),
                 round(cell.median("ms_per_token"), 1),
+                round(decode_ms, 2),
                 round(cell.median("tokens_per_step"), 2),
                 f"{100 * cell.median('acceptance'):.0f}%",
                 speed_up,
+                decode_speed_up,
             ]
         )
     return rows

@@ -48,3 +48,28 @@ def test_modes_are_the_baseline_the_defaults_and_each_proposer() -> None:
     assert ngram.speculation and (ngram.speculative_ngram, ngram.suffix_cache_tokens) == (5, 0)
     suffix = spec.engine_config("suffix", args)
     assert (suffix.speculative_ngram, suffix.suffix_cache_tokens) == (5, 4096)
+
+
+def test_decode_time_per_token_leaves_out_the_first_token_and_one_token_answers() -> None:
+    timings = [
+        spec.RequestTiming(first_token_s=1.0, last_token_s=1.3, num_tokens=4),  # 100 ms/token
+        spec.RequestTiming(first_token_s=2.0, last_token_s=2.5, num_tokens=2),  # 500 ms/token
+        spec.RequestTiming(first_token_s=3.0, last_token_s=3.0, num_tokens=1),  # no decode
+    ]
+    assert spec.decode_ms_per_token(timings) == pytest.approx(300.0)
+    assert spec.decode_ms_per_token(timings[2:]) == 0.0
+
+
+def test_the_table_gives_both_speed_ups_over_off() -> None:
+    def cell(tok_s: float, decode_ms: float) -> spec.Cell:
+        return spec.Cell([spec.Round(tok_s, 1000 / tok_s, decode_ms, 2.0, 0.5)])
+
+    cells = {
+        ("code_edit", 1, "off"): cell(100.0, 10.0),
+        ("code_edit", 1, "default"): cell(150.0, 4.0),
+    }
+    rows = {row[2]: dict(zip(spec.HEADERS, row, strict=True)) for row in spec.table_rows(cells)}
+    assert rows["default"]["speed-up"] == "1.50x"
+    assert rows["default"]["decode speed-up"] == "2.50x"
+    assert rows["default"]["decode ms/token"] == 4.0
+    assert rows["off"]["decode speed-up"] == "1.00x"
