@@ -27,6 +27,7 @@ from kernels.quant_gemm_torch import quantize_int8_rows
 __all__ = [
     "apply_rotary",
     "apply_token_bitmask",
+    "argmax_rows",
     "dequantize_kv_int8",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
@@ -42,6 +43,21 @@ __all__ = [
     "silu_and_mul",
     "write_kv_cache",
 ]
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """torch.argmax(logits, dim=-1) of [rows, vocab] logits, the same ids (greedy sampling):
+    fp32 rows on a CPU take the C++ kernel (kernels/csrc/argmax_rows.cpp), several times
+    faster there than torch's; anything else takes torch's."""
+    if (
+        logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+        and use_cpu_extension(logits)
+    ):
+        return torch.ops.llmserve.argmax_rows(logits)  # type: ignore[no-any-return]
+    return logits.argmax(dim=-1)
 
 
 def write_kv_cache(

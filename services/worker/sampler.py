@@ -298,7 +298,7 @@ class Sampler:
         # distribution the token is drawn from (as vLLM's do with structured output).
         apply_grammar_mask(logits, metadata)
         if metadata.is_plain_greedy:
-            return SamplerOutput(logits.argmax(dim=-1), [None] * metadata.num_rows)
+            return SamplerOutput(ops.argmax_rows(logits), [None] * metadata.num_rows)
         if logits.dtype != torch.float32:
             logits = logits.float()
 
@@ -311,9 +311,9 @@ class Sampler:
         apply_sampling_policy(logits, metadata)
 
         if metadata.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = ops.argmax_rows(logits)
         else:
-            greedy_ids = logits.argmax(dim=-1) if metadata.is_greedy is not None else None
+            greedy_ids = ops.argmax_rows(logits) if metadata.is_greedy is not None else None
             token_ids = self._draw(_truncate(logits, metadata), metadata)
             if greedy_ids is not None:
                 assert metadata.is_greedy is not None

@@ -226,3 +226,27 @@ def check_token_bitmask(extension, generator: torch.Generator) -> None:  # type:
     expected[listed] = expected[listed].masked_fill(~allowed[listed], float("-inf"))
     extension.apply_token_bitmask(logits, bitmask, torch.tensor(listed), vocab_size)
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+def check_argmax_rows(extension, generator: torch.Generator) -> int:  # type: ignore[no-untyped-def]
+    """argmax_rows against torch.argmax(dim=-1): widths around the 16-lane blocks, ties (the
+    first index wins, -0.0 equal to +0.0), rows of -inf, NaNs (the first NaN wins), infinities
+    and a row stride wider than the row; returns cases run."""
+    cases = 0
+    for width in (1, 15, 16, 17, 100, 49152):
+        logits = torch.randn(9, width + 3, generator=generator)[:, :width]
+        if width > 1:
+            logits[1, width // 2] = logits[1, 0] = logits[1].max() + 1  # a tie: index 0 wins
+            logits[2] = 0.0
+            logits[2, ::2] = -0.0
+            logits[3, width - 1] = float("nan")
+            logits[3, width // 3] = float("nan")
+            logits[4, width // 2] = float("inf")
+            logits[5, -1] = logits[5].max() + 1  # the last value: the tail past the blocks
+        logits[6] = float("-inf")
+        logits[7, 0] = float("nan")
+        logits[8] = -(2.0**100)
+        expected = logits.argmax(dim=-1)
+        torch.testing.assert_close(extension.argmax_rows(logits), expected, rtol=0, atol=0)
+        cases += 1
+    return cases

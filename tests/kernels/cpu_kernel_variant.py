@@ -1,4 +1,4 @@
-"""Loads the attention, KV-write, token-bitmask and LoRA kernels of kernels/csrc built other
+"""Loads the attention, KV-write, token-bitmask, argmax and LoRA kernels of kernels/csrc built other
 ways than this machine's main build, and checks them against the torch references.
 
     python -m tests.kernels.cpu_kernel_variant scalar|avx512-emulated|avx2
@@ -34,6 +34,7 @@ EMULATED_SOURCES = [
     SOURCE_DIR / "paged_decode_attention.cpp",
     SOURCE_DIR / "write_kv_cache.cpp",
     SOURCE_DIR / "token_bitmask.cpp",
+    SOURCE_DIR / "argmax_rows.cpp",
     SOURCE_DIR / "lora.cpp",
 ]
 EMULATED_FLAGS = [
@@ -75,6 +76,7 @@ def check(variant: str) -> int:
     """Every shape family of the test_cpu_*.py files, fewer combinations; returns cases run."""
     from tests.kernels.cpu_extension_cases import (
         GQA,
+        check_argmax_rows,
         check_decode,
         check_token_bitmask,
         check_write,
@@ -147,6 +149,7 @@ def check(variant: str) -> int:
                 cases += 1
     check_write(ops, seeded(variant, "many"), torch.bfloat16, torch.int8, 8, num_tokens=140)
     check_token_bitmask(ops, seeded(variant, "token bitmask"))
+    cases += check_argmax_rows(ops, seeded(variant, "argmax rows"))
     return cases + 2 + check_lora(ops, variant)
 
 
