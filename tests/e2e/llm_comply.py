@@ -35,6 +35,12 @@ CUT_BY_THE_CONTEXT = {
 }
 
 
+# Reruns of a test whose sampled answer the context cut. Each answer is a fresh draw, so a
+# test fails only if every draw runs long: at two reruns the OpenAI Chat tool-calling test
+# still failed once in a full suite (three draws cut), at four that takes five in a row.
+RERUNS_OF_A_CUT = 4
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "llm_comply.cli", *args]
 
@@ -91,14 +97,15 @@ def assert_group_passes(
     passes, except those llm-comply's own gate skips, which must be `gated` ones (with that
     reason in their message, where one is given). A test failed by an answer the short context
     cut (CUT_BY_THE_CONTEXT among its errors; the others then follow from the cut, such as a
-    tool call the answer never reached) runs again, at most twice; any other failure stands."""
+    tool call the answer never reached) runs again, up to RERUNS_OF_A_CUT times; any other
+    failure stands."""
     ids = group_ids(group)
     assert basic_test in ids and set(not_applicable) <= set(ids), ids
     applicable = [i for i in ids if i not in not_applicable]
     results = run(stack, group, applicable, api_key)
     assert set(results) == set(applicable), set(applicable) ^ set(results)
     marker = CUT_BY_THE_CONTEXT.get(group)
-    for _ in range(2 if marker else 0):
+    for _ in range(RERUNS_OF_A_CUT if marker else 0):
         cut = [
             i
             for i, r in results.items()

@@ -71,15 +71,18 @@ def redis_stack() -> Iterator[RedisStack]:
     # also show a quantized model serving end to end (ListModels checks the format).
     extra = ["--workers", "2", "--tokenizer-replicas", "1", "--redis-url", redis.url]
     extra += ["--quantization", "int8", "--kv-cache-dtype", "int8"]
-    with e2e_stack(extra) as stack:
-        # A second tokenizer replica on its own port, so a test can address each replica.
-        port = free_port("127.0.0.1")
-        replica_args = ["tokenizer", "--port", str(port), "--redis-url", redis.url, "--no-http"]
-        replica_args += ["--scheduler", ",".join(stack.schedulers)]
-        with running_service(replica_args, port, env=stack.child_env) as replica_b:
-            yield RedisStack(stack, redis, replica_b.address)
-    assert stack.returncode == 0
-    redis.stop()
+    # Redis is stopped however the stack ends, a stack that never came up included.
+    try:
+        with e2e_stack(extra) as stack:
+            # A second tokenizer replica on its own port, so a test can address each replica.
+            port = free_port("127.0.0.1")
+            replica_args = ["tokenizer", "--port", str(port), "--redis-url", redis.url]
+            replica_args += ["--no-http", "--scheduler", ",".join(stack.schedulers)]
+            with running_service(replica_args, port, env=stack.child_env) as replica_b:
+                yield RedisStack(stack, redis, replica_b.address)
+        assert stack.returncode == 0
+    finally:
+        redis.stop()
 
 
 def generate(
