@@ -72,11 +72,13 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
               "argmax_rows: logits must be float32 [rows, vocab] with contiguous rows, got ",
               logits.scalar_type(), " ", logits.sizes());
   TORCH_CHECK(logits.size(1) > 0, "argmax_rows: a row of no values has no argmax");
+  TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(),
+              "argmax_rows: rows are indexed in int32 lanes, got ", logits.size(1), " values");
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* in = logits.data_ptr<float>();
   int64_t* ids = out.data_ptr<int64_t>();
-  // A row is ~10 us: rows share the threads only when there are several per thread.
+  // A row takes a few us: rows share the threads only when there are several per thread.
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) ids[r] = argmax_row(in + r * stride, n);
   });
