@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from benchmarks.common import command_line, cpu_model_name, format_table, load_average
+from benchmarks.serve_metrics import Chunk, RequestRecord
 from benchmarks.spec_workload import WORKLOADS, SpecRequest, workload_requests
 from services.common.serving_config import DEFAULT_SPECULATIVE_NGRAM, DEFAULT_SUFFIX_CACHE_TOKENS
 from services.contracts.sampling_params import SamplingParams
@@ -54,24 +55,11 @@ HEADERS = (
 )
 
 
-@dataclass(slots=True)
-class RequestTiming:
-    """When a request's first and last tokens arrived (perf_counter seconds), and how many."""
-
-    first_token_s: float
-    last_token_s: float
-    num_tokens: int
-
-
-def decode_ms_per_token(timings: Iterable[RequestTiming]) -> float:
-    """Mean over requests of (last token - first token) / (tokens - 1) in ms: the time per
-    output token after the first, as a streaming user sees it. Requests of one token have no
-    decode and are left out (0.0 when none has two)."""
-    per_request = [
-        1000 * (t.last_token_s - t.first_token_s) / (t.num_tokens - 1)
-        for t in timings
-        if t.num_tokens > 1
-    ]
+def decode_ms_per_token(records: Iterable[RequestRecord]) -> float:
+    """Mean TPOT over requests in ms (serve_metrics' RequestRecord.tpot_s: the time per output
+    token after the first, as a streaming user sees it). Requests of one token have no decode
+    and are left out (0.0 when none has two)."""
+    per_request = [1000 * tpot for r in records if (tpot := r.tpot_s) is not None]
     return statistics.mean(per_request) if per_request else 0.0
 
 
@@ -119,26 +107,25 @@ def run_round(engine: LLMEngine, requests: list[SpecRequest], output_len: int) -
         )
         for prompt, r in zip(prompts, requests, strict=True)
     ]
-    timings = {request_id: RequestTiming(0.0, 0.0, 0) for request_id in request_ids}
+    records = {request_id: RequestRecord(send_time_s=start) for request_id in request_ids}
     for event in engine.stream():
-        timing = timings.get(event.request_id)
-        if timing is None or not event.new_token_ids:
+        record = records.get(event.request_id)
+        if record is None or not event.new_token_ids:
             continue
         now = time.perf_counter()
-        if timing.num_tokens == 0:
-            timing.first_token_s = now
-        timing.last_token_s = now
-        timing.num_tokens += len(event.new_token_ids)
+        record.chunks.append(Chunk(now, len(event.new_token_ids)))
+        record.end_time_s = now
+        record.output_tokens += len(event.new_token_ids)
     wall_s = time.perf_counter() - start
     after = engine.get_stats()
-    lengths = [t.num_tokens for t in timings.values()]
+    lengths = [r.output_tokens for r in records.values()]
     proposed = after.num_draft_tokens_proposed - before.num_draft_tokens_proposed
     accepted = after.num_draft_tokens_accepted - before.num_draft_tokens_accepted
     steps = after.num_speculative_steps - before.num_speculative_steps
     return Round(
         output_tok_s=sum(lengths) / wall_s,
         ms_per_token=1000 * wall_s / max(1.0, statistics.mean(lengths)),
-        decode_ms_per_token=decode_ms_per_token(timings.values()),
+        decode_ms_per_token=decode_ms_per_token(records.values()),
         tokens_per_step=1 + accepted / steps if steps else 1.0,
         acceptance=accepted / proposed if proposed else 0.0,
     )

@@ -8,6 +8,7 @@ import argparse
 import pytest
 
 from benchmarks import spec
+from benchmarks.serve_metrics import Chunk, RequestRecord
 from benchmarks.spec_workload import WORKLOADS, workload_requests
 from services.engine.config import EngineConfig
 
@@ -51,13 +52,19 @@ def test_modes_are_the_baseline_the_defaults_and_each_proposer() -> None:
 
 
 def test_decode_time_per_token_leaves_out_the_first_token_and_one_token_answers() -> None:
-    timings = [
-        spec.RequestTiming(first_token_s=1.0, last_token_s=1.3, num_tokens=4),  # 100 ms/token
-        spec.RequestTiming(first_token_s=2.0, last_token_s=2.5, num_tokens=2),  # 500 ms/token
-        spec.RequestTiming(first_token_s=3.0, last_token_s=3.0, num_tokens=1),  # no decode
+    def record(first_s: float, last_s: float, tokens: int) -> RequestRecord:
+        chunks = [Chunk(first_s, 1)] + ([Chunk(last_s, tokens - 1)] if tokens > 1 else [])
+        return RequestRecord(
+            send_time_s=0.0, end_time_s=last_s, chunks=chunks, output_tokens=tokens
+        )
+
+    records = [
+        record(1.0, 1.3, 4),  # 100 ms/token
+        record(2.0, 2.5, 2),  # 500 ms/token
+        record(3.0, 3.0, 1),  # no decode
     ]
-    assert spec.decode_ms_per_token(timings) == pytest.approx(300.0)
-    assert spec.decode_ms_per_token(timings[2:]) == 0.0
+    assert spec.decode_ms_per_token(records) == pytest.approx(300.0)
+    assert spec.decode_ms_per_token(records[2:]) == 0.0
 
 
 def test_the_table_gives_both_speed_ups_over_off() -> None:
